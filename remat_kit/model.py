@@ -1,0 +1,280 @@
+"""A decoder-only transformer LM whose layers run under the scan core.
+
+RMSNorm pre-norm, RoPE, causal multi-head attention with grouped key/value heads, SwiGLU MLP,
+residual dropout, separate parameter and compute dtypes. Every tag of :mod:`remat_kit.names` is
+attached inside :class:`Block`, so any selective or offload policy can address it.
+
+>>> import jax, jax.numpy as jnp
+>>> cfg = TransformerConfig.preset("tiny")
+>>> model = Transformer(config=cfg, policy=policies.parse("selective"))
+>>> tokens = jnp.zeros((2, 16), jnp.int32)
+>>> params = model.init(jax.random.key(0), tokens)
+>>> model.apply(params, tokens).shape
+(2, 16, 256)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from remat_kit import attention, names, policies
+from remat_kit.scan import stack
+
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Model shape and numerics. Build presets with :meth:`preset`.
+
+    Attributes:
+      vocab_size: number of token ids.
+      d_model: width of the residual stream.
+      num_layers: depth.
+      num_heads: query heads; ``d_model`` must be divisible by it.
+      num_kv_heads: key/value heads (grouped-query attention); divides ``num_heads``.
+      d_ff: hidden width of the SwiGLU MLP.
+      max_seq_len: the longest sequence the model accepts.
+      dropout: residual dropout rate in [0, 1).
+      dtype: compute dtype name.
+      param_dtype: parameter dtype name.
+      rope_base: RoPE frequency base.
+      norm_eps: RMSNorm epsilon.
+      tie_embeddings: use the embedding matrix as the output projection.
+      attention: attention implementation, one of :data:`remat_kit.attention.ATTENTION_KINDS`.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    d_ff: int = 176
+    max_seq_len: int = 128
+    dropout: float = 0.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    rope_base: float = 10_000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    attention: str = "xla"
+
+    def __post_init__(self):
+        for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TransformerConfig.{field} must be a positive integer, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+        if (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"head_dim={self.d_model // self.num_heads} must be even for RoPE")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        for field in ("dtype", "param_dtype"):
+            if getattr(self, field) not in DTYPES:
+                raise ValueError(f"{field}={getattr(self, field)!r}; allowed: {', '.join(DTYPES)}")
+        if self.attention not in attention.ATTENTION_KINDS:
+            raise ValueError(f"attention={self.attention!r}; allowed: {', '.join(attention.ATTENTION_KINDS)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> TransformerConfig:
+        """A named preset with optional field overrides.
+
+        Args:
+          name: one of :data:`PRESETS` (``tiny`` for tests, ``small`` for CPU benchmarks, ``2b``
+            for compile-only planning of the seed's 2B-class model).
+          **overrides: any config field.
+
+        Raises:
+          ValueError: an unknown preset name. TypeError: an unknown field.
+
+        >>> TransformerConfig.preset("2b").d_model
+        2048
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"unknown TransformerConfig field(s) {unknown}; allowed: {', '.join(sorted(fields))}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included)."""
+        d, f, hd = self.d_model, self.d_ff, self.head_dim
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.num_layers * per_layer + self.vocab_size * d + head + d
+
+
+PRESETS: dict[str, TransformerConfig] = {
+    "tiny": TransformerConfig(),
+    "small": TransformerConfig(
+        vocab_size=4096, d_model=256, num_layers=8, num_heads=8, num_kv_heads=8, d_ff=704, max_seq_len=512
+    ),
+    # The seeds' illustrative 2B-class model; plan it with remat_kit.analysis, never instantiate it here.
+    "2b": TransformerConfig(
+        vocab_size=248_000,
+        d_model=2048,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        d_ff=6144,
+        max_seq_len=4096,
+        dtype="bfloat16",
+        param_dtype="float32",
+        tie_embeddings=True,
+    ),
+}
+
+#: (batch, seq) each preset is measured at by default.
+PRESET_SHAPES: dict[str, tuple[int, int]] = {"tiny": (2, 32), "small": (4, 256), "2b": (2, 1024)}
+
+
+def _dense(features: int, cfg: TransformerConfig, name: str) -> nn.Dense:
+    return nn.Dense(
+        features,
+        use_bias=False,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        kernel_init=nn.initializers.normal(0.02),
+        name=name,
+    )
+
+
+def _norm(cfg: TransformerConfig, name: str) -> nn.RMSNorm:
+    return nn.RMSNorm(
+        epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), name=name
+    )
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer; emits every tag of :data:`remat_kit.names.VOCABULARY`."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):  # x: [batch, seq, d_model]
+        cfg = self.config
+        b, s, _ = x.shape
+        h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = names.tag(x, names.LAYER_INPUT)
+
+        y = names.tag(_norm(cfg, "attn_norm")(x), names.ATTN_NORM)
+        q = names.tag(_dense(h * hd, cfg, "q_proj")(y).reshape(b, s, h, hd), names.Q_PROJ)
+        k = names.tag(_dense(kv * hd, cfg, "k_proj")(y).reshape(b, s, kv, hd), names.K_PROJ)
+        v = names.tag(_dense(kv * hd, cfg, "v_proj")(y).reshape(b, s, kv, hd), names.V_PROJ)
+        q, k = attention.rope(q, cfg.rope_base), attention.rope(k, cfg.rope_base)
+        context = names.tag(attention.xla_attention(q, k, v), names.CONTEXT)
+        attn = names.tag(_dense(cfg.d_model, cfg, "attn_out")(context.reshape(b, s, h * hd)), names.ATTN_OUT)
+        x = x + nn.Dropout(cfg.dropout)(attn, deterministic=deterministic)
+
+        y = names.tag(_norm(cfg, "mlp_norm")(x), names.MLP_NORM)
+        gate = names.tag(_dense(cfg.d_ff, cfg, "mlp_gate")(y), names.MLP_GATE)
+        up = names.tag(_dense(cfg.d_ff, cfg, "mlp_up")(y), names.MLP_UP)
+        act = names.tag(nn.silu(gate) * up, names.MLP_ACT)
+        out = names.tag(_dense(cfg.d_model, cfg, "mlp_out")(act), names.MLP_OUT)
+        return x + nn.Dropout(cfg.dropout)(out, deterministic=deterministic)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: embed → scanned :class:`Block` stack under ``policy`` → norm → logits.
+
+    Attributes:
+      config: the model shape.
+      policy: rematerialization policy for the layer stack (a Policy or spec string).
+
+    ``apply(params, tokens[batch, seq] int, deterministic=True)`` returns float32 logits
+    ``[batch, seq, vocab]``; pass ``deterministic=False`` and ``rngs={"dropout": key}`` to train
+    with dropout.
+    """
+
+    config: TransformerConfig
+    policy: policies.Policy | str = "none"
+
+    def __post_init__(self):
+        # Validate before any tracing so bad input never surfaces as a JAX traceback.
+        if not isinstance(self.config, TransformerConfig):
+            raise TypeError(f"config must be a TransformerConfig, got {type(self.config).__name__}")
+        object.__setattr__(self, "policy", policies.parse(self.policy))
+        self.policy.validate_depth(self.config.num_layers)
+        super().__post_init__()
+
+    def setup(self):
+        cfg = self.config
+        self.embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            dtype=jnp.dtype(cfg.dtype),
+            param_dtype=jnp.dtype(cfg.param_dtype),
+            embedding_init=nn.initializers.normal(0.02),
+            name="embed",
+        )
+        self.layers = stack(_block_class(cfg), cfg.num_layers, self.policy, name="layers")
+        self.final_norm = _norm(cfg, "final_norm")
+        if not cfg.tie_embeddings:
+            self.lm_head = self.param(
+                "lm_head", nn.initializers.normal(0.02), (cfg.d_model, cfg.vocab_size), jnp.dtype(cfg.param_dtype)
+            )
+
+    def hidden(self, tokens, deterministic: bool = True):
+        """Final hidden states ``[batch, seq, d_model]`` (before the output projection)."""
+        check_tokens(self.config, tokens)
+        x = self.embed(tokens)
+        x = self.layers(x, deterministic=deterministic)
+        return self.final_norm(x)
+
+    def output_matrix(self):
+        """The ``[d_model, vocab]`` output projection, in the compute dtype."""
+        w = self.embed.embedding.T if self.config.tie_embeddings else self.lm_head
+        return w.astype(jnp.dtype(self.config.dtype))
+
+    def features(self, tokens, deterministic: bool = True):
+        """``(hidden [batch, seq, d_model], output matrix [d_model, vocab])`` for a chunked loss."""
+        return self.hidden(tokens, deterministic), self.output_matrix()
+
+    def __call__(self, tokens, deterministic: bool = True):
+        x = self.hidden(tokens, deterministic)
+        return jnp.einsum("bsd,dv->bsv", x, self.output_matrix(), preferred_element_type=jnp.float32)
+
+
+def _block_class(cfg: TransformerConfig):
+    return functools.partial(Block, config=cfg)
+
+
+def check_tokens(cfg: TransformerConfig, tokens) -> None:
+    """Raise a clear error for token arrays the model cannot take (checked on shapes, before compiling)."""
+    shape = getattr(tokens, "shape", None)
+    dtype = getattr(tokens, "dtype", None)
+    if shape is None or len(shape) != 2:
+        raise ValueError(f"tokens must be a [batch, seq] array, got shape {shape}")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"tokens must be integers, got dtype {dtype}")
+    if shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"tokens must have batch >= 1 and seq >= 1, got shape {shape}")
+    if shape[1] > cfg.max_seq_len:
+        raise ValueError(f"sequence length {shape[1]} exceeds the model's max_seq_len={cfg.max_seq_len}")
+
+
+def init_params(config: TransformerConfig, key, batch: int = 1, seq: int | None = None):
+    """Initialize parameters (the policy does not affect them)."""
+    seq = seq or min(8, config.max_seq_len)
+    return Transformer(config=config).init(key, jnp.zeros((batch, seq), jnp.int32))["params"]
+
+
+def abstract_params(config: TransformerConfig):
+    """Parameter ShapeDtypeStructs via ``jax.eval_shape``: nothing is allocated."""
+    return jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))

@@ -1,0 +1,121 @@
+"""The vocabulary of ``checkpoint_name`` tags emitted by remat_kit's transformer block.
+
+A selective or offload policy refers to values inside a block by these tags. Every tag below is
+attached by :class:`remat_kit.model.Block`; your own blocks may emit any of them (or their own tags,
+with ``strict=False`` on the policy).
+
+====================  =========================================  ==========================  ===========
+tag                   value (shape)                              MaxText alias               kind
+====================  =========================================  ==========================  ===========
+``layer_input``       block input, the residual stream [b, s, d]  ``decoder_layer_input``     checkpoint
+``attn_norm``         RMSNorm before attention [b, s, d]                                      cheap
+``q_proj``            query projection [b, s, h, hd]             ``query_proj``              matmul
+``k_proj``            key projection [b, s, kv, hd]              ``key_proj``                matmul
+``v_proj``            value projection [b, s, kv, hd]            ``value_proj``              matmul
+``attn_probs``        softmax of the scores [b, h, s, s]                                      cheap, big
+``context``           attention output before the out projection  ``context``                 matmul
+``attn_out``          attention out projection [b, s, d]         ``out_proj``                matmul
+``mlp_norm``          RMSNorm before the MLP [b, s, d]                                        cheap
+``mlp_gate``          SwiGLU gate projection [b, s, f]           ``mlpwi_0``                 matmul
+``mlp_up``            SwiGLU up projection [b, s, f]             ``mlpwi_1``                 matmul
+``mlp_act``           silu(gate) * up [b, s, f]                                               cheap
+``mlp_out``           MLP down projection [b, s, d]              ``mlpwo``                   matmul
+====================  =========================================  ==========================  ===========
+
+Group aliases expand to several tags: ``qkv_proj`` → q/k/v projections, ``mlpwi`` → gate and up.
+"""
+
+from __future__ import annotations
+
+from jax.ad_checkpoint import checkpoint_name
+
+LAYER_INPUT = "layer_input"
+ATTN_NORM = "attn_norm"
+Q_PROJ = "q_proj"
+K_PROJ = "k_proj"
+V_PROJ = "v_proj"
+ATTN_PROBS = "attn_probs"
+CONTEXT = "context"
+ATTN_OUT = "attn_out"
+MLP_NORM = "mlp_norm"
+MLP_GATE = "mlp_gate"
+MLP_UP = "mlp_up"
+MLP_ACT = "mlp_act"
+MLP_OUT = "mlp_out"
+
+#: Every tag the transformer block emits, in the order they are computed.
+VOCABULARY: tuple[str, ...] = (
+    LAYER_INPUT,
+    ATTN_NORM,
+    Q_PROJ,
+    K_PROJ,
+    V_PROJ,
+    ATTN_PROBS,
+    CONTEXT,
+    ATTN_OUT,
+    MLP_NORM,
+    MLP_GATE,
+    MLP_UP,
+    MLP_ACT,
+    MLP_OUT,
+)
+
+#: Tags whose values are outputs of weight matmuls: expensive to recompute, what selective keeps.
+MATMUL_OUTPUTS: tuple[str, ...] = (Q_PROJ, K_PROJ, V_PROJ, CONTEXT, ATTN_OUT, MLP_GATE, MLP_UP, MLP_OUT)
+
+#: MaxText's names (and groups of them) mapped onto the vocabulary.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "decoder_layer_input": (LAYER_INPUT,),
+    "query_proj": (Q_PROJ,),
+    "key_proj": (K_PROJ,),
+    "value_proj": (V_PROJ,),
+    "qkv_proj": (Q_PROJ, K_PROJ, V_PROJ),
+    "out_proj": (ATTN_OUT,),
+    "mlpwi_0": (MLP_GATE,),
+    "mlpwi_1": (MLP_UP,),
+    "mlpwi": (MLP_GATE, MLP_UP),
+    "mlpwo": (MLP_OUT,),
+}
+
+
+def resolve(names, *, strict: bool = True) -> tuple[str, ...]:
+    """Canonicalize tag names: expand aliases, drop duplicates, keep first-seen order.
+
+    Args:
+      names: an iterable of tag names or aliases (a single string is rejected, to catch
+        ``save="q_proj"`` meaning ``save=("q_proj",)``).
+      strict: when True every name must be in :data:`VOCABULARY` or :data:`ALIASES`; when False,
+        unknown names pass through unchanged (tags of your own modules).
+
+    Returns:
+      A tuple of canonical tags.
+
+    Raises:
+      TypeError: ``names`` is a string or holds a non-string.
+      ValueError: an unknown name while ``strict``.
+
+    >>> resolve(["query_proj", "mlpwi", "q_proj"])
+    ('q_proj', 'mlp_gate', 'mlp_up')
+    """
+    if isinstance(names, str):
+        raise TypeError(f"tag names must be a sequence of strings, got the string {names!r}; write ({names!r},)")
+    out: list[str] = []
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"tag names must be strings, got {name!r} ({type(name).__name__})")
+        if name in ALIASES:
+            expanded = ALIASES[name]
+        elif name in VOCABULARY or not strict:
+            expanded = (name,)
+        else:
+            raise ValueError(
+                f"unknown checkpoint tag {name!r}; allowed: {', '.join(VOCABULARY)} "
+                f"(aliases: {', '.join(ALIASES)}); pass strict=False for your own module's tags"
+            )
+        out.extend(t for t in expanded if t not in out)
+    return tuple(out)
+
+
+def tag(x, name: str):
+    """Attach a ``checkpoint_name`` tag (thin alias of :func:`jax.ad_checkpoint.checkpoint_name`)."""
+    return checkpoint_name(x, name)

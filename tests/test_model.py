@@ -1,0 +1,144 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ALL_SPECS, RTOL_F32, max_rel_err
+
+from remat_kit import _jax_internals as internals
+from remat_kit import names
+from remat_kit import policies as P
+from remat_kit.model import PRESETS, Block, Transformer, TransformerConfig, abstract_params, init_params
+
+
+def _lm_loss(cfg, policy, tokens, dropout_key=None):
+    model = Transformer(config=cfg, policy=policy)
+
+    def loss(params):
+        kw = {} if dropout_key is None else {"deterministic": False, "rngs": {"dropout": dropout_key}}
+        logits = model.apply({"params": params}, tokens, **kw)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    return loss
+
+
+@pytest.mark.parametrize("spec", [*ALL_SPECS, "minimal", "minimal_offloaded", "selective:attn_probs,mlp_act"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["nodrop", "dropout"])
+def test_model_gradients_equal_none(spec, dropout, tokens):
+    cfg = TransformerConfig.preset("tiny", dropout=dropout, num_layers=5)
+    params = init_params(cfg, jax.random.key(0))
+    key = jax.random.key(5) if dropout else None
+    g0 = jax.jit(jax.grad(_lm_loss(cfg, "none", tokens, key)))(params)
+    g = jax.jit(jax.grad(_lm_loss(cfg, P.parse(spec), tokens, key)))(params)
+    assert max_rel_err(g, g0) <= RTOL_F32
+
+
+def test_dropout_changes_the_loss_and_deterministic_ignores_rng(tokens):
+    cfg = TransformerConfig.preset("tiny", dropout=0.3)
+    params = init_params(cfg, jax.random.key(0))
+    a = _lm_loss(cfg, "full", tokens, jax.random.key(1))(params)
+    b = _lm_loss(cfg, "full", tokens, jax.random.key(2))(params)
+    c = _lm_loss(cfg, "full", tokens)(params)
+    assert a != b and c != a
+
+
+def test_block_emits_the_whole_vocabulary():
+    cfg = TransformerConfig.preset("tiny")
+    block = Block(config=cfg)
+    x = jnp.ones((2, 8, cfg.d_model))
+    p = block.init(jax.random.key(0), x)
+    assert internals.emitted_tags(lambda p, x: block.apply(p, x), p, x) == set(names.VOCABULARY)
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_parameters_identical_under_every_policy(spec, tokens):
+    cfg = TransformerConfig.preset("tiny")
+    ref = Transformer(config=cfg).init(jax.random.key(4), tokens)
+    got = Transformer(config=cfg, policy=spec).init(jax.random.key(4), tokens)
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
+    assert max_rel_err(got, ref) == 0.0
+
+
+def test_param_tree_shapes_and_count():
+    cfg = TransformerConfig.preset("tiny")
+    params = init_params(cfg, jax.random.key(0))
+    layers = params["layers"]["layers"]
+    assert layers["q_proj"]["kernel"].shape == (cfg.num_layers, cfg.d_model, cfg.num_heads * cfg.head_dim)
+    assert layers["k_proj"]["kernel"].shape == (cfg.num_layers, cfg.d_model, cfg.num_kv_heads * cfg.head_dim)
+    assert params["lm_head"].shape == (cfg.d_model, cfg.vocab_size)
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()
+
+
+def test_2b_preset_is_planned_by_shape_only():
+    cfg = TransformerConfig.preset("2b")
+    assert (cfg.d_model, cfg.num_layers, cfg.vocab_size) == (2048, 28, 248_000)
+    shapes = abstract_params(cfg)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    assert n == cfg.num_params() and 1.5e9 < n < 2.5e9
+
+
+def test_logits_are_float32_even_in_bfloat16(tokens):
+    cfg = TransformerConfig.preset("tiny", dtype="bfloat16")
+    model = Transformer(config=cfg, policy="full")
+    params = model.init(jax.random.key(0), tokens)
+    out = model.apply(params, tokens)
+    assert out.shape == (2, 16, cfg.vocab_size) and out.dtype == jnp.float32
+
+
+def test_causal_future_tokens_do_not_change_past_logits(tokens):
+    cfg = TransformerConfig.preset("tiny")
+    model = Transformer(config=cfg)
+    params = model.init(jax.random.key(0), tokens)
+    changed = tokens.at[:, 10:].set(7)
+    a, b = model.apply(params, tokens), model.apply(params, changed)
+    np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_config_is_frozen_and_presets_override():
+    cfg = TransformerConfig.preset("small", num_layers=3)
+    assert cfg.num_layers == 3 and PRESETS["small"].num_layers == 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_layers = 4
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: TransformerConfig.preset("huge"), ValueError, r"unknown preset 'huge'; allowed: tiny, small, 2b"),
+        (
+            lambda: TransformerConfig.preset("tiny", layers=3),
+            TypeError,
+            r"unknown TransformerConfig field\(s\) \['layers'\]",
+        ),
+        (lambda: TransformerConfig(num_layers=0), ValueError, r"num_layers must be a positive integer, got 0"),
+        (lambda: TransformerConfig(d_model=65), ValueError, r"not divisible by num_heads"),
+        (lambda: TransformerConfig(num_kv_heads=3), ValueError, r"not a multiple of num_kv_heads=3"),
+        (lambda: TransformerConfig(dropout=1.0), ValueError, r"dropout must be in \[0, 1\)"),
+        (lambda: TransformerConfig(dtype="float8"), ValueError, r"dtype='float8'; allowed: float32"),
+        (lambda: Transformer(config=TransformerConfig(), policy="every_n:5"), ValueError, r"greater than the depth"),
+        (lambda: Transformer(config=TransformerConfig(), policy="nope"), ValueError, r"unknown policy spec 'nope'"),
+        (lambda: Transformer(config={"d_model": 4}), TypeError, r"config must be a TransformerConfig"),
+    ],
+    ids=["preset", "field", "layers", "heads", "kv", "dropout", "dtype", "every_n", "spec", "config-type"],
+)
+def test_bad_config_and_policy(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("tok", "error", "match"),
+    [
+        (jnp.zeros((2, 129), jnp.int32), ValueError, r"sequence length 129 exceeds the model's max_seq_len=128"),
+        (jnp.zeros((16,), jnp.int32), ValueError, r"must be a \[batch, seq\] array"),
+        (jnp.zeros((2, 8), jnp.float32), TypeError, r"must be integers"),
+    ],
+    ids=["too-long", "rank", "dtype"],
+)
+def test_bad_tokens(tok, error, match):
+    model = Transformer(config=TransformerConfig.preset("tiny"))
+    with pytest.raises(error, match=match):
+        model.init(jax.random.key(0), tok)

@@ -1,0 +1,210 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import ALL_SPECS, RTOL_F32, max_rel_err
+
+from remat_kit import _jax_internals as internals
+from remat_kit import policies as P
+from remat_kit.names import tag
+
+CONSTRUCTED = [
+    P.none(),
+    P.full(),
+    P.every_n(1),
+    P.every_n(3),
+    P.selective(),
+    P.selective(["q_proj", "k_proj"]),
+    P.selective(()),
+    P.selective(["my_tag"], strict=False),
+    P.offload(),
+    P.offload(["q_proj", "k_proj"], save=["mlp_up"]),
+    P.offload(["layer_input"], dst="unpinned_host"),
+    P.offload(["mine"], save=["other"], strict=False),
+    P.segments(4),
+    P.sqrt_n(),
+    P.dots(),
+]
+
+
+@pytest.mark.parametrize("policy", CONSTRUCTED, ids=str)
+def test_str_and_parse_round_trip(policy):
+    assert P.parse(str(policy)) == policy
+    assert P.parse(policy) is policy
+
+
+@pytest.mark.parametrize("policy", CONSTRUCTED, ids=str)
+def test_policies_are_hashable_static_jit_arguments(policy):
+    assert hash(policy) == hash(P.parse(str(policy)))
+    f = jax.jit(lambda x, p: x * (2.0 if p.remat else 1.0), static_argnums=1)
+    assert float(f(1.0, policy)) == (2.0 if policy.kind != "none" else 1.0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("full", P.full()),
+        ("minimal", P.selective(["q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out"])),
+        ("save_dot_except_mlp", P.selective(["q_proj", "k_proj", "v_proj", "attn_out"])),
+        ("save_qkv_proj", P.selective(["qkv_proj"])),
+        ("qkv_proj_offloaded", P.offload(["q_proj", "k_proj", "v_proj"])),
+        ("minimal_offloaded", P.offload(["q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out"])),
+        ("selective:query_proj,key_proj", P.selective(["q_proj", "k_proj"])),
+        (" every_n:2 ", P.every_n(2)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_parse_accepts_maxtext_presets_and_aliases(spec, expected):
+    assert P.parse(spec) == expected
+
+
+def test_default_selective_keeps_matmul_outputs_only():
+    kept = set(P.selective().save)
+    assert {"q_proj", "k_proj", "v_proj", "context", "attn_out", "mlp_gate", "mlp_up", "mlp_out"} == kept
+    assert not kept & {"attn_probs", "attn_norm", "mlp_norm", "mlp_act"}
+
+
+def test_default_offload_moves_layer_inputs_to_pinned_host():
+    p = P.offload()
+    assert p.offload == ("layer_input",) and p.save == () and p.dst == "pinned_host"
+
+
+# ---- the seed's worked example: u = a*x, y = b*u, L = y^2/2 ----------------------------------------
+
+
+def _seed_loss(x, a, b):
+    u = tag(a * x, "u")
+    y = b * u
+    return 0.5 * y**2
+
+
+@pytest.mark.parametrize("spec", [*ALL_SPECS, "selective:u;strict=false", "offload:u;strict=false"])
+def test_seed_worked_example_under_every_policy(spec):
+    f = P.parse(spec)(_seed_loss)
+    value, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(2.0, 3.0, 4.0)
+    assert float(value) == 288.0
+    assert tuple(float(g) for g in grads) == (288.0, 192.0, 144.0)
+
+
+# ---- applying to functions and module classes -----------------------------------------------------
+
+
+class _Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = tag(nn.Dense(16, name="up")(x), "up")
+        return nn.Dense(4, name="down")(jnp.tanh(h))
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_module_class_under_policy_has_same_params_and_grads(spec):
+    x = jax.random.normal(jax.random.key(0), (3, 4))
+    base = _Mlp()
+    params = base.init(jax.random.key(1), x)
+    policy = P.parse(spec + ":up;strict=false" if spec in ("selective", "offload") else spec)
+    wrapped_cls = policy(_Mlp)
+    assert (wrapped_cls is _Mlp) == (spec == "none")
+    wrapped = wrapped_cls()
+    assert jax.tree.structure(wrapped.init(jax.random.key(1), x)) == jax.tree.structure(params)
+
+    def loss(m, p):
+        return jnp.sum(m.apply(p, x) ** 2)
+
+    assert (
+        max_rel_err(jax.grad(lambda p: loss(wrapped, p))(params), jax.grad(lambda p: loss(base, p))(params)) <= RTOL_F32
+    )
+
+
+def test_full_on_a_function_saves_only_its_inputs():
+    def f(w, x):
+        return jnp.sum(jnp.sin(jnp.sin(x @ w)))
+
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    plain = [r for r in internals.saved_residuals(f, w, x) if not r.is_argument]
+    remat = [r for r in internals.saved_residuals(P.full()(f), w, x) if not r.is_argument]
+    assert plain and not remat
+
+
+def test_selective_jax_policy_saves_exactly_the_named_value():
+    def f(w, x):
+        h = tag(jnp.sin(x @ w), "q_proj")
+        return jnp.sum(jnp.sin(h) @ w)
+
+    res = internals.saved_residuals(P.selective(["q_proj"])(f), jnp.ones((4, 4)), jnp.ones((2, 4)))
+    assert [r.tag for r in res if not r.is_argument] == ["q_proj"]
+
+
+def test_none_returns_the_function_itself():
+    f = lambda x: x
+    assert P.none()(f) is f
+
+
+def test_applying_to_an_instance_is_a_type_error():
+    with pytest.raises(TypeError, match=r"not an instance.*policy\(_Mlp\)"):
+        P.full()(_Mlp())
+    with pytest.raises(TypeError, match=r"function or a flax\.linen\.Module class"):
+        P.full()(3)
+
+
+# ---- bad input: clear errors, raised at construction ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: P.every_n(0), ValueError, r"every_n\(n\) must be a positive integer \(>= 1\), got 0"),
+        (lambda: P.every_n(-1), ValueError, r"got -1"),
+        (lambda: P.every_n(1.5), TypeError, r"every_n\(n\) must be a positive integer, got 1.5"),
+        (lambda: P.every_n(True), TypeError, r"got True"),
+        (lambda: P.segments(0), ValueError, r"segments\(n\) must be a positive integer \(>= 1\), got 0"),
+        (lambda: P.parse("fulll"), ValueError, r"unknown policy spec 'fulll'; allowed: none, full"),
+        (lambda: P.parse("every_n:x"), ValueError, r"every_n needs an integer"),
+        (lambda: P.parse("selective:q_proj;bogus=1"), ValueError, r"bad option 'bogus=1'"),
+        (lambda: P.parse(3), TypeError, r"must be a string"),
+        (lambda: P.selective(["q_prj"]), ValueError, r"unknown checkpoint tag 'q_prj'"),
+        (lambda: P.offload(["q_proj"], save=["query_proj"]), ValueError, r"\['q_proj'\] are both saved and offloaded"),
+        (lambda: P.offload(["q_proj"], dst="hbm"), ValueError, r"offload destination 'hbm'.*allowed: pinned_host"),
+        (lambda: P.offload(["q_proj"], dst="device"), ValueError, r"addressable memories: device"),
+        (lambda: P.offload(()), ValueError, r"at least one tag"),
+    ],
+    ids=[
+        "every_n-0",
+        "every_n-neg",
+        "every_n-float",
+        "every_n-bool",
+        "segments-0",
+        "unknown-spec",
+        "every_n-nonint",
+        "bad-option",
+        "spec-not-str",
+        "unknown-tag",
+        "saved-and-offloaded",
+        "bad-dst",
+        "dst-device",
+        "offload-empty",
+    ],
+)
+def test_bad_input_raises_clear_errors(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.parametrize("policy", [P.every_n(5), P.segments(9)], ids=str)
+def test_group_larger_than_depth_is_rejected(policy):
+    with pytest.raises(ValueError, match=r"greater than the depth \(4 layers\); allowed: 1 <= n <= 4"):
+        policy.validate_depth(4)
+
+
+@pytest.mark.parametrize(
+    ("policy", "depth", "size", "mode"),
+    [
+        (P.full(), 8, 1, "layer"),
+        (P.every_n(3), 8, 3, "first"),
+        (P.segments(4), 10, 4, "group"),
+        (P.sqrt_n(), 16, 4, "group"),
+        (P.sqrt_n(), 28, 5, "group"),
+    ],
+    ids=str,
+)
+def test_plan(policy, depth, size, mode):
+    assert policy.plan(depth) == P.LayerPlan(size, mode)

@@ -1,0 +1,189 @@
+"""Training checkpoints on disk with orbax-checkpoint: save, keep the last N, restore safely.
+
+Each step directory holds two orbax items: ``state`` (a pytree of arrays: parameters, optimizer
+state, step, data position, RNG) and ``meta`` (JSON: model and training config, data fingerprint
+and a SHA-256 of the state). Orbax writes each step to a temporary directory and renames it when
+complete, so a killed run never leaves a half-written step behind. A step that still fails to
+restore, or whose arrays do not match the recorded hash, is reported, moved aside (never
+deleted) and the previous good step is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+#: Prefix of the folder a corrupt step is moved to (orbax does not list it as a step).
+CORRUPT_PREFIX = "corrupt-step-"
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint step could not be used and was skipped."""
+
+
+def prepare_directory(directory: str | os.PathLike) -> Path:
+    """Create ``directory`` if needed and check it is writable, before anything is trained.
+
+    Raises:
+      OSError: naming the directory and why it cannot hold checkpoints.
+    """
+    path = Path(directory).absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise OSError(f"checkpoint directory {str(path)!r} is not writable: {err.strerror or err}") from None
+    return path
+
+
+def tree_digest(tree: Any) -> str:
+    """SHA-256 over every leaf's key path, dtype, shape and bytes (device arrays are fetched)."""
+    h = hashlib.sha256()
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        arr = np.asarray(leaf)
+        h.update(f"{jax.tree_util.keystr(keypath)}|{arr.dtype}|{arr.shape}|".encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
+
+
+class Checkpoints:
+    """The checkpoints of one run in ``directory``; keeps the newest ``keep`` steps.
+
+    Args:
+      directory: where step folders live (created if needed; must be writable).
+      keep: how many of the newest steps to keep (older ones are deleted by orbax after a save).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be a positive integer, got {keep!r}")
+        self.directory = prepare_directory(directory)
+        self.keep = keep
+        self._manager = self._open()
+
+    def _open(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True)
+        return ocp.CheckpointManager(self.directory, options=options)
+
+    def steps(self) -> list[int]:
+        """Finished steps on disk, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Save ``state`` (a pytree of arrays) and ``meta`` (JSON) as ``step`` (written asynchronously)."""
+        meta = {**meta, "step": int(step), "state_sha256": tree_digest(state)}
+        self._manager.save(
+            int(step),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
+
+    def wait(self) -> None:
+        """Block until pending saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release orbax's resources."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The JSON metadata of ``step``."""
+        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
+    def restore_latest(
+        self, abstract_state: Any, check_meta: Callable[[dict[str, Any]], None] | None = None
+    ) -> tuple[int, Any, dict[str, Any]] | None:
+        """Restore the newest good step; ``None`` when there are no steps.
+
+        Steps are tried newest first. One that cannot be read or fails its hash is reported with a
+        :class:`CheckpointWarning`, renamed to ``corrupt-step-<N>-<time>`` (its files kept), and the
+        previous step is tried.
+
+        Args:
+          abstract_state: the state's structure with ``jax.ShapeDtypeStruct`` leaves; the result
+            has exactly this structure.
+          check_meta: called with each candidate's metadata before its arrays are read; a
+            ValueError it raises (e.g. a different model) stops the search and propagates, with
+            nothing on disk changed.
+
+        Raises:
+          ValueError: every step is unreadable, or ``check_meta`` rejected the checkpoint.
+        """
+        steps = self.steps()
+        if not steps:
+            return None
+        bad: list[tuple[int, str]] = []
+        found = None
+        for step in reversed(steps):
+            try:
+                meta = self.read_meta(step)
+            except Exception as err:  # orbax/tensorstore raise many types for a damaged step
+                bad.append((step, _describe(err)))
+                continue
+            if check_meta is not None:
+                check_meta(meta)  # a config mismatch is the user's error, not corruption: no fallback
+            try:
+                state = self._restore_state(step, abstract_state)
+                digest = tree_digest(state)
+                if digest != meta.get("state_sha256"):
+                    raise ValueError("its arrays do not match the SHA-256 recorded when it was saved")
+            except Exception as err:
+                bad.append((step, _describe(err)))
+                continue
+            found = (step, state, meta)
+            break
+        if found is None:
+            listing = "; ".join(f"step {s}: {why}" for s, why in bad)
+            raise ValueError(f"no readable checkpoint in {self.directory} (nothing was changed): {listing}")
+        for step, why in bad:
+            moved = self._quarantine(step)
+            warnings.warn(
+                f"checkpoint step {step} in {self.directory} is unreadable ({why}); moved to {moved.name} "
+                f"(its files are kept) and resuming from step {found[0]}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+        if bad:
+            self._manager.close()
+            self._manager = self._open()
+        return found
+
+    def _restore_state(self, step: int, abstract_state: Any) -> Any:
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+        )["state"]
+        # Orbax restores namedtuples (optax states) as plain tuples; put the leaves back into the
+        # exact structure asked for, after checking they line up one to one.
+        leaves = jax.tree.leaves(restored)
+        want = jax.tree.leaves(abstract_state)
+        if len(leaves) != len(want) or any(
+            np.shape(a) != tuple(b.shape) or np.asarray(a).dtype != b.dtype for a, b in zip(leaves, want, strict=True)
+        ):
+            raise ValueError("its arrays do not match the expected training state")
+        return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
+
+    def _quarantine(self, step: int) -> Path:
+        src = self.directory / str(step)
+        dst = self.directory / f"{CORRUPT_PREFIX}{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        n = 0
+        while dst.exists():
+            n += 1
+            dst = dst.with_name(f"{dst.name}-{n}")
+        src.rename(dst)
+        return dst
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"

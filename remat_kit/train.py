@@ -1,0 +1,687 @@
+"""Train the transformer LM under any rematerialization policy, with resumable checkpoints.
+
+The policy changes memory and time, never the result: the same seed gives the same losses under
+``none``, ``full`` or ``selective`` up to float rounding. :func:`train` runs optax AdamW
+(warm-up + cosine schedule, gradient clipping, optional gradient accumulation through
+``optax.MultiSteps``) on byte-level text (:mod:`remat_kit.data`), logs JSON lines, validates
+periodically and saves orbax checkpoints (:mod:`remat_kit.checkpoint`) that resume exactly.
+
+>>> cfg = TrainConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, eval_batches=1)
+>>> corpus = data.corpus_from_bytes(b"the quick brown fox jumps over the lazy dog. " * 20)
+>>> result = train(cfg, corpus)
+>>> [r["step"] for r in result.history], "val_loss" in result.history[-1]
+([1, 2], True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from remat_kit import __version__, data, policies
+from remat_kit.checkpoint import Checkpoints
+from remat_kit.loss import lm_loss
+from remat_kit.model import PRESETS, Transformer, TransformerConfig, init_params
+
+#: Training settings a resumed run must share with its checkpoint (they decide the data order
+#: and the optimizer); the policy, loss chunks, step count and logging may change.
+RESUME_MUST_MATCH = (
+    "batch_size",
+    "seq_len",
+    "grad_accum",
+    "seed",
+    "learning_rate",
+    "warmup_steps",
+    "min_lr_ratio",
+    "weight_decay",
+    "clip_norm",
+    "val_fraction",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides a training run's result (and, for ``policy``, its memory/time).
+
+    Attributes:
+      model: the model shape (e.g. ``TransformerConfig.preset("tiny")``); vocab must be >= 256.
+      policy: rematerialization policy spec (see :func:`remat_kit.policies.parse`).
+      steps: optimizer updates to run in total.
+      batch_size: sequences per micro-batch.
+      seq_len: tokens per sequence (0: the model's ``max_seq_len``, at most 256).
+      grad_accum: micro-batches averaged per update (``optax.MultiSteps``); memory stays that of
+        one micro-batch, so it combines with checkpointing to reach large effective batches.
+      learning_rate: peak AdamW learning rate.
+      warmup_steps: linear warm-up length (-1: 10% of ``steps``, at most 100).
+      min_lr_ratio: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
+      weight_decay: AdamW decay, applied to matrices, not to norm scales.
+      clip_norm: global gradient-norm clip.
+      loss_chunks: 0 for the plain loss; k > 0 computes logits and loss in k chunks.
+      seed: initialization, dropout and data-order seed.
+      val_fraction: the tail of the corpus held out for validation.
+      eval_every: steps between validation losses (and at the last step).
+      eval_batches: validation batches per evaluation.
+    """
+
+    model: TransformerConfig = PRESETS["tiny"]
+    policy: str = "none"
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 0
+    grad_accum: int = 1
+    learning_rate: float = 3e-3
+    warmup_steps: int = -1
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    loss_chunks: int = 0
+    seed: int = 0
+    val_fraction: float = 0.05
+    eval_every: int = 50
+    eval_batches: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.model, TransformerConfig):
+            raise TypeError(f"model must be a TransformerConfig, got {type(self.model).__name__}")
+        if self.model.vocab_size < data.BYTE_VOCAB:
+            raise ValueError(
+                f"vocab_size={self.model.vocab_size} is smaller than the {data.BYTE_VOCAB} byte-level tokens"
+            )
+        # Canonical spec: "minimal" and "selective:q_proj,..." of the same policy compare equal.
+        object.__setattr__(self, "policy", str(policies.parse(self.policy)))
+        for field in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"):
+            _check_int(field, getattr(self, field), 1)
+        for field in ("seq_len", "loss_chunks", "seed"):
+            _check_int(field, getattr(self, field), 0)
+        _check_int("warmup_steps", self.warmup_steps, -1)
+        if self.seq_len == 0:
+            object.__setattr__(self, "seq_len", min(self.model.max_seq_len, 256))
+        if self.seq_len > self.model.max_seq_len:
+            raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}")
+        if self.warmup_steps == -1:
+            object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be smaller than steps={self.steps}")
+        for field, allowed, ok in (
+            ("learning_rate", "> 0", lambda v: v > 0),
+            ("clip_norm", "> 0", lambda v: v > 0),
+            ("min_lr_ratio", "in [0, 1]", lambda v: 0 <= v <= 1),
+            ("weight_decay", ">= 0", lambda v: v >= 0),
+            ("val_fraction", "in (0, 1)", lambda v: 0 < v < 1),
+        ):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ValueError(f"{field} must be a number {allowed}, got {value!r}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens seen per optimizer update."""
+        return self.batch_size * self.seq_len * self.grad_accum
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (the model config nested under ``model``)."""
+        return {**dataclasses.asdict(self), "model": dataclasses.asdict(self.model)}
+
+
+def _check_int(field: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{field} must be an integer >= {low}, got {value!r}")
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a resumed run needs (a pytree; saved whole in each checkpoint).
+
+    Attributes:
+      params: model parameters.
+      opt_state: optax state.
+      step: updates done so far (int32 scalar).
+      data_position: micro-batches consumed so far (``step * grad_accum``).
+      rng: the run's base PRNG key data (uint32); step keys are ``fold_in(rng, step)``.
+    """
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    data_position: jax.Array
+    rng: jax.Array
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What :func:`train` returns.
+
+    Attributes:
+      state: the final :class:`TrainState`.
+      history: one metrics record per step (from the metrics file when resuming, so the whole run).
+      resumed_from: the checkpoint step the run resumed from, or None.
+      step_traces: how many times the jitted micro-step was traced (1: it never retraced).
+    """
+
+    state: TrainState
+    history: tuple[dict[str, Any], ...]
+    resumed_from: int | None
+    step_traces: int
+
+
+class DivergedError(ValueError):
+    """The loss became NaN or infinite; the state was not saved."""
+
+
+class RetraceError(AssertionError):
+    """The jitted training step was traced more than once (its input structure changed)."""
+
+
+def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with warm-up + cosine decay and global-norm clipping; MultiSteps if ``grad_accum > 1``.
+
+    Returns:
+      ``(optimizer, schedule)``; the schedule maps an update count to its learning rate.
+    """
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=config.warmup_steps,
+        decay_steps=config.steps,
+        end_value=config.learning_rate * config.min_lr_ratio,
+    )
+    inner = optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(schedule, weight_decay=config.weight_decay, mask=_decay_mask),
+    )
+    if config.grad_accum == 1:
+        return inner, schedule
+    return optax.MultiSteps(inner, every_k_schedule=config.grad_accum), schedule
+
+
+def _decay_mask(params):
+    # Norm scales ([layers, d] once stacked, so not recognizable by rank) are not decayed.
+    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+
+
+class Trainer:
+    """The jitted training and evaluation steps for one :class:`TrainConfig`.
+
+    Args:
+      config: the run's configuration.
+    """
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.model = Transformer(config=config.model, policy=config.policy)
+        self.optimizer, self.schedule = make_optimizer(config)
+        self.traces = {"step": 0, "eval": 0}
+        # Donated: the old parameters and optimizer state are dead once the step returns.
+        self._micro_step = jax.jit(self._micro_step_impl, donate_argnums=(0, 1))
+        self._eval = jax.jit(self._eval_impl)
+
+    def _count_trace(self, name: str) -> None:
+        # Runs only while tracing. Per instance, unlike chex.assert_max_traces, whose counter is
+        # keyed by source code and call stack and so is shared by every Trainer in the process.
+        self.traces[name] += 1
+        if self.traces[name] > 1:
+            raise RetraceError(f"the jitted {name} function was traced {self.traces[name]} times; it must trace once")
+
+    def _micro_step_impl(self, params, opt_state, tokens, key):
+        self._count_trace("step")
+        dropout = self.config.model.dropout > 0
+
+        def loss_fn(p):
+            return lm_loss(
+                self.model,
+                p,
+                tokens,
+                loss_chunks=self.config.loss_chunks,
+                deterministic=not dropout,
+                rngs={"dropout": key} if dropout else None,
+            )
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+
+    def _eval_impl(self, params, tokens):
+        self._count_trace("eval")
+        return lm_loss(self.model, params, tokens, loss_chunks=self.config.loss_chunks)
+
+    def init_state(self) -> TrainState:
+        """A fresh state from ``config.seed``."""
+        key = jax.random.key(self.config.seed)
+        params = init_params(self.config.model, jax.random.fold_in(key, 0))
+        return TrainState(
+            params=params,
+            opt_state=self.optimizer.init(params),
+            step=jnp.asarray(0, jnp.int32),
+            data_position=jnp.asarray(0, jnp.int32),
+            rng=jax.random.key_data(jax.random.fold_in(key, 1)),
+        )
+
+    def step(self, state: TrainState, batches: Sequence[np.ndarray]) -> tuple[TrainState, dict[str, float]]:
+        """One optimizer update over ``grad_accum`` micro-batches (``int32 [batch, seq]`` each).
+
+        Returns:
+          The new state and ``{"loss", "grad_norm"}`` averaged over the micro-batches.
+        """
+        if len(batches) != self.config.grad_accum:
+            raise ValueError(f"step needs {self.config.grad_accum} micro-batches, got {len(batches)}")
+        step = int(state.step) + 1
+        base = jax.random.wrap_key_data(state.rng)
+        params, opt_state = state.params, state.opt_state
+        losses, norms = [], []
+        for micro, tokens in enumerate(batches):
+            key = jax.random.fold_in(jax.random.fold_in(base, step), micro)
+            params, opt_state, loss, norm = self._micro_step(params, opt_state, jnp.asarray(tokens), key)
+            losses.append(loss)
+            norms.append(norm)
+        new = TrainState(
+            params=params,
+            opt_state=opt_state,
+            step=jnp.asarray(step, jnp.int32),
+            data_position=jnp.asarray(int(state.data_position) + len(batches), jnp.int32),
+            rng=state.rng,
+        )
+        return new, {"loss": float(np.mean(jax.device_get(losses))), "grad_norm": float(np.mean(norms))}
+
+    def evaluate(self, params, windows: np.ndarray) -> float:
+        """Mean loss over validation batches ``[num_batches, batch, seq]`` (no dropout)."""
+        return float(np.mean([float(self._eval(params, jnp.asarray(w))) for w in windows]))
+
+
+# ---- the training loop --------------------------------------------------------------------------------
+
+
+def train(
+    config: TrainConfig,
+    corpus: data.Corpus | None = None,
+    *,
+    data_paths: Sequence[str | os.PathLike] | None = None,
+    max_corpus_bytes: int | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    checkpoint_every: int = 50,
+    keep: int = 3,
+    metrics_path: str | os.PathLike | None = None,
+    plot_path: str | os.PathLike | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+    callbacks: Sequence[Callable[[int, dict[str, Any]], None]] = (),
+) -> TrainResult:
+    """Train ``config`` on a corpus; optionally checkpoint, resume, log metrics and plot.
+
+    Every input is checked before anything is compiled or written.
+
+    Args:
+      config: the run.
+      corpus: the text; default :func:`remat_kit.data.load_corpus` of ``data_paths``.
+      data_paths: files/folders to read when ``corpus`` is None (None: the standard library).
+      max_corpus_bytes: cap on the bytes read.
+      checkpoint_dir: where checkpoints go (None: no checkpoints).
+      resume: continue from the newest good checkpoint in ``checkpoint_dir`` (a fresh start if
+        there is none). Without it, a directory that already holds checkpoints is an error.
+      checkpoint_every: steps between checkpoints (the last step is always saved).
+      keep: how many newest checkpoints to keep.
+      metrics_path: JSON-lines file, one record per step (``step``, ``loss``, ``lr``,
+        ``grad_norm``, ``tokens_per_s``, ``step_s``, and ``val_loss`` on evaluation steps).
+      plot_path: loss-curve PNG written at the end (default: beside ``metrics_path``).
+      progress: show a progress bar on stderr.
+      log: where one-line messages go (default: stderr).
+      callbacks: called as ``fn(step, record)`` after each step.
+
+    Returns:
+      A :class:`TrainResult`.
+
+    Raises:
+      ValueError / OSError: bad data, directory, or a checkpoint from a different model or run.
+      DivergedError: a non-finite loss (the last good checkpoint is kept).
+    """
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    _check_int("checkpoint_every", checkpoint_every, 1)
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume needs a checkpoint directory")
+    if corpus is None:
+        corpus = data.load_corpus(data_paths, max_bytes=max_corpus_bytes)
+    train_tokens, val_tokens = corpus.split(config.val_fraction)
+    batches = data.Batches(train_tokens, config.batch_size, config.seq_len, config.seed)
+    val_windows = data.eval_windows(
+        val_tokens, batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches
+    )
+    metrics_path = Path(metrics_path) if metrics_path is not None else None
+    if plot_path is None and metrics_path is not None:
+        plot_path = metrics_path.with_suffix(".png")
+    for out in (metrics_path, plot_path):
+        if out is not None and not Path(out).absolute().parent.is_dir():
+            raise OSError(f"cannot write {str(out)!r}: folder {str(Path(out).absolute().parent)!r} does not exist")
+
+    meta = {
+        "format": 1,
+        "remat_kit": __version__,
+        "config": config.to_json(),
+        "data": {"source": corpus.source, "fingerprint": corpus.fingerprint, "tokens": int(corpus.tokens.size)},
+    }
+    ckpts = Checkpoints(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
+    try:
+        if ckpts is not None and ckpts.steps() and not resume:
+            raise ValueError(
+                f"{ckpts.directory} already holds checkpoints (steps {ckpts.steps()}); pass --resume to continue "
+                "that run or choose another --checkpoint-dir"
+            )
+        trainer = Trainer(config)
+        state = trainer.init_state()
+        resumed_from = None
+        if ckpts is not None and resume:
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state.to_dict())
+            found = ckpts.restore_latest(abstract, lambda m: check_compatible(m, meta, ckpts.directory))
+            if found is None:
+                log(f"no checkpoint in {ckpts.directory}; starting from step 0")
+            else:
+                resumed_from, restored, _ = found
+                state = TrainState(**restored)
+                if int(state.data_position) != int(state.step) * config.grad_accum:
+                    raise ValueError(f"checkpoint step {resumed_from} has an inconsistent data position")
+                log(f"resumed from step {resumed_from} in {ckpts.directory}")
+        history = _start_metrics(metrics_path, resumed_from or 0)
+        state, history = _loop(
+            trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, metrics_path, history, progress,
+            log, callbacks,
+        )  # fmt: skip
+    finally:
+        if ckpts is not None:
+            ckpts.close()
+    if plot_path is not None and history:
+        write_loss_plot(history, plot_path, title=_title(config))
+    return TrainResult(
+        state=state, history=tuple(history), resumed_from=resumed_from, step_traces=trainer.traces["step"]
+    )
+
+
+def _title(config: TrainConfig) -> str:
+    m = config.model
+    return f"d_model {m.d_model} x {m.num_layers} layers, policy {config.policy}, batch {config.batch_size}x{config.seq_len}"
+
+
+def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: Any = "the checkpoint") -> None:
+    """Raise ValueError naming every field where a checkpoint's run differs from this one."""
+    old, new = saved.get("config", {}), current["config"]
+    diffs = [
+        f"model.{k}: {old.get('model', {}).get(k)!r} (checkpoint) vs {v!r} (now)"
+        for k, v in new["model"].items()
+        if old.get("model", {}).get(k) != v
+    ]
+    if diffs:
+        raise ValueError(f"checkpoint in {where} is for a different model config: {'; '.join(diffs)}")
+    diffs = [f"{k}: {old.get(k)!r} (checkpoint) vs {new[k]!r} (now)" for k in RESUME_MUST_MATCH if old.get(k) != new[k]]
+    if saved.get("data", {}).get("fingerprint") != current["data"]["fingerprint"]:
+        diffs.append(f"data: {saved.get('data', {}).get('source')!r} (checkpoint) vs {current['data']['source']!r}")
+    if diffs:
+        raise ValueError(f"cannot resume exactly from {where}; the run differs in {'; '.join(diffs)}")
+
+
+def _start_metrics(path: Path | None, resume_step: int) -> list[dict[str, Any]]:
+    """Earlier records of a resumed run; lines past the checkpoint (to be redone) are dropped."""
+    if path is None:
+        return []
+    records = []
+    if resume_step and path.exists():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a kill
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("step", math.inf) <= resume_step:
+                    records.append(record)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
+    return records
+
+
+def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, metrics_path, history, progress,
+          log, callbacks):  # fmt: skip
+    config = trainer.config
+    first = int(state.step) + 1
+    metrics_file = open(metrics_path, "a") if metrics_path is not None else None  # noqa: SIM115
+    bar = _progress(progress, config.steps, first - 1)
+    try:
+        with _StopOnSignal() as stop, bar:
+            for step in range(first, config.steps + 1):
+                t0 = time.perf_counter()
+                pos = int(state.data_position)
+                micro = [batches.batch(pos + i) for i in range(config.grad_accum)]
+                new_state, out = trainer.step(state, micro)
+                if not math.isfinite(out["loss"]):
+                    last = ckpts.steps()[-1] if ckpts is not None and ckpts.steps() else None
+                    raise DivergedError(
+                        f"loss is {out['loss']} at step {step}; nothing saved after step {last}. "
+                        "Lower the learning rate or raise --clip-norm"
+                    )
+                state = new_state
+                dt = time.perf_counter() - t0
+                record = {
+                    "step": step,
+                    "loss": out["loss"],
+                    "lr": float(trainer.schedule(step - 1)),
+                    "grad_norm": out["grad_norm"],
+                    "tokens_per_s": config.tokens_per_step / dt,
+                    "step_s": dt,
+                }
+                if step % config.eval_every == 0 or step == config.steps:
+                    record["val_loss"] = trainer.evaluate(state.params, val_windows)
+                history.append(record)
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                last_step = step == config.steps or stop.requested
+                if ckpts is not None and (step % checkpoint_every == 0 or last_step):
+                    ckpts.save(step, state.to_dict(), meta)
+                bar.advance(record)
+                if "val_loss" in record:
+                    bar.print(
+                        f"step {step}/{config.steps}  loss {record['loss']:.4f}  val {record['val_loss']:.4f}  "
+                        f"{record['tokens_per_s']:,.0f} tok/s"
+                    )
+                for fn in callbacks:
+                    fn(step, record)
+                if stop.requested:
+                    log(f"interrupted after step {step}; saved" if ckpts else f"interrupted after step {step}")
+                    raise KeyboardInterrupt
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+    return state, history
+
+
+class _StopOnSignal:
+    """First Ctrl-C (SIGINT) or SIGTERM: finish and save the current step, then stop; second: stop now."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
+
+
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def advance(self, record):
+        pass
+
+    def print(self, msg):
+        print(msg, file=sys.stderr)
+
+
+class _RichBar(_NoBar):
+    def __init__(self, total: int, done: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  {task.fields[speed]}"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self._task = self._progress.add_task("train", total=total, completed=done, loss="-", speed="")
+
+    def __enter__(self):
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._progress.__exit__(*exc)
+
+    def advance(self, record):
+        self._progress.update(
+            self._task, advance=1, loss=f"{record['loss']:.4f}", speed=f"{record['tokens_per_s']:,.0f} tok/s"
+        )
+
+    def print(self, msg):
+        self._progress.console.print(msg)
+
+
+def _progress(enabled: bool, total: int, done: int):
+    return _RichBar(total, done) if enabled else _NoBar()
+
+
+def write_loss_plot(history: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "") -> Path:
+    """Save the training (and validation) loss curve of metrics records as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in history], [r["loss"] for r in history], label="train loss", lw=1)
+    val = [r for r in history if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------
+
+
+def add_cli(subparsers) -> None:
+    """Register ``remat-kit train``."""
+    d = TrainConfig()
+    p = subparsers.add_parser(
+        "train",
+        help="train the LM on local text under a policy, with resumable checkpoints",
+        description="Train the transformer LM on byte-level text (default: the Python standard library's "
+        "sources; nothing is downloaded) under any rematerialization policy.",
+    )
+    p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--policy", default="none", help="rematerialization policy spec (see `remat-kit policies`)")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer updates (default {d.steps})")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: max_seq_len, <= 256)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update (gradient accumulation)")
+    p.add_argument("--lr", type=float, default=d.learning_rate, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=-1, help="warm-up steps (default: 10%% of steps, <= 100)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="global gradient-norm clip")
+    p.add_argument("--dropout", type=float, default=None, help="override the preset's dropout rate")
+    p.add_argument("--loss-chunks", type=int, default=0, help="compute logits/loss in K chunks (0: plain)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders (default: Python stdlib)")
+    p.add_argument("--max-corpus-bytes", type=int, default=None, help="read at most this many bytes of text")
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction, help="held-out tail of the corpus")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validation losses")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save orbax checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--keep", type=int, default=3, help="newest checkpoints to keep")
+    p.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in DIR")
+    p.add_argument("--metrics", metavar="FILE.jsonl", help="write one JSON line of metrics per step")
+    p.add_argument("--plot", metavar="FILE.png", help="loss-curve PNG (default: beside --metrics)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_train_command)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed ``remat-kit train`` arguments."""
+    overrides = {} if args.dropout is None else {"dropout": args.dropout}
+    return TrainConfig(
+        model=TransformerConfig.preset(args.preset, **overrides),
+        policy=args.policy,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        grad_accum=args.grad_accum,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        clip_norm=args.clip_norm,
+        loss_chunks=args.loss_chunks,
+        seed=args.seed,
+        val_fraction=args.val_fraction,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+    )
+
+
+def _train_command(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    result = train(
+        config,
+        data_paths=args.data,
+        max_corpus_bytes=args.max_corpus_bytes,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+        checkpoint_every=args.checkpoint_every,
+        keep=args.keep,
+        metrics_path=args.metrics,
+        plot_path=args.plot,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+    last = result.history[-1] if result.history else {}
+    val = f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else ""
+    print(f"trained {args.preset} under {config.policy} to step {int(result.state.step)}: "
+          f"loss {last.get('loss', float('nan')):.4f}{val}")  # fmt: skip
+    return 0

@@ -1,0 +1,488 @@
+"""What a training step under a policy keeps, needs and costs: compile-only, nothing allocated.
+
+:func:`analyze` traces one AdamW training step of :class:`remat_kit.model.Transformer` from
+``jax.ShapeDtypeStruct`` inputs (``jax.eval_shape`` for the parameters), compiles it, and reports:
+
+* the saved residuals, read from JAX's own residual analysis
+  (:func:`remat_kit._jax_internals.saved_residuals`), each labelled with the block's
+  ``checkpoint_name`` tag where one fits, and split into the layer stack and the head (embedding,
+  final norm, loss);
+* XLA's compiled memory (``Compiled.memory_analysis()``);
+* matmul FLOPs counted from the jaxpr with scan bodies multiplied by their trip count
+  (:mod:`remat_kit.flops`), beside XLA's raw ``cost_analysis()`` figure, which counts a scan once;
+* the seed's analytic estimates (Korthikanti et al. 2022; layer inputs; logits) for comparison.
+
+>>> a = analyze(TransformerConfig.preset("tiny"), "full", batch=2, seq=32)
+>>> a.layers_saved_bytes == 4 * 2 * 32 * 64 * 4  # L · b · s · d · float32: only the layer inputs
+True
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from remat_kit import _jax_internals, flops, policies
+from remat_kit.loss import lm_loss
+from remat_kit.model import Block, Transformer, TransformerConfig, abstract_params
+
+#: Regions of the step a residual belongs to.
+REGIONS: tuple[str, ...] = ("layers", "head")
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedResidual:
+    """One tensor the backward pass keeps.
+
+    Attributes:
+      region: ``"layers"`` (the scanned block stack) or ``"head"`` (embedding, final norm, loss).
+      label: what it is: a tag (``"q_proj"``), candidate tags (``"attn_norm|mlp_norm"``), a weight
+        slice (``"weight layers.mlp_up.kernel"``) or JAX's short description (``"exp in xla_attention"``).
+      tags: the ``checkpoint_name`` tags it may be (several when only shape and dtype tell them apart).
+      shape: its shape; stacked residuals of the layer scan carry the layer (or group) axis first.
+      dtype: dtype name.
+      nbytes: size in bytes.
+      host: True when it lives in host memory (offloaded).
+      source: JAX's description of where it comes from.
+    """
+
+    region: str
+    label: str
+    tags: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    host: bool
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """XLA's buffer assignment for the compiled step (``Compiled.memory_analysis()``), in bytes.
+
+    ``argument`` and ``output`` overlap by ``alias`` (parameters and optimizer state are donated).
+    ``temp`` is everything else the step needs at once: activations, gradients, workspace.
+    """
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    host_argument: int
+    host_output: int
+    host_temp: int
+
+    @property
+    def total(self) -> int:
+        """Device bytes live at the peak, bounded by XLA's buffer assignment: arguments + outputs − aliased + temp."""
+        return self.argument + self.output - self.alias + self.temp
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimates:
+    """The seed's analytic figures, for comparison with the exact ones (bytes).
+
+    Attributes:
+      korthikanti_per_layer: 34 · b · s · h, Korthikanti et al.'s activations per layer with 16-bit
+        values, excluding the attention-score term.
+      korthikanti: ``korthikanti_per_layer`` · L, "everything kept" by that formula.
+      korthikanti_scores: 5 · a · s² · b · L, the attention-score term the 34 leaves out (scores,
+        softmax and its dropout mask, 16-bit).
+      layer_inputs: 2 · b · s · h · L, the 16-bit checkpointed layer inputs of full remat.
+      logits: b · s · V · 4, the float32 logits.
+    """
+
+    korthikanti_per_layer: int
+    korthikanti: int
+    korthikanti_scores: int
+    layer_inputs: int
+    logits: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """The compile-only measurement of one training step under one policy.
+
+    Attributes:
+      policy: the policy spec.
+      config: the model configuration.
+      batch, seq: the token shape; loss_chunks: 0 for the plain loss, k for the chunked one.
+      residuals: every non-argument tensor the backward pass keeps, largest first.
+      saved_bytes, saved_host_bytes: their totals on the device and in host memory.
+      layers_saved_bytes, layers_saved_host_bytes: the same for the layer stack alone.
+      param_bytes: bytes of the parameters (arguments, not activation memory).
+      memory: XLA's compiled memory.
+      flops: matmul FLOPs per step counted from the jaxpr (scan trip counts applied).
+      xla_flops: XLA's raw ``cost_analysis()["flops"]`` (a scan body counted once; see :mod:`remat_kit.flops`).
+      analytic: textbook FLOPs for ``none`` and for one extra forward of the layers.
+      estimates: the seed's analytic byte figures.
+      compile_s: seconds to lower and compile the step.
+    """
+
+    policy: str
+    config: TransformerConfig
+    batch: int
+    seq: int
+    loss_chunks: int
+    residuals: tuple[SavedResidual, ...]
+    saved_bytes: int
+    saved_host_bytes: int
+    layers_saved_bytes: int
+    layers_saved_host_bytes: int
+    param_bytes: int
+    memory: CompiledMemory
+    flops: int
+    xla_flops: float
+    analytic: flops.AnalyticFlops
+    estimates: Estimates
+    compile_s: float
+
+    def largest(self, n: int = 5, region: str | None = None) -> tuple[SavedResidual, ...]:
+        """The ``n`` largest residuals (of ``region`` if given): what to target next."""
+        rows = [r for r in self.residuals if region is None or r.region == region]
+        return tuple(rows[:n])
+
+    def by_label(self, region: str | None = None) -> dict[str, int]:
+        """Saved bytes grouped by label (of ``region`` if given), largest first."""
+        totals: collections.Counter[str] = collections.Counter()
+        for r in self.residuals:
+            if region is None or r.region == region:
+                totals[r.label] += r.nbytes
+        return dict(totals.most_common())
+
+    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        """A JSON-ready record (``top`` limits the residual list; None keeps all)."""
+        residuals = self.residuals if top is None else self.residuals[:top]
+        return {
+            "policy": self.policy,
+            "config": dataclasses.asdict(self.config),
+            "batch": self.batch,
+            "seq": self.seq,
+            "loss_chunks": self.loss_chunks,
+            "saved_bytes": self.saved_bytes,
+            "saved_host_bytes": self.saved_host_bytes,
+            "layers_saved_bytes": self.layers_saved_bytes,
+            "layers_saved_host_bytes": self.layers_saved_host_bytes,
+            "head_saved_bytes": self.saved_bytes - self.layers_saved_bytes,
+            "param_bytes": self.param_bytes,
+            "argument_bytes": self.memory.argument,
+            "output_bytes": self.memory.output,
+            "alias_bytes": self.memory.alias,
+            "temp_bytes": self.memory.temp,
+            "host_bytes": self.memory.host_argument + self.memory.host_output + self.memory.host_temp,
+            "host_temp_bytes": self.memory.host_temp,
+            "flops": self.flops,
+            "xla_flops_raw": self.xla_flops,
+            "analytic_flops_none": self.analytic.none,
+            "analytic_flops_full": self.analytic.full,
+            "estimates": dataclasses.asdict(self.estimates),
+            "compile_s": self.compile_s,
+            "residuals": [dataclasses.asdict(r) for r in residuals],
+        }
+
+
+# ---- validation ------------------------------------------------------------------------------------
+
+
+def check_shape(config: TransformerConfig, batch: int, seq: int, loss_chunks: int = 0) -> None:
+    """Raise a clear error for a token shape or chunk count the model cannot take."""
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+    for what, value in (("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{what} must be a positive integer, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{what} must be a positive integer (>= 1), got {value}")
+    if seq > config.max_seq_len:
+        raise ValueError(
+            f"seq={seq} exceeds the model's max_seq_len={config.max_seq_len}; allowed: 1..{config.max_seq_len}"
+        )
+    if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 0:
+        raise ValueError(f"loss_chunks must be 0 (plain loss) or a positive integer, got {loss_chunks!r}")
+    if loss_chunks > batch * seq:
+        raise ValueError(f"loss_chunks={loss_chunks} exceeds the token count {batch * seq}; allowed: 0..{batch * seq}")
+
+
+# ---- the training step -----------------------------------------------------------------------------
+
+
+def optimizer(learning_rate: float = 1e-3) -> optax.GradientTransformation:
+    """The optimizer every measured step uses: AdamW."""
+    return optax.adamw(learning_rate)
+
+
+def train_step(model: Transformer, opt: optax.GradientTransformation, loss_chunks: int = 0):
+    """One AdamW step ``(params, opt_state, tokens) -> (params, opt_state, loss)`` (not jitted)."""
+
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(lambda p: lm_loss(model, p, tokens, loss_chunks=loss_chunks))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def abstract_inputs(config: TransformerConfig, batch: int, seq: int, opt: optax.GradientTransformation):
+    """``(params, opt_state, tokens)`` as ShapeDtypeStructs: nothing is allocated."""
+    params = abstract_params(config)
+    return params, jax.eval_shape(opt.init, params), jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+
+
+def compile_step(model: Transformer, batch: int, seq: int, loss_chunks: int = 0, learning_rate: float = 1e-3):
+    """Lower and compile the donated, jitted training step for abstract inputs.
+
+    Returns:
+      ``(compiled, jaxpr_flops, seconds)``: the compiled step (callable on real arrays of those
+      shapes), its matmul FLOPs from the jaxpr, and the lower+compile time.
+    """
+    opt = optimizer(learning_rate)
+    args = abstract_inputs(model.config, batch, seq, opt)
+    start = time.perf_counter()
+    traced = jax.jit(train_step(model, opt, loss_chunks), donate_argnums=(0, 1)).trace(*args)
+    compiled = traced.lower().compile()
+    seconds = time.perf_counter() - start
+    return compiled, flops.jaxpr_flops(traced.jaxpr), seconds
+
+
+# ---- residuals -------------------------------------------------------------------------------------
+
+
+def _short(source: str) -> str:
+    """``"output of exp from .../attention.py:58:12 (xla_attention)"`` → ``"exp in xla_attention"``."""
+    if source.startswith("named '"):
+        return source[len("named '") :].split("'", 1)[0]
+    head = source.removeprefix("output of ").split(" from ", 1)[0]
+    head = head.removeprefix("jitted function ").strip("'")
+    func = source.rsplit("(", 1)[-1].rstrip(")") if source.endswith(")") else ""
+    return f"{head} in {func}" if func else head
+
+
+def _block_candidates(config: TransformerConfig, policy: policies.Policy, batch: int, seq: int):
+    """(shape, dtype) → labels of what one block keeps under ``policy`` (and its weights' paths).
+
+    Stacked residuals of the scan carry no tags; one block analysed alone under the same JAX
+    policy does, so the stack's residuals are matched to it by shape and dtype.
+    """
+    block = Block(config=config)
+    x = jax.ShapeDtypeStruct((batch, seq, config.d_model), jnp.dtype(config.dtype))
+    params = jax.eval_shape(lambda k: block.init(k, jnp.zeros(x.shape, x.dtype))["params"], jax.random.key(0))
+    apply = lambda p, h: block.apply({"params": p}, h)
+    # every_n keeps everything of its non-rematerialized layers: look at the plain block too.
+    variants = [apply] if policy.kind in ("none", "every_n") else []
+    if policy.remat:
+        variants.append(jax.checkpoint(apply, policy=policy.jax_policy))
+    found: dict[tuple, list[tuple[str, str | None]]] = collections.defaultdict(list)
+
+    def add(key, label, tag):
+        if (label, tag) not in found[key]:
+            found[key].append((label, tag))
+
+    for fn in variants:
+        for r in _jax_internals.saved_residuals(lambda p, h, fn=fn: jnp.sum(fn(p, h)), params, x):
+            if not r.is_argument:
+                add((r.shape, r.dtype), r.tag or _short(r.source), r.tag)
+    add((x.shape, str(x.dtype)), "layer_input", "layer_input")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        # Kept as stored, or as the compute-dtype copy a mixed-precision Dense casts it to.
+        for dtype in {str(leaf.dtype), config.dtype}:
+            add((tuple(leaf.shape), dtype), f"weight layers.{name}", None)
+    return found
+
+
+def _label(shape, dtype, candidates, stack_axes: set[int]) -> tuple[str, tuple[str, ...]]:
+    """Label a residual by what one block keeps with that shape, after stripping scan axes.
+
+    Stacked residuals carry up to two leading scan axes (groups, then layers within a group).
+    Tags are preferred over JAX's descriptions; several candidates are all listed.
+    """
+    keys = [(tuple(shape), dtype)]
+    for k in (1, 2):
+        if len(shape) > k and all(d in stack_axes for d in shape[:k]):
+            keys.insert(0, (tuple(shape[k:]), dtype))
+    for key in keys:
+        if key in candidates:
+            labels = candidates[key]
+            tags = tuple(t for _, t in labels if t)
+            weights = [label for label, t in labels if label.startswith("weight ")]
+            return "|".join(tags or weights or [label for label, _ in labels]), tags
+    return "", ()
+
+
+def _residuals(config, policy, batch, seq, loss_chunks):
+    model = Transformer(config=config, policy=policy)
+    params = abstract_params(config)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    step = _jax_internals.saved_residuals(lambda p, t: lm_loss(model, p, t, loss_chunks=loss_chunks), params, tokens)
+    x = jax.ShapeDtypeStruct((batch, seq, config.d_model), jnp.dtype(config.dtype))
+    # The stack alone under a linear read-out (which keeps nothing): its residuals are the layers' share.
+    stack_only = lambda p, h: jnp.sum(model.apply({"params": p}, h, method=lambda m, h: m.layers(h)))
+    layers = [r for r in _jax_internals.saved_residuals(stack_only, params, x) if not r.is_argument]
+    param_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+
+    plan = policy.plan(config.num_layers)
+    groups, rest = divmod(config.num_layers, plan.size)
+    stack_axes = {config.num_layers, groups, rest, plan.size, plan.size - 1} - {0}
+    candidates = _block_candidates(config, policy, batch, seq)
+    pool = collections.Counter((r.shape, r.dtype, r.host) for r in layers)
+    out = []
+    for r in step:
+        if r.is_argument:
+            continue
+        key = (r.shape, r.dtype, r.host)
+        region = "layers" if pool[key] > 0 else "head"
+        if region == "layers":
+            pool[key] -= 1
+            label, tags = _label(r.shape, r.dtype, candidates, stack_axes)
+        else:
+            label, tags = "", ()
+        if r.tag:
+            label, tags = r.tag, (r.tag,)
+        out.append(
+            SavedResidual(
+                region=region,
+                label=label or _short(r.source),
+                tags=tags,
+                shape=r.shape,
+                dtype=r.dtype,
+                nbytes=r.nbytes,
+                host=r.host,
+                source=r.source,
+            )
+        )
+    out.sort(key=lambda r: -r.nbytes)
+    return tuple(out), layers, param_bytes
+
+
+def breakdown(analysis: Analysis) -> dict[str, int]:
+    """The layer stack's saved bytes by kind, to set beside Korthikanti's 34 · b · s · h per layer.
+
+    Kinds: ``attention scores`` (a ``[..., seq, seq]`` tensor: probabilities or their exponentials,
+    materialized by XLA's default attention; Korthikanti counts them apart, as 5 · a · s² · b),
+    ``weight copies`` (weight slices or their compute-dtype casts, which Korthikanti does not
+    count), and the remaining activations by dtype.
+    """
+    out: collections.Counter[str] = collections.Counter()
+    for r in analysis.residuals:
+        if r.region != "layers":
+            continue
+        if r.label.startswith("weight "):
+            kind = "weight copies"
+        elif list(r.shape).count(analysis.seq) >= 2:
+            kind = "attention scores"
+        else:
+            kind = f"{r.dtype} activations"
+        out[kind + (" (host)" if r.host else "")] += r.nbytes
+    return dict(out.most_common())
+
+
+# ---- estimates ------------------------------------------------------------------------------------
+
+
+def estimates(config: TransformerConfig, batch: int, seq: int) -> Estimates:
+    """The seed's analytic figures for ``config`` at ``[batch, seq]``.
+
+    >>> e = estimates(TransformerConfig.preset("2b"), 2, 1024)
+    >>> round(e.layer_inputs / 1e9, 2), round(e.logits / 1e9, 1), round(e.korthikanti / 1e9, 1)
+    (0.23, 2.0, 4.0)
+    """
+    b, s, h, L = batch, seq, config.d_model, config.num_layers
+    per_layer = 34 * b * s * h
+    return Estimates(
+        korthikanti_per_layer=per_layer,
+        korthikanti=per_layer * L,
+        korthikanti_scores=5 * config.num_heads * s * s * b * L,
+        layer_inputs=2 * b * s * h * L,
+        logits=b * s * config.vocab_size * 4,
+    )
+
+
+# ---- the analysis ---------------------------------------------------------------------------------
+
+
+def analyze(
+    config: TransformerConfig,
+    policy: policies.Policy | str,
+    batch: int,
+    seq: int,
+    *,
+    loss_chunks: int = 0,
+    learning_rate: float = 1e-3,
+) -> Analysis:
+    """Measure one AdamW training step of ``config`` under ``policy``, compile-only.
+
+    Args:
+      config: the model (its ``dtype``/``param_dtype`` set the numerics).
+      policy: a Policy or spec string.
+      batch, seq: the token shape; ``seq`` at most ``config.max_seq_len``.
+      loss_chunks: 0 for the plain loss over full logits, k > 0 for the chunked loss.
+      learning_rate: AdamW's learning rate (does not change any figure; kept for the bench).
+
+    Returns:
+      An :class:`Analysis`.
+
+    Raises:
+      ValueError/TypeError: a bad shape, chunk count or policy, before anything is traced.
+    """
+    return analyze_compiled(config, policy, batch, seq, loss_chunks=loss_chunks, learning_rate=learning_rate)[0]
+
+
+def analyze_compiled(
+    config: TransformerConfig,
+    policy: policies.Policy | str,
+    batch: int,
+    seq: int,
+    *,
+    loss_chunks: int = 0,
+    learning_rate: float = 1e-3,
+):
+    """:func:`analyze`, also returning the compiled step so a benchmark can run it without recompiling.
+
+    Returns:
+      ``(Analysis, compiled)``; ``compiled(params, opt_state, tokens)`` donates params and state.
+    """
+    check_shape(config, batch, seq, loss_chunks)
+    policy = policies.parse(policy)
+    policy.validate_depth(config.num_layers)
+    model = Transformer(config=config, policy=policy)
+    residuals, layers, param_bytes = _residuals(config, policy, batch, seq, loss_chunks)
+    compiled, count, seconds = compile_step(model, batch, seq, loss_chunks, learning_rate)
+    m = compiled.memory_analysis()
+    memory = CompiledMemory(
+        argument=int(m.argument_size_in_bytes),
+        output=int(m.output_size_in_bytes),
+        alias=int(m.alias_size_in_bytes),
+        temp=int(m.temp_size_in_bytes),
+        host_argument=int(m.host_argument_size_in_bytes),
+        host_output=int(m.host_output_size_in_bytes),
+        host_temp=int(m.host_temp_size_in_bytes),
+    )
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    analysis = Analysis(
+        policy=str(policy),
+        config=config,
+        batch=batch,
+        seq=seq,
+        loss_chunks=loss_chunks,
+        residuals=residuals,
+        saved_bytes=sum(r.nbytes for r in residuals if not r.host),
+        saved_host_bytes=sum(r.nbytes for r in residuals if r.host),
+        layers_saved_bytes=sum(r.nbytes for r in layers if not r.host),
+        layers_saved_host_bytes=sum(r.nbytes for r in layers if r.host),
+        param_bytes=param_bytes,
+        memory=memory,
+        flops=count,
+        xla_flops=float((cost or {}).get("flops", math.nan)),
+        analytic=flops.analytic_flops(config, batch, seq),
+        estimates=estimates(config, batch, seq),
+        compile_s=seconds,
+    )
+    return analysis, compiled

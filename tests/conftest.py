@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# Four simulated CPU devices so the mesh tests run in CI; unsharded tests use device 0.
+jax.config.update("jax_num_cpu_devices", 4)
 
 #: Every policy kind, as spec strings, with readable test ids.
 ALL_SPECS = ["none", "full", "every_n:2", "selective", "offload", "segments:2", "sqrt_n", "dots"]

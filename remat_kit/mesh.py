@@ -1,0 +1,170 @@
+"""Device meshes for data parallelism and FSDP, built on ``jax.sharding``.
+
+A mesh always has the two axes ``("data", "fsdp")``; ``--mesh data=2,fsdp=2`` sets their sizes. The
+batch is split over both axes (every device sees different examples); parameters, gradients and
+optimizer state are split over ``fsdp`` along their largest divisible dimension. The scanned layer
+stack's layer axis (axis 0 of every leaf under a ``layers`` key) is never split: the scan walks it.
+
+>>> MeshSpec.parse("data=2,fsdp=2")
+MeshSpec(data=2, fsdp=2)
+>>> str(MeshSpec.parse("fsdp=4"))
+'data=1,fsdp=4'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXES: tuple[str, ...] = ("data", "fsdp")
+
+#: The key under which the scan core stores stacked layer parameters (see remat_kit.scan.Stack).
+STACKED_KEY = "layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Sizes of the ``data`` and ``fsdp`` mesh axes."""
+
+    data: int = 1
+    fsdp: int = 1
+
+    def __post_init__(self):
+        for axis in AXES:
+            size = getattr(self, axis)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis {axis} must be a positive integer, got {size!r}")
+
+    def __str__(self) -> str:
+        return f"data={self.data},fsdp={self.fsdp}"
+
+    @property
+    def size(self) -> int:
+        """Devices the mesh needs."""
+        return self.data * self.fsdp
+
+    @classmethod
+    def parse(cls, spec: str | MeshSpec | None) -> MeshSpec:
+        """Parse ``"data=4"`` / ``"data=2,fsdp=2"`` (omitted axes have size 1; None or "" is 1 device).
+
+        Raises:
+          ValueError: an unknown axis, a repeated axis, or a size that is not a positive integer.
+        """
+        if spec is None or isinstance(spec, MeshSpec):
+            return spec or cls()
+        if not isinstance(spec, str):
+            raise TypeError(f"a mesh spec must be a string like 'data=2,fsdp=2', got {spec!r}")
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            axis, eq, value = part.partition("=")
+            axis = axis.strip()
+            if not eq or axis not in AXES:
+                raise ValueError(
+                    f"mesh spec {spec!r}: unknown axis in {part!r}; allowed axes: {', '.join(AXES)} "
+                    f"(e.g. 'data=2,fsdp=2')"
+                )
+            if axis in sizes:
+                raise ValueError(f"mesh spec {spec!r}: axis {axis!r} given twice")
+            try:
+                sizes[axis] = int(value)
+            except ValueError:
+                raise ValueError(f"mesh spec {spec!r}: size of {axis!r} must be an integer, got {value!r}") from None
+        return cls(**sizes)
+
+
+def make_mesh(spec: str | MeshSpec | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``("data", "fsdp")`` mesh over ``devices`` (default: all devices).
+
+    Raises:
+      ValueError: the axis sizes do not multiply to the number of devices.
+    """
+    spec = MeshSpec.parse(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    if spec.size != len(devices):
+        raise ValueError(
+            f"mesh {spec} needs {spec.size} devices but {len(devices)} are available "
+            f"({', '.join(str(d) for d in devices[:4])}{', ...' if len(devices) > 4 else ''}); "
+            f"the axis sizes must multiply to the device count"
+        )
+    grid = np.asarray(devices, dtype=object).reshape(spec.data, spec.fsdp)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def check_batch(batch: int, mesh: Mesh) -> None:
+    """Raise ValueError unless ``batch`` splits evenly over the mesh's data-parallel devices."""
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if batch % ways:
+        raise ValueError(
+            f"batch {batch} is not divisible by the data-parallel device count {ways} "
+            f"(data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}); use a multiple of {ways}"
+        )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a ``[batch, ...]`` array: batch split over ``data`` and ``fsdp``."""
+    return NamedSharding(mesh, P(AXES))
+
+
+def _is_stacked(path) -> bool:
+    return any(getattr(k, "key", getattr(k, "name", None)) == STACKED_KEY for k in path)
+
+
+def leaf_spec(shape: Sequence[int], fsdp: int, stacked: bool) -> P:
+    """FSDP partition of one array: its largest dimension divisible by ``fsdp`` goes over ``fsdp``.
+
+    Axis 0 of a stacked (scanned) leaf is excluded; a leaf with no divisible dimension is replicated.
+
+    >>> leaf_spec((8, 64, 32), fsdp=4, stacked=True)
+    P(None, 'fsdp', None)
+    >>> leaf_spec((6,), fsdp=4, stacked=False)
+    P()
+    """
+    if fsdp == 1:
+        return P()
+    first = 1 if stacked else 0
+    candidates = [(shape[i], i) for i in range(first, len(shape)) if shape[i] % fsdp == 0]
+    if not candidates:
+        return P()
+    _, axis = max(candidates)
+    return P(*(("fsdp" if i == axis else None) for i in range(len(shape))))
+
+
+def tree_shardings(tree, mesh: Mesh):
+    """NamedShardings for a tree of parameters, gradients or optimizer state (arrays or shapes)."""
+    fsdp = mesh.shape["fsdp"]
+
+    def one(path, leaf):
+        shape = getattr(leaf, "shape", ())
+        return NamedSharding(mesh, leaf_spec(tuple(shape), fsdp, _is_stacked(path)))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def maybe_initialize_distributed(env: Mapping[str, str] | None = None) -> bool:
+    """Call ``jax.distributed.initialize()`` when a multi-host environment is configured.
+
+    Recognized: ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``), or the
+    cluster variables JAX detects itself (SLURM, Open MPI, TPU pods) signalled by
+    ``REMAT_KIT_DISTRIBUTED=1``.
+
+    Returns:
+      True when it initialized, False on a single host.
+    """
+    env = os.environ if env is None else env
+    if "JAX_COORDINATOR_ADDRESS" in env:
+        jax.distributed.initialize(
+            coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(env["JAX_NUM_PROCESSES"]) if "JAX_NUM_PROCESSES" in env else None,
+            process_id=int(env["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in env else None,
+        )
+        return True
+    if env.get("REMAT_KIT_DISTRIBUTED") == "1":
+        jax.distributed.initialize()
+        return True
+    return False

@@ -1,0 +1,110 @@
+"""Sharded training math on 4 simulated CPU devices (set in conftest)."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from conftest import ALL_SPECS, RTOL_F32, max_rel_err
+
+from remat_kit import mesh as M
+from remat_kit.loss import lm_loss
+from remat_kit.model import Transformer, TransformerConfig, init_params
+
+
+def test_four_simulated_devices():
+    assert len(jax.devices()) == 4
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("data=4", M.MeshSpec(4, 1)),
+        ("data=2,fsdp=2", M.MeshSpec(2, 2)),
+        ("fsdp=4", M.MeshSpec(1, 4)),
+        ("", M.MeshSpec()),
+    ],
+    ids=["data", "both", "fsdp", "empty"],
+)
+def test_parse_mesh(spec, expected):
+    assert M.MeshSpec.parse(spec) == expected
+    assert M.MeshSpec.parse(str(expected)) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("model=4", r"unknown axis in 'model=4'; allowed axes: data, fsdp"),
+        ("data=2,data=2", r"axis 'data' given twice"),
+        ("data=two", r"size of 'data' must be an integer, got 'two'"),
+        ("data=0", r"mesh axis data must be a positive integer, got 0"),
+        ("data", r"unknown axis in 'data'"),
+    ],
+    ids=["unknown-axis", "repeated", "non-int", "zero", "no-size"],
+)
+def test_bad_mesh_specs(spec, match):
+    with pytest.raises(ValueError, match=match):
+        M.MeshSpec.parse(spec)
+
+
+def test_axis_sizes_must_multiply_to_device_count():
+    with pytest.raises(ValueError, match=r"mesh data=2,fsdp=1 needs 2 devices but 4 are available"):
+        M.make_mesh("data=2")
+
+
+def test_batch_must_divide_over_data_parallel_devices():
+    mesh = M.make_mesh("data=2,fsdp=2")
+    M.check_batch(8, mesh)
+    with pytest.raises(ValueError, match=r"batch 6 is not divisible by the data-parallel device count 4"):
+        M.check_batch(6, mesh)
+
+
+def test_fsdp_shards_largest_divisible_dim_and_never_the_layer_axis():
+    cfg = TransformerConfig.preset("tiny")
+    params = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+    shardings = M.tree_shardings(params, M.make_mesh("fsdp=4"))
+    for path, s in jax.tree_util.tree_leaves_with_path(shardings):
+        keys = [getattr(k, "key", None) for k in path]
+        spec = tuple(s.spec)
+        if "layers" in keys and spec:
+            assert spec[0] is None, path
+    q = shardings["layers"]["layers"]["q_proj"]["kernel"].spec  # [L=4, 64, 64]
+    assert tuple(q) == (None, None, "fsdp")
+    assert tuple(shardings["embed"]["embedding"].spec) == ("fsdp", None)  # [256, 64]
+    assert tuple(M.tree_shardings(params, M.make_mesh("data=4"))["embed"]["embedding"].spec) == ()
+
+
+def _loss_and_grads(cfg, spec, params, tokens, mesh=None):
+    model = Transformer(config=cfg, policy=spec)
+    f = jax.value_and_grad(lambda p, t: lm_loss(model, p, t))
+    if mesh is None:
+        return jax.jit(f)(params, tokens)
+    shardings = M.tree_shardings(params, mesh)
+    params = jax.device_put(params, shardings)
+    tokens = jax.device_put(tokens, M.batch_sharding(mesh))
+    loss, grads = jax.jit(f, out_shardings=(None, shardings))(params, tokens)
+    for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(shardings), strict=True):
+        assert g.sharding.is_equivalent_to(s, g.ndim)  # gradients come back sharded like the parameters
+    return loss, grads
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_every_policy_same_loss_and_grads_sharded(spec):
+    cfg = TransformerConfig.preset("tiny", num_layers=3)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
+    loss0, grads0 = _loss_and_grads(cfg, spec, params, tokens)
+    for mesh_spec in ("data=4", "data=2,fsdp=2"):
+        loss, grads = _loss_and_grads(cfg, spec, params, tokens, M.make_mesh(mesh_spec))
+        assert abs(float(loss) - float(loss0)) <= RTOL_F32 * abs(float(loss0)), mesh_spec
+        assert max_rel_err(jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, grads0)) <= RTOL_F32, mesh_spec
+
+
+def test_distributed_initialize_only_when_configured(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    assert M.maybe_initialize_distributed({}) is False
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    assert M.maybe_initialize_distributed(env) is True
+    assert calls == [{"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}]
+    assert M.maybe_initialize_distributed({"REMAT_KIT_DISTRIBUTED": "1"}) is True and calls[-1] == {}

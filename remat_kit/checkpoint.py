@@ -161,9 +161,9 @@ class Checkpoints:
         return found
 
     def _restore_state(self, step: int, abstract_state: Any) -> Any:
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-        )["state"]
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))[
+            "state"
+        ]
         # Orbax restores namedtuples (optax states) as plain tuples; put the leaves back into the
         # exact structure asked for, after checking they line up one to one.
         leaves = jax.tree.leaves(restored)

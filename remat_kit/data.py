@@ -78,7 +78,7 @@ class Corpus:
         """
         if not (isinstance(val_fraction, (int, float)) and 0.0 < val_fraction < 1.0):
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
-        cut = int(round(self.tokens.size * (1.0 - val_fraction)))
+        cut = round(self.tokens.size * (1.0 - val_fraction))
         return self.tokens[:cut], self.tokens[cut:]
 
 

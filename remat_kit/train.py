@@ -40,20 +40,17 @@ from remat_kit.checkpoint import Checkpoints
 from remat_kit.loss import lm_loss
 from remat_kit.model import PRESETS, Transformer, TransformerConfig, init_params
 
-#: Training settings a resumed run must share with its checkpoint (they decide the data order
-#: and the optimizer); the policy, loss chunks, step count and logging may change.
-RESUME_MUST_MATCH = (
-    "batch_size",
-    "seq_len",
-    "grad_accum",
-    "seed",
-    "learning_rate",
-    "warmup_steps",
-    "min_lr_ratio",
-    "weight_decay",
-    "clip_norm",
-    "val_fraction",
-)
+#: Training settings a resumed run must share with its checkpoint: they decide the data order and
+#: the optimizer state's structure. The policy, loss chunks and logging may change freely.
+RESUME_MUST_MATCH = ("batch_size", "seq_len", "grad_accum", "seed", "val_fraction")
+
+#: Settings that may change on resume (e.g. a lower learning rate after a divergence, or more
+#: steps); the continuation is then no longer exact, and a note says so.
+RESUME_MAY_CHANGE = ("steps", "learning_rate", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm")
+
+#: Model fields that choose an implementation, not the parameters: like the policy, they may
+#: change on resume (results then agree to float rounding, not bit for bit).
+MODEL_MAY_CHANGE = ("attention", "attention_block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +255,7 @@ class Trainer:
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     def _eval_impl(self, params, tokens):
         self._count_trace("eval")
@@ -266,6 +263,10 @@ class Trainer:
 
     def init_state(self) -> TrainState:
         """A fresh state from ``config.seed``."""
+        # One compiled program instead of hundreds of eagerly dispatched initializer ops.
+        return jax.jit(self._init_state_impl)()
+
+    def _init_state_impl(self) -> TrainState:
         key = jax.random.key(self.config.seed)
         params = init_params(self.config.model, jax.random.fold_in(key, 0))
         return TrainState(
@@ -386,19 +387,24 @@ def train(
                 "that run or choose another --checkpoint-dir"
             )
         trainer = Trainer(config)
-        state = trainer.init_state()
-        resumed_from = None
+        state, resumed_from = None, None
         if ckpts is not None and resume:
-            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state.to_dict())
+            # Shapes only (nothing allocated), so a mismatched checkpoint is reported at once.
+            abstract = jax.eval_shape(lambda: trainer.init_state().to_dict())
             found = ckpts.restore_latest(abstract, lambda m: check_compatible(m, meta, ckpts.directory))
             if found is None:
                 log(f"no checkpoint in {ckpts.directory}; starting from step 0")
             else:
-                resumed_from, restored, _ = found
+                resumed_from, restored, saved_meta = found
+                changed = schedule_changes(saved_meta, meta)
+                if changed:
+                    log(f"note: {changed}; the continuation is not the exact original run")
                 state = TrainState(**restored)
                 if int(state.data_position) != int(state.step) * config.grad_accum:
                     raise ValueError(f"checkpoint step {resumed_from} has an inconsistent data position")
                 log(f"resumed from step {resumed_from} in {ckpts.directory}")
+        if state is None:
+            state = trainer.init_state()
         history = _start_metrics(metrics_path, resumed_from or 0)
         state, history = _loop(
             trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, metrics_path, history, progress,
@@ -416,16 +422,18 @@ def train(
 
 def _title(config: TrainConfig) -> str:
     m = config.model
-    return f"d_model {m.d_model} x {m.num_layers} layers, policy {config.policy}, batch {config.batch_size}x{config.seq_len}"
+    shape = f"batch {config.batch_size}x{config.seq_len}"
+    return f"d_model {m.d_model} x {m.num_layers} layers, policy {config.policy}, {shape}"
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: Any = "the checkpoint") -> None:
     """Raise ValueError naming every field where a checkpoint's run differs from this one."""
     old, new = saved.get("config", {}), current["config"]
+    old_model = old.get("model", {})
     diffs = [
-        f"model.{k}: {old.get('model', {}).get(k)!r} (checkpoint) vs {v!r} (now)"
+        f"model.{k}: {old_model.get(k)!r} (checkpoint) vs {v!r} (now)"
         for k, v in new["model"].items()
-        if old.get("model", {}).get(k) != v
+        if old_model.get(k) != v and k not in MODEL_MAY_CHANGE
     ]
     if diffs:
         raise ValueError(f"checkpoint in {where} is for a different model config: {'; '.join(diffs)}")
@@ -434,6 +442,14 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: Any 
         diffs.append(f"data: {saved.get('data', {}).get('source')!r} (checkpoint) vs {current['data']['source']!r}")
     if diffs:
         raise ValueError(f"cannot resume exactly from {where}; the run differs in {'; '.join(diffs)}")
+
+
+def schedule_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """Which of :data:`RESUME_MAY_CHANGE` differ between a checkpoint and this run ('' if none)."""
+    old, new = saved.get("config", {}), current["config"]
+    pairs = [(k, old.get(k), new[k]) for k in RESUME_MAY_CHANGE]
+    pairs += [(f"model.{k}", old.get("model", {}).get(k), new["model"].get(k)) for k in MODEL_MAY_CHANGE]
+    return ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in pairs if a != b)
 
 
 def _start_metrics(path: Path | None, resume_step: int) -> list[dict[str, Any]]:

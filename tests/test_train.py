@@ -1,0 +1,269 @@
+"""Training under every policy, exact resume after a kill, and clear errors for bad runs."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import ALL_SPECS, max_rel_err
+
+from remat_kit import cli, data, train
+from remat_kit.checkpoint import Checkpoints
+from remat_kit.model import TransformerConfig
+
+#: Per-step losses of one seed under two policies agree to this relative error (float32; the
+#: model-level tolerance of the style guide). Remat only reorders float rounding.
+LOSS_RTOL = 1e-4
+
+STEPS = 6
+BASE = dict(steps=STEPS, batch_size=2, seq_len=32, eval_every=3, eval_batches=1, learning_rate=3e-3)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    # Real text: the first 96 KiB of the standard library's sources.
+    return data.load_corpus(max_bytes=96 * 1024)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus):
+    return train.train(train.TrainConfig(policy="none", **BASE), corpus)
+
+
+def losses(result):
+    return np.array([r["loss"] for r in result.history])
+
+
+def test_loss_decreases_and_step_traces_once(reference):
+    ls = losses(reference)
+    assert len(ls) == STEPS and np.all(np.isfinite(ls))
+    assert ls[-1] < ls[0] - 0.5, ls  # byte-level text starts near ln(256) = 5.5 and falls fast
+    assert reference.step_traces == 1
+    assert [r["step"] for r in reference.history] == list(range(1, STEPS + 1))
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(reference.history[0])
+    assert [r["step"] for r in reference.history if "val_loss" in r] == [3, 6]
+
+
+@pytest.mark.parametrize("spec", [s for s in ALL_SPECS if s != "none"], ids=str)
+def test_every_policy_gives_the_same_losses(corpus, reference, spec):
+    result = train.train(train.TrainConfig(policy=spec, **BASE), corpus)
+    assert result.step_traces == 1
+    np.testing.assert_allclose(losses(result), losses(reference), rtol=LOSS_RTOL)
+    assert max_rel_err(result.state.params, reference.state.params) < LOSS_RTOL
+
+
+def test_chunked_loss_and_grad_accumulation_give_the_same_run(corpus, reference):
+    # Two micro-batches of 1 see the same windows as one batch of 2 (batch i of size b holds
+    # windows b*i .. b*i+b-1), and the chunked loss equals the plain one.
+    cfg = train.TrainConfig(policy="full", **{**BASE, "batch_size": 1}, grad_accum=2, loss_chunks=3)
+    result = train.train(cfg, corpus)
+    np.testing.assert_allclose(losses(result), losses(reference), rtol=LOSS_RTOL)
+
+
+def test_a_retrace_is_an_error(corpus):
+    trainer = train.Trainer(train.TrainConfig(**BASE))
+    state = trainer.init_state()
+    state, _ = trainer.step(state, [np.zeros((2, 32), np.int32)])
+    with pytest.raises(train.RetraceError, match="traced 2 times"):
+        trainer.step(state, [np.zeros((2, 16), np.int32)])
+
+
+def test_dropout_run_is_reproducible(corpus):
+    cfg = train.TrainConfig(model=TransformerConfig.preset("tiny", dropout=0.1), **{**BASE, "steps": 2})
+    a, b = train.train(cfg, corpus), train.train(cfg, corpus)
+    assert losses(a).tolist() == losses(b).tolist()
+
+
+def test_resume_under_another_policy_continues_the_run(corpus, reference, tmp_path):
+    def crash_after_4(step, record):
+        if step == 4:
+            raise KeyboardInterrupt
+
+    cfg = train.TrainConfig(policy="none", **BASE)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(cfg, corpus, checkpoint_dir=tmp_path, checkpoint_every=3, callbacks=[crash_after_4])
+    assert Checkpoints(tmp_path).steps() == [3]
+    # The parameter tree is the same under every policy, so a run may switch policy on resume.
+    resumed = train.train(train.TrainConfig(policy="sqrt_n", **BASE), corpus, checkpoint_dir=tmp_path, resume=True)
+    assert resumed.resumed_from == 3
+    assert [r["step"] for r in resumed.history] == [4, 5, 6]
+    np.testing.assert_allclose(losses(resumed), losses(reference)[3:], rtol=LOSS_RTOL)
+
+
+def test_metrics_file_and_plot(corpus, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    train.train(train.TrainConfig(**{**BASE, "steps": 2}), corpus, metrics_path=metrics)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all("loss" in r for r in records)
+    png = metrics.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- kill and resume through the CLI ------------------------------------------------------------------
+
+# The CLI, slowed to 0.2 s per step so the test can kill it between checkpoints.
+_SLOW_CLI = """
+import sys, time
+from remat_kit import cli, train
+_train = train.train
+train.train = lambda *a, **k: _train(*a, callbacks=[lambda step, record: time.sleep(0.2)], **k)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+_ARGS = [
+    "train", "--preset", "tiny", "--policy", "selective", "--steps", "10", "--batch-size", "2", "--seq-len", "32",
+    "--checkpoint-every", "4", "--eval-every", "5", "--eval-batches", "1", "--max-corpus-bytes", "65536",
+    "--seed", "3", "--no-progress",
+]  # fmt: skip
+
+
+def _metric_steps(path: Path) -> list[int]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError, KeyError):
+            out.append(json.loads(line)["step"])
+    return out
+
+
+def test_killed_run_resumes_exactly(tmp_path):
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_metrics, run_metrics = tmp_path / "ref.jsonl", tmp_path / "run.jsonl"
+    assert cli.main([*_ARGS, "--checkpoint-dir", str(ref_dir), "--metrics", str(ref_metrics)]) == 0
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CLI, *_ARGS, "--checkpoint-dir", str(run_dir), "--metrics", str(run_metrics)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 180
+    try:
+        # Kill (SIGKILL: no clean-up at all) once step 4 is checkpointed and step 6 is done.
+        while not ((run_dir / "4").is_dir() and max(_metric_steps(run_metrics), default=0) >= 6):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the run never reached step 6"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    killed_at = max(_metric_steps(run_metrics))
+    assert 6 <= killed_at < 10 and Checkpoints(run_dir).steps() == [4]
+
+    assert cli.main([*_ARGS, "--checkpoint-dir", str(run_dir), "--metrics", str(run_metrics), "--resume"]) == 0
+
+    ref = [json.loads(line) for line in ref_metrics.read_text().splitlines()]
+    run = [json.loads(line) for line in run_metrics.read_text().splitlines()]
+    assert [r["step"] for r in run] == list(range(1, 11))  # steps 5..killed_at were redone, not duplicated
+    # Exact: the same compiled step on the same inputs is deterministic on CPU.
+    assert [r["loss"] for r in run] == [r["loss"] for r in ref]
+    assert [r.get("val_loss") for r in run] == [r.get("val_loss") for r in ref]
+    abstract = jax.eval_shape(lambda: train.Trainer(train.config_from_args(_parse(_ARGS))).init_state().to_dict())
+    ref_state = Checkpoints(ref_dir).restore_latest(abstract)
+    run_state = Checkpoints(run_dir).restore_latest(abstract)
+    assert ref_state[0] == run_state[0] == 10
+    for a, b in zip(jax.tree.leaves(run_state[1]), jax.tree.leaves(ref_state[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _parse(argv):
+    return cli.build_parser().parse_args(argv)
+
+
+# ---- bad input: one clear line, exit 2, existing checkpoints untouched -----------------------------------
+
+
+def _tree_snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("saved")
+    args = ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--max-corpus-bytes", "65536", "--no-progress"]
+    assert cli.main(["train", *args, "--checkpoint-dir", str(root / "ckpt")]) == 0
+    return root / "ckpt", args
+
+
+def _run_cli(argv, capsys):
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    return code, err.strip()
+
+
+def test_missing_data_path(capsys, tmp_path):
+    code, err = _run_cli(["train", "--data", str(tmp_path / "nope.txt"), "--steps", "2"], capsys)
+    assert code == 2 and "data path" in err and "nope.txt" in err and "does not exist" in err
+
+
+def test_empty_corpus(capsys, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    code, err = _run_cli(["train", "--data", str(tmp_path), "--steps", "2"], capsys)
+    assert code == 2 and "is empty" in err
+
+
+def test_sequence_longer_than_corpus(capsys, tmp_path):
+    (tmp_path / "short.txt").write_text("a short text of sixty-some bytes, far too few for a sequence.\n")
+    code, err = _run_cli(["train", "--data", str(tmp_path), "--seq-len", "128", "--steps", "2"], capsys)
+    assert code == 2 and "sequence length 128" in err and "tokens" in err
+
+
+def test_unwritable_checkpoint_dir(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a directory cannot be created under a file (even as root)
+    code, err = _run_cli(["train", "--steps", "2", "--checkpoint-dir", str(blocker / "ckpt")], capsys)
+    assert code == 2 and "not writable" in err and str(blocker / "ckpt") in err
+
+
+def test_checkpoint_from_a_different_model(capsys, saved_run):
+    ckpt, args = saved_run
+    before = _tree_snapshot(ckpt)
+    code, err = _run_cli(["train", *args, "--dropout", "0.1", "--checkpoint-dir", str(ckpt), "--resume"], capsys)
+    assert code == 2 and "different model config" in err and "model.dropout: 0.0 (checkpoint) vs 0.1 (now)" in err
+    code, err = _run_cli(["train", *args, "--preset", "small", "--checkpoint-dir", str(ckpt), "--resume"], capsys)
+    assert code == 2 and "model.d_model: 64 (checkpoint) vs 256 (now)" in err
+    assert _tree_snapshot(ckpt) == before
+
+
+def test_different_data_or_batch_on_resume(capsys, saved_run):
+    ckpt, args = saved_run
+    before = _tree_snapshot(ckpt)
+    code, err = _run_cli(["train", *args, "--batch-size", "4", "--checkpoint-dir", str(ckpt), "--resume"], capsys)
+    assert code == 2 and "batch_size: 2 (checkpoint) vs 4 (now)" in err
+    code, err = _run_cli(["train", *args, "--seed", "1", "--checkpoint-dir", str(ckpt), "--resume"], capsys)
+    assert code == 2 and "seed: 0 (checkpoint) vs 1 (now)" in err
+    assert _tree_snapshot(ckpt) == before
+
+
+def test_existing_checkpoints_need_resume(capsys, saved_run):
+    ckpt, args = saved_run
+    before = _tree_snapshot(ckpt)
+    code, err = _run_cli(["train", *args, "--checkpoint-dir", str(ckpt)], capsys)
+    assert code == 2 and "already holds checkpoints (steps [2])" in err and "--resume" in err
+    assert _tree_snapshot(ckpt) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"policy": "fulll"}, "unknown policy spec"),
+        ({"steps": 0}, "steps must be an integer >= 1"),
+        ({"seq_len": 129}, "exceeds the model's max_seq_len=128"),
+        ({"warmup_steps": 6}, "warmup_steps=6 must be smaller than steps=6"),
+        ({"learning_rate": -1.0}, "learning_rate must be a number > 0"),
+        ({"model": TransformerConfig(vocab_size=100)}, "smaller than the 256 byte-level tokens"),
+    ],
+    ids=["policy", "steps", "seq_len", "warmup", "lr", "vocab"],
+)
+def test_bad_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        train.TrainConfig(**{**BASE, **kwargs})

@@ -1,0 +1,525 @@
+"""``remat-kit bench``: real AdamW training steps under each policy, measured side by side.
+
+Per policy: the compile-only figures of :mod:`remat_kit.analysis` (saved bytes, XLA temp bytes,
+FLOPs), the measured peak memory (the device's ``memory_stats()`` where the backend has it; on
+CPU, the peak resident set of a fresh subprocess per policy, its high-water mark reset after
+warm-up, beside the resident set before the timed steps), the median step time over the timed
+steps after warm-up and its ratio to ``none``, and the loss and gradient differences against
+``none`` at the same parameters and tokens.
+
+Output: a terminal table (progress on stderr), ``--json`` (one record per policy), ``--markdown``
+and ``--plot`` (memory against step time with the Pareto front marked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from remat_kit import analysis
+from remat_kit.model import TransformerConfig
+from remat_kit.plan import (
+    add_model_args,
+    check_writable,
+    command_line,
+    config_from_args,
+    fmt_bytes,
+    parse_policies,
+    write_json,
+)
+
+#: The policies ``bench`` compares by default.
+DEFAULT_POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "selective", "offload", "sqrt_n")
+
+#: Keys every JSON record carries (the schema tests and downstream scripts rely on).
+RECORD_KEYS: tuple[str, ...] = (
+    "policy",
+    "saved_bytes",
+    "saved_host_bytes",
+    "layers_saved_bytes",
+    "temp_bytes",
+    "peak_bytes",
+    "baseline_bytes",
+    "peak_source",
+    "flops",
+    "compile_s",
+    "step_time_s",
+    "step_times_s",
+    "step_time_ratio",
+    "loss",
+    "loss_diff",
+    "max_grad_diff",
+    "max_grad_rel_diff",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRecord:
+    """One policy's measurement.
+
+    Attributes:
+      policy: the spec.
+      saved_bytes, saved_host_bytes, layers_saved_bytes: from :func:`remat_kit.analysis.analyze`.
+      temp_bytes: XLA's compiled temp bytes for the step.
+      peak_bytes: measured peak memory during the timed steps (device bytes, or process RSS).
+      baseline_bytes: the same measure just before the timed steps (parameters and optimizer
+        state live); ``peak_bytes - baseline_bytes`` is what the step itself needs.
+      peak_source: ``"device"`` (``memory_stats()["peak_bytes_in_use"]``) or ``"rss"``.
+      flops: matmul FLOPs per step (scan-aware jaxpr count).
+      compile_s: seconds to lower and compile the step.
+      step_time_s: median wall time of the timed steps; step_times_s: each of them.
+      step_time_ratio: ``step_time_s`` over ``none``'s.
+      loss: the loss at the initial parameters; loss_diff: its difference from ``none``'s.
+      max_grad_diff: max |g − g_none| over every parameter; max_grad_rel_diff: the same over
+        each leaf's max |g_none|, worst leaf.
+    """
+
+    policy: str
+    saved_bytes: int
+    saved_host_bytes: int
+    layers_saved_bytes: int
+    temp_bytes: int
+    peak_bytes: int
+    baseline_bytes: int
+    peak_source: str
+    flops: int
+    compile_s: float
+    step_time_s: float
+    step_times_s: tuple[float, ...]
+    step_time_ratio: float
+    loss: float
+    loss_diff: float
+    max_grad_diff: float
+    max_grad_rel_diff: float
+
+    @property
+    def step_bytes(self) -> int:
+        """Measured memory the step needs above the baseline."""
+        return self.peak_bytes - self.baseline_bytes
+
+
+# ---- memory probes -----------------------------------------------------------------------------------
+
+
+def _proc_status(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux ≥ 4.0), so the peak covers only what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    peak = _proc_status("VmHWM")
+    if peak is None:
+        import resource
+
+        scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    return peak
+
+
+class _MemoryProbe:
+    """Device memory stats where the backend has them, else this process's resident set."""
+
+    def __init__(self, device):
+        self.device = device
+        self.source = "device" if device.memory_stats() else "rss"
+
+    def baseline(self) -> int:
+        if self.source == "device":
+            return int(self.device.memory_stats().get("bytes_in_use", 0))
+        _reset_peak_rss()
+        return _proc_status("VmRSS") or _peak_rss()
+
+    def peak(self) -> int:
+        if self.source == "device":
+            return int(self.device.memory_stats().get("peak_bytes_in_use", 0))
+        return _peak_rss()
+
+
+# ---- one policy ----------------------------------------------------------------------------------------
+
+
+def measure(
+    config: TransformerConfig,
+    policy: str,
+    batch: int,
+    seq: int,
+    *,
+    steps: int = 5,
+    warmup: int = 1,
+    loss_chunks: int = 0,
+    seed: int = 0,
+    learning_rate: float = 1e-3,
+    grads_path: str | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Compile, check and time one policy in this process; returns a partial record.
+
+    The gradients at the initial parameters are written to ``grads_path`` (``.npz``) when given,
+    so the caller can compare policies. Ratios and differences against ``none`` are left to it.
+    """
+    import jax
+    import numpy as np
+
+    from remat_kit.loss import lm_loss
+    from remat_kit.model import Transformer
+
+    log("compiling")
+    a, compiled = analysis.analyze_compiled(
+        config, policy, batch, seq, loss_chunks=loss_chunks, learning_rate=learning_rate
+    )
+    model = Transformer(config=config, policy=policy)
+    key_params, key_tokens = jax.random.split(jax.random.key(seed))
+    tokens = jax.random.randint(key_tokens, (batch, seq), 0, config.vocab_size, dtype=jax.numpy.int32)
+    params = jax.jit(lambda k: model.init(k, tokens[:1])["params"])(key_params)
+    opt_state = jax.jit(analysis.optimizer(learning_rate).init)(params)
+
+    log("gradient check")
+    loss, grads = jax.jit(jax.value_and_grad(lambda p: lm_loss(model, p, tokens, loss_chunks=loss_chunks)))(params)
+    if grads_path:
+        leaves = jax.tree.leaves(grads)
+        np.savez(grads_path, *[np.asarray(g, np.float32) for g in leaves])
+    del grads
+
+    probe = _MemoryProbe(jax.devices()[0])
+    for i in range(warmup):
+        log(f"warm-up {i + 1}/{warmup}")
+        params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, tokens))
+    baseline = probe.baseline()
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, tokens))
+        times.append(time.perf_counter() - start)
+        log(f"step {i + 1}/{steps}: {times[-1]:.3f} s")
+    return {
+        "policy": a.policy,
+        "saved_bytes": a.saved_bytes,
+        "saved_host_bytes": a.saved_host_bytes,
+        "layers_saved_bytes": a.layers_saved_bytes,
+        "temp_bytes": a.memory.temp,
+        "peak_bytes": probe.peak(),
+        "baseline_bytes": baseline,
+        "peak_source": probe.source,
+        "flops": a.flops,
+        "compile_s": a.compile_s,
+        "step_time_s": statistics.median(times),
+        "step_times_s": times,
+        "loss": float(loss),
+    }
+
+
+def _run_worker(job: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """Run :func:`measure` for ``job`` in a fresh Python process (its own peak RSS)."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "remat_kit.bench", "--worker", json.dumps(job)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    tail: list[str] = []
+    assert proc.stderr is not None and proc.stdout is not None
+    for line in proc.stderr:
+        line = line.rstrip("\n")
+        if line.startswith("progress: "):
+            log(line[len("progress: ") :])
+        elif line.strip():
+            tail = [*tail[-20:], line]
+    out = proc.stdout.read()
+    if proc.wait() != 0:
+        raise RuntimeError(f"bench worker for {job['policy']} failed (exit {proc.returncode}):\n" + "\n".join(tail))
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _worker_main(job_text: str) -> int:
+    job = json.loads(job_text)
+    config = TransformerConfig(**job.pop("config"))
+    record = measure(config, log=lambda m: print("progress: " + m, file=sys.stderr, flush=True), **job)
+    print(json.dumps(record))
+    return 0
+
+
+# ---- all policies ------------------------------------------------------------------------------------
+
+
+def _grad_diffs(path: str, reference: str) -> tuple[float, float]:
+    import numpy as np
+
+    with np.load(path) as got, np.load(reference) as ref:
+        worst_abs = worst_rel = 0.0
+        for name in ref.files:
+            a, b = got[name].astype(np.float64), ref[name].astype(np.float64)
+            diff = float(np.max(np.abs(a - b))) if a.size else 0.0
+            worst_abs = max(worst_abs, diff)
+            worst_rel = max(worst_rel, diff / max(float(np.max(np.abs(b))) if b.size else 0.0, 1e-30))
+    return worst_abs, worst_rel
+
+
+def run_bench(
+    config: TransformerConfig,
+    batch: int,
+    seq: int,
+    specs: list[str],
+    *,
+    steps: int = 5,
+    warmup: int = 1,
+    loss_chunks: int = 0,
+    seed: int = 0,
+    learning_rate: float = 1e-3,
+    subprocesses: bool = True,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[BenchRecord]:
+    """Measure every policy in ``specs`` (``none`` is run first as the reference if missing).
+
+    Args:
+      config, batch, seq: the model and token shape.
+      specs: policy specs.
+      steps: timed steps per policy (the median is reported); warmup: untimed steps before them.
+      loss_chunks: 0 for the plain loss, k for the chunked one.
+      seed: parameters and tokens are drawn from it, the same for every policy.
+      learning_rate: AdamW's.
+      subprocesses: run each policy in a fresh process (its own peak RSS); False runs them here.
+      progress: called with one line per stage.
+
+    Returns:
+      One :class:`BenchRecord` per policy, ``none`` first.
+    """
+    analysis.check_shape(config, batch, seq, loss_chunks)
+    for what, value, low in (("steps", steps, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
+    specs = [str(s) for s in specs]
+    if "none" not in specs:
+        specs = ["none", *specs]
+    specs = ["none", *[s for s in specs if s != "none"]]
+    raw, paths = {}, {}
+    with tempfile.TemporaryDirectory(prefix="remat-kit-bench-") as tmp:
+        for i, spec in enumerate(specs):
+            paths[spec] = os.path.join(tmp, f"grads{i}.npz")
+            job = {
+                "policy": spec,
+                "batch": batch,
+                "seq": seq,
+                "steps": steps,
+                "warmup": warmup,
+                "loss_chunks": loss_chunks,
+                "seed": seed,
+                "learning_rate": learning_rate,
+                "grads_path": paths[spec],
+            }
+            log = lambda m, i=i, spec=spec: progress(f"[{i + 1}/{len(specs)}] {spec}: {m}")
+            if subprocesses:
+                raw[spec] = _run_worker({**job, "config": dataclasses.asdict(config)}, log)
+            else:
+                raw[spec] = measure(config, log=log, **job)
+        base = raw["none"]
+        records = []
+        for spec in specs:
+            r = raw[spec]
+            grad_abs, grad_rel = _grad_diffs(paths[spec], paths["none"])
+            records.append(
+                BenchRecord(
+                    **{k: r[k] for k in r if k in RECORD_KEYS and k != "step_times_s"},
+                    step_times_s=tuple(r["step_times_s"]),
+                    step_time_ratio=r["step_time_s"] / base["step_time_s"],
+                    loss_diff=abs(r["loss"] - base["loss"]),
+                    max_grad_diff=grad_abs,
+                    max_grad_rel_diff=grad_rel,
+                )
+            )
+    return records
+
+
+# ---- reports -------------------------------------------------------------------------------------------
+
+
+def pareto_front(records: list[BenchRecord]) -> list[str]:
+    """Policies no other policy beats on both step time and measured step memory."""
+    front = []
+    for r in records:
+        dominated = any(
+            o.step_time_s <= r.step_time_s
+            and o.step_bytes <= r.step_bytes
+            and (o.step_time_s < r.step_time_s or o.step_bytes < r.step_bytes)
+            for o in records
+        )
+        if not dominated:
+            front.append(r.policy)
+    return front
+
+
+_COLUMNS = (
+    ("policy", lambda r: r.policy),
+    ("saved", lambda r: fmt_bytes(r.saved_bytes)),
+    ("host", lambda r: fmt_bytes(r.saved_host_bytes)),
+    ("XLA temp", lambda r: fmt_bytes(r.temp_bytes)),
+    ("peak", lambda r: fmt_bytes(r.peak_bytes)),
+    ("peak−base", lambda r: fmt_bytes(r.step_bytes)),
+    ("GFLOPs", lambda r: f"{r.flops / 1e9:.2f}"),
+    ("step", lambda r: f"{r.step_time_s * 1e3:.0f} ms"),
+    ("×none", lambda r: f"{r.step_time_ratio:.2f}"),
+    ("loss", lambda r: f"{r.loss:.5f}"),
+    ("max|Δgrad|", lambda r: f"{r.max_grad_diff:.1e}"),
+)
+
+
+def format_table(records: list[BenchRecord]) -> list[str]:
+    """The terminal table."""
+    cells = [[name for name, _ in _COLUMNS]] + [[fn(r) for _, fn in _COLUMNS] for r in records]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def format_markdown(records: list[BenchRecord], header: str) -> str:
+    """A Markdown report: the command and setting, then the table."""
+    rows = [[name for name, _ in _COLUMNS]] + [[fn(r) for _, fn in _COLUMNS] for r in records]
+    table = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    table += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    source = records[0].peak_source if records else "rss"
+    notes = [
+        "",
+        f"Pareto front (step time vs peak−base memory): {', '.join(pareto_front(records))}.",
+        "",
+        "saved/host: residuals the backward pass keeps (JAX's residual analysis); XLA temp: compiled scratch;",
+        f"peak: measured ({'device memory_stats peak_bytes_in_use' if source == 'device' else 'process peak RSS'}); "
+        "peak−base: above the same measure just before the timed steps;",
+        "GFLOPs: matmul FLOPs per step counted from the jaxpr (scan trip counts applied); step: median;",
+        "loss and gradients at the same initial parameters and tokens, compared with `none`.",
+    ]
+    return "\n".join([header, "", *table, *notes]) + "\n"
+
+
+def plot(records: list[BenchRecord], path: str, title: str) -> None:
+    """PNG: measured step memory against step time, the Pareto front joined and marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    front = set(pareto_front(records))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in records:
+        on = r.policy in front
+        ax.scatter(r.step_time_s * 1e3, r.step_bytes / 1e6, s=60 if on else 35, c="tab:red" if on else "tab:blue")
+        ax.annotate(r.policy, (r.step_time_s * 1e3, r.step_bytes / 1e6), textcoords="offset points", xytext=(5, 4))
+    pts = sorted((r.step_time_s * 1e3, r.step_bytes / 1e6) for r in records if r.policy in front)
+    if pts:
+        ax.plot(*zip(*pts, strict=True), "--", c="tab:red", lw=1, label="Pareto front")
+        ax.legend()
+    source = records[0].peak_source if records else "rss"
+    ax.set_xlabel("median step time (ms)")
+    ax.set_ylabel(f"peak {'device memory' if source == 'device' else 'RSS'} above baseline (MB)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _bench_command(args: argparse.Namespace) -> int:
+    config, batch, seq = config_from_args(args)
+    specs = [str(p) for p in parse_policies(args.policies, config.num_layers)]
+    for path, what in ((args.json, "--json"), (args.markdown, "--markdown"), (args.plot, "--plot")):
+        check_writable(path, what)
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    command = command_line("bench", args)
+    print(f"{command}\n", file=sys.stderr, flush=True)
+    records = run_bench(
+        config,
+        batch,
+        seq,
+        specs,
+        steps=args.steps,
+        warmup=args.warmup,
+        loss_chunks=args.loss_chunks,
+        seed=args.seed,
+        subprocesses=not args.in_process,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    setting = (
+        f"preset {args.preset} (L={config.num_layers}, d={config.d_model}, V={config.vocab_size}, "
+        f"{config.dtype}, attention={config.attention}), batch {batch} × seq {seq}, AdamW, "
+        f"{args.steps} timed steps after {args.warmup} warm-up, loss_chunks={args.loss_chunks}"
+    )
+    import jax
+
+    device = jax.devices()[0]
+    setting += f", device {device.platform}:{device.device_kind}"
+    print(setting)
+    print("\n".join(format_table(records)))
+    print(f"Pareto front (time vs measured memory): {', '.join(pareto_front(records))}")
+    if args.json:
+        write_json(
+            args.json,
+            {"command": command, "setting": setting, "records": [dataclasses.asdict(r) for r in records]},
+        )
+        print(f"wrote {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(format_markdown(records, f"# remat-kit bench\n\n`{command}`\n\n{setting}"))
+        print(f"wrote {args.markdown}")
+    if args.plot:
+        plot(records, args.plot, f"{args.preset}, batch {batch} × seq {seq} ({device.platform})")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    """Register ``remat-kit bench``."""
+    p = subparsers.add_parser("bench", help="run real training steps under each policy: memory, time, exactness")
+    add_model_args(p, default_preset="small")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy specs")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per policy (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    p.add_argument("--seed", type=int, default=0, help="parameters and tokens seed")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="measure all policies in this process: faster, but their RSS peaks share one process",
+    )
+    p.add_argument("--json", default=None, metavar="PATH", help="write one record per policy as JSON")
+    p.add_argument("--markdown", default=None, metavar="PATH", help="write a Markdown report")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of memory against step time")
+    p.set_defaults(func=_bench_command)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.exit(_worker_main(sys.argv[2]))
+    from remat_kit.cli import main
+
+    sys.exit(main(["bench", *sys.argv[1:]]))

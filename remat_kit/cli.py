@@ -12,7 +12,7 @@ import importlib
 import sys
 
 #: Modules that contribute subcommands, in the order ``--help`` lists them.
-COMMAND_MODULES: tuple[str, ...] = ("remat_kit.cli", "remat_kit.train")
+COMMAND_MODULES: tuple[str, ...] = ("remat_kit.cli", "remat_kit.train", "remat_kit.plan", "remat_kit.bench")
 
 
 def _policies_command(args: argparse.Namespace) -> int:

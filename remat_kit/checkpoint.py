@@ -60,6 +60,8 @@ def tree_digest(tree: Any) -> str:
 class Checkpoints:
     """The checkpoints of one run in ``directory``; keeps the newest ``keep`` steps.
 
+    Use it as a context manager (or call :meth:`close`) so pending saves finish.
+
     Args:
       directory: where step folders live (created if needed; must be writable).
       keep: how many of the newest steps to keep (older ones are deleted by orbax after a save).
@@ -97,6 +99,12 @@ class Checkpoints:
         """Finish pending saves and release orbax's resources."""
         self._manager.wait_until_finished()
         self._manager.close()
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """The JSON metadata of ``step``."""
@@ -156,8 +164,7 @@ class Checkpoints:
                 stacklevel=2,
             )
         if bad:
-            self._manager.close()
-            self._manager = self._open()
+            self._manager.reload()  # forget the moved steps
         return found
 
     def _restore_state(self, step: int, abstract_state: Any) -> Any:

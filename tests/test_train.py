@@ -89,7 +89,8 @@ def test_resume_under_another_policy_continues_the_run(corpus, reference, tmp_pa
     cfg = train.TrainConfig(policy="none", **BASE)
     with pytest.raises(KeyboardInterrupt):
         train.train(cfg, corpus, checkpoint_dir=tmp_path, checkpoint_every=3, callbacks=[crash_after_4])
-    assert Checkpoints(tmp_path).steps() == [3]
+    with Checkpoints(tmp_path) as ckpts:
+        assert ckpts.steps() == [3]
     # The parameter tree is the same under every policy, so a run may switch policy on resume.
     resumed = train.train(train.TrainConfig(policy="sqrt_n", **BASE), corpus, checkpoint_dir=tmp_path, resume=True)
     assert resumed.resumed_from == 3
@@ -157,7 +158,8 @@ def test_killed_run_resumes_exactly(tmp_path):
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     killed_at = max(_metric_steps(run_metrics))
-    assert 6 <= killed_at < 10 and Checkpoints(run_dir).steps() == [4]
+    with Checkpoints(run_dir) as ckpts:
+        assert 6 <= killed_at < 10 and ckpts.steps() == [4]
 
     assert cli.main([*_ARGS, "--checkpoint-dir", str(run_dir), "--metrics", str(run_metrics), "--resume"]) == 0
 
@@ -168,8 +170,8 @@ def test_killed_run_resumes_exactly(tmp_path):
     assert [r["loss"] for r in run] == [r["loss"] for r in ref]
     assert [r.get("val_loss") for r in run] == [r.get("val_loss") for r in ref]
     abstract = jax.eval_shape(lambda: train.Trainer(train.config_from_args(_parse(_ARGS))).init_state().to_dict())
-    ref_state = Checkpoints(ref_dir).restore_latest(abstract)
-    run_state = Checkpoints(run_dir).restore_latest(abstract)
+    with Checkpoints(ref_dir) as ref_ckpts, Checkpoints(run_dir) as run_ckpts:
+        ref_state, run_state = ref_ckpts.restore_latest(abstract), run_ckpts.restore_latest(abstract)
     assert ref_state[0] == run_state[0] == 10
     for a, b in zip(jax.tree.leaves(run_state[1]), jax.tree.leaves(ref_state[1]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

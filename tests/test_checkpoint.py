@@ -1,0 +1,155 @@
+"""Orbax checkpoints: keep-last-N, exact round trip, and fallback from a corrupt latest step."""
+
+import json
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from remat_kit import data, train
+from remat_kit.checkpoint import CORRUPT_PREFIX, Checkpoints, CheckpointWarning, prepare_directory, tree_digest
+
+
+def _state(seed=0):
+    params = {"w": jax.random.normal(jax.random.key(seed), (3, 4)), "b": jnp.arange(4.0)}
+    return {"params": params, "opt": optax.adam(1e-3).init(params), "step": jnp.asarray(seed, jnp.int32)}
+
+
+def _abstract(state):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_round_trip_keeps_structure_and_last_n(tmp_path):
+    ckpts = Checkpoints(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        ckpts.save(step, _state(step), {"note": "x"})
+    ckpts.wait()
+    assert ckpts.steps() == [2, 3]
+    step, state, meta = ckpts.restore_latest(_abstract(_state()))
+    ckpts.close()
+    assert step == 3 and meta["note"] == "x" and meta["step"] == 3
+    # optax states are namedtuples: the restored tree has exactly the saved structure.
+    assert jax.tree.structure(state) == jax.tree.structure(_state())
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(_state(3)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_empty_directory_restores_nothing(tmp_path):
+    with Checkpoints(tmp_path / "new") as ckpts:
+        assert ckpts.restore_latest(_abstract(_state())) is None
+
+
+def test_digest_sees_one_changed_value():
+    s = _state()
+    t = jax.tree.map(lambda a: a, s)
+    t["params"]["b"] = t["params"]["b"].at[2].add(1e-6)
+    assert tree_digest(s) == tree_digest(_state()) != tree_digest(t)
+
+
+def _delete_manifest(step_dir: Path):
+    (step_dir / "state" / "manifest.ocdbt").unlink()
+
+
+def _scramble_data(step_dir: Path):
+    # Same length, different bytes: a silent corruption only the recorded SHA-256 can catch.
+    for f in sorted((step_dir / "state").rglob("d/*")):
+        f.write_bytes(bytes(255 - b for b in f.read_bytes()))
+
+
+def _truncate_meta(step_dir: Path):
+    meta = step_dir / "meta" / "metadata"
+    meta.write_bytes(meta.read_bytes()[:5])
+
+
+def _wrong_hash(step_dir: Path):
+    # Readable arrays that are not the ones saved (as after a silent bit flip): only the hash tells.
+    meta = step_dir / "meta" / "metadata"
+    record = json.loads(meta.read_text())
+    record["state_sha256"] = "0" * 64
+    meta.write_text(json.dumps(record))
+
+
+# Orbax's asyncio helpers report an ignored "Event loop is closed" after a failed tensorstore read.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize(
+    "corrupt", [_delete_manifest, _scramble_data, _truncate_meta, _wrong_hash], ids=lambda f: f.__name__
+)
+def test_corrupt_latest_falls_back_and_keeps_its_files(tmp_path, corrupt):
+    ckpts = Checkpoints(tmp_path, keep=3)
+    for step in (1, 2):
+        ckpts.save(step, _state(step), {})
+    ckpts.close()
+    corrupt(tmp_path / "2")
+    damaged = _files(tmp_path / "2")
+
+    ckpts = Checkpoints(tmp_path, keep=3)
+    with pytest.warns(CheckpointWarning, match=r"checkpoint step 2 .* is unreadable .* resuming from step 1"):
+        step, state, _ = ckpts.restore_latest(_abstract(_state()))
+    assert step == 1
+    np.testing.assert_array_equal(state["params"]["w"], _state(1)["params"]["w"])
+    # The damaged step is moved aside, byte for byte, and no longer listed; step 1 is untouched.
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith(f"{CORRUPT_PREFIX}2-")]
+    assert len(moved) == 1 and _files(moved[0]) == damaged
+    assert ckpts.steps() == [1]
+    ckpts.save(2, _state(2), {})  # the step number is free again
+    ckpts.close()
+    with Checkpoints(tmp_path) as ckpts:
+        assert ckpts.steps() == [1, 2]
+
+
+def test_all_steps_corrupt_is_a_clear_error_and_changes_nothing(tmp_path):
+    ckpts = Checkpoints(tmp_path)
+    ckpts.save(1, _state(1), {})
+    ckpts.close()
+    _delete_manifest(tmp_path / "1")
+    before = _files(tmp_path)
+    with Checkpoints(tmp_path) as ckpts, pytest.raises(ValueError, match=r"no readable .*nothing was changed.*step 1"):
+        ckpts.restore_latest(_abstract(_state()))
+    assert _files(tmp_path) == before
+
+
+def test_check_meta_error_stops_without_fallback(tmp_path):
+    ckpts = Checkpoints(tmp_path)
+    for step in (1, 2):
+        ckpts.save(step, _state(step), {"model": step})
+    ckpts.close()
+    before = _files(tmp_path)
+
+    def reject(meta):
+        raise ValueError(f"different model {meta['model']}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        with Checkpoints(tmp_path) as ckpts, pytest.raises(ValueError, match="different model 2"):
+            ckpts.restore_latest(_abstract(_state()), reject)
+    assert _files(tmp_path) == before
+
+
+def test_prepare_directory_errors(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(OSError, match="is not writable"):
+        prepare_directory(tmp_path / "f" / "sub")
+    with pytest.raises(ValueError, match="keep must be a positive integer"):
+        Checkpoints(tmp_path / "ok", keep=0)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_training_resumes_exactly_past_a_corrupt_latest(tmp_path):
+    corpus = data.corpus_from_bytes(Path(data.__file__).read_bytes() * 4, "data.py")
+    cfg = train.TrainConfig(steps=4, batch_size=2, seq_len=32, eval_every=4, eval_batches=1)
+    full = train.train(cfg, corpus, checkpoint_dir=tmp_path, checkpoint_every=2)
+    _scramble_data(tmp_path / "4")
+    with pytest.warns(CheckpointWarning, match="resuming from step 2"):
+        again = train.train(cfg, corpus, checkpoint_dir=tmp_path, resume=True)
+    assert again.resumed_from == 2
+    assert [r["loss"] for r in again.history] == [r["loss"] for r in full.history[2:]]
+    for a, b in zip(jax.tree.leaves(again.state.params), jax.tree.leaves(full.state.params), strict=True):
+        np.testing.assert_array_equal(a, b)

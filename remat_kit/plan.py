@@ -55,6 +55,8 @@ def check_writable(path: str | None, what: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise OSError(f"{what} {path!r} is a directory; give a file path")
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise OSError(f"{what} {path!r}: {parent!r} is not a directory")
     if not os.path.isdir(parent):
         raise OSError(f"{what} {path!r}: directory {parent!r} does not exist")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
@@ -70,7 +72,8 @@ def parse_policies(text: str, num_layers: int) -> list[policies.Policy]:
     pieces: list[str] = []
     for piece in (p.strip() for p in text.split(",")):
         starts_policy = piece.partition(":")[0] in policies.KINDS or piece in policies.MAXTEXT_ALIASES
-        if pieces and not starts_policy:
+        takes_tags = pieces and pieces[-1].partition(":")[0] in ("selective", "offload") and ":" in pieces[-1]
+        if takes_tags and not starts_policy:
             pieces[-1] += "," + piece  # a tag list: selective:q_proj,k_proj
         elif piece:
             pieces.append(piece)

@@ -1,0 +1,110 @@
+"""`remat-kit bench`: real steps per policy; records, reports and errors (tiny preset, few steps)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from remat_kit import bench, cli
+from remat_kit.model import TransformerConfig
+
+CFG = TransformerConfig.preset("tiny")
+#: Keys the issue requires in every JSON record.
+REQUIRED = {
+    "policy",
+    "saved_bytes",
+    "saved_host_bytes",
+    "temp_bytes",
+    "peak_bytes",
+    "flops",
+    "step_time_s",
+    "step_time_ratio",
+    "loss",
+    "max_grad_diff",
+}
+
+
+@pytest.fixture(scope="module")
+def records():
+    return bench.run_bench(CFG, 2, 32, ["full", "selective"], steps=2, warmup=1, subprocesses=False)
+
+
+def test_none_is_the_reference_and_runs_first(records):
+    assert [r.policy for r in records] == ["none", "full", "selective"]
+    none = records[0]
+    assert none.step_time_ratio == 1.0 and none.max_grad_diff == 0.0 and none.loss_diff == 0.0
+
+
+def test_policies_match_none_exactly(records):
+    for r in records[1:]:
+        assert r.max_grad_rel_diff <= 1e-5, r.policy  # RTOL_F32, never loosened
+        assert r.loss_diff <= 1e-5 * abs(records[0].loss), r.policy
+
+
+def test_records_carry_measurements(records):
+    for r in records:
+        assert len(r.step_times_s) == 2 and r.step_time_s > 0
+        assert r.peak_bytes >= r.baseline_bytes > 0 and r.peak_source in ("device", "rss")
+        assert r.temp_bytes > 0 and r.flops > 0
+    by = {r.policy: r for r in records}
+    assert by["full"].saved_bytes < by["selective"].saved_bytes < by["none"].saved_bytes
+    assert by["full"].flops > by["none"].flops
+
+
+def test_pareto_front():
+    def rec(policy, t, mem):
+        return bench.BenchRecord(policy, 0, 0, 0, 0, mem, 0, "rss", 0, 0.0, t, (t,), 1.0, 0.0, 0.0, 0.0, 0.0)
+
+    rs = [rec("a", 1.0, 10), rec("b", 2.0, 5), rec("c", 2.5, 8), rec("d", 3.0, 1)]
+    assert bench.pareto_front(rs) == ["a", "b", "d"]
+
+
+def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):
+    out = {ext: tmp_path / f"bench.{ext}" for ext in ("json", "md", "png")}
+    argv = ["bench", "--preset", "tiny", "--policies", "full", "--steps", "1", "--warmup", "0", "--in-process"]
+    argv += ["--json", str(out["json"]), "--markdown", str(out["md"]), "--plot", str(out["png"])]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "none" in captured.out and "full" in captured.out and "Pareto front" in captured.out
+    assert "[2/2] full: compiling" in captured.err  # progress
+    data = json.loads(out["json"].read_text())
+    assert data["command"].startswith("remat-kit bench") and "--preset tiny" in data["command"]
+    assert [r["policy"] for r in data["records"]] == ["none", "full"]
+    for record in data["records"]:
+        assert set(record) >= REQUIRED and set(bench.RECORD_KEYS) <= set(record)
+    assert out["md"].read_text().startswith("# remat-kit bench") and "| full |" in out["md"].read_text()
+    assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_worker_subprocess_reports_its_own_peak(tmp_path):
+    job = {"policy": "full", "batch": 2, "seq": 16, "steps": 1, "warmup": 1, "loss_chunks": 0, "seed": 0}
+    job |= {"learning_rate": 1e-3, "grads_path": str(tmp_path / "g.npz"), "config": dataclasses.asdict(CFG)}
+    lines = []
+    record = bench._run_worker(job, lines.append)
+    assert record["policy"] == "full" and record["peak_bytes"] >= record["baseline_bytes"] > 0
+    assert "compiling" in lines and (tmp_path / "g.npz").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "nope"], "unknown preset 'nope'"),
+        (["--preset", "tiny", "--policies", "sometimes"], "unknown policy spec 'sometimes'"),
+        (["--preset", "tiny", "--batch", "0"], "batch must be a positive integer"),
+        (["--preset", "tiny", "--seq", "-3"], "seq must be a positive integer"),
+        (["--preset", "tiny", "--seq", "4096"], "exceeds the model's max_seq_len"),
+        (["--preset", "tiny", "--steps", "0"], "--steps must be >= 1"),
+        (["--preset", "tiny", "--plot", "/nonexistent-dir/p.png"], "does not exist"),
+        (["--preset", "tiny", "--markdown", "/"], "is a directory"),
+    ],
+    ids=["preset", "policy", "batch", "seq", "seq_max", "steps", "plot_path", "md_dir"],
+)
+def test_bad_arguments_give_one_line_and_exit_2(argv, message, capsys):
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_run_bench_rejects_bad_steps():
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        bench.run_bench(CFG, 2, 32, ["full"], steps=0)

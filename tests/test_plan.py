@@ -1,0 +1,93 @@
+"""`remat-kit plan`: the table, the seed check, the JSON schema and one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from remat_kit import cli, plan
+
+TINY = ["--preset", "tiny", "--attention", "xla", "--batch", "2", "--seq", "32"]
+
+
+@pytest.fixture(scope="module")
+def plan_json(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert cli.main(["plan", *TINY, "--policies", "none,full,offload", "--top", "2", "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def test_plan_json_schema(plan_json):
+    assert plan_json["command"].startswith("remat-kit plan") and "--preset tiny" in plan_json["command"]
+    assert {"preset", "config", "batch", "seq", "loss_chunks", "estimates", "seed_check", "records"} <= set(plan_json)
+    assert [r["policy"] for r in plan_json["records"]] == ["none", "full", "offload"]
+    keys = {"saved_bytes", "saved_host_bytes", "layers_saved_bytes", "head_saved_bytes", "temp_bytes", "flops"}
+    keys |= {"xla_flops_raw", "largest", "layers_breakdown", "compile_s"}
+    for record in plan_json["records"]:
+        assert keys <= set(record)
+        assert len(record["largest"]) == 2
+        assert {"region", "label", "tags", "shape", "dtype", "nbytes", "host", "source"} == set(record["largest"][0])
+
+
+def test_plan_seed_check_agrees_to_the_byte(plan_json):
+    lines = plan_json["seed_check"]
+    assert any("layer inputs" in line and "equal to the byte" in line for line in lines)
+    assert any("logits" in line for line in lines)
+    assert any("Korthikanti" in line for line in lines)
+    full = next(r for r in plan_json["records"] if r["policy"] == "full")
+    offload = next(r for r in plan_json["records"] if r["policy"] == "offload")
+    assert offload["saved_host_bytes"] == full["layers_saved_bytes"] > 0
+
+
+def test_plan_prints_table_and_largest(capsys):
+    assert cli.main(["plan", *TINY, "--policies", "full", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "policy" in out and "XLA temp" in out and "full" in out
+    assert "largest residuals per policy" in out and "layer_input" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "huge"], "unknown preset 'huge'"),
+        (["--preset", "tiny", "--policies", "none,fulll"], "unknown policy spec 'fulll'"),
+        (["--preset", "tiny", "--batch", "0"], "batch must be a positive integer"),
+        (["--preset", "tiny", "--seq", "0"], "seq must be a positive integer"),
+        (["--preset", "tiny", "--seq", "100000"], "exceeds the model's max_seq_len"),
+        (["--preset", "tiny", "--loss-chunks", "-2"], "loss_chunks"),
+        (["--preset", "tiny", "--json", "/nonexistent-dir/plan.json"], "does not exist"),
+        (["--preset", "tiny", "--policies", "every_n:99"], "greater than the depth"),
+    ],
+    ids=["preset", "policy", "batch", "seq0", "seq_max", "chunks", "unwritable", "depth"],
+)
+def test_bad_arguments_give_one_line_and_exit_2(argv, message, capsys):
+    assert cli.main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_output_under_a_file_is_rejected(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli.main(["plan", "--preset", "tiny", "--json", str(blocker / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a directory" in err
+
+
+def test_exit_code_from_the_console():
+    proc = subprocess.run(
+        [sys.executable, "-m", "remat_kit.cli", "plan", "--preset", "tiny", "--batch", "-1"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "batch must be a positive integer" in proc.stderr
+
+
+def test_parse_policies_keeps_tag_lists_together():
+    got = [str(p) for p in plan.parse_policies("none,selective:q_proj,k_proj,every_n:2", 4)]
+    assert got == ["none", "selective:q_proj,k_proj", "every_n:2"]
+    with pytest.raises(ValueError, match="names no policy"):
+        plan.parse_policies(" , ", 4)

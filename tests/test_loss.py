@@ -1,0 +1,95 @@
+"""Cross-entropy: plain against a NumPy reference, chunked against plain (loss and gradients)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import RTOL_F32, max_rel_err
+
+from remat_kit import _jax_internals, loss
+from remat_kit.model import Transformer, TransformerConfig, init_params
+
+B, S, D, V = 2, 16, 8, 50
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    hidden = jax.random.normal(k1, (B, S, D))
+    w = jax.random.normal(k2, (D, V)) * 0.5
+    targets = jax.random.randint(k3, (B, S), 0, V)
+    masks = {
+        "next_token": loss.shift_targets(targets)[1],
+        "random": (jax.random.uniform(k4, (B, S)) < 0.6).astype(jnp.float32),
+        "all_zero": jnp.zeros((B, S)),
+    }
+    return hidden, w, targets, masks
+
+
+def test_shift_targets():
+    tokens = jnp.array([[1, 2, 3], [4, 5, 6]])
+    targets, mask = loss.shift_targets(tokens)
+    np.testing.assert_array_equal(targets, [[2, 3, 0], [5, 6, 0]])
+    np.testing.assert_array_equal(mask, [[1, 1, 0], [1, 1, 0]])
+
+
+def test_plain_loss_matches_numpy(inputs):
+    hidden, w, targets, masks = inputs
+    logits = np.asarray(hidden, np.float64) @ np.asarray(w, np.float64)
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1)[..., None]
+    )
+    nll = -np.take_along_axis(logp, np.asarray(targets)[..., None], -1)[..., 0]
+    m = np.asarray(masks["random"])
+    want = (nll * m).sum() / m.sum()
+    got = loss.cross_entropy(hidden @ w, targets, masks["random"])
+    np.testing.assert_allclose(float(got), want, rtol=RTOL_F32)
+
+
+# Chunk counts that divide B*S = 32, that do not (padding), one chunk, and more chunks than tokens.
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5, 7, 32, 40], ids=lambda c: f"chunks{c}")
+@pytest.mark.parametrize("mask", ["next_token", "random", "all_zero"])
+def test_chunked_equals_plain_loss_and_gradients(inputs, chunks, mask):
+    hidden, w, targets, masks = inputs
+    m = masks[mask]
+    plain = lambda h, w: loss.cross_entropy(jnp.einsum("bsd,dv->bsv", h, w), targets, m)
+    chunked = lambda h, w: loss.chunked_cross_entropy(h, w, targets, m, chunks)
+    (lp, gp), (lc, gc) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, w) for f in (plain, chunked))
+    assert max_rel_err(lc, lp) <= RTOL_F32
+    assert max_rel_err(gc, gp) <= RTOL_F32
+    if mask == "all_zero":
+        assert float(lc) == 0.0 and not np.any(np.asarray(gc[0]))
+
+
+def test_chunked_keeps_no_full_logits(inputs):
+    hidden, w, targets, masks = inputs
+    m = masks["next_token"]
+
+    def logit_residuals(fn):
+        res = _jax_internals.saved_residuals(fn, hidden, w)
+        return [r.shape for r in res if r.shape and r.shape[-1] == V and not r.is_argument]
+
+    plain = logit_residuals(lambda h, w: loss.cross_entropy(jnp.einsum("bsd,dv->bsv", h, w), targets, m))
+    chunked = logit_residuals(lambda h, w: loss.chunked_cross_entropy(h, w, targets, m, 4))
+    assert (B, S, V) in plain
+    assert chunked == [], chunked  # each chunk's logits are recomputed in the backward pass
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 2.5, True], ids=str)
+def test_bad_chunk_count(inputs, chunks):
+    hidden, w, targets, masks = inputs
+    with pytest.raises(ValueError, match=f"loss chunks must be a positive integer, got {chunks!r}"):
+        loss.chunked_cross_entropy(hidden, w, targets, masks["random"], chunks)
+
+
+@pytest.mark.parametrize(("spec", "tie"), [("none", False), ("full", True)], ids=["none-untied", "full-tied"])
+def test_lm_loss_chunked_equals_plain_on_the_model(tokens, spec, tie):
+    cfg = TransformerConfig.preset("tiny", tie_embeddings=tie)
+    model = Transformer(config=cfg, policy=spec)
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    grad = lambda k: jax.jit(jax.value_and_grad(lambda p: loss.lm_loss(model, p, tokens, loss_chunks=k)))(params)
+    (lp, gp), (lc, gc) = grad(0), grad(3)
+    assert max_rel_err(lc, lp) <= RTOL_F32
+    assert max_rel_err(gc, gp) <= RTOL_F32

@@ -2,8 +2,8 @@
 
 Per policy: the compile-only figures of :mod:`remat_kit.analysis` (saved bytes, XLA temp bytes,
 FLOPs), the measured peak memory (the device's ``memory_stats()`` where the backend has it; on
-CPU, the peak resident set of a fresh subprocess per policy, its high-water mark reset after
-warm-up, beside the resident set before the timed steps), the median step time over the timed
+CPU, the peak resident set of a fresh subprocess per policy, its high-water mark reset just
+before the first step, beside the resident set at that moment), the median step time over the timed
 steps after warm-up and its ratio to ``none``, and the loss and gradient differences against
 ``none`` at the same parameters and tokens.
 
@@ -71,7 +71,7 @@ class BenchRecord:
       saved_bytes, saved_host_bytes, layers_saved_bytes: from :func:`remat_kit.analysis.analyze`.
       temp_bytes: XLA's compiled temp bytes for the step.
       peak_bytes: measured peak memory during the timed steps (device bytes, or process RSS).
-      baseline_bytes: the same measure just before the timed steps (parameters and optimizer
+      baseline_bytes: the same measure just before the first step (parameters and optimizer
         state live); ``peak_bytes - baseline_bytes`` is what the step itself needs.
       peak_source: ``"device"`` (``memory_stats()["peak_bytes_in_use"]``) or ``"rss"``.
       flops: matmul FLOPs per step (scan-aware jaxpr count).
@@ -198,31 +198,35 @@ def measure(
     params = jax.jit(lambda k: model.init(k, tokens[:1])["params"])(key_params)
     opt_state = jax.jit(analysis.optimizer(learning_rate).init)(params)
 
-    log("gradient check")
-    loss, grads = jax.jit(jax.value_and_grad(lambda p: lm_loss(model, p, tokens, loss_chunks=loss_chunks)))(params)
-    if grads_path:
-        leaves = jax.tree.leaves(grads)
-        np.savez(grads_path, *[np.asarray(g, np.float32) for g in leaves])
-    del grads
-
+    # Keep a host copy of the initial parameters for the gradient check, which runs after the
+    # timed steps so that its own buffers cannot inflate (or pre-pay) the measured peak.
+    initial = jax.device_get(params)
     probe = _MemoryProbe(jax.devices()[0])
+    baseline = probe.baseline()  # parameters and optimizer state live; the peak covers warm-up on
     for i in range(warmup):
         log(f"warm-up {i + 1}/{warmup}")
         params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, tokens))
-    baseline = probe.baseline()
     times = []
     for i in range(steps):
         start = time.perf_counter()
         params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, tokens))
         times.append(time.perf_counter() - start)
         log(f"step {i + 1}/{steps}: {times[-1]:.3f} s")
+    peak = probe.peak()
+    del params, opt_state
+
+    log("gradient check")
+    loss, grads = jax.jit(jax.value_and_grad(lambda p: lm_loss(model, p, tokens, loss_chunks=loss_chunks)))(initial)
+    if grads_path:
+        np.savez(grads_path, *[np.asarray(g, np.float32) for g in jax.tree.leaves(grads)])
+    del grads
     return {
         "policy": a.policy,
         "saved_bytes": a.saved_bytes,
         "saved_host_bytes": a.saved_host_bytes,
         "layers_saved_bytes": a.layers_saved_bytes,
         "temp_bytes": a.memory.temp,
-        "peak_bytes": probe.peak(),
+        "peak_bytes": peak,
         "baseline_bytes": baseline,
         "peak_source": probe.source,
         "flops": a.flops,
@@ -415,7 +419,7 @@ def format_markdown(records: list[BenchRecord], header: str) -> str:
         "",
         "saved/host: residuals the backward pass keeps (JAX's residual analysis); XLA temp: compiled scratch;",
         f"peak: measured ({'device memory_stats peak_bytes_in_use' if source == 'device' else 'process peak RSS'}); "
-        "peak−base: above the same measure just before the timed steps;",
+        "peak−base: above the same measure just before the first (warm-up) step;",
         "GFLOPs: matmul FLOPs per step counted from the jaxpr (scan trip counts applied); step: median;",
         "loss and gradients at the same initial parameters and tokens, compared with `none`.",
     ]

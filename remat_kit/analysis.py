@@ -316,15 +316,35 @@ def _label(shape, dtype, candidates, stack_axes: set[int]) -> tuple[str, tuple[s
     return "", ()
 
 
+def _stack_residuals(model: Transformer, params, batch: int, seq: int):
+    x = jax.ShapeDtypeStruct((batch, seq, model.config.d_model), jnp.dtype(model.config.dtype))
+    # The stack alone under a linear read-out (which keeps nothing): its residuals are the layers' share.
+    stack_only = lambda p, h: jnp.sum(model.apply({"params": p}, h, method=lambda m, h: m.layers(h)))
+    return [r for r in _jax_internals.saved_residuals(stack_only, params, x) if not r.is_argument]
+
+
+def layer_stack_bytes(
+    config: TransformerConfig, policy: policies.Policy | str, batch: int, seq: int
+) -> tuple[int, int]:
+    """``(device, host)`` bytes the layer stack alone keeps for the backward pass: trace-only, fast.
+
+    >>> cfg = TransformerConfig.preset("tiny", num_layers=16)
+    >>> layer_stack_bytes(cfg, "sqrt_n", 2, 32)  # √16 = 4 group inputs [2, 32, 64] + their 4 int32 starts
+    (65552, 0)
+    """
+    check_shape(config, batch, seq)
+    policy = policies.parse(policy)
+    policy.validate_depth(config.num_layers)
+    layers = _stack_residuals(Transformer(config=config, policy=policy), abstract_params(config), batch, seq)
+    return sum(r.nbytes for r in layers if not r.host), sum(r.nbytes for r in layers if r.host)
+
+
 def _residuals(config, policy, batch, seq, loss_chunks):
     model = Transformer(config=config, policy=policy)
     params = abstract_params(config)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     step = _jax_internals.saved_residuals(lambda p, t: lm_loss(model, p, t, loss_chunks=loss_chunks), params, tokens)
-    x = jax.ShapeDtypeStruct((batch, seq, config.d_model), jnp.dtype(config.dtype))
-    # The stack alone under a linear read-out (which keeps nothing): its residuals are the layers' share.
-    stack_only = lambda p, h: jnp.sum(model.apply({"params": p}, h, method=lambda m, h: m.layers(h)))
-    layers = [r for r in _jax_internals.saved_residuals(stack_only, params, x) if not r.is_argument]
+    layers = _stack_residuals(model, params, batch, seq)
     param_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
 
     plan = policy.plan(config.num_layers)

@@ -188,14 +188,23 @@ def seed_check(results: dict[str, analysis.Analysis]) -> list[str]:
             + "; ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items())
             + "."
         )
+        if scores:
+            attn = (
+                f"attention={cfg.attention} materializes the [b, h, s, s] probabilities ({fmt_bytes(scores)} here; "
+                f"Korthikanti counts them apart as 5·a·s²·b·L = {fmt_bytes(e.korthikanti_scores)} at 16 bits and "
+                f"leaves them out of the 34)"
+            )
+        else:
+            attn = (
+                f"attention={cfg.attention} keeps no [s, s] tensor (flash-style), so Korthikanti's separate "
+                f"5·a·s²·b·L = {fmt_bytes(e.korthikanti_scores)} does not arise (--attention xla shows it)"
+            )
         lines.append(
-            f"  why they differ: XLA's default attention materializes the [b, h, s, s] probabilities "
-            f"({fmt_bytes(scores)} here; Korthikanti counts them apart as 5·a·s²·b·L = "
-            f"{fmt_bytes(e.korthikanti_scores)} at 16 bits and leaves them out of the 34); "
-            f"{fmt_bytes(weights)} are weight copies (compute-dtype casts or slices), not activations; "
-            f"the other {fmt_bytes(rest)} ({rest / max(e.korthikanti, 1):.2f}× the 34·b·s·h·L) reflect this block: "
-            f"SwiGLU (d_ff={cfg.d_ff} = {cfg.d_ff / d:.1f}·h, three [b, s, d_ff] tensors), float32 norm and "
-            f"softmax intermediates, RoPE, and no dropout masks (dropout={cfg.dropout})."
+            f"  why they differ: {attn}; {fmt_bytes(weights)} are weight copies (compute-dtype casts or slices), "
+            f"not activations; the other {fmt_bytes(rest)} ({rest / max(e.korthikanti, 1):.2f}× the 34·b·s·h·L) "
+            f"reflect this block: SwiGLU (d_ff={cfg.d_ff} = {cfg.d_ff / d:.1f}·h, three [b, s, d_ff] tensors), "
+            f"{cfg.dtype} activations with float32 norm and softmax intermediates, RoPE, and no dropout masks "
+            f"(dropout={cfg.dropout})."
         )
     return lines
 

@@ -229,10 +229,20 @@ def train_step(model: Transformer, opt: optax.GradientTransformation, loss_chunk
     return step
 
 
-def abstract_inputs(config: TransformerConfig, batch: int, seq: int, opt: optax.GradientTransformation):
-    """``(params, opt_state, tokens)`` as ShapeDtypeStructs: nothing is allocated."""
-    params = abstract_params(config)
-    return params, jax.eval_shape(opt.init, params), jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+def abstract_inputs(
+    config: TransformerConfig, batch: int, seq: int, opt: optax.GradientTransformation, model: Any = None
+):
+    """``(params, opt_state, tokens)`` as ShapeDtypeStructs: nothing is allocated.
+
+    ``model`` (default: the stock Transformer) gives the parameter tree, for models of another layout.
+    """
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    if model is None:
+        params = abstract_params(config)
+    else:
+        sample = jnp.zeros((1, min(8, seq)), jnp.int32)
+        params = jax.eval_shape(lambda k: model.init(k, sample)["params"], jax.random.key(0))
+    return params, jax.eval_shape(opt.init, params), tokens
 
 
 def compile_step(model: Transformer, batch: int, seq: int, loss_chunks: int = 0, learning_rate: float = 1e-3):
@@ -243,7 +253,7 @@ def compile_step(model: Transformer, batch: int, seq: int, loss_chunks: int = 0,
       shapes), its matmul FLOPs from the jaxpr, and the lower+compile time.
     """
     opt = optimizer(learning_rate)
-    args = abstract_inputs(model.config, batch, seq, opt)
+    args = abstract_inputs(model.config, batch, seq, opt, model)
     start = time.perf_counter()
     traced = jax.jit(train_step(model, opt, loss_chunks), donate_argnums=(0, 1)).trace(*args)
     compiled = traced.lower().compile()

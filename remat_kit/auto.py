@@ -1,0 +1,430 @@
+"""The fastest policy that fits a memory budget, and what it takes to fit — compile-only.
+
+:func:`auto` answers "I have X GB: which policy?". Every candidate policy's training step is traced
+(cheap) to count its recompute FLOPs — the matmul FLOPs beyond those of ``none`` — and candidates
+are then compiled in order of increasing recompute, from ShapeDtypeStructs, until the cheapest group
+that fits is found. "Fits" means the compiled step's device bytes — weights, gradients, optimizer
+state and activations (arguments + outputs − aliased + temp of ``Compiled.memory_analysis()``) —
+times ``1 + margin`` are at most the budget. The winner is the fitting candidate with the least
+recompute FLOPs, ties going to less memory. :func:`max_fit` finds the largest batch or the longest
+sequence a policy fits, exactly (the answer fits, one more does not).
+
+>>> from remat_kit.model import TransformerConfig
+>>> r = auto(TransformerConfig.preset("tiny"), batch=2, seq=32, budget_bytes=parse_bytes("1GB"))
+>>> r.chosen is not None and r.candidates[0].recompute_flops == 0  # ample budget: nothing recomputed
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+
+from remat_kit import analysis, flops, policies
+from remat_kit.model import Transformer, TransformerConfig
+
+#: Optimizers by name (their state is part of what must fit).
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "adamw": lambda: optax.adamw(1e-3),
+    "adam": lambda: optax.adam(1e-3),
+    "lion": lambda: optax.lion(1e-4),
+    "adafactor": lambda: optax.adafactor(1e-3),
+    "sgd": lambda: optax.sgd(1e-3),
+}
+
+DEFAULT_MARGIN = 0.10
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+}  # fmt: skip
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a memory size with any unit: ``"80GB"``, ``"24 GiB"``, ``"1.5e9"``, ``"512MiB"``.
+
+    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB … TiB) of 1024.
+
+    Raises:
+      ValueError: an unparseable or non-positive size, naming it and the accepted units.
+
+    >>> parse_bytes("80GB"), parse_bytes("1 GiB"), parse_bytes(1024)
+    (80000000000, 1073741824, 1024)
+    """
+    if isinstance(text, bool):
+        raise TypeError(f"a memory size must be a string or an int, got {text!r}")
+    if isinstance(text, int):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _UNITS:
+            raise ValueError(
+                f"cannot read memory size {text!r}; write a number with a unit: B, KB, MB, GB, TB, "
+                f"KiB, MiB, GiB, TiB (e.g. 80GB)"
+            )
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"a memory budget must be positive, got {text!r}")
+    return value
+
+
+def get_optimizer(optimizer: str | optax.GradientTransformation) -> optax.GradientTransformation:
+    """An optax optimizer from a name in :data:`OPTIMIZERS`, or the transformation itself."""
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)} or an optax transformation"
+        )
+    return OPTIMIZERS[optimizer]()
+
+
+def host_offload_available() -> bool:
+    """Whether the default device has a host memory kind to offload to."""
+    device = jax.devices()[0]
+    default = device.default_memory().kind
+    return any(m.kind != default and "host" in m.kind for m in device.addressable_memories())
+
+
+def candidates(config: TransformerConfig, *, offload: bool | None = None) -> tuple[policies.Policy, ...]:
+    """The policies :func:`auto` considers for ``config``, without duplicates.
+
+    ``none``; the selective presets and subsets of the matmul outputs; ``dots``; ``every_n(n)`` for
+    n in 2, 3, 4, 8 (at most the depth); ``segments(k)`` for k in 2, 4 and ``sqrt_n``; ``full``; and,
+    where the backend has a host memory kind (or ``offload=True``), the offload variants.
+    """
+    L = config.num_layers
+    out = [
+        policies.none(),
+        policies.selective(),
+        policies.parse("minimal"),
+        policies.parse("save_dot_except_mlp"),
+        policies.selective(["q_proj", "k_proj", "v_proj", "context"]),
+        policies.parse("save_qkv_proj"),
+        policies.selective(["mlp_gate", "mlp_up"]),
+        policies.dots(),
+        *(policies.every_n(n) for n in (2, 3, 4, 8) if n <= L),
+        *(policies.segments(k) for k in (2, 4) if k < L and k != policies.sqrt_n_group_size(L)),
+        policies.sqrt_n(),
+        policies.full(),
+    ]
+    if host_offload_available() if offload is None else offload:
+        out += [policies.offload(), policies.parse("qkv_proj_offloaded"), policies.parse("minimal_offloaded")]
+    return tuple(dict.fromkeys(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One policy's cost at one shape.
+
+    Attributes:
+      policy: the spec string.
+      flops: matmul FLOPs of the step (scan-aware, from the jaxpr).
+      recompute_flops: ``flops`` minus those of ``none``: the price of the policy.
+      need_bytes: device bytes of the compiled step (None when it was not compiled).
+      host_bytes: host-memory bytes (offloaded residuals), None when not compiled.
+      fits: ``need_bytes · (1 + margin) <= budget``; None when not compiled.
+    """
+
+    policy: str
+    flops: int
+    recompute_flops: int
+    need_bytes: int | None = None
+    host_bytes: int | None = None
+    fits: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoResult:
+    """The choice and how it was made.
+
+    Attributes:
+      chosen: the winning policy, or None when nothing fits.
+      budget_bytes, margin: the budget and the safety margin applied to each need.
+      batch, seq, loss_chunks, optimizer: the step that was planned.
+      candidates: every candidate, in the order considered (least recompute first).
+      reason: one paragraph: why the winner won, or what is needed and the levers if nothing fits.
+      compiled: how many candidates were compiled; seconds: wall time of the search.
+    """
+
+    chosen: policies.Policy | None
+    budget_bytes: int
+    margin: float
+    batch: int
+    seq: int
+    loss_chunks: int
+    optimizer: str
+    candidates: tuple[Candidate, ...]
+    reason: str
+    compiled: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record; ``chosen`` is the winner's spec string (or None)."""
+        return {
+            "chosen": None if self.chosen is None else str(self.chosen),
+            "budget_bytes": self.budget_bytes,
+            "margin": self.margin,
+            "batch": self.batch,
+            "seq": self.seq,
+            "loss_chunks": self.loss_chunks,
+            "optimizer": self.optimizer,
+            "reason": self.reason,
+            "compiled": self.compiled,
+            "seconds": self.seconds,
+            "candidates": [dataclasses.asdict(c) for c in self.candidates],
+        }
+
+
+class Planner:
+    """Traces and compiles training steps of one config, memoized, for :func:`auto` and :func:`max_fit`.
+
+    Args:
+      config: the model.
+      optimizer: a name in :data:`OPTIMIZERS` or an optax transformation.
+      loss_chunks: 0 for the plain loss, k for the chunked loss.
+    """
+
+    def __init__(
+        self, config: TransformerConfig, optimizer: str | optax.GradientTransformation = "adamw", loss_chunks: int = 0
+    ):
+        self.config = config
+        self.optimizer_name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
+        self.opt = get_optimizer(optimizer)
+        self.loss_chunks = loss_chunks
+        self._traced: dict[tuple, Any] = {}
+        self._flops: dict[tuple, int] = {}
+        self._memory: dict[tuple, tuple[int, int]] = {}
+        self.compiles = 0
+
+    def _trace(self, policy: policies.Policy, batch: int, seq: int):
+        key = (str(policy), batch, seq)
+        if key not in self._traced:
+            analysis.check_shape(self.config, batch, seq, self.loss_chunks)
+            model = Transformer(config=self.config, policy=policy)
+            step = analysis.train_step(model, self.opt, self.loss_chunks)
+            args = analysis.abstract_inputs(self.config, batch, seq, self.opt)
+            self._traced[key] = jax.jit(step, donate_argnums=(0, 1)).trace(*args)
+        return self._traced[key]
+
+    def flops(self, policy: policies.Policy, batch: int, seq: int) -> int:
+        """Matmul FLOPs of one step (trace only; no compile)."""
+        key = (str(policy), batch, seq)
+        if key not in self._flops:
+            self._flops[key] = flops.jaxpr_flops(self._trace(policy, batch, seq).jaxpr)
+        return self._flops[key]
+
+    def memory(self, policy: policies.Policy, batch: int, seq: int) -> tuple[int, int]:
+        """``(device bytes, host bytes)`` of the compiled step."""
+        key = (str(policy), batch, seq)
+        if key not in self._memory:
+            compiled = self._trace(policy, batch, seq).lower().compile()
+            self.compiles += 1
+            m = compiled.memory_analysis()
+            device = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+            host = m.host_argument_size_in_bytes + m.host_output_size_in_bytes + m.host_temp_size_in_bytes
+            self._memory[key] = (int(device), int(host))
+            self._traced.pop(key, None)  # the trace is no longer needed: keep memory flat over long searches
+        return self._memory[key]
+
+    def fits(self, policy, batch, seq, budget_bytes: int, margin: float) -> bool:
+        return self.memory(policy, batch, seq)[0] * (1 + margin) <= budget_bytes
+
+
+def _check_budget(budget_bytes, margin) -> None:
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive integer (use parse_bytes('80GB')), got {budget_bytes!r}")
+    if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+
+
+def auto(
+    config: TransformerConfig,
+    *,
+    batch: int,
+    seq: int,
+    budget_bytes: int,
+    optimizer: str | optax.GradientTransformation = "adamw",
+    margin: float = DEFAULT_MARGIN,
+    loss_chunks: int = 0,
+    candidate_policies: Sequence[policies.Policy | str] | None = None,
+    exhaustive: bool = False,
+    planner: Planner | None = None,
+) -> AutoResult:
+    """Choose the policy with the least recompute that fits ``budget_bytes``.
+
+    Args:
+      config: the model.
+      batch, seq: the token shape of one step.
+      budget_bytes: device memory available, in bytes (see :func:`parse_bytes`).
+      optimizer: its state counts toward the budget; a name in :data:`OPTIMIZERS` or an optax one.
+      margin: safety margin: a candidate fits when ``need · (1 + margin) <= budget``.
+      loss_chunks: 0 for the plain loss, k > 0 for the chunked loss.
+      candidate_policies: what to consider (default :func:`candidates`).
+      exhaustive: compile every candidate instead of stopping at the cheapest fitting group
+        (same answer; for checking the search and for full tables).
+      planner: reuse a :class:`Planner`'s memoized compiles.
+
+    Returns:
+      An :class:`AutoResult`; ``chosen`` is None when nothing fits, and ``reason`` then says what is
+      needed, what was given and which levers remain.
+    """
+    _check_budget(budget_bytes, margin)
+    start = time.perf_counter()
+    planner = planner or Planner(config, optimizer, loss_chunks)
+    pool = [policies.parse(p) for p in (candidate_policies or candidates(config))]
+    for p in pool:
+        p.validate_depth(config.num_layers)
+    base = planner.flops(policies.none(), batch, seq)
+    compiles_before = planner.compiles
+    order = sorted(pool, key=lambda p: planner.flops(p, batch, seq))
+
+    rows: dict[str, Candidate] = {}
+    chosen = None
+    i = 0
+    while i < len(order):
+        group_flops = planner.flops(order[i], batch, seq)
+        group = [p for p in order[i:] if planner.flops(p, batch, seq) == group_flops]
+        i += len(group)
+        for p in group:
+            device, host = planner.memory(p, batch, seq)
+            rows[str(p)] = Candidate(
+                str(p), group_flops, group_flops - base, device, host, device * (1 + margin) <= budget_bytes
+            )
+        fitting = [p for p in group if rows[str(p)].fits]
+        if fitting and chosen is None:
+            chosen = min(fitting, key=lambda p: rows[str(p)].need_bytes)
+            if not exhaustive:
+                break
+    for p in order:  # the ones the search never needed to compile
+        if str(p) not in rows:
+            f = planner.flops(p, batch, seq)
+            rows[str(p)] = Candidate(str(p), f, f - base)
+    table = tuple(rows[str(p)] for p in order)
+    return AutoResult(
+        chosen=chosen,
+        budget_bytes=budget_bytes,
+        margin=margin,
+        batch=batch,
+        seq=seq,
+        loss_chunks=planner.loss_chunks,
+        optimizer=planner.optimizer_name,
+        candidates=table,
+        reason=_reason(chosen, table, budget_bytes, margin, planner.loss_chunks),
+        compiled=planner.compiles - compiles_before,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _reason(chosen, table: Sequence[Candidate], budget: int, margin: float, loss_chunks: int) -> str:
+    if chosen is not None:
+        win = next(c for c in table if c.policy == str(chosen))
+        cheaper = [c for c in table if c.recompute_flops < win.recompute_flops]
+        text = (
+            f"{win.policy} needs {_gb(win.need_bytes)} (+{margin:.0%} margin: "
+            f"{_gb(win.need_bytes * (1 + margin))}) of the {_gb(budget)} budget and recomputes "
+            f"{win.recompute_flops / 1e9:.3g} GFLOP per step"
+        )
+        if cheaper:
+            text += (
+                f"; every candidate that recomputes less ({', '.join(c.policy for c in cheaper)}) "
+                f"needs more than the budget"
+            )
+        ties = [c for c in table if c.recompute_flops == win.recompute_flops and c.policy != win.policy and c.fits]
+        if ties:
+            text += f"; among equal recompute it needs the least memory (vs {', '.join(c.policy for c in ties)})"
+        return text + "."
+    compiled = [c for c in table if c.need_bytes is not None]
+    least = min(compiled, key=lambda c: c.need_bytes)
+    levers = ["an offload policy on a backend with host memory (GPU/TPU)"]
+    if not loss_chunks:
+        levers.append("a chunked loss (--loss-chunks 8) so the full logits never live at once")
+    levers += [
+        "a smaller batch with gradient accumulation",
+        "a shorter sequence",
+        "sharding over more devices (--mesh)",
+    ]
+    return (
+        f"nothing fits: the leanest candidate, {least.policy}, needs {_gb(least.need_bytes)} "
+        f"(+{margin:.0%} margin: {_gb(least.need_bytes * (1 + margin))}) but the budget is {_gb(budget)}. "
+        f"Next levers: {'; '.join(levers)}."
+    )
+
+
+def max_fit(
+    config: TransformerConfig,
+    policy: policies.Policy | str,
+    *,
+    dim: str,
+    batch: int,
+    seq: int,
+    budget_bytes: int,
+    margin: float = DEFAULT_MARGIN,
+    planner: Planner | None = None,
+    optimizer: str | optax.GradientTransformation = "adamw",
+    loss_chunks: int = 0,
+    limit: int | None = None,
+) -> int:
+    """The largest batch (``dim="batch"``, at fixed ``seq``) or the longest sequence (``dim="seq"``,
+    at fixed ``batch``) whose step fits the budget under ``policy``; 0 if even 1 does not fit.
+
+    Exact: the answer fits and the answer + 1 does not (or the answer is the limit: the model's
+    ``max_seq_len`` for ``seq``, ``limit`` or 2**20 for ``batch``). Compile-only; the search gallops
+    from the given shape, then narrows by interpolation on the measured bytes, bisecting when that
+    stalls.
+    """
+    if dim not in ("batch", "seq"):
+        raise ValueError(f"dim must be 'batch' or 'seq', got {dim!r}")
+    _check_budget(budget_bytes, margin)
+    policy = policies.parse(policy)
+    planner = planner or Planner(config, optimizer, loss_chunks)
+    cap = limit or (config.max_seq_len if dim == "seq" else 2**20)
+    need = lambda n: planner.memory(policy, *((n, seq) if dim == "batch" else (batch, n)))[0]
+    fits = lambda n: need(n) * (1 + margin) <= budget_bytes
+    start = max(1, min(batch if dim == "batch" else seq, cap))
+    if planner.loss_chunks:
+        start = max(start, -(-planner.loss_chunks // (seq if dim == "batch" else batch)))
+    lo, hi = 0, cap + 1  # lo fits (0: nothing known to fit), hi does not (cap + 1: beyond the limit)
+    probe = start
+    while True:  # gallop to a bracket
+        if fits(probe):
+            lo = probe
+            if probe == cap:
+                return cap
+            probe = min(cap, probe * 2)
+        else:
+            hi = probe
+            break
+    if lo == 0:
+        first = max(1, -(-planner.loss_chunks // (seq if dim == "batch" else batch))) if planner.loss_chunks else 1
+        if hi == first or not fits(first):
+            return 0
+        lo = first
+    target = budget_bytes / (1 + margin)
+    stalls = 0
+    while hi - lo > 1:
+        m_lo, m_hi = need(lo), need(hi)
+        guess = lo + (target - m_lo) * (hi - lo) / max(m_hi - m_lo, 1)
+        mid = (lo + hi) // 2 if stalls >= 2 or not math.isfinite(guess) else int(guess)
+        mid = min(max(mid, lo + 1), hi - 1)
+        width = hi - lo
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+        stalls = stalls + 1 if hi - lo > width // 2 else 0
+    return lo

@@ -1,0 +1,139 @@
+"""auto(): the least-recompute policy that fits, checked against an exhaustive search on tiny."""
+
+import pytest
+
+from remat_kit import auto as A
+from remat_kit import policies as P
+from remat_kit.model import TransformerConfig
+
+CFG = TransformerConfig.preset("tiny", num_layers=4)
+POOL = ("none", "selective:q_proj,k_proj,v_proj", "every_n:2", "full", "sqrt_n")
+BATCH, SEQ = 2, 32
+
+
+@pytest.fixture(scope="module")
+def planner():
+    return A.Planner(CFG)
+
+
+@pytest.fixture(scope="module")
+def needs(planner):
+    return {p: planner.memory(P.parse(p), BATCH, SEQ)[0] for p in POOL}
+
+
+def _auto(planner, budget, **kw):
+    return A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=int(budget), candidate_policies=POOL, planner=planner, **kw)
+
+
+def _budgets(needs):
+    """Budgets just above each candidate's need (with the margin) and one above all."""
+    return [*sorted(int(n * (1 + A.DEFAULT_MARGIN)) + 1 for n in needs.values()), 10**10]
+
+
+def test_chosen_fits_and_nothing_fitting_recomputes_less(planner, needs):
+    for budget in _budgets(needs):
+        r = _auto(planner, budget, exhaustive=True)
+        win = next(c for c in r.candidates if c.policy == str(r.chosen))
+        assert win.fits and win.need_bytes * (1 + r.margin) <= budget
+        cheaper = [c for c in r.candidates if c.fits and c.recompute_flops < win.recompute_flops]
+        assert cheaper == []
+        ties = [c for c in r.candidates if c.fits and c.recompute_flops == win.recompute_flops]
+        assert all(win.need_bytes <= c.need_bytes for c in ties)
+
+
+def test_search_agrees_with_exhaustive(planner, needs):
+    for budget in _budgets(needs):
+        assert _auto(planner, budget).chosen == _auto(planner, budget, exhaustive=True).chosen
+
+
+def test_search_stops_at_the_cheapest_fitting_group():
+    fast = _auto(A.Planner(CFG), 10**10)  # ample: the zero-recompute group fits at once
+    assert fast.compiled < len(POOL)
+    assert [c.fits for c in fast.candidates if c.need_bytes is None] == [None] * (len(POOL) - fast.compiled)
+
+
+def test_larger_budget_never_recomputes_more(planner, needs):
+    recomputes = []
+    for budget in _budgets(needs):
+        r = _auto(planner, budget)
+        recomputes.append(next(c.recompute_flops for c in r.candidates if c.policy == str(r.chosen)))
+    assert recomputes == sorted(recomputes, reverse=True)
+    assert recomputes[-1] == 0  # enough for everything: nothing recomputed
+
+
+def test_nothing_fits_says_what_is_needed_and_the_levers(planner, needs):
+    least = min(needs.values())
+    r = _auto(planner, least // 2)
+    assert r.chosen is None
+    assert f"needs {least / 1e9:.2f} GB" in r.reason and f"budget is {least // 2 / 1e9:.2f} GB" in r.reason
+    assert "chunked loss" in r.reason and "offload" in r.reason and "smaller batch" in r.reason
+    assert r.to_dict()["chosen"] is None
+
+
+def test_margin_is_applied(planner, needs):
+    budget = needs["none"] + 1
+    assert _auto(planner, budget, margin=0.0).candidates[0].fits
+    assert not _auto(planner, budget, margin=0.5).candidates[0].fits
+
+
+@pytest.mark.parametrize("dim", ["seq", "batch"])
+def test_max_fit_is_exact(planner, dim):
+    policy = P.full()
+    budget = (
+        int(planner.memory(policy, BATCH, 64 if dim == "seq" else SEQ)[0] * 1.1 * 1.3)
+        if dim == "seq"
+        else int(planner.memory(policy, 6, SEQ)[0] * 1.1)
+    )
+    n = A.max_fit(CFG, policy, dim=dim, batch=BATCH, seq=SEQ, budget_bytes=budget, planner=planner)
+    shape = (lambda k: (BATCH, k)) if dim == "seq" else (lambda k: (k, SEQ))
+    assert n >= 1
+    assert planner.fits(policy, *shape(n), budget, A.DEFAULT_MARGIN)
+    if n < (CFG.max_seq_len if dim == "seq" else 2**20):
+        assert not planner.fits(policy, *shape(n + 1), budget, A.DEFAULT_MARGIN)
+
+
+def test_max_fit_returns_zero_when_even_one_does_not_fit(planner):
+    assert A.max_fit(CFG, "full", dim="batch", batch=BATCH, seq=SEQ, budget_bytes=1000, planner=planner) == 0
+
+
+def test_max_fit_stops_at_the_models_maximum(planner):
+    n = A.max_fit(CFG, "full", dim="seq", batch=1, seq=64, budget_bytes=10**10, planner=planner)
+    assert n == CFG.max_seq_len
+
+
+def test_candidates_cover_the_policy_families():
+    cfg = TransformerConfig.preset("tiny", num_layers=9)
+    specs = [str(p) for p in A.candidates(cfg, offload=True)]
+    assert len(specs) == len(set(specs))
+    kinds = {P.parse(s).kind for s in specs}
+    assert kinds == {"none", "selective", "dots", "every_n", "segments", "sqrt_n", "full", "offload"}
+    assert not any(P.parse(s).kind == "offload" for s in A.candidates(cfg, offload=False))
+    assert all(p.n <= 4 for p in A.candidates(CFG) if p.kind == "every_n")  # never deeper than the model
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("80GB", 80 * 10**9), ("24 GiB", 24 * 2**30), ("1.5e9", 1_500_000_000), ("512MiB", 512 * 2**20), (4096, 4096)],
+)
+def test_parse_bytes(text, expected):
+    assert A.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: A.parse_bytes("80 GX"), ValueError, r"cannot read memory size '80 GX'.*GiB"),
+        (lambda: A.parse_bytes("0GB"), ValueError, r"must be positive"),
+        (lambda: A.parse_bytes(True), TypeError, r"string or an int"),
+        (lambda: A.get_optimizer("adamx"), ValueError, r"unknown optimizer 'adamx'; allowed: adamw"),
+        (lambda: A.auto(CFG, batch=2, seq=32, budget_bytes=-1), ValueError, r"budget_bytes must be a positive"),
+        (lambda: A.auto(CFG, batch=2, seq=32, budget_bytes=10, margin=1.5), ValueError, r"margin must be in \[0, 1\)"),
+        (lambda: A.auto(CFG, batch=0, seq=32, budget_bytes=10), ValueError, r"batch must be a positive integer"),
+        (lambda: A.auto(CFG, batch=2, seq=999, budget_bytes=10), ValueError, r"seq=999 exceeds"),
+        (lambda: A.max_fit(CFG, "full", dim="depth", batch=2, seq=32, budget_bytes=10), ValueError, r"dim must be"),
+    ],
+    ids=["unit", "zero", "bool", "optimizer", "budget", "margin", "batch", "seq", "dim"],
+)
+def test_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

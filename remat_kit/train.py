@@ -474,7 +474,7 @@ def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, m
     config = trainer.config
     first = int(state.step) + 1
     metrics_file = open(metrics_path, "a") if metrics_path is not None else None  # noqa: SIM115
-    bar = _progress(progress, config.steps, first - 1)
+    bar = _progress(progress, config.steps, first - 1, log)
     try:
         with _StopOnSignal() as stop, bar:
             for step in range(first, config.steps + 1):
@@ -549,6 +549,9 @@ class _StopOnSignal:
 
 
 class _NoBar:
+    def __init__(self, log: Callable[[str], None]):
+        self._log = log
+
     def __enter__(self):
         return self
 
@@ -559,7 +562,7 @@ class _NoBar:
         pass
 
     def print(self, msg):
-        print(msg, file=sys.stderr)
+        self._log(msg)
 
 
 class _RichBar(_NoBar):
@@ -593,8 +596,8 @@ class _RichBar(_NoBar):
         self._progress.console.print(msg)
 
 
-def _progress(enabled: bool, total: int, done: int):
-    return _RichBar(total, done) if enabled else _NoBar()
+def _progress(enabled: bool, total: int, done: int, log: Callable[[str], None]):
+    return _RichBar(total, done) if enabled else _NoBar(log)
 
 
 def write_loss_plot(history: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "") -> Path:

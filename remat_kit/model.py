@@ -47,7 +47,10 @@ class TransformerConfig:
       rope_base: RoPE frequency base.
       norm_eps: RMSNorm epsilon.
       tie_embeddings: use the embedding matrix as the output projection.
-      attention: attention implementation, one of :data:`remat_kit.attention.ATTENTION_KINDS`.
+      attention: attention implementation, one of :data:`remat_kit.attention.ATTENTION_KINDS`;
+        ``auto`` (default) is cuDNN flash attention on a GPU, ``chunked`` elsewhere.
+      attention_block: block size of ``chunked`` attention in positions; None for the backend's
+        default (:func:`remat_kit.attention.default_block`).
     """
 
     vocab_size: int = 256
@@ -63,7 +66,8 @@ class TransformerConfig:
     rope_base: float = 10_000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
-    attention: str = "xla"
+    attention: str = "auto"
+    attention_block: int | None = None
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_seq_len"):
@@ -81,8 +85,10 @@ class TransformerConfig:
         for field in ("dtype", "param_dtype"):
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field}={getattr(self, field)!r}; allowed: {', '.join(DTYPES)}")
-        if self.attention not in attention.ATTENTION_KINDS:
-            raise ValueError(f"attention={self.attention!r}; allowed: {', '.join(attention.ATTENTION_KINDS)}")
+        attention.check_kind(self.attention, self.dtype, self.head_dim)
+        block = self.attention_block
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            raise ValueError(f"attention_block must be a positive integer or None, got {block!r}")
 
     @property
     def head_dim(self) -> int:
@@ -178,7 +184,8 @@ class Block(nn.Module):
         k = names.tag(_dense(kv * hd, cfg, "k_proj")(y).reshape(b, s, kv, hd), names.K_PROJ)
         v = names.tag(_dense(kv * hd, cfg, "v_proj")(y).reshape(b, s, kv, hd), names.V_PROJ)
         q, k = attention.rope(q, cfg.rope_base), attention.rope(k, cfg.rope_base)
-        context = names.tag(attention.xla_attention(q, k, v), names.CONTEXT)
+        # attend() tags the context itself (inside chunked attention's custom_vjp).
+        context = attention.attend(q, k, v, kind=cfg.attention, block=cfg.attention_block)
         attn = names.tag(_dense(cfg.d_model, cfg, "attn_out")(context.reshape(b, s, h * hd)), names.ATTN_OUT)
         x = x + nn.Dropout(cfg.dropout)(attn, deterministic=deterministic)
 
@@ -211,6 +218,7 @@ class Transformer(nn.Module):
             raise TypeError(f"config must be a TransformerConfig, got {type(self.config).__name__}")
         object.__setattr__(self, "policy", policies.parse(self.policy))
         self.policy.validate_depth(self.config.num_layers)
+        attention.resolve(self.config.attention, self.config.dtype, self.config.head_dim)  # backend checks
         super().__post_init__()
 
     def setup(self):

@@ -12,7 +12,7 @@ tag                   value (shape)                              MaxText alias  
 ``q_proj``            query projection [b, s, h, hd]             ``query_proj``              matmul
 ``k_proj``            key projection [b, s, kv, hd]              ``key_proj``                matmul
 ``v_proj``            value projection [b, s, kv, hd]            ``value_proj``              matmul
-``attn_probs``        softmax of the scores [b, h, s, s]                                      cheap, big
+``attn_probs``        softmax of the scores [b, h, s, s] (xla)                                cheap, big
 ``context``           attention output before the out projection  ``context``                 matmul
 ``attn_out``          attention out projection [b, s, d]         ``out_proj``                matmul
 ``mlp_norm``          RMSNorm before the MLP [b, s, d]                                        cheap
@@ -23,6 +23,10 @@ tag                   value (shape)                              MaxText alias  
 ====================  =========================================  ==========================  ===========
 
 Group aliases expand to several tags: ``qkv_proj`` → q/k/v projections, ``mlpwi`` → gate and up.
+
+``attn_probs`` exists only under ``attention="xla"``. Under ``chunked`` attention ``context`` also
+tags the per-query logsumexp ``[b, kv, h/kv, s]`` (float32) that its backward pass needs, so keeping
+``context`` spares the backward pass a re-run of attention's forward.
 """
 
 from __future__ import annotations

@@ -1,0 +1,198 @@
+"""Attention implementations: chunked (flash-style) equals XLA's, keeps no seq × seq tensor, errors are clear."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ALL_SPECS, RTOL_F32, max_rel_err
+
+from remat_kit import _jax_internals as internals
+from remat_kit import attention, names
+from remat_kit.model import Block, Transformer, TransformerConfig, abstract_params, init_params
+
+
+def _qkv(b, s, h, kv, d, dtype=jnp.float32, seed=0):
+    kq, kk, kv_, kw = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (b, s, h, d), dtype)
+    k = jax.random.normal(kk, (b, s, kv, d), dtype)
+    v = jax.random.normal(kv_, (b, s, kv, d), dtype)
+    w = jax.random.normal(kw, (b, s, h, d), jnp.float32)  # a random cotangent, so gradients are not symmetric
+    return q, k, v, w
+
+
+def _grads(fn, q, k, v, w):
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w), argnums=(0, 1, 2)))(q, k, v)
+
+
+@pytest.mark.parametrize(
+    ("b", "s", "h", "kv", "d", "block"),
+    [
+        (2, 16, 4, 4, 8, 4),  # multi-head, several blocks
+        (2, 16, 4, 2, 8, 4),  # grouped KV
+        (1, 19, 4, 1, 8, 8),  # multi-query; seq not a multiple of the block
+        (2, 13, 2, 2, 16, 64),  # one block bigger than the sequence
+        (1, 7, 2, 1, 8, 1),  # one position per block
+    ],
+    ids=["mha", "gqa", "mqa-ragged", "one-block", "block-1"],
+)
+def test_chunked_equals_xla_outputs_and_gradients(b, s, h, kv, d, block):
+    q, k, v, w = _qkv(b, s, h, kv, d)
+    chunked = lambda q, k, v: attention.chunked_attention(q, k, v, block=block)
+    assert max_rel_err(chunked(q, k, v), attention.xla_attention(q, k, v)) <= RTOL_F32
+    assert max_rel_err(_grads(chunked, q, k, v, w), _grads(attention.xla_attention, q, k, v, w)) <= RTOL_F32
+
+
+def test_chunked_is_causal():
+    q, k, v, _ = _qkv(2, 24, 4, 2, 8)
+    t = 10
+    k2, v2 = k.at[:, t:].set(3.0), v.at[:, t:].set(-2.0)
+    a = attention.chunked_attention(q, k, v, block=4)
+    b = attention.chunked_attention(q, k2, v2, block=4)
+    np.testing.assert_array_equal(a[:, :t], b[:, :t])  # blocks before t never read later keys
+    assert not np.allclose(a[:, t:], b[:, t:])
+
+
+def test_chunked_bfloat16_close_to_float32_reference():
+    q, k, v, _ = _qkv(2, 32, 4, 2, 16)
+    ref = attention.xla_attention(q, k, v)
+    got = attention.chunked_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), block=8)
+    assert got.dtype == jnp.bfloat16
+    assert max_rel_err(got.astype(jnp.float32), ref) <= 2e-2  # bfloat16 has 8 mantissa bits
+
+
+def _logits_and_grads(cfg, policy, params, tokens):
+    model = Transformer(config=cfg, policy=policy)
+
+    def loss(params):
+        logits = model.apply({"params": params}, tokens)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)), logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return logits, grads
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_model_outputs_and_gradients_equal_xla(spec):
+    # 19 positions in blocks of 8: several blocks, a ragged last one, causal skipping. "auto" is
+    # "chunked" on this backend (test_auto_resolves_per_backend), so it is not run twice.
+    kind = attention.resolve("auto", "float32", 16)
+    cfg = TransformerConfig.preset("tiny", num_layers=3, attention=kind, attention_block=8)
+    ref_cfg = TransformerConfig.preset("tiny", num_layers=3, attention="xla")
+    tokens = jax.random.randint(jax.random.key(1), (2, 19), 0, cfg.vocab_size, dtype=jnp.int32)
+    params = init_params(ref_cfg, jax.random.key(0))  # the attention kind does not change the parameters
+    logits, grads = _logits_and_grads(cfg, spec, params, tokens)
+    ref_logits, ref_grads = _logits_and_grads(ref_cfg, spec, params, tokens)
+    assert max_rel_err(logits, ref_logits) <= RTOL_F32
+    assert max_rel_err(grads, ref_grads) <= RTOL_F32
+
+
+def _activation_residuals(cfg, spec, batch, seq):
+    model = Transformer(config=cfg, policy=spec)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    res = internals.saved_residuals(lambda p, t: jnp.sum(model.apply({"params": p}, t)), abstract_params(cfg), tokens)
+    return [r for r in res if not r.is_argument]
+
+
+def _has_seq_by_seq(residuals, seq):
+    return any(len(r.shape) >= 2 and r.shape[-2:] == (seq, seq) for r in residuals)
+
+
+@pytest.mark.parametrize("spec", ["none", "every_n:2"])  # the policies under which xla keeps its probabilities
+def test_chunked_keeps_no_seq_by_seq_residual(spec):
+    seq = 48  # distinct from every other dimension of the tiny model
+    xla = _activation_residuals(TransformerConfig.preset("tiny", attention="xla"), spec, 2, seq)
+    chunked = _activation_residuals(
+        TransformerConfig.preset("tiny", attention="chunked", attention_block=16), spec, 2, seq
+    )
+    assert _has_seq_by_seq(xla, seq)  # the check can see such a residual...
+    assert not _has_seq_by_seq(chunked, seq)  # ...and chunked attention keeps none
+    assert sum(r.nbytes for r in chunked) < sum(r.nbytes for r in xla)
+
+
+def test_selective_keeps_the_logsumexp_with_the_context():
+    # context carries the softmax statistics, so the backward pass need not re-run attention's forward.
+    cfg = TransformerConfig.preset("tiny", attention="chunked", attention_block=16)
+    b, s, kv, g = 2, 48, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    kept = {r.shape for r in _activation_residuals(cfg, "selective:context", b, s)}
+    assert (cfg.num_layers, b, kv, g, s) in kept  # the logsumexp, stacked over layers
+    assert (cfg.num_layers, b, s, cfg.num_heads, cfg.head_dim) in kept  # the output
+    recomputed = {r.shape for r in _activation_residuals(cfg, "selective:q_proj", b, s)}
+    assert (cfg.num_layers, b, kv, g, s) not in recomputed
+
+
+def test_chunked_block_emits_the_vocabulary_but_attn_probs():
+    cfg = TransformerConfig.preset("tiny", attention="chunked")
+    block = Block(config=cfg)
+    x = jnp.ones((2, 8, cfg.d_model))
+    p = block.init(jax.random.key(0), x)
+    assert internals.emitted_tags(lambda p, x: block.apply(p, x), p, x) == set(names.VOCABULARY) - {names.ATTN_PROBS}
+
+
+def test_policy_naming_attn_probs_with_chunked_attention_is_an_error(tokens):
+    cfg = TransformerConfig.preset("tiny", attention="chunked")
+    with pytest.raises(ValueError, match=r"never emits: attn_probs"):
+        Transformer(config=cfg, policy="selective:attn_probs").init(jax.random.key(0), tokens)
+
+
+def test_auto_resolves_per_backend():
+    assert attention.resolve("auto", "float32", 64, platform="cpu") == "chunked"
+    assert attention.resolve("auto", "float32", 64, platform="tpu") == "chunked"
+    assert attention.resolve("auto", "bfloat16", 64, platform="gpu") == "cudnn"
+    assert attention.resolve("auto", "float32", 64, platform="gpu") == "chunked"  # cuDNN takes no float32
+    assert attention.resolve("auto", "bfloat16", 12, platform="gpu") == "chunked"  # nor head_dim 12
+    assert attention.resolve("xla", "float32", 64, platform="gpu") == "xla"
+    assert TransformerConfig().attention == "auto"
+    assert attention.default_block("cpu") == 128
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error off a GPU")
+def test_cudnn_off_gpu_is_a_clear_error_before_tracing(tokens):
+    cfg = TransformerConfig.preset("tiny", attention="cudnn", dtype="bfloat16")  # valid config: dtype fits
+    with pytest.raises(ValueError, match=r"attention='cudnn' needs an NVIDIA GPU, but the JAX backend is 'cpu'"):
+        Transformer(config=cfg)
+    q = jnp.ones((1, 8, 2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"needs an NVIDIA GPU"):
+        attention.attend(q, q, q, kind="cudnn")
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: TransformerConfig(attention="flash"), r"attention='flash'; allowed: auto, xla, chunked, cudnn"),
+        (lambda: TransformerConfig(attention="cudnn"), r"cudnn.*takes compute dtype bfloat16 or float16, got float32"),
+        (
+            lambda: TransformerConfig(attention="cudnn", dtype="bfloat16", d_model=96, num_heads=8, num_kv_heads=8),
+            r"head_dim a multiple of 8 and <= 128, got 12",
+        ),
+        (lambda: TransformerConfig(attention_block=0), r"attention_block must be a positive integer or None, got 0"),
+        (lambda: TransformerConfig(attention_block=True), r"attention_block must be a positive integer or None"),
+        (lambda: attention.chunked_attention(jnp.ones((1, 4, 2, 8)), *[jnp.ones((1, 4, 2, 8))] * 2, block=0), r"got 0"),
+        (
+            lambda: attention.attend(jnp.ones((1, 4, 3, 8)), *[jnp.ones((1, 4, 2, 8))] * 2),
+            r"query heads 3 must be a multiple of key/value heads 2",
+        ),
+        (lambda: attention.attend(jnp.ones((1, 4, 2, 8)), *[jnp.ones((1, 5, 2, 8))] * 2), r"does not match q shape"),
+    ],
+    ids=["unknown-kind", "cudnn-float32", "cudnn-head-dim", "block-0", "block-bool", "fn-block-0", "heads", "seq"],
+)
+def test_bad_attention_input_is_a_clear_error(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_long_sequences_cap_the_number_of_unrolled_blocks():
+    # 4096 positions at block 128 would be 32 blocks (528 block pairs to trace); the cap keeps 16.
+    assert len(attention._spans(4096, 128)) == attention.MAX_BLOCKS
+    assert len(attention._spans(1000, 128)) == 8 and attention._spans(1000, 128)[-1] == (896, 1000)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")
+def test_cudnn_matches_xla_on_gpu():
+    q, k, v, w = _qkv(2, 128, 8, 2, 64, dtype=jnp.bfloat16)
+    ref = attention.xla_attention(*(x.astype(jnp.float32) for x in (q, k, v)))
+    got = attention.attend(q, k, v, kind="cudnn")
+    assert max_rel_err(got.astype(jnp.float32), ref) <= 2e-2  # bfloat16 inputs
+    g = _grads(lambda q, k, v: attention.attend(q, k, v, kind="cudnn"), q, k, v, w)
+    g_ref = _grads(attention.xla_attention, *(x.astype(jnp.float32) for x in (q, k, v)), w)
+    assert max_rel_err([x.astype(jnp.float32) for x in g], g_ref) <= 5e-2

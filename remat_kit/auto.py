@@ -28,6 +28,7 @@ import jax
 import optax
 
 from remat_kit import analysis, flops, policies
+from remat_kit import mesh as mesh_lib
 from remat_kit.model import Transformer, TransformerConfig
 
 #: Optimizers by name (their state is part of what must fit).
@@ -193,12 +194,19 @@ class Planner:
       config: the model.
       optimizer: a name in :data:`OPTIMIZERS` or an optax transformation.
       loss_chunks: 0 for the plain loss, k for the chunked loss.
+      mesh: a ``jax.sharding.Mesh`` (see :mod:`remat_kit.mesh`) or a mesh spec such as
+        ``"data=2,fsdp=2"``; bytes are then per device.
     """
 
     def __init__(
-        self, config: TransformerConfig, optimizer: str | optax.GradientTransformation = "adamw", loss_chunks: int = 0
+        self,
+        config: TransformerConfig,
+        optimizer: str | optax.GradientTransformation = "adamw",
+        loss_chunks: int = 0,
+        mesh=None,
     ):
         self.config = config
+        self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
         self.optimizer_name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
         self.opt = get_optimizer(optimizer)
         self.loss_chunks = loss_chunks
@@ -214,7 +222,12 @@ class Planner:
             model = Transformer(config=self.config, policy=policy)
             step = analysis.train_step(model, self.opt, self.loss_chunks)
             args = analysis.abstract_inputs(self.config, batch, seq, self.opt)
-            self._traced[key] = jax.jit(step, donate_argnums=(0, 1)).trace(*args)
+            kwargs = {}
+            if self.mesh is not None:
+                mesh_lib.check_batch(batch, self.mesh)
+                state = (mesh_lib.tree_shardings(args[0], self.mesh), mesh_lib.tree_shardings(args[1], self.mesh))
+                kwargs = {"in_shardings": (*state, mesh_lib.batch_sharding(self.mesh)), "out_shardings": (*state, None)}
+            self._traced[key] = jax.jit(step, donate_argnums=(0, 1), **kwargs).trace(*args)
         return self._traced[key]
 
     def flops(self, policy: policies.Policy, batch: int, seq: int) -> int:
@@ -225,7 +238,7 @@ class Planner:
         return self._flops[key]
 
     def memory(self, policy: policies.Policy, batch: int, seq: int) -> tuple[int, int]:
-        """``(device bytes, host bytes)`` of the compiled step."""
+        """``(device bytes, host bytes)`` of the compiled step (per device under a mesh)."""
         key = (str(policy), batch, seq)
         if key not in self._memory:
             compiled = self._trace(policy, batch, seq).lower().compile()

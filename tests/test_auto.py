@@ -137,3 +137,12 @@ def test_parse_bytes(text, expected):
 def test_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_mesh_bytes_are_per_device():
+    single = A.Planner(CFG).memory(P.full(), 8, SEQ)[0]
+    data = A.Planner(CFG, mesh="data=4").memory(P.full(), 8, SEQ)[0]
+    fsdp = A.Planner(CFG, mesh="fsdp=4").memory(P.full(), 8, SEQ)[0]
+    assert data < single and fsdp < data  # activations split 4 ways; with fsdp the state too
+    with pytest.raises(ValueError, match=r"batch 6 is not divisible by the data-parallel device count 4"):
+        A.Planner(CFG, mesh="data=4").memory(P.full(), 6, SEQ)

@@ -255,7 +255,10 @@ class Trainer:
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+        params = optax.apply_updates(params, updates)
+        # A finite loss does not prove finite new parameters; check them so none is ever saved.
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
+        return params, opt_state, loss, optax.tree.norm(grads), finite
 
     def _eval_impl(self, params, tokens):
         self._count_trace("eval")
@@ -281,19 +284,21 @@ class Trainer:
         """One optimizer update over ``grad_accum`` micro-batches (``int32 [batch, seq]`` each).
 
         Returns:
-          The new state and ``{"loss", "grad_norm"}`` averaged over the micro-batches.
+          The new state and ``{"loss", "grad_norm"}`` averaged over the micro-batches, with
+          ``params_finite``: whether every new parameter is finite.
         """
         if len(batches) != self.config.grad_accum:
             raise ValueError(f"step needs {self.config.grad_accum} micro-batches, got {len(batches)}")
         step = int(state.step) + 1
         base = jax.random.wrap_key_data(state.rng)
         params, opt_state = state.params, state.opt_state
-        losses, norms = [], []
+        losses, norms, finite = [], [], []
         for micro, tokens in enumerate(batches):
             key = jax.random.fold_in(jax.random.fold_in(base, step), micro)
-            params, opt_state, loss, norm = self._micro_step(params, opt_state, jnp.asarray(tokens), key)
+            params, opt_state, loss, norm, ok = self._micro_step(params, opt_state, jnp.asarray(tokens), key)
             losses.append(loss)
             norms.append(norm)
+            finite.append(ok)
         new = TrainState(
             params=params,
             opt_state=opt_state,
@@ -301,7 +306,11 @@ class Trainer:
             data_position=jnp.asarray(int(state.data_position) + len(batches), jnp.int32),
             rng=state.rng,
         )
-        return new, {"loss": float(np.mean(jax.device_get(losses))), "grad_norm": float(np.mean(norms))}
+        return new, {
+            "loss": float(np.mean(jax.device_get(losses))),
+            "grad_norm": float(np.mean(norms)),
+            "params_finite": bool(np.all(finite)),
+        }
 
     def evaluate(self, params, windows: np.ndarray) -> float:
         """Mean loss over validation batches ``[num_batches, batch, seq]`` (no dropout)."""
@@ -482,11 +491,14 @@ def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, m
                 pos = int(state.data_position)
                 micro = [batches.batch(pos + i) for i in range(config.grad_accum)]
                 new_state, out = trainer.step(state, micro)
-                if not math.isfinite(out["loss"]):
+                if not (math.isfinite(out["loss"]) and out["params_finite"]):
                     last = ckpts.steps()[-1] if ckpts is not None and ckpts.steps() else None
+                    what = (
+                        f"loss is {out['loss']}" if not math.isfinite(out["loss"]) else "parameters became non-finite"
+                    )
                     raise DivergedError(
-                        f"loss is {out['loss']} at step {step}; nothing saved after step {last}. "
-                        "Lower the learning rate or raise --clip-norm"
+                        f"{what} at step {step}; nothing saved after step {last}. "
+                        "Lower --lr (or --clip-norm) and resume"
                     )
                 state = new_state
                 dt = time.perf_counter() - t0
@@ -504,9 +516,6 @@ def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, m
                 if metrics_file is not None:
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
-                last_step = step == config.steps or stop.requested
-                if ckpts is not None and (step % checkpoint_every == 0 or last_step):
-                    ckpts.save(step, state.to_dict(), meta)
                 bar.advance(record)
                 if "val_loss" in record:
                     bar.print(
@@ -515,6 +524,9 @@ def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, m
                     )
                 for fn in callbacks:
                     fn(step, record)
+                # Decided last, so a Ctrl-C that arrives at any point of the step still saves it.
+                if ckpts is not None and (step % checkpoint_every == 0 or step == config.steps or stop.requested):
+                    ckpts.save(step, state.to_dict(), meta)
                 if stop.requested:
                     log(f"interrupted after step {step}; saved" if ckpts else f"interrupted after step {step}")
                     raise KeyboardInterrupt

@@ -269,3 +269,35 @@ def test_existing_checkpoints_need_resume(capsys, saved_run):
 def test_bad_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
         train.TrainConfig(**{**BASE, **kwargs})
+
+
+def test_divergence_stops_before_saving_a_bad_state(corpus, tmp_path):
+    cfg = train.TrainConfig(**{**BASE, "steps": 4, "learning_rate": 1e30}, clip_norm=1e30)
+    with pytest.raises(
+        train.DivergedError, match=r"(loss is nan|parameters became non-finite) at step \d; nothing saved after step"
+    ):
+        train.train(cfg, corpus, checkpoint_dir=tmp_path, checkpoint_every=1)
+    with Checkpoints(tmp_path) as ckpts:
+        good = ckpts.restore_latest(jax.eval_shape(lambda: train.Trainer(cfg).init_state().to_dict()))
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(good[1]["params"]))
+
+
+def test_ctrl_c_saves_the_current_step_and_exits_130(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CLI, *_ARGS, "--checkpoint-dir", str(ckpt), "--metrics", str(metrics)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 180
+    while max(_metric_steps(metrics), default=0) < 1:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    last = max(_metric_steps(metrics))
+    assert last < 10 and f"interrupted after step {last}; saved" in err
+    with Checkpoints(ckpt) as ckpts:
+        assert ckpts.steps()[-1] == last  # saved although it is not a multiple of --checkpoint-every

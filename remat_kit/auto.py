@@ -441,3 +441,72 @@ def max_fit(
             hi = mid
         stalls = stalls + 1 if hi - lo > width // 2 else 0
     return lo
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both coordinates (lower is better on both).
+
+    >>> pareto_front([(1, 5), (2, 2), (3, 3), (5, 1)])
+    [0, 1, 3]
+    """
+    front = []
+    for i, (x, y) in enumerate(points):
+        dominated = any((a <= x and b <= y) and (a, b) != (x, y) for a, b in points)
+        if not dominated:
+            front.append(i)
+    return front
+
+
+def plot_pareto(result: AutoResult, path: str) -> str:
+    """Write a PNG of device memory against recompute FLOPs, the Pareto front drawn, the choice marked.
+
+    Only compiled candidates have a memory figure; the budget is drawn as a horizontal line.
+
+    Returns:
+      ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [c for c in result.candidates if c.need_bytes is not None]
+    xs = [c.recompute_flops / 1e9 for c in rows]
+    ys = [c.need_bytes / 1e9 for c in rows]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.scatter(xs, ys, c=["tab:green" if c.fits else "tab:red" for c in rows], zorder=3)
+    for c, x, y in zip(rows, xs, ys, strict=True):
+        ax.annotate(
+            c.policy if len(c.policy) < 28 else c.policy[:25] + "…",
+            (x, y),
+            fontsize=7,
+            xytext=(4, 3),
+            textcoords="offset points",
+        )
+    front = sorted(pareto_front(list(zip(xs, ys, strict=True))), key=lambda i: xs[i])
+    ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="gray", label="Pareto front", zorder=2)
+    ax.axhline(
+        result.budget_bytes / (1 + result.margin) / 1e9,
+        color="tab:orange",
+        label=f"budget / (1 + {result.margin:.0%} margin)",
+    )
+    if result.chosen is not None:
+        win = next(i for i, c in enumerate(rows) if c.policy == str(result.chosen))
+        ax.scatter(
+            [xs[win]],
+            [ys[win]],
+            s=250,
+            facecolors="none",
+            edgecolors="black",
+            linewidths=2,
+            label=f"chosen: {result.chosen}",
+            zorder=4,
+        )
+    ax.set_xlabel("recompute per step (GFLOP, matmuls beyond `none`)")
+    ax.set_ylabel("device memory of the step (GB)")
+    ax.set_title(f"policies at batch {result.batch} x seq {result.seq} (green fits, red does not)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -146,3 +146,14 @@ def test_mesh_bytes_are_per_device():
     assert data < single and fsdp < data  # activations split 4 ways; with fsdp the state too
     with pytest.raises(ValueError, match=r"batch 6 is not divisible by the data-parallel device count 4"):
         A.Planner(CFG, mesh="data=4").memory(P.full(), 6, SEQ)
+
+
+def test_pareto_front():
+    assert A.pareto_front([(0, 5), (1, 4), (1, 6), (2, 4), (3, 1)]) == [0, 1, 4]
+
+
+def test_pareto_plot_is_a_png(planner, needs, tmp_path):
+    r = _auto(planner, sorted(needs.values())[2] * 1.2, exhaustive=True)
+    path = A.plot_pareto(r, str(tmp_path / "pareto.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -340,7 +340,9 @@ def auto(
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+    from remat_kit.plan import fmt_bytes
+
+    return fmt_bytes(n)
 
 
 def _reason(chosen, table: Sequence[Candidate], budget: int, margin: float, loss_chunks: int) -> str:

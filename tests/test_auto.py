@@ -5,6 +5,7 @@ import pytest
 from remat_kit import auto as A
 from remat_kit import policies as P
 from remat_kit.model import TransformerConfig
+from remat_kit.plan import fmt_bytes
 
 CFG = TransformerConfig.preset("tiny", num_layers=4)
 POOL = ("none", "selective:q_proj,k_proj,v_proj", "every_n:2", "full", "sqrt_n")
@@ -65,7 +66,7 @@ def test_nothing_fits_says_what_is_needed_and_the_levers(planner, needs):
     least = min(needs.values())
     r = _auto(planner, least // 2)
     assert r.chosen is None
-    assert f"needs {least / 1e9:.2f} GB" in r.reason and f"budget is {least // 2 / 1e9:.2f} GB" in r.reason
+    assert f"needs {fmt_bytes(least)}" in r.reason and f"budget is {fmt_bytes(least // 2)}" in r.reason
     assert "chunked loss" in r.reason and "offload" in r.reason and "smaller batch" in r.reason
     assert r.to_dict()["chosen"] is None
 

@@ -79,6 +79,20 @@ class CompiledMemory:
     host_output: int
     host_temp: int
 
+    @classmethod
+    def from_compiled(cls, compiled) -> CompiledMemory:
+        """Read ``compiled.memory_analysis()`` (per device for a sharded executable)."""
+        m = compiled.memory_analysis()
+        return cls(
+            argument=int(m.argument_size_in_bytes),
+            output=int(m.output_size_in_bytes),
+            alias=int(m.alias_size_in_bytes),
+            temp=int(m.temp_size_in_bytes),
+            host_argument=int(m.host_argument_size_in_bytes),
+            host_output=int(m.host_output_size_in_bytes),
+            host_temp=int(m.host_temp_size_in_bytes),
+        )
+
     @property
     def total(self) -> int:
         """Device bytes live at the peak, bounded by XLA's buffer assignment: arguments + outputs − aliased + temp."""
@@ -484,16 +498,7 @@ def analyze_compiled(
     model = Transformer(config=config, policy=policy)
     residuals, layers, param_bytes = _residuals(config, policy, batch, seq, loss_chunks)
     compiled, count, seconds = compile_step(model, batch, seq, loss_chunks, learning_rate)
-    m = compiled.memory_analysis()
-    memory = CompiledMemory(
-        argument=int(m.argument_size_in_bytes),
-        output=int(m.output_size_in_bytes),
-        alias=int(m.alias_size_in_bytes),
-        temp=int(m.temp_size_in_bytes),
-        host_argument=int(m.host_argument_size_in_bytes),
-        host_output=int(m.host_output_size_in_bytes),
-        host_temp=int(m.host_temp_size_in_bytes),
-    )
+    memory = CompiledMemory.from_compiled(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     analysis = Analysis(

@@ -212,7 +212,7 @@ class Planner:
         self.loss_chunks = loss_chunks
         self._traced: dict[tuple, Any] = {}
         self._flops: dict[tuple, int] = {}
-        self._memory: dict[tuple, tuple[int, int]] = {}
+        self._memory: dict[tuple, analysis.CompiledMemory] = {}
         self.compiles = 0
 
     def _trace(self, policy: policies.Policy, batch: int, seq: int):
@@ -237,18 +237,20 @@ class Planner:
             self._flops[key] = flops.jaxpr_flops(self._trace(policy, batch, seq).jaxpr)
         return self._flops[key]
 
-    def memory(self, policy: policies.Policy, batch: int, seq: int) -> tuple[int, int]:
-        """``(device bytes, host bytes)`` of the compiled step (per device under a mesh)."""
+    def compiled_memory(self, policy: policies.Policy, batch: int, seq: int) -> analysis.CompiledMemory:
+        """XLA's memory figures of the compiled step (per device under a mesh)."""
         key = (str(policy), batch, seq)
         if key not in self._memory:
             compiled = self._trace(policy, batch, seq).lower().compile()
             self.compiles += 1
-            m = compiled.memory_analysis()
-            device = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-            host = m.host_argument_size_in_bytes + m.host_output_size_in_bytes + m.host_temp_size_in_bytes
-            self._memory[key] = (int(device), int(host))
+            self._memory[key] = analysis.CompiledMemory.from_compiled(compiled)
             self._traced.pop(key, None)  # the trace is no longer needed: keep memory flat over long searches
         return self._memory[key]
+
+    def memory(self, policy: policies.Policy, batch: int, seq: int) -> tuple[int, int]:
+        """``(device bytes, host bytes)`` of the compiled step (per device under a mesh)."""
+        m = self.compiled_memory(policy, batch, seq)
+        return m.total, m.host_argument + m.host_output + m.host_temp
 
     def fits(self, policy, batch, seq, budget_bytes: int, margin: float) -> bool:
         return self.memory(policy, batch, seq)[0] * (1 + margin) <= budget_bytes

@@ -14,7 +14,7 @@ import argparse
 import json
 import time
 
-from remat_kit import auto
+from remat_kit import budget as auto
 from remat_kit.model import PRESET_SHAPES, TransformerConfig
 from remat_kit.plan import fmt_bytes
 

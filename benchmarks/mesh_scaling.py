@@ -25,7 +25,8 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
-    from remat_kit import analysis, auto, policies
+    from remat_kit import analysis, policies
+    from remat_kit import budget as auto
     from remat_kit import mesh as M
     from remat_kit.model import PRESET_SHAPES, TransformerConfig
     from remat_kit.plan import fmt_bytes

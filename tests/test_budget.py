@@ -2,7 +2,7 @@
 
 import pytest
 
-from remat_kit import auto as A
+from remat_kit import budget as A
 from remat_kit import policies as P
 from remat_kit.model import TransformerConfig
 from remat_kit.plan import fmt_bytes

@@ -1,13 +1,14 @@
 """The fastest policy that fits a memory budget, and what it takes to fit — compile-only.
 
-:func:`auto` answers "I have X GB: which policy?". Every candidate policy's training step is traced
-(cheap) to count its recompute FLOPs — the matmul FLOPs beyond those of ``none`` — and candidates
-are then compiled in order of increasing recompute, from ShapeDtypeStructs, until the cheapest group
-that fits is found. "Fits" means the compiled step's device bytes — weights, gradients, optimizer
-state and activations (arguments + outputs − aliased + temp of ``Compiled.memory_analysis()``) —
-times ``1 + margin`` are at most the budget. The winner is the fitting candidate with the least
-recompute FLOPs, ties going to less memory. :func:`max_fit` finds the largest batch or the longest
-sequence a policy fits, exactly (the answer fits, one more does not).
+:func:`auto` (also ``remat_kit.auto``) answers "I have X GB: which policy?". Every candidate
+policy's training step is traced (cheap) to count its recompute FLOPs — the matmul FLOPs beyond
+those of ``none`` — and candidates are then compiled in order of increasing recompute, from
+ShapeDtypeStructs, until the cheapest group that fits is found. "Fits" means the compiled step's
+device bytes — weights, gradients, optimizer state and activations (arguments + outputs − aliased
++ temp of ``Compiled.memory_analysis()``) — times ``1 + margin`` are at most the budget. The
+winner is the fitting candidate with the least recompute FLOPs, ties going to less memory.
+:func:`max_fit` finds the largest batch or the longest sequence a policy fits, exactly (the
+answer fits, one more does not).
 
 >>> from remat_kit.model import TransformerConfig
 >>> r = auto(TransformerConfig.preset("tiny"), batch=2, seq=32, budget_bytes=parse_bytes("1GB"))

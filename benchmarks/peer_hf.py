@@ -1,0 +1,365 @@
+"""remat_kit beside PyTorch + Hugging Face Transformers on the same model, batch, optimizer and threads.
+
+The peer is a Transformers ``LlamaForCausalLM`` built from a config (random weights, nothing
+downloaded) with the architecture of remat_kit's :class:`~remat_kit.model.Transformer`: RMSNorm
+pre-norm, RoPE, causal attention (SDPA), SwiGLU MLP of the same hidden width, untied output
+projection, no biases, no dropout. Both train with AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-8,
+weight decay 1e-4: optax's defaults, given to torch explicitly) on the same random tokens.
+
+Each (framework, policy) runs in its own subprocess pinned to the same ``--threads`` cores
+(``sched_setaffinity`` + ``OMP_NUM_THREADS``; ``torch.set_num_threads`` too), which reports its peak
+resident set (``ru_maxrss``: the whole process, imports and compilation included), its resident
+set just before the first step (parameters and optimizer state live), and the median step time
+over ``--steps`` steps after ``--warmup``. Policies:
+
+=============  =======================================  ==============================================
+policy         remat_kit                                Transformers
+=============  =======================================  ==============================================
+``none``       ``none``                                 no checkpointing
+``full``       ``full``                                 ``activation_checkpointing_enable()``
+``every_n:2``  ``every_n:2``                            ``activation_checkpointing_enable(every_n_layers=2)``
+``offload``    ``offload`` (layer inputs to host)       ``activation_checkpointing_enable(offload=True)``
+=============  =======================================  ==============================================
+
+Run it with a Python that has torch and transformers (the ``peer`` extra; never needed by the
+tests); the remat_kit side may run in another interpreter (``--jax-python``)::
+
+    python benchmarks/peer_hf.py --quick                      # smoke test, a minute or two
+    python benchmarks/peer_hf.py --json benchmarks/results/peer_hf.json   # the issue's config
+
+Targets on CPU (issue 6): remat_kit's peak memory ≤ the peer's for every policy, and its step
+time within 1.5× the peer's. The table states the measured ratios either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+#: The issue's configuration: hidden 512, 8 layers, 8 heads, SwiGLU, vocabulary 32,000, float32.
+#: d_ff = 1408 is remat_kit's SwiGLU ratio (2.75 × d_model, as the ``small`` preset).
+MODEL = dict(vocab_size=32_000, d_model=512, num_layers=8, num_heads=8, num_kv_heads=8, d_ff=1408, max_seq_len=1024)
+FULL = dict(batch=4, seq=1024, steps=5, warmup=1)
+QUICK = dict(batch=2, seq=256, steps=3, warmup=1)
+POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "offload")
+ADAMW = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4)
+FRAMEWORKS: tuple[str, ...] = ("remat_kit", "peer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One framework under one policy.
+
+    Attributes:
+      framework: ``"remat_kit"`` or ``"peer"``.
+      policy: the policy name of :data:`POLICIES`.
+      ok: False when the framework cannot run the policy here (``error`` says why).
+      peak_rss: peak resident set of the worker process in bytes (``ru_maxrss``).
+      baseline_rss: resident set just before the first step.
+      step_time_s: median of the timed steps; step_times_s: each of them.
+      loss: the loss of the first step (same tokens, comparable across frameworks only roughly:
+        the random initializations differ).
+      error: the reason when not ``ok``.
+    """
+
+    framework: str
+    policy: str
+    ok: bool
+    peak_rss: int = 0
+    baseline_rss: int = 0
+    step_time_s: float = 0.0
+    step_times_s: tuple[float, ...] = ()
+    loss: float = 0.0
+    error: str = ""
+
+
+# ---- workers (run in a fresh process each) -------------------------------------------------------------
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _tokens_numpy(batch: int, seq: int, vocab: int, seed: int = 0):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, vocab, size=(batch, seq), dtype=np.int32)
+
+
+def _run_steps(step, steps: int, warmup: int) -> tuple[list[float], float, int]:
+    """Run warm-up and timed steps; returns (times, first loss, RSS before the first step)."""
+    baseline = _rss()
+    first = None
+    for _ in range(warmup):
+        loss = step()
+        first = loss if first is None else first
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - start)
+        first = loss if first is None else first
+    return times, float(first), baseline
+
+
+def _jax_worker(job: dict[str, Any]) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from remat_kit.loss import lm_loss
+    from remat_kit.model import Transformer, TransformerConfig
+
+    cfg = TransformerConfig(**job["model"])
+    model = Transformer(config=cfg, policy=job["policy"])
+    a = ADAMW
+    opt = optax.adamw(a["lr"], b1=a["b1"], b2=a["b2"], eps=a["eps"], weight_decay=a["weight_decay"])
+
+    def train_step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(lambda p: lm_loss(model, p, tokens))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    tokens = jnp.asarray(_tokens_numpy(job["batch"], job["seq"], cfg.vocab_size))
+    params = jax.jit(lambda k: model.init(k, tokens[:1, :8])["params"])(jax.random.key(0))
+    opt_state = jax.jit(opt.init)(params)
+    compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, opt_state, tokens).compile()
+    state = {"params": params, "opt": opt_state}
+    del params, opt_state
+
+    def step():
+        state["params"], state["opt"], loss = jax.block_until_ready(compiled(state["params"], state["opt"], tokens))
+        return loss
+
+    times, loss, baseline = _run_steps(step, job["steps"], job["warmup"])
+    return dict(step_times_s=times, loss=loss, baseline_rss=baseline)
+
+
+def _torch_worker(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(job["threads"])
+    torch.manual_seed(0)
+    m = job["model"]
+    config = LlamaConfig(
+        vocab_size=m["vocab_size"],
+        hidden_size=m["d_model"],
+        intermediate_size=m["d_ff"],
+        num_hidden_layers=m["num_layers"],
+        num_attention_heads=m["num_heads"],
+        num_key_value_heads=m["num_kv_heads"],
+        max_position_embeddings=m["max_seq_len"],
+        rms_norm_eps=1e-6,  # remat_kit's TransformerConfig.norm_eps
+        rope_theta=10_000.0,  # remat_kit's rope_base
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        hidden_act="silu",
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).float()
+    model.train()
+    policy = job["policy"]
+    if policy == "full":
+        model.activation_checkpointing_enable()
+    elif policy == "every_n:2":
+        model.activation_checkpointing_enable(every_n_layers=2)
+    elif policy == "offload":
+        model.activation_checkpointing_enable(offload=True)
+    elif policy != "none":
+        raise ValueError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
+    a = ADAMW
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=a["lr"], betas=(a["b1"], a["b2"]), eps=a["eps"], weight_decay=a["weight_decay"]
+    )
+    tokens = torch.from_numpy(_tokens_numpy(job["batch"], job["seq"], m["vocab_size"]).astype("int64"))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=tokens, labels=tokens).loss  # shifted next-token cross-entropy, as lm_loss
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    times, loss, baseline = _run_steps(step, job["steps"], job["warmup"])
+    return dict(step_times_s=times, loss=loss, baseline_rss=baseline)
+
+
+def _worker_main(job_text: str) -> int:
+    job = json.loads(job_text)
+    try:
+        out = (_jax_worker if job["framework"] == "remat_kit" else _torch_worker)(job)
+        result = Result(
+            framework=job["framework"],
+            policy=job["policy"],
+            ok=True,
+            peak_rss=_peak_rss(),
+            baseline_rss=out["baseline_rss"],
+            step_time_s=statistics.median(out["step_times_s"]),
+            step_times_s=tuple(out["step_times_s"]),
+            loss=out["loss"],
+        )
+    except Exception as e:  # reported in the table: e.g. offload needs an accelerator for pin_memory
+        result = Result(job["framework"], job["policy"], ok=False, error=f"{type(e).__name__}: {e}".splitlines()[0])
+    print(json.dumps(dataclasses.asdict(result)))
+    return 0
+
+
+# ---- the parent ------------------------------------------------------------------------------------------
+
+
+def _pin(threads: int):
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+
+    def preexec():
+        os.sched_setaffinity(0, cores)
+
+    return preexec
+
+
+def run_one(job: dict[str, Any], python: str, threads: int) -> Result:
+    """Run one (framework, policy) job in a fresh ``python`` process pinned to ``threads`` cores."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: the peer is built from a config
+    proc = subprocess.run(
+        [python, os.path.abspath(__file__), "--worker", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=_pin(threads),
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        return Result(job["framework"], job["policy"], ok=False, error=f"worker failed: {tail[0]}")
+    return Result(**{**json.loads(lines[-1]), "step_times_s": tuple(json.loads(lines[-1])["step_times_s"])})
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def format_table(results: list[Result]) -> list[str]:
+    """Side-by-side rows per policy, with the remat_kit / peer ratios and the targets."""
+    by = {(r.framework, r.policy): r for r in results}
+    policies = list(dict.fromkeys(r.policy for r in results))
+    head = (
+        f"{'policy':10} {'rk peak RSS':>12} {'peer peak RSS':>14} {'mem ratio':>9}  "
+        f"{'rk step':>8} {'peer step':>9} {'time ratio':>10}  targets (mem <= 1, time <= 1.5)"
+    )
+    rows = [head, "-" * len(head)]
+    for p in policies:
+        rk, peer = by.get(("remat_kit", p)), by.get(("peer", p))
+        cells = [f"{p:10}"]
+        cells.append(f"{_gb(rk.peak_rss):>12}" if rk and rk.ok else f"{'failed':>12}")
+        cells.append(f"{_gb(peer.peak_rss):>14}" if peer and peer.ok else f"{'n/a':>14}")
+        both = rk and peer and rk.ok and peer.ok
+        mem = rk.peak_rss / peer.peak_rss if both else None
+        cells.append(f"{mem:>9.2f}" if mem else f"{'-':>9}")
+        cells.append(f" {rk.step_time_s:>7.2f}s" if rk and rk.ok else f" {'-':>8}")
+        cells.append(f"{peer.step_time_s:>8.2f}s" if peer and peer.ok else f"{'-':>9}")
+        tr = rk.step_time_s / peer.step_time_s if both else None
+        cells.append(f"{tr:>10.2f}" if tr else f"{'-':>10}")
+        if both:
+            cells.append(f"  mem {'met' if mem <= 1.0 else 'MISSED'}, time {'met' if tr <= 1.5 else 'MISSED'}")
+        rows.append(" ".join(cells))
+    notes = [f"{r.framework} {r.policy}: {r.error}" for r in results if not r.ok]
+    if notes:
+        rows += ["", "not run:", *(f"  {n}" for n in notes)]
+    rows += ["", "baseline RSS before the first step (params + optimizer state + runtime):"]
+    rows += [f"  {r.framework:9} {r.policy:10} {_gb(r.baseline_rss)}" for r in results if r.ok]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK}")
+    parser.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated subset of " + ", ".join(POLICIES)
+    )
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--layers", type=int, help=f"override the depth ({MODEL['num_layers']})")
+    parser.add_argument("--steps", type=int, help="timed steps per policy (median reported)")
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="cores for each worker")
+    parser.add_argument("--jax-python", default=sys.executable, help="interpreter for the remat_kit workers")
+    parser.add_argument("--torch-python", default=sys.executable, help="interpreter with torch + transformers")
+    parser.add_argument("--json", help="write every result here")
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker_main(args.worker)
+
+    run = dict(QUICK if args.quick else FULL)
+    for key in ("batch", "seq", "steps", "warmup"):
+        if getattr(args, key) is not None:
+            run[key] = getattr(args, key)
+    model = dict(MODEL, max_seq_len=max(MODEL["max_seq_len"], run["seq"]))
+    if args.layers:
+        model["num_layers"] = args.layers
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        parser.error(f"unknown policies {bad}; allowed: {', '.join(POLICIES)}")
+    for key, value in (*run.items(), ("threads", args.threads)):
+        if value < (0 if key == "warmup" else 1):
+            parser.error(f"--{key} must be positive, got {value}")
+
+    print(f"model: {model}")
+    print(f"run: {run}, threads per worker: {args.threads}, AdamW {ADAMW}, float32")
+    results = []
+    for policy in policies:
+        for framework in FRAMEWORKS:
+            job = dict(framework=framework, policy=policy, model=model, threads=args.threads, **run)
+            python = args.jax_python if framework == "remat_kit" else args.torch_python
+            print(f"running {framework} {policy} ...", file=sys.stderr, flush=True)
+            r = run_one(job, python, args.threads)
+            status = f"{_gb(r.peak_rss)}, {r.step_time_s:.2f} s/step" if r.ok else r.error
+            print(f"  {framework} {policy}: {status}", file=sys.stderr, flush=True)
+            results.append(r)
+    print()
+    print("\n".join(format_table(results)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "model": model,
+                    "run": run,
+                    "threads": args.threads,
+                    "adamw": ADAMW,
+                    "results": [dataclasses.asdict(r) for r in results],
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

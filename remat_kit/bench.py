@@ -80,7 +80,7 @@ class BenchRecord:
       step_time_ratio: ``step_time_s`` over ``none``'s.
       loss: the loss at the initial parameters; loss_diff: its difference from ``none``'s.
       max_grad_diff: max |g − g_none| over every parameter; max_grad_rel_diff: the same over
-        each leaf's max |g_none|, worst leaf.
+        each leaf's max |g_none|, worst leaf (None when the gradient check was skipped).
     """
 
     policy: str
@@ -98,8 +98,8 @@ class BenchRecord:
     step_time_ratio: float
     loss: float
     loss_diff: float
-    max_grad_diff: float
-    max_grad_rel_diff: float
+    max_grad_diff: float | None
+    max_grad_rel_diff: float | None
 
     @property
     def step_bytes(self) -> int:
@@ -180,7 +180,8 @@ def measure(
     """Compile, check and time one policy in this process; returns a partial record.
 
     The gradients at the initial parameters are written to ``grads_path`` (``.npz``) when given,
-    so the caller can compare policies. Ratios and differences against ``none`` are left to it.
+    so the caller can compare policies (None skips that check and its extra compile). Ratios and
+    differences against ``none`` are left to the caller.
     """
     import jax
     import numpy as np
@@ -200,26 +201,28 @@ def measure(
 
     # Keep a host copy of the initial parameters for the gradient check, which runs after the
     # timed steps so that its own buffers cannot inflate (or pre-pay) the measured peak.
-    initial = jax.device_get(params)
+    initial = jax.device_get(params) if grads_path else None
     probe = _MemoryProbe(jax.devices()[0])
     baseline = probe.baseline()  # parameters and optimizer state live; the peak covers warm-up on
-    for i in range(warmup):
-        log(f"warm-up {i + 1}/{warmup}")
-        params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, tokens))
+    first_loss = None
     times = []
-    for i in range(steps):
+    for i in range(warmup + steps):
+        log(f"warm-up {i + 1}/{warmup}" if i < warmup else f"step {i + 1 - warmup}/{steps}")
         start = time.perf_counter()
-        params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, tokens))
-        times.append(time.perf_counter() - start)
-        log(f"step {i + 1}/{steps}: {times[-1]:.3f} s")
+        params, opt_state, loss = jax.block_until_ready(compiled(params, opt_state, tokens))
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        if first_loss is None:
+            first_loss = float(loss)  # the loss at the initial parameters, the same for every policy
     peak = probe.peak()
     del params, opt_state
 
-    log("gradient check")
-    loss, grads = jax.jit(jax.value_and_grad(lambda p: lm_loss(model, p, tokens, loss_chunks=loss_chunks)))(initial)
     if grads_path:
+        log("gradient check")
+        grad_fn = jax.value_and_grad(lambda p: lm_loss(model, p, tokens, loss_chunks=loss_chunks))
+        grads = jax.jit(grad_fn)(initial)[1]
         np.savez(grads_path, *[np.asarray(g, np.float32) for g in jax.tree.leaves(grads)])
-    del grads
+        del grads
     return {
         "policy": a.policy,
         "saved_bytes": a.saved_bytes,
@@ -233,7 +236,7 @@ def measure(
         "compile_s": a.compile_s,
         "step_time_s": statistics.median(times),
         "step_times_s": times,
-        "loss": float(loss),
+        "loss": first_loss,
     }
 
 
@@ -299,6 +302,7 @@ def run_bench(
     seed: int = 0,
     learning_rate: float = 1e-3,
     subprocesses: bool = True,
+    grad_check: bool = True,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[BenchRecord]:
     """Measure every policy in ``specs`` (``none`` is run first as the reference if missing).
@@ -311,6 +315,7 @@ def run_bench(
       seed: parameters and tokens are drawn from it, the same for every policy.
       learning_rate: AdamW's.
       subprocesses: run each policy in a fresh process (its own peak RSS); False runs them here.
+      grad_check: compare gradients with ``none`` (one more compile per policy); False reports None.
       progress: called with one line per stage.
 
     Returns:
@@ -337,7 +342,7 @@ def run_bench(
                 "loss_chunks": loss_chunks,
                 "seed": seed,
                 "learning_rate": learning_rate,
-                "grads_path": paths[spec],
+                "grads_path": paths[spec] if grad_check else None,
             }
             log = lambda m, i=i, spec=spec: progress(f"[{i + 1}/{len(specs)}] {spec}: {m}")
             if subprocesses:
@@ -348,7 +353,7 @@ def run_bench(
         records = []
         for spec in specs:
             r = raw[spec]
-            grad_abs, grad_rel = _grad_diffs(paths[spec], paths["none"])
+            grad_abs, grad_rel = _grad_diffs(paths[spec], paths["none"]) if grad_check else (None, None)
             records.append(
                 BenchRecord(
                     **{k: r[k] for k in r if k in RECORD_KEYS and k != "step_times_s"},
@@ -391,7 +396,7 @@ _COLUMNS = (
     ("step", lambda r: f"{r.step_time_s * 1e3:.0f} ms"),
     ("×none", lambda r: f"{r.step_time_ratio:.2f}"),
     ("loss", lambda r: f"{r.loss:.5f}"),
-    ("max|Δgrad|", lambda r: f"{r.max_grad_diff:.1e}"),
+    ("max|Δgrad|", lambda r: "-" if r.max_grad_diff is None else f"{r.max_grad_diff:.1e}"),
 )
 
 
@@ -472,6 +477,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         loss_chunks=args.loss_chunks,
         seed=args.seed,
         subprocesses=not args.in_process,
+        grad_check=not args.no_grad_check,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     setting = (
@@ -514,6 +520,9 @@ def add_cli(subparsers) -> None:
         "--in-process",
         action="store_true",
         help="measure all policies in this process: faster, but their RSS peaks share one process",
+    )
+    p.add_argument(
+        "--no-grad-check", action="store_true", help="skip the gradient comparison with none (saves a compile)"
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write one record per policy as JSON")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write a Markdown report")

@@ -105,6 +105,12 @@ def test_bad_arguments_give_one_line_and_exit_2(argv, message, capsys):
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
 
 
+def test_grad_check_can_be_skipped():
+    records = bench.run_bench(CFG, 2, 16, ["full"], steps=1, warmup=0, subprocesses=False, grad_check=False)
+    assert [r.max_grad_diff for r in records] == [None, None]
+    assert records[1].loss_diff <= 1e-5 * abs(records[0].loss)  # the first step's loss, at the same parameters
+
+
 def test_run_bench_rejects_bad_steps():
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         bench.run_bench(CFG, 2, 32, ["full"], steps=0)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# GPU check for issue 3 (one CUDA GPU, e.g. an H200; finishes within 10 minutes).
+#
+# Runs `remat-kit bench` on the `small` preset and on a larger one (default: the 2B-class preset at
+# batch 2 × 1,024, bf16) on the GPU and records, per policy, the device's peak bytes
+# (memory_stats()["peak_bytes_in_use"], one fresh process per policy) beside the compile-only
+# figures -- including `offload`, whose saving only a device with separate host memory shows.
+#
+#   bash benchmarks/gpu_check.sh                # results under $OUT if set, else benchmarks/results/gpu
+#   GPU_CHECK_ALLOW_CPU=1 SMALL_PRESET=tiny LARGE_PRESET=tiny bash benchmarks/gpu_check.sh  # logic smoke test
+#
+# Tests and CI never need a GPU; this script is the only GPU measurement.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+# Each policy runs in its own process; without preallocation the allocator's peak is the step's own.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY="${PYTHON:-python}"
+DEST="${OUT:-benchmarks/results/gpu}"
+mkdir -p "$DEST"
+POLICIES="${POLICIES:-none,full,every_n:2,selective,offload,sqrt_n}"
+# Fewer on the large preset: each policy there pays a fresh process, a 2B-parameter init and a compile.
+LARGE_POLICIES="${LARGE_POLICIES:-none,full,selective,offload}"
+SMALL_PRESET="${SMALL_PRESET:-small}"
+LARGE_PRESET="${LARGE_PRESET:-2b}"
+LARGE_ARGS="${LARGE_ARGS:---batch 2 --seq 1024}"
+START=$(date +%s)
+
+{
+  echo "\$ bash benchmarks/gpu_check.sh  (POLICIES=$POLICIES LARGE_POLICIES=$LARGE_POLICIES SMALL_PRESET=$SMALL_PRESET LARGE_PRESET=$LARGE_PRESET LARGE_ARGS='$LARGE_ARGS')"
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "nvidia-smi: not available"
+  "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
+} > "$DEST/gpu_env.txt" 2>&1
+cat "$DEST/gpu_env.txt"
+
+platform=$("$PY" -c "import jax; print(jax.devices()[0].platform)" 2>/dev/null)
+if [ "$platform" != "gpu" ] && [ -z "${GPU_CHECK_ALLOW_CPU:-}" ]; then
+  echo "gpu_check: no GPU (jax platform: $platform); set GPU_CHECK_ALLOW_CPU=1 to smoke-test on CPU" >&2
+  exit 3
+fi
+
+# bench NAME PRESET POLICIES TIMEOUT_S EXTRA_ARGS...: one bench run, its command at the top of NAME.txt.
+bench() {
+  local name=$1 preset=$2 policies=$3 limit=$4; shift 4
+  local cmd=("$PY" -m remat_kit.cli bench --preset "$preset" --policies "$policies" --steps 5 --warmup 1 "$@"
+             --json "$DEST/$name.json" --markdown "$DEST/$name.md" --plot "$DEST/$name.png")
+  echo "== $name (limit ${limit}s)" >&2
+  { echo "\$ ${cmd[*]}"; echo; timeout "$limit" "${cmd[@]}"; } > "$DEST/$name.txt" || {
+    echo "gpu_check: $name failed or ran past ${limit}s (exit $?); see $DEST/$name.txt" >&2
+    return 1
+  }
+  cat "$DEST/$name.txt"
+}
+
+status=0
+bench gpu_bench_small "$SMALL_PRESET" "$POLICIES" 240 || status=1
+# shellcheck disable=SC2086  # LARGE_ARGS is a list of options
+bench gpu_bench_large "$LARGE_PRESET" "$LARGE_POLICIES" 330 --no-grad-check $LARGE_ARGS || status=1
+echo "gpu_check: done in $(( $(date +%s) - START )) s, exit $status; results in $DEST" >&2
+exit $status

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Regenerate the files under benchmarks/results/. Run from anywhere, on a QUIET machine (timings!).
+#   bash benchmarks/run_all.sh            # every section
+#   bash benchmarks/run_all.sh policies   # one section
+# Each results file starts with the command that made it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python}"
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+RESULTS=benchmarks/results
+mkdir -p "$RESULTS"
+SECTIONS=("${@:-all}")
+
+want() { [[ " ${SECTIONS[*]} " == *" all "* || " ${SECTIONS[*]} " == *" $1 "* ]]; }
+
+# run_to FILE CMD...: write "$ CMD" then CMD's stdout to FILE (progress stays on the terminal).
+run_to() {
+  local file=$1; shift
+  { echo "\$ $*"; echo; "$@"; } > "$file"
+  echo "wrote $file" >&2
+}
+
+# ---- policies (issue 3): remat_kit.analysis, remat-kit plan, remat-kit bench -------------------------
+if want policies; then
+  RK=("$PY" -m remat_kit.cli)
+  # Compile-only: the seed's 2B-class model, every policy (bytes/FLOPs do not depend on load).
+  run_to "$RESULTS/plan_2b.txt" "${RK[@]}" plan --preset 2b --batch 2 --seq 1024 --json "$RESULTS/plan_2b.json"
+  # The same with XLA's materializing attention: shows the [b, h, s, s] probabilities Korthikanti counts apart.
+  run_to "$RESULTS/plan_2b_xla_attention.txt" "${RK[@]}" plan --preset 2b --batch 2 --seq 1024 --attention xla \
+    --json "$RESULTS/plan_2b_xla_attention.json"
+  # Real steps, one subprocess per policy (peak RSS), on the small preset.
+  run_to "$RESULTS/bench_small.txt" "${RK[@]}" bench --preset small \
+    --policies none,full,every_n:2,selective,offload,sqrt_n --steps 5 --warmup 1 \
+    --json "$RESULTS/bench_small.json" --markdown "$RESULTS/bench_small.md" --plot "$RESULTS/bench_small.png"
+  # Issue 3's targets: compile-only ones, step-time ratios from the bench above, compile time vs depth.
+  run_to "$RESULTS/targets_small.txt" "$PY" benchmarks/policy_targets.py \
+    --bench-json "$RESULTS/bench_small.json" --out "$RESULTS/targets_small"
+fi
+
+# ---- other sections: add yours below as `if want NAME; then ... fi` ----------------------------------

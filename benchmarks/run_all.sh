@@ -39,3 +39,18 @@ if want policies; then
 fi
 
 # ---- other sections: add yours below as `if want NAME; then ... fi` ----------------------------------
+
+# ---- peer (issue 6): remat_kit beside PyTorch + Transformers Llama, same config/batch/AdamW/threads -------
+# Needs a SEPARATE interpreter with torch + transformers (never the project venv), e.g.
+#   python3 -m venv .venv-peer && .venv-peer/bin/pip install torch==2.13.0 transformers
+# and PEER_PYTHON pointing at it (default .venv-peer/bin/python). The remat_kit side runs under $PY.
+# Full config (hidden 512, 8 layers, vocab 32k, batch 4 x 1024, float32): ~15-25 min on 2 cores.
+if want peer; then
+  PEER_PY="${PEER_PYTHON:-.venv-peer/bin/python}"
+  if "$PEER_PY" -c "import torch, transformers" 2>/dev/null; then
+    run_to "$RESULTS/peer_hf.txt" "$PY" benchmarks/peer_hf.py --jax-python "$PY" --torch-python "$PEER_PY" \
+      --json "$RESULTS/peer_hf.json"
+  else
+    echo "peer: skipped, $PEER_PY cannot import torch and transformers (set PEER_PYTHON)" >&2
+  fi
+fi

@@ -37,13 +37,13 @@ DEFAULT_POLICIES: tuple[str, ...] = (
 
 
 def fmt_bytes(n: float) -> str:
-    """Decimal units, as the seed quotes them.
+    """Decimal units, as the seed quotes them (GB from 0.1 GB on).
 
-    >>> fmt_bytes(234_881_024), fmt_bytes(2_031_616_000), fmt_bytes(512)
-    ('234.9 MB', '2.03 GB', '512 B')
+    >>> fmt_bytes(234_881_024), fmt_bytes(2_031_616_000), fmt_bytes(58_720_256), fmt_bytes(512)
+    ('0.23 GB', '2.03 GB', '58.7 MB', '512 B')
     """
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
+    for unit, scale, start in (("GB", 1e9, 1e8), ("MB", 1e6, 1e6), ("kB", 1e3, 1e3)):
+        if abs(n) >= start:
             value = n / scale
             return f"{value:.2f} {unit}" if unit == "GB" else f"{value:.1f} {unit}"
     return f"{int(n)} B"

@@ -245,25 +245,29 @@ def _run_worker(job: dict[str, Any], log: Callable[[str], None]) -> dict[str, An
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "remat_kit.bench", "--worker", json.dumps(job)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    tail: list[str] = []
-    assert proc.stderr is not None and proc.stdout is not None
-    for line in proc.stderr:
-        line = line.rstrip("\n")
-        if line.startswith("progress: "):
-            log(line[len("progress: ") :])
-        elif line.strip():
-            tail = [*tail[-20:], line]
-    out = proc.stdout.read()
-    if proc.wait() != 0:
-        raise RuntimeError(f"bench worker for {job['policy']} failed (exit {proc.returncode}):\n" + "\n".join(tail))
-    return json.loads(out.strip().splitlines()[-1])
+    # stdout goes to a file, not a pipe: only stderr (progress) is read live, so a chatty worker
+    # can never fill a pipe the parent is not reading.
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "remat_kit.bench", "--worker", json.dumps(job)],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        tail: list[str] = []
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            line = line.rstrip("\n")
+            if line.startswith("progress: "):
+                log(line[len("progress: ") :])
+            elif line.strip():
+                tail = [*tail[-20:], line]
+        if proc.wait() != 0:
+            raise RuntimeError(f"bench worker for {job['policy']} failed (exit {proc.returncode}):\n" + "\n".join(tail))
+        out.seek(0)
+        lines = out.read().strip().splitlines()
+    return json.loads(lines[-1])
 
 
 def _worker_main(job_text: str) -> int:

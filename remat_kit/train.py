@@ -73,7 +73,7 @@ class TrainConfig:
       loss_chunks: 0 for the plain loss; k > 0 computes logits and loss in k chunks.
       seed: initialization, dropout and data-order seed.
       val_fraction: the tail of the corpus held out for validation.
-      eval_every: steps between validation losses (and at the last step).
+      eval_every: steps between validation losses (and at the last step); 0: never.
       eval_batches: validation batches per evaluation.
     """
 
@@ -103,9 +103,9 @@ class TrainConfig:
             )
         # Canonical spec: "minimal" and "selective:q_proj,..." of the same policy compare equal.
         object.__setattr__(self, "policy", str(policies.parse(self.policy)))
-        for field in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"):
+        for field in ("steps", "batch_size", "grad_accum", "eval_batches"):
             _check_int(field, getattr(self, field), 1)
-        for field in ("seq_len", "loss_chunks", "seed"):
+        for field in ("seq_len", "loss_chunks", "seed", "eval_every"):
             _check_int(field, getattr(self, field), 0)
         _check_int("warmup_steps", self.warmup_steps, -1)
         if self.seq_len == 0:
@@ -216,6 +216,11 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) != "scale", params)
 
 
+# Compiled once per model config for the whole process (the policy does not change parameters),
+# instead of hundreds of eagerly dispatched initializer ops per run.
+_init_params = jax.jit(init_params, static_argnums=0)
+
+
 class Trainer:
     """The jitted training and evaluation steps for one :class:`TrainConfig`.
 
@@ -266,12 +271,8 @@ class Trainer:
 
     def init_state(self) -> TrainState:
         """A fresh state from ``config.seed``."""
-        # One compiled program instead of hundreds of eagerly dispatched initializer ops.
-        return jax.jit(self._init_state_impl)()
-
-    def _init_state_impl(self) -> TrainState:
         key = jax.random.key(self.config.seed)
-        params = init_params(self.config.model, jax.random.fold_in(key, 0))
+        params = _init_params(self.config.model, jax.random.fold_in(key, 0))
         return TrainState(
             params=params,
             opt_state=self.optimizer.init(params),
@@ -510,7 +511,7 @@ def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, m
                     "tokens_per_s": config.tokens_per_step / dt,
                     "step_s": dt,
                 }
-                if step % config.eval_every == 0 or step == config.steps:
+                if config.eval_every and (step % config.eval_every == 0 or step == config.steps):
                     record["val_loss"] = trainer.evaluate(state.params, val_windows)
                 history.append(record)
                 if metrics_file is not None:
@@ -663,7 +664,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders (default: Python stdlib)")
     p.add_argument("--max-corpus-bytes", type=int, default=None, help="read at most this many bytes of text")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction, help="held-out tail of the corpus")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validation losses")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between validation losses (0: never)")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save orbax checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import ALL_SPECS, max_rel_err
+from conftest import ALL_SPECS
 
 from remat_kit import cli, data, train
 from remat_kit.checkpoint import Checkpoints
@@ -33,8 +33,13 @@ def corpus():
 
 
 @pytest.fixture(scope="module")
-def reference(corpus):
-    return train.train(train.TrainConfig(policy="none", **BASE), corpus)
+def metrics_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("reference") / "metrics.jsonl"
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, metrics_path):
+    return train.train(train.TrainConfig(policy="none", **BASE), corpus, metrics_path=metrics_path)
 
 
 def losses(result):
@@ -53,16 +58,19 @@ def test_loss_decreases_and_step_traces_once(reference):
 
 @pytest.mark.parametrize("spec", [s for s in ALL_SPECS if s != "none"], ids=str)
 def test_every_policy_gives_the_same_losses(corpus, reference, spec):
-    result = train.train(train.TrainConfig(policy=spec, **BASE), corpus)
-    assert result.step_traces == 1
+    # No validation here (it does not change training, and each run compiles less).
+    result = train.train(train.TrainConfig(policy=spec, **{**BASE, "eval_every": 0}), corpus)
+    assert result.step_traces == 1 and not any("val_loss" in r for r in result.history)
     np.testing.assert_allclose(losses(result), losses(reference), rtol=LOSS_RTOL)
-    assert max_rel_err(result.state.params, reference.state.params) < LOSS_RTOL
+    # Parameters are not compared element-wise: Adam divides each gradient by its own scale, so
+    # rounding noise in a near-zero gradient becomes a learning-rate-sized step. The losses and
+    # the gradients themselves (tests/test_model.py) are the policy-independent quantities.
 
 
 def test_chunked_loss_and_grad_accumulation_give_the_same_run(corpus, reference):
     # Two micro-batches of 1 see the same windows as one batch of 2 (batch i of size b holds
     # windows b*i .. b*i+b-1), and the chunked loss equals the plain one.
-    cfg = train.TrainConfig(policy="full", **{**BASE, "batch_size": 1}, grad_accum=2, loss_chunks=3)
+    cfg = train.TrainConfig(policy="full", **{**BASE, "batch_size": 1, "eval_every": 0}, grad_accum=2, loss_chunks=3)
     result = train.train(cfg, corpus)
     np.testing.assert_allclose(losses(result), losses(reference), rtol=LOSS_RTOL)
 
@@ -73,12 +81,6 @@ def test_a_retrace_is_an_error(corpus):
     state, _ = trainer.step(state, [np.zeros((2, 32), np.int32)])
     with pytest.raises(train.RetraceError, match="traced 2 times"):
         trainer.step(state, [np.zeros((2, 16), np.int32)])
-
-
-def test_dropout_run_is_reproducible(corpus):
-    cfg = train.TrainConfig(model=TransformerConfig.preset("tiny", dropout=0.1), **{**BASE, "steps": 2})
-    a, b = train.train(cfg, corpus), train.train(cfg, corpus)
-    assert losses(a).tolist() == losses(b).tolist()
 
 
 def test_resume_under_another_policy_continues_the_run(corpus, reference, tmp_path):
@@ -98,18 +100,18 @@ def test_resume_under_another_policy_continues_the_run(corpus, reference, tmp_pa
     np.testing.assert_allclose(losses(resumed), losses(reference)[3:], rtol=LOSS_RTOL)
 
 
-def test_metrics_file_and_plot(corpus, tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    train.train(train.TrainConfig(**{**BASE, "steps": 2}), corpus, metrics_path=metrics)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2] and all("loss" in r for r in records)
-    png = metrics.with_suffix(".png")
+def test_metrics_file_and_plot(reference, metrics_path):
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    assert records == list(reference.history)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)) and all("loss" in r for r in records)
+    png = metrics_path.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---- kill and resume through the CLI ------------------------------------------------------------------
 
-# The CLI, slowed to 0.2 s per step so the test can kill it between checkpoints.
+# The CLI, slowed to 0.2 s per step so the test can kill it between checkpoints. Dropout is on, so
+# exact resume also needs the checkpointed RNG.
 _SLOW_CLI = """
 import sys, time
 from remat_kit import cli, train
@@ -121,7 +123,7 @@ sys.exit(cli.main(sys.argv[1:]))
 _ARGS = [
     "train", "--preset", "tiny", "--policy", "selective", "--steps", "10", "--batch-size", "2", "--seq-len", "32",
     "--checkpoint-every", "4", "--eval-every", "5", "--eval-batches", "1", "--max-corpus-bytes", "65536",
-    "--seed", "3", "--no-progress",
+    "--seed", "3", "--dropout", "0.1", "--no-progress",
 ]  # fmt: skip
 
 

@@ -389,6 +389,7 @@ def train(
         "config": config.to_json(),
         "data": {"source": corpus.source, "fingerprint": corpus.fingerprint, "tokens": int(corpus.tokens.size)},
     }
+    meta = json.loads(json.dumps(meta))  # compare with saved metadata as it comes back from JSON
     ckpts = Checkpoints(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
     try:
         if ckpts is not None and ckpts.steps() and not resume:

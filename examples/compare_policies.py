@@ -43,7 +43,8 @@ def main(argv=None):
         step_s = np.median([r["step_s"] for r in result.history[1:]] or [result.history[0]["step_s"]])
         runs[cfg.policy] = (losses, kept.saved_bytes, kept.memory.temp, step_s)
 
-    base = next(iter(runs.values()))[0]
+    base_name = next(iter(runs))  # the first policy is the reference
+    base = runs[base_name][0]
     print(f"{'policy':12} {'max rel. loss diff':>18} {'kept for backward':>18} {'XLA temp':>10} {'step':>9}")
     for name, (losses, saved, temp, step_s) in runs.items():
         diff = np.max(np.abs(losses - base) / np.abs(base))
@@ -51,14 +52,18 @@ def main(argv=None):
 
     fig, (ax_loss, ax_diff, ax_mem) = plt.subplots(1, 3, figsize=(15, 4))
     steps = np.arange(1, len(base) + 1)
-    for name, (losses, *_rest) in runs.items():
+    for i, (name, (losses, *_rest)) in enumerate(runs.items()):
         ax_loss.plot(steps, losses, label=name, lw=1)
-        ax_diff.semilogy(steps, np.abs(losses - base) / np.abs(base) + 1e-12, label=name, lw=1)
+        if i:  # steps with identical losses have no point on the log scale
+            rel = np.abs(losses - base) / np.abs(base)
+            ax_diff.semilogy(steps[rel > 0], rel[rel > 0], "o", ms=3, label=f"{name} ({np.sum(rel == 0)} steps equal)")
+    ax_diff.axhline(np.finfo(np.float32).eps, color="gray", ls="--", label="float32 epsilon")
     ax_loss.set(xlabel="step", ylabel="training loss (nats/byte)", title="loss curves (overlaid)")
-    ax_diff.set(xlabel="step", ylabel="|loss - loss(none)| / loss(none)", title="difference from none")
+    ax_diff.set(xlabel="step", ylabel=f"|loss - loss({base_name})| / loss", title="relative difference")
     names = list(runs)
     ax_mem.bar(names, [runs[n][1] / 2**20 for n in names], color="tab:blue")
     ax_mem.set(ylabel="MiB kept for the backward pass", title="memory and step time")
+    ax_mem.set_ylim(0, 1.2 * max(runs[n][1] for n in names) / 2**20)
     for i, n in enumerate(names):
         ax_mem.annotate(f"{runs[n][3] * 1e3:.1f} ms/step", (i, runs[n][1] / 2**20), ha="center", va="bottom")
     for ax in (ax_loss, ax_diff):

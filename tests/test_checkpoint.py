@@ -105,6 +105,20 @@ def test_corrupt_latest_falls_back_and_keeps_its_files(tmp_path, corrupt):
         assert ckpts.steps() == [1, 2]
 
 
+def test_partial_save_of_a_killed_run_is_ignored(tmp_path):
+    with Checkpoints(tmp_path) as ckpts:
+        ckpts.save(1, _state(1), {})
+    partial = tmp_path / "2.orbax-checkpoint-tmp-1700000000"  # what a kill during a save leaves
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "manifest.ocdbt").write_bytes(b"half")
+    with Checkpoints(tmp_path) as ckpts:
+        assert ckpts.steps() == [1]
+        assert ckpts.restore_latest(_abstract(_state()))[0] == 1
+        ckpts.save(2, _state(2), {})
+    with Checkpoints(tmp_path) as ckpts:
+        assert ckpts.restore_latest(_abstract(_state()))[0] == 2
+
+
 def test_all_steps_corrupt_is_a_clear_error_and_changes_nothing(tmp_path):
     ckpts = Checkpoints(tmp_path)
     ckpts.save(1, _state(1), {})

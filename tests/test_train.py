@@ -121,7 +121,7 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 _ARGS = [
-    "train", "--preset", "tiny", "--policy", "selective", "--steps", "10", "--batch-size", "2", "--seq-len", "32",
+    "train", "--preset", "tiny", "--policy", "selective", "--steps", "12", "--batch-size", "2", "--seq-len", "32",
     "--checkpoint-every", "4", "--eval-every", "5", "--eval-batches", "1", "--max-corpus-bytes", "65536",
     "--seed", "3", "--dropout", "0.1", "--no-progress",
 ]  # fmt: skip
@@ -161,20 +161,20 @@ def test_killed_run_resumes_exactly(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     killed_at = max(_metric_steps(run_metrics))
     with Checkpoints(run_dir) as ckpts:
-        assert 6 <= killed_at < 10 and ckpts.steps() == [4]
+        assert 6 <= killed_at < 12 and ckpts.steps() == [4]
 
     assert cli.main([*_ARGS, "--checkpoint-dir", str(run_dir), "--metrics", str(run_metrics), "--resume"]) == 0
 
     ref = [json.loads(line) for line in ref_metrics.read_text().splitlines()]
     run = [json.loads(line) for line in run_metrics.read_text().splitlines()]
-    assert [r["step"] for r in run] == list(range(1, 11))  # steps 5..killed_at were redone, not duplicated
+    assert [r["step"] for r in run] == list(range(1, 13))  # steps 5..killed_at were redone, not duplicated
     # Exact: the same compiled step on the same inputs is deterministic on CPU.
     assert [r["loss"] for r in run] == [r["loss"] for r in ref]
     assert [r.get("val_loss") for r in run] == [r.get("val_loss") for r in ref]
     abstract = jax.eval_shape(lambda: train.Trainer(train.config_from_args(_parse(_ARGS))).init_state().to_dict())
     with Checkpoints(ref_dir) as ref_ckpts, Checkpoints(run_dir) as run_ckpts:
         ref_state, run_state = ref_ckpts.restore_latest(abstract), run_ckpts.restore_latest(abstract)
-    assert ref_state[0] == run_state[0] == 10
+    assert ref_state[0] == run_state[0] == 12
     for a, b in zip(jax.tree.leaves(run_state[1]), jax.tree.leaves(ref_state[1]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -300,6 +300,6 @@ def test_ctrl_c_saves_the_current_step_and_exits_130(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     last = max(_metric_steps(metrics))
-    assert last < 10 and f"interrupted after step {last}; saved" in err
+    assert last < 12 and f"interrupted after step {last}; saved" in err
     with Checkpoints(ckpt) as ckpts:
         assert ckpts.steps()[-1] == last  # saved although it is not a multiple of --checkpoint-every

@@ -146,3 +146,15 @@ def test_bad_input_is_rejected_before_tracing(kwargs, error, message):
 def test_analysis_is_frozen(results):
     with pytest.raises(dataclasses.FrozenInstanceError):
         results["full"].saved_bytes = 0
+
+
+def test_breakdown_finds_materialized_attention_probabilities(results):
+    # XLA attention keeps the [b, h, s, s] probabilities (at least once, in float32 here) ...
+    H = CFG.num_heads
+    parts = analysis.breakdown(results["none"])
+    assert parts["attention scores"] >= L * B * H * S * S * F32
+    assert sum(parts.values()) == results["none"].layers_saved_bytes
+    # ... flash-style chunked attention keeps no [s, s] tensor at all.
+    chunked = analysis.analyze(dataclasses.replace(CFG, attention="chunked"), "none", B, S)
+    assert "attention scores" not in analysis.breakdown(chunked)
+    assert chunked.layers_saved_bytes < results["none"].layers_saved_bytes

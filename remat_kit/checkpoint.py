@@ -62,6 +62,17 @@ class Checkpoints:
 
     Use it as a context manager (or call :meth:`close`) so pending saves finish.
 
+    >>> import tempfile, numpy as np
+    >>> state = {"w": np.arange(3.0), "step": np.asarray(7)}
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     with Checkpoints(d, keep=2) as ckpts:
+    ...         ckpts.save(7, state, {"note": "hi"})
+    ...     with Checkpoints(d) as ckpts:
+    ...         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    ...         step, restored, meta = ckpts.restore_latest(abstract)
+    >>> step, restored["w"].tolist(), meta["note"]
+    (7, [0.0, 1.0, 2.0], 'hi')
+
     Args:
       directory: where step folders live (created if needed; must be writable).
       keep: how many of the newest steps to keep (older ones are deleted by orbax after a save).

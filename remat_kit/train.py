@@ -715,6 +715,9 @@ def _train_command(args: argparse.Namespace) -> int:
     )
     last = result.history[-1] if result.history else {}
     val = f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else ""
+    # The first step of a process includes compilation; leave it out of the throughput.
+    speeds = [r["tokens_per_s"] for r in result.history[1:]]
+    speed = f", {np.median(speeds):,.0f} tokens/s" if speeds else ""
     print(f"trained {args.preset} under {config.policy} to step {int(result.state.step)}: "
-          f"loss {last.get('loss', float('nan')):.4f}{val}")  # fmt: skip
+          f"loss {last.get('loss', float('nan')):.4f}{val}{speed}")  # fmt: skip
     return 0

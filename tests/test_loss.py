@@ -84,10 +84,10 @@ def test_bad_chunk_count(inputs, chunks):
         loss.chunked_cross_entropy(hidden, w, targets, masks["random"], chunks)
 
 
-@pytest.mark.parametrize(("spec", "tie"), [("none", False), ("full", True)], ids=["none-untied", "full-tied"])
-def test_lm_loss_chunked_equals_plain_on_the_model(tokens, spec, tie):
-    cfg = TransformerConfig.preset("tiny", tie_embeddings=tie)
-    model = Transformer(config=cfg, policy=spec)
+def test_lm_loss_chunked_equals_plain_on_the_model(tokens):
+    # Tied embeddings: the output matrix's gradient meets the embedding's, the harder case.
+    cfg = TransformerConfig.preset("tiny", tie_embeddings=True)
+    model = Transformer(config=cfg, policy="full")
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     grad = lambda k: jax.jit(jax.value_and_grad(lambda p: loss.lm_loss(model, p, tokens, loss_chunks=k)))(params)
     (lp, gp), (lc, gc) = grad(0), grad(3)

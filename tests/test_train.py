@@ -193,7 +193,8 @@ def _tree_snapshot(root: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("saved")
-    args = ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--max-corpus-bytes", "65536", "--no-progress"]
+    own_source = str(Path(train.__file__).parent)  # --data with a folder of real text
+    args = ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--data", own_source, "--no-progress"]
     assert cli.main(["train", *args, "--checkpoint-dir", str(root / "ckpt")]) == 0
     return root / "ckpt", args
 

@@ -292,7 +292,7 @@ def format_table(results: list[Result]) -> list[str]:
     for p in policies:
         rk, peer = by.get(("remat_kit", p)), by.get(("peer", p))
         cells = [f"{p:10}"]
-        cells.append(f"{_gb(rk.peak_rss):>12}" if rk and rk.ok else f"{'failed':>12}")
+        cells.append(f"{_gb(rk.peak_rss):>12}" if rk and rk.ok else f"{'failed' if rk else '-':>12}")
         cells.append(f"{_gb(peer.peak_rss):>14}" if peer and peer.ok else f"{'n/a':>14}")
         both = rk and peer and rk.ok and peer.ok
         mem = rk.peak_rss / peer.peak_rss if both else None

@@ -13,6 +13,10 @@ import pytest
 from remat_kit import data, train
 from remat_kit.checkpoint import CORRUPT_PREFIX, Checkpoints, CheckpointWarning, prepare_directory, tree_digest
 
+# After a failed tensorstore read (the corrupt-checkpoint tests do that on purpose), orbax's asyncio
+# helpers report an ignored "Event loop is closed" when collected, in whichever test runs then.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 
 def _state(seed=0):
     params = {"w": jax.random.normal(jax.random.key(seed), (3, 4)), "b": jnp.arange(4.0)}
@@ -77,8 +81,6 @@ def _wrong_hash(step_dir: Path):
     meta.write_text(json.dumps(record))
 
 
-# Orbax's asyncio helpers report an ignored "Event loop is closed" after a failed tensorstore read.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(
     "corrupt", [_delete_manifest, _scramble_data, _truncate_meta, _wrong_hash], ids=lambda f: f.__name__
 )
@@ -155,7 +157,6 @@ def test_prepare_directory_errors(tmp_path):
         Checkpoints(tmp_path / "ok", keep=0)
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_training_resumes_exactly_past_a_corrupt_latest(tmp_path):
     corpus = data.corpus_from_bytes(Path(data.__file__).read_bytes() * 4, "data.py")
     cfg = train.TrainConfig(steps=4, batch_size=2, seq_len=32, eval_every=4, eval_batches=1)

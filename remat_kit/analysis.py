@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from remat_kit import _jax_internals, flops, policies
+from remat_kit import mesh as mesh_lib
 from remat_kit.loss import lm_loss
 from remat_kit.model import Block, Transformer, TransformerConfig, abstract_params
 
@@ -138,6 +139,8 @@ class Analysis:
       analytic: textbook FLOPs for ``none`` and for one extra forward of the layers.
       estimates: the seed's analytic byte figures.
       compile_s: seconds to lower and compile the step.
+      mesh: the mesh spec the step was compiled for (None: one device); ``memory`` is then per device.
+      batch_devices: devices the batch is split over (``data`` × ``fsdp``).
     """
 
     policy: str
@@ -157,6 +160,14 @@ class Analysis:
     analytic: flops.AnalyticFlops
     estimates: Estimates
     compile_s: float
+    mesh: str | None = None
+    batch_devices: int = 1
+
+    @property
+    def saved_bytes_per_device(self) -> int:
+        """Device-resident saved bytes on each device: the batch (and so every activation) is split
+        over ``batch_devices``."""
+        return self.saved_bytes // self.batch_devices
 
     def largest(self, n: int = 5, region: str | None = None) -> tuple[SavedResidual, ...]:
         """The ``n`` largest residuals (of ``region`` if given): what to target next."""
@@ -198,6 +209,8 @@ class Analysis:
             "analytic_flops_full": self.analytic.full,
             "estimates": dataclasses.asdict(self.estimates),
             "compile_s": self.compile_s,
+            "mesh": self.mesh,
+            "saved_bytes_per_device": self.saved_bytes_per_device,
             "residuals": [dataclasses.asdict(r) for r in residuals],
         }
 
@@ -259,8 +272,13 @@ def abstract_inputs(
     return params, jax.eval_shape(opt.init, params), tokens
 
 
-def compile_step(model: Transformer, batch: int, seq: int, loss_chunks: int = 0, learning_rate: float = 1e-3):
+def compile_step(
+    model: Transformer, batch: int, seq: int, loss_chunks: int = 0, learning_rate: float = 1e-3, mesh=None
+):
     """Lower and compile the donated, jitted training step for abstract inputs.
+
+    With a ``mesh`` (:mod:`remat_kit.mesh`) the step is compiled sharded (FSDP state, batch over
+    ``data`` × ``fsdp``) and XLA's memory figures are per device.
 
     Returns:
       ``(compiled, jaxpr_flops, seconds)``: the compiled step (callable on real arrays of those
@@ -269,7 +287,8 @@ def compile_step(model: Transformer, batch: int, seq: int, loss_chunks: int = 0,
     opt = optimizer(learning_rate)
     args = abstract_inputs(model.config, batch, seq, opt, model)
     start = time.perf_counter()
-    traced = jax.jit(train_step(model, opt, loss_chunks), donate_argnums=(0, 1)).trace(*args)
+    shardings = mesh_lib.step_jit_kwargs(args[0], args[1], batch, mesh)
+    traced = jax.jit(train_step(model, opt, loss_chunks), donate_argnums=(0, 1), **shardings).trace(*args)
     compiled = traced.lower().compile()
     seconds = time.perf_counter() - start
     return compiled, flops.jaxpr_flops(traced.jaxpr), seconds
@@ -459,6 +478,7 @@ def analyze(
     *,
     loss_chunks: int = 0,
     learning_rate: float = 1e-3,
+    mesh=None,
 ) -> Analysis:
     """Measure one AdamW training step of ``config`` under ``policy``, compile-only.
 
@@ -468,6 +488,8 @@ def analyze(
       batch, seq: the token shape; ``seq`` at most ``config.max_seq_len``.
       loss_chunks: 0 for the plain loss over full logits, k > 0 for the chunked loss.
       learning_rate: AdamW's learning rate (does not change any figure; kept for the bench).
+      mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``): XLA's memory is then per device,
+        and ``saved_bytes_per_device`` splits the residuals over the devices sharing the batch.
 
     Returns:
       An :class:`Analysis`.
@@ -475,7 +497,9 @@ def analyze(
     Raises:
       ValueError/TypeError: a bad shape, chunk count or policy, before anything is traced.
     """
-    return analyze_compiled(config, policy, batch, seq, loss_chunks=loss_chunks, learning_rate=learning_rate)[0]
+    return analyze_compiled(
+        config, policy, batch, seq, loss_chunks=loss_chunks, learning_rate=learning_rate, mesh=mesh
+    )[0]
 
 
 def analyze_compiled(
@@ -486,6 +510,7 @@ def analyze_compiled(
     *,
     loss_chunks: int = 0,
     learning_rate: float = 1e-3,
+    mesh=None,
 ):
     """:func:`analyze`, also returning the compiled step so a benchmark can run it without recompiling.
 
@@ -495,9 +520,13 @@ def analyze_compiled(
     check_shape(config, batch, seq, loss_chunks)
     policy = policies.parse(policy)
     policy.validate_depth(config.num_layers)
+    if isinstance(mesh, (str, mesh_lib.MeshSpec)):
+        mesh = mesh_lib.make_mesh(mesh)
+    if mesh is not None:
+        mesh_lib.check_batch(batch, mesh)
     model = Transformer(config=config, policy=policy)
     residuals, layers, param_bytes = _residuals(config, policy, batch, seq, loss_chunks)
-    compiled, count, seconds = compile_step(model, batch, seq, loss_chunks, learning_rate)
+    compiled, count, seconds = compile_step(model, batch, seq, loss_chunks, learning_rate, mesh)
     memory = CompiledMemory.from_compiled(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -519,5 +548,7 @@ def analyze_compiled(
         analytic=flops.analytic_flops(config, batch, seq),
         estimates=estimates(config, batch, seq),
         compile_s=seconds,
+        mesh=None if mesh is None else f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
+        batch_devices=1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"],
     )
     return analysis, compiled

@@ -161,7 +161,7 @@ def default_block(platform: str | None = None) -> int:
     return DEFAULT_BLOCKS.get(platform or jax.default_backend(), DEFAULT_BLOCK)
 
 
-def attend(q, k, v, *, kind: str = "auto", block: int | None = None):
+def attend(q, k, v, *, kind: str = "auto", block: int | None = None, flat: bool = False):
     """Causal attention by ``kind``; the output (and, for ``chunked``, its logsumexp) is tagged ``context``.
 
     Args:
@@ -169,18 +169,19 @@ def attend(q, k, v, *, kind: str = "auto", block: int | None = None):
       k, v: ``[batch, seq, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``.
       kind: one of :data:`ATTENTION_KINDS`.
       block: block size of ``chunked`` attention; None for :func:`default_block`.
+      flat: return ``[batch, seq, heads * head_dim]`` (see :func:`chunked_attention`).
 
     Returns:
-      The context ``[batch, seq, heads, head_dim]`` in ``q``'s dtype.
+      The context ``[batch, seq, heads, head_dim]`` (or flat) in ``q``'s dtype.
     """
     _check_qkv(q, k, v)
     block = default_block() if block is None else block
     kind = resolve(kind, jnp.dtype(q.dtype).name, q.shape[-1])
     if kind == "chunked":
-        return chunked_attention(q, k, v, block=block)
-    if kind == "cudnn":
-        return names.tag(cudnn_attention(q, k, v), names.CONTEXT)
-    return names.tag(xla_attention(q, k, v), names.CONTEXT)
+        return chunked_attention(q, k, v, block=block, flat=flat)
+    out = cudnn_attention(q, k, v) if kind == "cudnn" else xla_attention(q, k, v)
+    b, s, h, d = q.shape
+    return names.tag(out.reshape(b, s, h * d) if flat else out, names.CONTEXT)
 
 
 def _check_qkv(q, k, v) -> None:
@@ -241,7 +242,7 @@ def cudnn_attention(q, k, v):
 # ---- chunked: flash-style attention in pure JAX -------------------------------------------------------------
 
 
-def chunked_attention(q, k, v, *, block: int = DEFAULT_BLOCK):
+def chunked_attention(q, k, v, *, block: int = DEFAULT_BLOCK, flat: bool = False):
     """Causal flash-style attention that never holds a ``seq × seq`` tensor.
 
     Queries and keys/values are split into blocks of ``block`` positions (the last may be shorter);
@@ -259,14 +260,18 @@ def chunked_attention(q, k, v, *, block: int = DEFAULT_BLOCK):
       q: ``[batch, seq, heads, head_dim]``.
       k, v: ``[batch, seq, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``.
       block: block size in positions, a positive integer.
+      flat: return ``[batch, seq, heads * head_dim]``, the very array the backward pass keeps: a
+        caller that feeds it to the out projection then keeps it once, not twice (a reshape of it
+        would be a second residual).
 
     Returns:
-      The context ``[batch, seq, heads, head_dim]`` in ``q``'s dtype.
+      The context ``[batch, seq, heads, head_dim]`` (or flat) in ``q``'s dtype.
     """
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"attention block must be a positive integer, got {block!r}")
     _check_qkv(q, k, v)
-    return _flash(q, k, v, block)
+    out = _flash(q, k, v, block)
+    return out if flat else out.reshape(q.shape)
 
 
 def _spans(seq: int, block: int) -> list[tuple[int, int]]:
@@ -285,7 +290,7 @@ def _block_scores(q_blk, k_blk, q0: int, k0: int, scale: float):
 
 
 def _forward(q, k, v, block: int):
-    """Returns ``(out [b, s, h, d], lse [b, kv, g, s] float32)``."""
+    """Returns ``(out [b, s, h * d], lse [b, kv, g, s] float32)``."""
     b, s, h, d = q.shape
     kv = k.shape[2]
     g = h // kv
@@ -314,7 +319,7 @@ def _forward(q, k, v, block: int):
         outs.append(acc / total[..., None])  # [b, kv, g, bq, d]
         lses.append(m + jnp.log(total))
     out = jnp.concatenate(outs, axis=3)  # [b, kv, g, s, d]
-    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d).astype(q.dtype)
+    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h * d).astype(q.dtype)  # flat: see chunked_attention
     return out, jnp.concatenate(lses, axis=3)
 
 

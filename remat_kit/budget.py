@@ -223,11 +223,7 @@ class Planner:
             model = Transformer(config=self.config, policy=policy)
             step = analysis.train_step(model, self.opt, self.loss_chunks)
             args = analysis.abstract_inputs(self.config, batch, seq, self.opt)
-            kwargs = {}
-            if self.mesh is not None:
-                mesh_lib.check_batch(batch, self.mesh)
-                state = (mesh_lib.tree_shardings(args[0], self.mesh), mesh_lib.tree_shardings(args[1], self.mesh))
-                kwargs = {"in_shardings": (*state, mesh_lib.batch_sharding(self.mesh)), "out_shardings": (*state, None)}
+            kwargs = mesh_lib.step_jit_kwargs(args[0], args[1], batch, self.mesh)
             self._traced[key] = jax.jit(step, donate_argnums=(0, 1), **kwargs).trace(*args)
         return self._traced[key]
 
@@ -257,7 +253,7 @@ class Planner:
         return self.memory(policy, batch, seq)[0] * (1 + margin) <= budget_bytes
 
 
-def _check_budget(budget_bytes, margin) -> None:
+def check_budget(budget_bytes, margin) -> None:
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive integer (use parse_bytes('80GB')), got {budget_bytes!r}")
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
@@ -295,7 +291,7 @@ def auto(
       An :class:`AutoResult`; ``chosen`` is None when nothing fits, and ``reason`` then says what is
       needed, what was given and which levers remain.
     """
-    _check_budget(budget_bytes, margin)
+    check_budget(budget_bytes, margin)
     start = time.perf_counter()
     planner = planner or Planner(config, optimizer, loss_chunks)
     pool = [policies.parse(p) for p in (candidate_policies or candidates(config))]
@@ -346,6 +342,12 @@ def _gb(n: float) -> str:
     from remat_kit.plan import fmt_bytes
 
     return fmt_bytes(n)
+
+
+def _flops(n: float) -> str:
+    from remat_kit.plan import fmt_flops
+
+    return fmt_flops(n) + " "
 
 
 def _reason(chosen, table: Sequence[Candidate], budget: int, margin: float, loss_chunks: int) -> str:
@@ -407,45 +409,48 @@ def max_fit(
     """
     if dim not in ("batch", "seq"):
         raise ValueError(f"dim must be 'batch' or 'seq', got {dim!r}")
-    _check_budget(budget_bytes, margin)
+    check_budget(budget_bytes, margin)
     policy = policies.parse(policy)
     planner = planner or Planner(config, optimizer, loss_chunks)
     cap = limit or (config.max_seq_len if dim == "seq" else 2**20)
     need = lambda n: planner.memory(policy, *((n, seq) if dim == "batch" else (batch, n)))[0]
-    fits = lambda n: need(n) * (1 + margin) <= budget_bytes
-    start = max(1, min(batch if dim == "batch" else seq, cap))
-    if planner.loss_chunks:
-        start = max(start, -(-planner.loss_chunks // (seq if dim == "batch" else batch)))
-    lo, hi = 0, cap + 1  # lo fits (0: nothing known to fit), hi does not (cap + 1: beyond the limit)
-    probe = start
-    while True:  # gallop to a bracket
-        if fits(probe):
+    target = budget_bytes / (1 + margin)
+    first = 1
+    if planner.loss_chunks:  # the chunk count may not exceed the token count
+        first = -(-planner.loss_chunks // (seq if dim == "batch" else batch))
+    lo, hi = first - 1, cap + 1  # lo: largest known to fit (first - 1: none yet); hi: smallest known not to
+    probe = max(first, min(batch if dim == "batch" else seq, cap))
+    while hi - lo > 1:
+        if need(probe) <= target:
             lo = probe
-            if probe == cap:
-                return cap
-            probe = min(cap, probe * 2)
         else:
             hi = probe
+        if hi - lo <= 1:
             break
-    if lo == 0:
-        first = max(1, -(-planner.loss_chunks // (seq if dim == "batch" else batch))) if planner.loss_chunks else 1
-        if hi == first or not fits(first):
-            return 0
-        lo = first
-    target = budget_bytes / (1 + margin)
-    stalls = 0
-    while hi - lo > 1:
-        m_lo, m_hi = need(lo), need(hi)
-        guess = lo + (target - m_lo) * (hi - lo) / max(m_hi - m_lo, 1)
-        mid = (lo + hi) // 2 if stalls >= 2 or not math.isfinite(guess) else int(guess)
-        mid = min(max(mid, lo + 1), hi - 1)
-        width = hi - lo
-        if fits(mid):
-            lo = mid
+        probe = _next_probe(lo, hi, cap, need, target, first)
+    return max(lo, 0) if lo >= first else 0
+
+
+def _next_probe(lo: int, hi: int, cap: int, need, target: float, first: int) -> int:
+    """Where to compile next: the secant through the bracket's ends (memory is close to affine in
+    batch and smooth in sequence length, so this usually lands on the answer), else double or bisect."""
+    if lo < first:  # nothing fits yet: try the smallest shape, then bisect down
+        return first
+    if hi > cap:  # no upper end yet: extrapolate from lo and one point below it, at most 16x
+        below = max(first, lo // 2)
+        if below < lo:
+            slope = (need(lo) - need(below)) / (lo - below)
+            guess = lo + (target - need(lo)) / slope if slope > 0 else 2 * lo
         else:
-            hi = mid
-        stalls = stalls + 1 if hi - lo > width // 2 else 0
-    return lo
+            guess = 2 * lo
+        return int(min(max(guess, lo + 1), 16 * lo, cap))
+    slope = (need(hi) - need(lo)) / (hi - lo)
+    guess = lo + (target - need(lo)) / slope if slope > 0 else (lo + hi) / 2
+    mid = (lo + hi) // 2
+    probe = int(guess) if math.isfinite(guess) else mid
+    # Probe just above the secant's answer so one more compile can confirm it; never stall at the ends.
+    probe = min(max(probe + (1 if probe == lo else 0), lo + 1), hi - 1)
+    return probe
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:

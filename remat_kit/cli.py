@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "mesh", None):
+            from remat_kit.mesh import ensure_cpu_devices
+
+            ensure_cpu_devices(args.mesh)  # before any device query: lets a laptop plan a multi-device mesh
         return int(args.func(args) or 0)
     except (ValueError, TypeError, OSError) as err:
         # Bad input is reported as one line; anything else is a bug and keeps its traceback.

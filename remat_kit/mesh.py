@@ -13,6 +13,7 @@ MeshSpec(data=2, fsdp=2)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
@@ -168,3 +169,31 @@ def maybe_initialize_distributed(env: Mapping[str, str] | None = None) -> bool:
         jax.distributed.initialize()
         return True
     return False
+
+
+def step_jit_kwargs(params, opt_state, batch: int, mesh: Mesh | None) -> dict:
+    """``jax.jit`` keyword arguments for a ``(params, opt_state, tokens) -> (params, opt_state, loss)`` step.
+
+    Empty without a mesh; otherwise FSDP shardings for the state (in and out, so donation aliases)
+    and the batch split over ``data`` and ``fsdp``.
+
+    Raises:
+      ValueError: ``batch`` does not split over the mesh.
+    """
+    if mesh is None:
+        return {}
+    check_batch(batch, mesh)
+    state = (tree_shardings(params, mesh), tree_shardings(opt_state, mesh))
+    return {"in_shardings": (*state, batch_sharding(mesh)), "out_shardings": (*state, None)}
+
+
+def ensure_cpu_devices(spec: str | MeshSpec | None) -> None:
+    """Simulate enough CPU devices for ``spec`` (a no-op once JAX's backends have started).
+
+    Lets ``--mesh data=8`` plan an 8-device run on a laptop. Must run before the first device query.
+    """
+    size = MeshSpec.parse(spec).size
+    if size > 1:
+        # Once backends are up JAX refuses the change; make_mesh then reports the real device count.
+        with contextlib.suppress(RuntimeError):
+            jax.config.update("jax_num_cpu_devices", size)

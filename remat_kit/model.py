@@ -184,9 +184,10 @@ class Block(nn.Module):
         k = names.tag(_dense(kv * hd, cfg, "k_proj")(y).reshape(b, s, kv, hd), names.K_PROJ)
         v = names.tag(_dense(kv * hd, cfg, "v_proj")(y).reshape(b, s, kv, hd), names.V_PROJ)
         q, k = attention.rope(q, cfg.rope_base), attention.rope(k, cfg.rope_base)
-        # attend() tags the context itself (inside chunked attention's custom_vjp).
-        context = attention.attend(q, k, v, kind=cfg.attention, block=cfg.attention_block)
-        attn = names.tag(_dense(cfg.d_model, cfg, "attn_out")(context.reshape(b, s, h * hd)), names.ATTN_OUT)
+        # attend() tags the context itself (inside chunked attention's custom_vjp); flat, so the out
+        # projection's input is the very array attention's backward keeps, not a second copy.
+        context = attention.attend(q, k, v, kind=cfg.attention, block=cfg.attention_block, flat=True)
+        attn = names.tag(_dense(cfg.d_model, cfg, "attn_out")(context), names.ATTN_OUT)
         x = x + nn.Dropout(cfg.dropout)(attn, deterministic=deterministic)
 
         y = names.tag(_norm(cfg, "mlp_norm")(x), names.MLP_NORM)

@@ -16,7 +16,8 @@ import os
 import sys
 from typing import Any
 
-from remat_kit import analysis, policies
+from remat_kit import analysis, budget, policies
+from remat_kit import mesh as mesh_lib
 from remat_kit.attention import ATTENTION_KINDS
 from remat_kit.model import DTYPES, PRESET_SHAPES, PRESETS, TransformerConfig
 
@@ -47,6 +48,18 @@ def fmt_bytes(n: float) -> str:
             value = n / scale
             return f"{value:.2f} {unit}" if unit == "GB" else f"{value:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def fmt_flops(n: float) -> str:
+    """FLOPs with a decimal prefix, three significant digits.
+
+    >>> fmt_flops(2.91e13), fmt_flops(2_097_152), fmt_flops(0)
+    ('29.1 T', '2.1 M', '0')
+    """
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)}"
 
 
 def check_writable(path: str | None, what: str) -> None:
@@ -242,6 +255,7 @@ def run_plan(
     loss_chunks: int = 0,
     jobs: int = 1,
     progress=None,
+    mesh=None,
 ) -> dict[str, analysis.Analysis]:
     """Analyze every policy in ``specs``, ``jobs`` at a time; ``progress(i, n, spec)`` is called before each.
 
@@ -254,7 +268,7 @@ def run_plan(
     def one(i: int, p: policies.Policy) -> analysis.Analysis:
         if progress:
             progress(i, len(specs), str(p))
-        return analysis.analyze(config, p, batch, seq, loss_chunks=loss_chunks)
+        return analysis.analyze(config, p, batch, seq, loss_chunks=loss_chunks, mesh=mesh)
 
     if jobs == 1:
         return {str(p): one(i, p) for i, p in enumerate(specs)}
@@ -265,7 +279,15 @@ def run_plan(
 
 def _plan_command(args: argparse.Namespace) -> int:
     config, batch, seq = config_from_args(args)
-    specs = parse_policies(args.policies, config.num_layers)
+    mesh = mesh_lib.make_mesh(args.mesh) if args.mesh else None
+    if mesh is not None:
+        mesh_lib.check_batch(batch, mesh)
+    if args.budget is not None:
+        return _budget_command(args, config, batch, seq, mesh)
+    for flag in ("margin", "limits", "plot"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} goes with --budget")
+    specs = parse_policies(args.policies or ",".join(DEFAULT_POLICIES), config.num_layers)
     if args.top < 0:
         raise ValueError(f"--top must be >= 0, got {args.top}")
     check_writable(args.json, "--json")
@@ -275,12 +297,15 @@ def _plan_command(args: argparse.Namespace) -> int:
 
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    results = run_plan(config, batch, seq, specs, loss_chunks=args.loss_chunks, jobs=args.jobs, progress=progress)
+    results = run_plan(
+        config, batch, seq, specs, loss_chunks=args.loss_chunks, jobs=args.jobs, progress=progress, mesh=mesh
+    )
     a0 = next(iter(results.values()))
     print(
         f"remat-kit plan: preset {args.preset} ({config.num_params() / 1e9:.2f} B params, L={config.num_layers}, "
         f"d={config.d_model}, V={config.vocab_size}, {config.dtype} compute / {config.param_dtype} params), "
         f"batch {batch} × seq {seq}, AdamW step, loss_chunks={args.loss_chunks}"
+        + (f", mesh {a0.mesh}: XLA figures per device" if a0.mesh else "")
     )
     print(
         "saved = activations the backward pass keeps (device; host = offloaded); XLA temp = compiled scratch "
@@ -325,10 +350,100 @@ def add_cli(subparsers) -> None:
         "plan", help="compare every policy's saved residuals, compiled memory and FLOPs (compile-only)"
     )
     add_model_args(p, default_preset="2b")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy specs")
+    p.add_argument(
+        "--policies",
+        default=None,
+        help=f"comma-separated policy specs (default: {','.join(DEFAULT_POLICIES)}; with --budget: every candidate)",
+    )
     p.add_argument("--top", type=int, default=3, help="largest residuals listed per policy")
+    p.add_argument("--mesh", default=None, help="plan per device over a mesh, e.g. data=4 or data=2,fsdp=2")
+    p.add_argument("--budget", default=None, help="device memory budget (any unit: 80GB, 24GiB): choose a policy")
+    p.add_argument("--margin", type=float, default=None, help="with --budget: safety margin (default 0.10)")
+    p.add_argument(
+        "--limits",
+        choices=("pareto", "all", "chosen", "none"),
+        default=None,
+        help="with --budget: find the largest batch and longest sequence that fit for the Pareto-optimal "
+        "policies (default; a dominated one is never the best choice), every policy, only the chosen one, or none",
+    )
+    p.add_argument("--plot", default=None, metavar="PNG", help="with --budget: Pareto plot of memory vs recompute")
     p.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="policies compiled at once (default: 2)"
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     p.set_defaults(func=_plan_command)
+
+
+# ---- plan --budget: the least-recompute policy that fits -----------------------------------------------
+
+
+def _budget_command(args: argparse.Namespace, config: TransformerConfig, batch: int, seq: int, mesh) -> int:
+    """``plan --budget``: every candidate's need against the budget, the choice, and the limits that fit."""
+    budget_bytes = budget.parse_bytes(args.budget)
+    margin = budget.DEFAULT_MARGIN if args.margin is None else args.margin
+    budget.check_budget(budget_bytes, margin)
+    limits = args.limits or "pareto"
+    check_writable(args.json, "--json")
+    check_writable(args.plot, "--plot")
+    pool = parse_policies(args.policies, config.num_layers) if args.policies else list(budget.candidates(config))
+    planner = budget.Planner(config, loss_chunks=args.loss_chunks, mesh=mesh)
+    print(f"[plan] compiling {len(pool)} candidates ...", file=sys.stderr, flush=True)
+    result = budget.auto(
+        config, batch=batch, seq=seq, budget_bytes=budget_bytes, margin=margin, candidate_policies=pool,
+        exhaustive=True, planner=planner,
+    )  # fmt: skip
+    wanted = [c.policy for c in result.candidates] if limits == "all" else []
+    if limits == "pareto":  # a dominated policy is never the best answer at any budget: skip its searches
+        points = [(c.recompute_flops, c.need_bytes) for c in result.candidates]
+        wanted = [result.candidates[i].policy for i in budget.pareto_front(points)]
+    if limits == "chosen" and result.chosen is not None:
+        wanted = [str(result.chosen)]
+    fit = {}
+    for i, spec in enumerate(wanted):
+        print(f"[plan] {i + 1}/{len(wanted)} {spec}: largest batch and sequence that fit ...", file=sys.stderr,
+              flush=True)  # fmt: skip
+        kw = {"batch": batch, "seq": seq, "budget_bytes": budget_bytes, "margin": margin, "planner": planner}
+        fit[spec] = (budget.max_fit(config, spec, dim="batch", **kw), budget.max_fit(config, spec, dim="seq", **kw))
+
+    where = f", mesh {args.mesh} (bytes per device)" if mesh is not None else ""
+    print(
+        f"remat-kit plan --budget {fmt_bytes(budget_bytes)}: preset {args.preset} ({config.num_params() / 1e9:.2f} B "
+        f"params), batch {batch} × seq {seq}, AdamW, loss_chunks={args.loss_chunks}, margin {margin:.0%}{where}"
+    )
+    print("need = compiled step's device bytes (weights + gradients + optimizer state + activations); "
+          "recompute = matmul FLOPs beyond `none`.\n")  # fmt: skip
+    width = max(len(c.policy) for c in result.candidates) + 1
+    head = f"{'policy':{width + 1}} {'recompute':>10} {'need':>10} {'+margin':>10} {'fits':>5}"
+    if fit:
+        head += f" {'max batch @seq ' + str(seq):>18} {'max seq @batch ' + str(batch):>18}"
+    print(head)
+    print("-" * len(head))
+    for c in result.candidates:
+        mark = "*" if result.chosen is not None and c.policy == str(result.chosen) else " "
+        row = (
+            f"{mark}{c.policy:{width}} {fmt_flops(c.recompute_flops):>10} {fmt_bytes(c.need_bytes):>10} "
+            f"{fmt_bytes(c.need_bytes * (1 + margin)):>10} {'yes' if c.fits else 'no':>5}"
+        )
+        if fit:
+            row += "".join(f" {fit[c.policy][k] if c.policy in fit else '-':>18}" for k in (0, 1))
+        print(row)
+    if any(policies.parse(c.policy).kind == "offload" for c in result.candidates) and not any(
+        c.host_bytes for c in result.candidates
+    ):
+        print("note: this backend reports offloaded bytes as device bytes (XLA:CPU); a GPU/TPU separates them.")
+    print(f"\nchosen: {result.chosen if result.chosen is not None else '(nothing fits)'}")
+    print(result.reason)
+    if args.plot:
+        budget.plot_pareto(result, args.plot)
+        print(f"wrote {args.plot}")
+    if args.json:
+        payload = {"command": command_line("plan", args), "preset": args.preset, "config": dataclasses.asdict(config),
+                   "mesh": args.mesh, **result.to_dict()}  # fmt: skip
+        for row in payload["candidates"]:
+            row["max_batch"], row["max_seq"] = fit.get(row["policy"], (None, None))
+        write_json(args.json, payload)
+        print(f"wrote {args.json}")
+    if result.chosen is None:
+        print(f"remat-kit plan: {result.reason}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,6 +1,7 @@
 """`remat-kit plan`: the table, the seed check, the JSON schema and one-line errors."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -91,3 +92,45 @@ def test_parse_policies_keeps_tag_lists_together():
     assert got == ["none", "selective:q_proj,k_proj", "every_n:2"]
     with pytest.raises(ValueError, match="names no policy"):
         plan.parse_policies(" , ", 4)
+
+
+# ---- plan --budget (remat_kit.budget through the CLI) ---------------------------------------------------
+
+
+def test_plan_budget_chooses_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "budget.json"
+    code = cli.main(
+        ["plan", "--preset", "tiny", "--policies", "none,full", "--budget", "1GB", "--limits", "chosen",
+         "--json", str(out), "--plot", str(tmp_path / "p.png")]
+    )  # fmt: skip
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "chosen: none" in text and "max batch" in text
+    payload = json.loads(out.read_text())
+    assert payload["chosen"] == "none" and payload["budget_bytes"] == 10**9
+    rows = {r["policy"]: r for r in payload["candidates"]}
+    assert rows["none"]["fits"] and rows["none"]["max_batch"] >= 2 and rows["full"]["max_batch"] is None
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_plan_budget_nothing_fits_is_a_message_and_exit_1(capsys):
+    code = cli.main(["plan", "--preset", "tiny", "--policies", "full", "--budget", "1MB", "--limits", "none"])
+    assert code == 1
+    captured = capsys.readouterr()
+    assert "nothing fits" in captured.err and "budget is 1.0 MB" in captured.err and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--budget", "80 GX"], "cannot read memory size '80 GX'"),
+        (["--margin", "0.2"], "--margin goes with --budget"),
+        (["--budget", "1GB", "--margin", "2"], r"margin must be in \[0, 1\)"),
+        (["--mesh", "data=3"], "needs 3 devices but 4 are available"),
+    ],
+    ids=["unit", "margin-alone", "margin-range", "mesh"],
+)
+def test_plan_budget_bad_arguments(argv, match, capsys):
+    assert cli.main(["plan", "--preset", "tiny", "--policies", "full", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(match, err)

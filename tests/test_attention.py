@@ -116,9 +116,28 @@ def test_selective_keeps_the_logsumexp_with_the_context():
     b, s, kv, g = 2, 48, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     kept = {r.shape for r in _activation_residuals(cfg, "selective:context", b, s)}
     assert (cfg.num_layers, b, kv, g, s) in kept  # the logsumexp, stacked over layers
-    assert (cfg.num_layers, b, s, cfg.num_heads, cfg.head_dim) in kept  # the output
+    assert (cfg.num_layers, b, s, cfg.d_model) in kept  # the output, flat as the out projection takes it
     recomputed = {r.shape for r in _activation_residuals(cfg, "selective:q_proj", b, s)}
     assert (cfg.num_layers, b, kv, g, s) not in recomputed
+
+
+def test_chunked_context_is_kept_once():
+    # The out projection reads the very array attention's backward keeps: no reshaped second copy.
+    cfg = TransformerConfig.preset("tiny", attention="chunked", attention_block=16)
+    block = Block(config=cfg)
+    x = jax.ShapeDtypeStruct((2, 48, cfg.d_model), jnp.float32)
+    p = jax.eval_shape(lambda k: block.init(k, jnp.zeros((2, 8, cfg.d_model))), jax.random.key(0))
+    res = [r for r in internals.saved_residuals(lambda p, x: jnp.sum(block.apply(p, x)), p, x) if not r.is_argument]
+    kv, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    assert sorted(r.shape for r in res if r.tag == names.CONTEXT) == sorted([(2, 48, cfg.d_model), (2, kv, g, 48)])
+    assert not [r.source for r in res if "reshape" in r.source and "Block" in r.source]
+
+
+def test_flat_output_is_the_reshaped_context():
+    q, k, v, _ = _qkv(2, 12, 4, 2, 8)
+    for kind in ("xla", "chunked"):
+        flat = attention.attend(q, k, v, kind=kind, block=4, flat=True)
+        np.testing.assert_array_equal(flat, attention.attend(q, k, v, kind=kind, block=4).reshape(2, 12, 32))
 
 
 def test_chunked_block_emits_the_vocabulary_but_attn_probs():

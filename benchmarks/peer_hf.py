@@ -296,11 +296,11 @@ def format_table(results: list[Result]) -> list[str]:
         cells.append(f"{_gb(peer.peak_rss):>14}" if peer and peer.ok else f"{'n/a':>14}")
         both = rk and peer and rk.ok and peer.ok
         mem = rk.peak_rss / peer.peak_rss if both else None
-        cells.append(f"{mem:>9.2f}" if mem else f"{'-':>9}")
+        cells.append(f"{mem:>9.3f}" if mem else f"{'-':>9}")
         cells.append(f" {rk.step_time_s:>7.2f}s" if rk and rk.ok else f" {'-':>8}")
         cells.append(f"{peer.step_time_s:>8.2f}s" if peer and peer.ok else f"{'-':>9}")
         tr = rk.step_time_s / peer.step_time_s if both else None
-        cells.append(f"{tr:>10.2f}" if tr else f"{'-':>10}")
+        cells.append(f"{tr:>10.3f}" if tr else f"{'-':>10}")
         if both:
             cells.append(f"  mem {'met' if mem <= 1.0 else 'MISSED'}, time {'met' if tr <= 1.5 else 'MISSED'}")
         rows.append(" ".join(cells))

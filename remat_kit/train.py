@@ -36,6 +36,7 @@ import numpy as np
 import optax
 
 from remat_kit import __version__, data, policies
+from remat_kit import mesh as mesh_lib
 from remat_kit.checkpoint import Checkpoints
 from remat_kit.loss import lm_loss
 from remat_kit.model import PRESETS, Transformer, TransformerConfig, init_params
@@ -226,16 +227,48 @@ class Trainer:
 
     Args:
       config: the run's configuration.
+      mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``, see :mod:`remat_kit.mesh`):
+        batches split over ``data`` × ``fsdp``, parameters and optimizer state sharded over
+        ``fsdp``. None: one device. Like the policy, it may change on resume.
     """
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, mesh=None):
         self.config = config
         self.model = Transformer(config=config.model, policy=config.policy)
         self.optimizer, self.schedule = make_optimizer(config)
         self.traces = {"step": 0, "eval": 0}
+        self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
+        step_kw, eval_kw = {}, {}
+        self._shardings = None
+        if self.mesh is not None:
+            mesh_lib.check_batch(config.batch_size, self.mesh)
+            abstract = jax.eval_shape(self.init_state)
+            params = mesh_lib.tree_shardings(abstract.params, self.mesh)
+            opt_state = mesh_lib.tree_shardings(abstract.opt_state, self.mesh)
+            tokens = mesh_lib.batch_sharding(self.mesh)
+            self._shardings = (params, opt_state, tokens)
+            step_kw = {
+                "in_shardings": (params, opt_state, tokens, None),
+                "out_shardings": (params, opt_state, *[None] * 3),
+            }
+            eval_kw = {"in_shardings": (params, tokens)}
         # Donated: the old parameters and optimizer state are dead once the step returns.
-        self._micro_step = jax.jit(self._micro_step_impl, donate_argnums=(0, 1))
-        self._eval = jax.jit(self._eval_impl)
+        self._micro_step = jax.jit(self._micro_step_impl, donate_argnums=(0, 1), **step_kw)
+        self._eval = jax.jit(self._eval_impl, **eval_kw)
+
+    def place(self, state: TrainState) -> TrainState:
+        """Put a state's parameters and optimizer state on the mesh (a no-op without one)."""
+        if self._shardings is None:
+            return state
+        params, opt_state, _ = self._shardings
+        return dataclasses.replace(
+            state, params=jax.device_put(state.params, params), opt_state=jax.device_put(state.opt_state, opt_state)
+        )
+
+    def _tokens(self, tokens) -> jax.Array:
+        if self._shardings is None:
+            return jnp.asarray(tokens)
+        return jax.device_put(np.asarray(tokens), self._shardings[2])
 
     def _count_trace(self, name: str) -> None:
         # Runs only while tracing. Per instance, unlike chex.assert_max_traces, whose counter is
@@ -296,7 +329,7 @@ class Trainer:
         losses, norms, finite = [], [], []
         for micro, tokens in enumerate(batches):
             key = jax.random.fold_in(jax.random.fold_in(base, step), micro)
-            params, opt_state, loss, norm, ok = self._micro_step(params, opt_state, jnp.asarray(tokens), key)
+            params, opt_state, loss, norm, ok = self._micro_step(params, opt_state, self._tokens(tokens), key)
             losses.append(loss)
             norms.append(norm)
             finite.append(ok)
@@ -315,7 +348,7 @@ class Trainer:
 
     def evaluate(self, params, windows: np.ndarray) -> float:
         """Mean loss over validation batches ``[num_batches, batch, seq]`` (no dropout)."""
-        return float(np.mean([float(self._eval(params, jnp.asarray(w))) for w in windows]))
+        return float(np.mean([float(self._eval(params, self._tokens(w))) for w in windows]))
 
 
 # ---- the training loop --------------------------------------------------------------------------------
@@ -336,6 +369,7 @@ def train(
     progress: bool = False,
     log: Callable[[str], None] | None = None,
     callbacks: Sequence[Callable[[int, dict[str, Any]], None]] = (),
+    mesh=None,
 ) -> TrainResult:
     """Train ``config`` on a corpus; optionally checkpoint, resume, log metrics and plot.
 
@@ -357,6 +391,7 @@ def train(
       progress: show a progress bar on stderr.
       log: where one-line messages go (default: stderr).
       callbacks: called as ``fn(step, record)`` after each step.
+      mesh: train over a device mesh (see :class:`Trainer`).
 
     Returns:
       A :class:`TrainResult`.
@@ -397,7 +432,7 @@ def train(
                 f"{ckpts.directory} already holds checkpoints (steps {ckpts.steps()}); pass --resume to continue "
                 "that run or choose another --checkpoint-dir"
             )
-        trainer = Trainer(config)
+        trainer = Trainer(config, mesh)
         state, resumed_from = None, None
         if ckpts is not None and resume:
             # Shapes only (nothing allocated), so a mismatched checkpoint is reported at once.
@@ -416,6 +451,7 @@ def train(
                 log(f"resumed from step {resumed_from} in {ckpts.directory}")
         if state is None:
             state = trainer.init_state()
+        state = trainer.place(state)
         history = _start_metrics(metrics_path, resumed_from or 0)
         state, history = _loop(
             trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, metrics_path, history, progress,
@@ -674,6 +710,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--metrics", metavar="FILE.jsonl", help="write one JSON line of metrics per step")
     p.add_argument("--plot", metavar="FILE.png", help="loss-curve PNG (default: beside --metrics)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--mesh", default=None, help="train over a device mesh, e.g. data=4 or data=2,fsdp=2")
     p.set_defaults(func=_train_command)
 
 
@@ -712,6 +749,7 @@ def _train_command(args: argparse.Namespace) -> int:
         metrics_path=args.metrics,
         plot_path=args.plot,
         progress=not args.no_progress and sys.stderr.isatty(),
+        mesh=args.mesh,
     )
     last = result.history[-1] if result.history else {}
     val = f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else ""

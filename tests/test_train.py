@@ -75,6 +75,21 @@ def test_chunked_loss_and_grad_accumulation_give_the_same_run(corpus, reference)
     np.testing.assert_allclose(losses(result), losses(reference), rtol=LOSS_RTOL)
 
 
+@pytest.mark.parametrize(("mesh", "spec"), [("data=2,fsdp=2", "full"), ("fsdp=4", "offload")])
+def test_training_over_a_mesh_gives_the_same_losses(corpus, reference, mesh, spec):
+    # Four simulated CPU devices (tests/conftest.py); the batch of 2 is doubled to split 4 ways.
+    cfg = train.TrainConfig(policy=spec, **{**BASE, "batch_size": 1, "eval_every": 0}, grad_accum=2)
+    with pytest.raises(ValueError, match=r"batch 1 is not divisible by the data-parallel device count 4"):
+        train.Trainer(cfg, mesh)
+    cfg = train.TrainConfig(policy=spec, **{**BASE, "batch_size": 4, "steps": 3, "eval_every": 3})
+    single = train.train(cfg, corpus)
+    sharded = train.train(cfg, corpus, mesh=mesh)
+    np.testing.assert_allclose(losses(sharded), losses(single), rtol=LOSS_RTOL)
+    assert sharded.history[-1]["val_loss"] == pytest.approx(single.history[-1]["val_loss"], rel=LOSS_RTOL)
+    kernel = sharded.state.params["layers"]["layers"]["mlp_up"]["kernel"]
+    assert "fsdp" in tuple(kernel.sharding.spec) and tuple(kernel.sharding.spec)[0] is None
+
+
 def test_a_retrace_is_an_error(corpus):
     trainer = train.Trainer(train.TrainConfig(**BASE))
     state = trainer.init_state()

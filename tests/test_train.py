@@ -87,7 +87,7 @@ def test_training_over_a_mesh_gives_the_same_losses(corpus, reference, mesh, spe
     np.testing.assert_allclose(losses(sharded), losses(single), rtol=LOSS_RTOL)
     assert sharded.history[-1]["val_loss"] == pytest.approx(single.history[-1]["val_loss"], rel=LOSS_RTOL)
     kernel = sharded.state.params["layers"]["layers"]["mlp_up"]["kernel"]
-    assert "fsdp" in tuple(kernel.sharding.spec) and tuple(kernel.sharding.spec)[0] is None
+    assert "fsdp" in tuple(kernel.sharding.spec) and kernel.sharding.spec[0] is None
 
 
 def test_a_retrace_is_an_error(corpus):

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from remat_kit import analysis
+from remat_kit import mesh as mesh_lib
 from remat_kit.model import TransformerConfig
 from remat_kit.plan import (
     add_model_args,
@@ -176,8 +177,12 @@ def measure(
     learning_rate: float = 1e-3,
     grads_path: str | None = None,
     log: Callable[[str], None] = lambda _: None,
+    mesh: str | None = None,
 ) -> dict[str, Any]:
     """Compile, check and time one policy in this process; returns a partial record.
+
+    With ``mesh`` (a spec such as ``"data=2,fsdp=2"``) the step runs sharded over that mesh and
+    XLA's figures are per device (the process's peak RSS still covers every local device).
 
     The gradients at the initial parameters are written to ``grads_path`` (``.npz``) when given,
     so the caller can compare policies (None skips that check and its extra compile). Ratios and
@@ -190,14 +195,19 @@ def measure(
     from remat_kit.model import Transformer
 
     log("compiling")
+    mesh_obj = mesh_lib.make_mesh(mesh) if mesh else None
     a, compiled = analysis.analyze_compiled(
-        config, policy, batch, seq, loss_chunks=loss_chunks, learning_rate=learning_rate
+        config, policy, batch, seq, loss_chunks=loss_chunks, learning_rate=learning_rate, mesh=mesh_obj
     )
     model = Transformer(config=config, policy=policy)
     key_params, key_tokens = jax.random.split(jax.random.key(seed))
     tokens = jax.random.randint(key_tokens, (batch, seq), 0, config.vocab_size, dtype=jax.numpy.int32)
     params = jax.jit(lambda k: model.init(k, tokens[:1])["params"])(key_params)
     opt_state = jax.jit(analysis.optimizer(learning_rate).init)(params)
+    if mesh_obj is not None:  # the compiled step takes its inputs laid out as it was compiled for
+        params = jax.device_put(params, mesh_lib.tree_shardings(params, mesh_obj))
+        opt_state = jax.device_put(opt_state, mesh_lib.tree_shardings(opt_state, mesh_obj))
+        tokens = jax.device_put(tokens, mesh_lib.batch_sharding(mesh_obj))
 
     # Keep a host copy of the initial parameters for the gradient check, which runs after the
     # timed steps so that its own buffers cannot inflate (or pre-pay) the measured peak.
@@ -272,6 +282,7 @@ def _run_worker(job: dict[str, Any], log: Callable[[str], None]) -> dict[str, An
 
 def _worker_main(job_text: str) -> int:
     job = json.loads(job_text)
+    mesh_lib.ensure_cpu_devices(job.get("mesh"))  # a fresh process: simulate the mesh's CPU devices
     config = TransformerConfig(**job.pop("config"))
     record = measure(config, log=lambda m: print("progress: " + m, file=sys.stderr, flush=True), **job)
     print(json.dumps(record))
@@ -308,6 +319,7 @@ def run_bench(
     subprocesses: bool = True,
     grad_check: bool = True,
     progress: Callable[[str], None] = lambda _: None,
+    mesh: str | None = None,
 ) -> list[BenchRecord]:
     """Measure every policy in ``specs`` (``none`` is run first as the reference if missing).
 
@@ -321,6 +333,7 @@ def run_bench(
       subprocesses: run each policy in a fresh process (its own peak RSS); False runs them here.
       grad_check: compare gradients with ``none`` (one more compile per policy); False reports None.
       progress: called with one line per stage.
+      mesh: run every step sharded over this mesh spec (e.g. ``"data=2,fsdp=2"``).
 
     Returns:
       One :class:`BenchRecord` per policy, ``none`` first.
@@ -347,6 +360,7 @@ def run_bench(
                 "seed": seed,
                 "learning_rate": learning_rate,
                 "grads_path": paths[spec] if grad_check else None,
+                "mesh": mesh,
             }
             log = lambda m, i=i, spec=spec: progress(f"[{i + 1}/{len(specs)}] {spec}: {m}")
             if subprocesses:
@@ -465,6 +479,8 @@ def plot(records: list[BenchRecord], path: str, title: str) -> None:
 def _bench_command(args: argparse.Namespace) -> int:
     config, batch, seq = config_from_args(args)
     specs = [str(p) for p in parse_policies(args.policies, config.num_layers)]
+    if args.mesh:
+        mesh_lib.check_batch(batch, mesh_lib.make_mesh(args.mesh))
     for path, what in ((args.json, "--json"), (args.markdown, "--markdown"), (args.plot, "--plot")):
         check_writable(path, what)
     if args.steps < 1 or args.warmup < 0:
@@ -483,6 +499,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         subprocesses=not args.in_process,
         grad_check=not args.no_grad_check,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
+        mesh=args.mesh,
     )
     setting = (
         f"preset {args.preset} (L={config.num_layers}, d={config.d_model}, V={config.vocab_size}, "
@@ -493,6 +510,8 @@ def _bench_command(args: argparse.Namespace) -> int:
 
     device = jax.devices()[0]
     setting += f", device {device.platform}:{device.device_kind}"
+    if args.mesh:
+        setting += f", mesh {args.mesh} (XLA temp per device)"
     print(setting)
     print("\n".join(format_table(records)))
     print(f"Pareto front (time vs measured memory): {', '.join(pareto_front(records))}")
@@ -528,6 +547,7 @@ def add_cli(subparsers) -> None:
     p.add_argument(
         "--no-grad-check", action="store_true", help="skip the gradient comparison with none (saves a compile)"
     )
+    p.add_argument("--mesh", default=None, help="run sharded over a device mesh, e.g. data=4 or data=2,fsdp=2")
     p.add_argument("--json", default=None, metavar="PATH", help="write one record per policy as JSON")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write a Markdown report")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of memory against step time")

@@ -114,3 +114,14 @@ def test_grad_check_can_be_skipped():
 def test_run_bench_rejects_bad_steps():
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         bench.run_bench(CFG, 2, 32, ["full"], steps=0)
+
+
+def test_bench_over_a_mesh_matches_one_device():
+    # Four simulated CPU devices (tests/conftest.py); temp bytes are then per device.
+    single = bench.run_bench(CFG, 4, 16, ["full"], steps=1, warmup=0, subprocesses=False, grad_check=False)
+    sharded = bench.run_bench(
+        CFG, 4, 16, ["full"], steps=1, warmup=0, subprocesses=False, grad_check=False, mesh="data=2,fsdp=2"
+    )
+    for a, b in zip(single, sharded, strict=True):
+        assert b.loss == pytest.approx(a.loss, rel=1e-5)
+        assert b.temp_bytes < a.temp_bytes

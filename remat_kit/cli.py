@@ -63,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if getattr(args, "mesh", None):
-            from remat_kit.mesh import ensure_cpu_devices
+        if hasattr(args, "mesh"):
+            from remat_kit.mesh import ensure_cpu_devices, maybe_initialize_distributed
 
+            maybe_initialize_distributed()  # multi-host runs, when the environment configures one
             ensure_cpu_devices(args.mesh)  # before any device query: lets a laptop plan a multi-device mesh
         return int(args.func(args) or 0)
     except (ValueError, TypeError, OSError) as err:

@@ -54,3 +54,18 @@ if want peer; then
     echo "peer: skipped, $PEER_PY cannot import torch and transformers (set PEER_PYTHON)" >&2
   fi
 fi
+
+# ---- budget (issue 5): remat_kit.auto on the 2B preset at 24/40/80 GB, against exhaustive search ----------
+if want budget; then
+  run_to "$RESULTS/auto_budgets_2b.txt" "$PY" benchmarks/auto_budgets.py --preset 2b --batch 2 --seq 1024 \
+    --budgets 24GB,40GB,80GB --json "$RESULTS/auto_budgets_2b.json"
+  # The CLI table on a CPU-sized model: every candidate, the choice, the limits that fit.
+  run_to "$RESULTS/plan_budget_small.txt" "$PY" -m remat_kit.cli plan --preset small --budget 150MB \
+    --json "$RESULTS/plan_budget_small.json" --plot "$RESULTS/plan_budget_small.png"
+fi
+
+# ---- mesh (issue 7): per-device bytes over simulated CPU meshes (compile-only) -------------------------------
+if want mesh; then
+  run_to "$RESULTS/mesh_scaling_tiny.txt" "$PY" benchmarks/mesh_scaling.py --preset tiny --policy full --devices 4
+  run_to "$RESULTS/mesh_scaling_small.txt" "$PY" benchmarks/mesh_scaling.py --preset small --policy full --devices 4
+fi

@@ -60,7 +60,7 @@ if want budget; then
   run_to "$RESULTS/auto_budgets_2b.txt" "$PY" benchmarks/auto_budgets.py --preset 2b --batch 2 --seq 1024 \
     --budgets 24GB,40GB,80GB --json "$RESULTS/auto_budgets_2b.json"
   # The CLI table on a CPU-sized model: every candidate, the choice, the limits that fit.
-  run_to "$RESULTS/plan_budget_small.txt" "$PY" -m remat_kit.cli plan --preset small --budget 150MB \
+  run_to "$RESULTS/plan_budget_small.txt" "$PY" -m remat_kit.cli plan --preset small --budget 280MB \
     --json "$RESULTS/plan_budget_small.json" --plot "$RESULTS/plan_budget_small.png"
 fi
 

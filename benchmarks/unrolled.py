@@ -8,10 +8,9 @@ trace, the HLO and XLA's compile time grow with the depth.
 from __future__ import annotations
 
 import flax.linen as nn
-import jax.numpy as jnp
 
 from remat_kit import policies
-from remat_kit.model import Block, Transformer, TransformerConfig, _norm
+from remat_kit.model import Block, Transformer, TransformerConfig
 
 
 class _Group(nn.Module):
@@ -59,19 +58,5 @@ class UnrolledLayers(nn.Module):
 class UnrolledTransformer(Transformer):
     """:class:`remat_kit.model.Transformer` with :class:`UnrolledLayers` in place of the scan."""
 
-    def setup(self):
-        cfg = self.config
-        self.embed = nn.Embed(
-            cfg.vocab_size,
-            cfg.d_model,
-            dtype=jnp.dtype(cfg.dtype),
-            param_dtype=jnp.dtype(cfg.param_dtype),
-            embedding_init=nn.initializers.normal(0.02),
-            name="embed",
-        )
-        self.layers = UnrolledLayers(cfg, self.policy, name="layers")
-        self.final_norm = _norm(cfg, "final_norm")
-        if not cfg.tie_embeddings:
-            self.lm_head = self.param(
-                "lm_head", nn.initializers.normal(0.02), (cfg.d_model, cfg.vocab_size), jnp.dtype(cfg.param_dtype)
-            )
+    def make_layers(self) -> nn.Module:
+        return UnrolledLayers(self.config, self.policy, name="layers")

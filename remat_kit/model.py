@@ -232,12 +232,16 @@ class Transformer(nn.Module):
             embedding_init=nn.initializers.normal(0.02),
             name="embed",
         )
-        self.layers = stack(_block_class(cfg), cfg.num_layers, self.policy, name="layers")
+        self.layers = self.make_layers()
         self.final_norm = _norm(cfg, "final_norm")
         if not cfg.tie_embeddings:
             self.lm_head = self.param(
                 "lm_head", nn.initializers.normal(0.02), (cfg.d_model, cfg.vocab_size), jnp.dtype(cfg.param_dtype)
             )
+
+    def make_layers(self) -> nn.Module:
+        """The layer stack (called in ``setup``; a subclass may lay the layers out otherwise)."""
+        return stack(_block_class(self.config), self.config.num_layers, self.policy, name="layers")
 
     def hidden(self, tokens, deterministic: bool = True):
         """Final hidden states ``[batch, seq, d_model]`` (before the output projection)."""

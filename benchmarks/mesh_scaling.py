@@ -47,7 +47,6 @@ def main(argv=None) -> int:
                 total += math.prod(s.shard_shape(leaf.shape)) * leaf.dtype.itemsize
         return total
 
-    print(f"$ python benchmarks/mesh_scaling.py --preset {args.preset} --policy {policy} --devices {args.devices}")
     print(f"preset {args.preset}, policy {policy}, batch {batch} x seq {seq}, AdamW; {os.cpu_count()} CPU cores\n")
     header = (
         f"{'mesh':14} {'saved/device':>13} {'x1/':>6} {'temp/device':>12} {'x1/':>6} {'state/device':>13} {'x1/':>6}"

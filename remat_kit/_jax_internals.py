@@ -78,7 +78,8 @@ def _nbytes(aval) -> int:
     return size * aval.dtype.itemsize
 
 
-def _subjaxprs(eqn) -> Iterator[Any]:
+def subjaxprs(eqn) -> Iterator[Any]:
+    """The jaxprs nested in one equation's parameters (scan/cond/remat/pjit bodies)."""
     for value in eqn.params.values():
         for item in value if isinstance(value, (tuple, list)) else (value,):
             inner = getattr(item, "jaxpr", item)
@@ -91,7 +92,7 @@ def iter_eqns(jaxpr) -> Iterator[Any]:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in _subjaxprs(eqn):
+        for sub in subjaxprs(eqn):
             yield from iter_eqns(sub)
 
 

@@ -390,17 +390,9 @@ def run_bench(
 
 def pareto_front(records: list[BenchRecord]) -> list[str]:
     """Policies no other policy beats on both step time and measured step memory."""
-    front = []
-    for r in records:
-        dominated = any(
-            o.step_time_s <= r.step_time_s
-            and o.step_bytes <= r.step_bytes
-            and (o.step_time_s < r.step_time_s or o.step_bytes < r.step_bytes)
-            for o in records
-        )
-        if not dominated:
-            front.append(r.policy)
-    return front
+    from remat_kit.budget import pareto_front as front
+
+    return [records[i].policy for i in front([(r.step_time_s, r.step_bytes) for r in records])]
 
 
 _COLUMNS = (

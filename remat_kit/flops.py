@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
+from remat_kit import _jax_internals
 from remat_kit.model import TransformerConfig
 
 
@@ -28,16 +28,6 @@ def _dot_flops(eqn) -> int:
     (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
     rhs_free = [d for i, d in enumerate(rhs) if i not in rhs_contract and i not in rhs_batch]
     return 2 * math.prod(lhs) * math.prod(rhs_free)
-
-
-def _sub_jaxprs(eqn) -> list[Any]:
-    out = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                out.append(inner)
-    return out
 
 
 def jaxpr_flops(jaxpr) -> int:
@@ -53,7 +43,7 @@ def jaxpr_flops(jaxpr) -> int:
         if name == "dot_general":
             total += _dot_flops(eqn)
             continue
-        subs = [jaxpr_flops(sub) for sub in _sub_jaxprs(eqn)]
+        subs = [jaxpr_flops(sub) for sub in _jax_internals.subjaxprs(eqn)]
         if not subs:
             continue
         if name == "cond":

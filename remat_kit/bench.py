@@ -148,17 +148,21 @@ class _MemoryProbe:
     def __init__(self, device):
         self.device = device
         self.source = "device" if device.memory_stats() else "rss"
+        self._baseline = 0
 
     def baseline(self) -> int:
         if self.source == "device":
             return int(self.device.memory_stats().get("bytes_in_use", 0))
         _reset_peak_rss()
-        return _proc_status("VmRSS") or _peak_rss()
+        self._baseline = _proc_status("VmRSS") or _peak_rss()
+        return self._baseline
 
     def peak(self) -> int:
         if self.source == "device":
             return int(self.device.memory_stats().get("peak_bytes_in_use", 0))
-        return _peak_rss()
+        # The kernel raises VmHWM lazily (on unmap and exit), so it can trail the resident set read
+        # just after the reset; the peak since then is at least each of them.
+        return max(_peak_rss(), _proc_status("VmRSS") or 0, self._baseline)
 
 
 # ---- one policy ----------------------------------------------------------------------------------------

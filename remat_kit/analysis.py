@@ -222,11 +222,8 @@ def check_shape(config: TransformerConfig, batch: int, seq: int, loss_chunks: in
     """Raise a clear error for a token shape or chunk count the model cannot take."""
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
-    for what, value in (("batch", batch), ("seq", seq)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{what} must be a positive integer, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{what} must be a positive integer (>= 1), got {value}")
+    policies.check_positive_int("batch", batch)
+    policies.check_positive_int("seq", seq)
     if seq > config.max_seq_len:
         raise ValueError(
             f"seq={seq} exceeds the model's max_seq_len={config.max_seq_len}; allowed: 1..{config.max_seq_len}"

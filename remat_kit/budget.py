@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +30,8 @@ import optax
 from remat_kit import analysis, flops, policies
 from remat_kit import mesh as mesh_lib
 from remat_kit.model import Transformer, TransformerConfig
+from remat_kit.units import fmt_bytes
+from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.budget.parse_bytes
 
 #: Optimizers by name (their state is part of what must fit).
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -42,42 +43,6 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
 }
 
 DEFAULT_MARGIN = 0.10
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-}  # fmt: skip
-
-
-def parse_bytes(text: str | int) -> int:
-    """Parse a memory size with any unit: ``"80GB"``, ``"24 GiB"``, ``"1.5e9"``, ``"512MiB"``.
-
-    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB … TiB) of 1024.
-
-    Raises:
-      ValueError: an unparseable or non-positive size, naming it and the accepted units.
-
-    >>> parse_bytes("80GB"), parse_bytes("1 GiB"), parse_bytes(1024)
-    (80000000000, 1073741824, 1024)
-    """
-    if isinstance(text, bool):
-        raise TypeError(f"a memory size must be a string or an int, got {text!r}")
-    if isinstance(text, int):
-        value = text
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-        unit = match.group(2).lower() if match else None
-        if not match or unit not in _UNITS:
-            raise ValueError(
-                f"cannot read memory size {text!r}; write a number with a unit: B, KB, MB, GB, TB, "
-                f"KiB, MiB, GiB, TiB (e.g. 80GB)"
-            )
-        value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"a memory budget must be positive, got {text!r}")
-    return value
 
 
 def get_optimizer(optimizer: str | optax.GradientTransformation) -> optax.GradientTransformation:
@@ -338,25 +303,13 @@ def auto(
     )
 
 
-def _gb(n: float) -> str:
-    from remat_kit.plan import fmt_bytes
-
-    return fmt_bytes(n)
-
-
-def _flops(n: float) -> str:
-    from remat_kit.plan import fmt_flops
-
-    return fmt_flops(n) + " "
-
-
 def _reason(chosen, table: Sequence[Candidate], budget: int, margin: float, loss_chunks: int) -> str:
     if chosen is not None:
         win = next(c for c in table if c.policy == str(chosen))
         cheaper = [c for c in table if c.recompute_flops < win.recompute_flops]
         text = (
-            f"{win.policy} needs {_gb(win.need_bytes)} (+{margin:.0%} margin: "
-            f"{_gb(win.need_bytes * (1 + margin))}) of the {_gb(budget)} budget and recomputes "
+            f"{win.policy} needs {fmt_bytes(win.need_bytes)} (+{margin:.0%} margin: "
+            f"{fmt_bytes(win.need_bytes * (1 + margin))}) of the {fmt_bytes(budget)} budget and recomputes "
             f"{win.recompute_flops / 1e9:.3g} GFLOP per step"
         )
         if cheaper:
@@ -379,8 +332,8 @@ def _reason(chosen, table: Sequence[Candidate], budget: int, margin: float, loss
         "sharding over more devices (--mesh)",
     ]
     return (
-        f"nothing fits: the leanest candidate, {least.policy}, needs {_gb(least.need_bytes)} "
-        f"(+{margin:.0%} margin: {_gb(least.need_bytes * (1 + margin))}) but the budget is {_gb(budget)}. "
+        f"nothing fits: the leanest candidate, {least.policy}, needs {fmt_bytes(least.need_bytes)} "
+        f"(+{margin:.0%} margin: {fmt_bytes(least.need_bytes * (1 + margin))}) but the budget is {fmt_bytes(budget)}. "
         f"Next levers: {'; '.join(levers)}."
     )
 

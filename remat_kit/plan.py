@@ -20,6 +20,7 @@ from remat_kit import analysis, budget, policies
 from remat_kit import mesh as mesh_lib
 from remat_kit.attention import ATTENTION_KINDS
 from remat_kit.model import DTYPES, PRESET_SHAPES, PRESETS, TransformerConfig
+from remat_kit.units import fmt_bytes, fmt_flops
 
 #: The policies ``plan`` compares by default: one of each kind.
 DEFAULT_POLICIES: tuple[str, ...] = (
@@ -35,31 +36,6 @@ DEFAULT_POLICIES: tuple[str, ...] = (
 
 
 # ---- shared by plan and bench ----------------------------------------------------------------------
-
-
-def fmt_bytes(n: float) -> str:
-    """Decimal units, as the seed quotes them (GB from 0.1 GB on).
-
-    >>> fmt_bytes(234_881_024), fmt_bytes(2_031_616_000), fmt_bytes(58_720_256), fmt_bytes(512)
-    ('0.23 GB', '2.03 GB', '58.7 MB', '512 B')
-    """
-    for unit, scale, start in (("GB", 1e9, 1e8), ("MB", 1e6, 1e6), ("kB", 1e3, 1e3)):
-        if abs(n) >= start:
-            value = n / scale
-            return f"{value:.2f} {unit}" if unit == "GB" else f"{value:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_flops(n: float) -> str:
-    """FLOPs with a decimal prefix, three significant digits.
-
-    >>> fmt_flops(2.91e13), fmt_flops(2_097_152), fmt_flops(0)
-    ('29.1 T', '2.1 M', '0')
-    """
-    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{int(n)}"
 
 
 def check_writable(path: str | None, what: str) -> None:

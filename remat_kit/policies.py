@@ -81,7 +81,7 @@ class Policy:
         if self.kind not in KINDS:
             raise ValueError(f"unknown policy kind {self.kind!r}; allowed: {', '.join(KINDS)}")
         if self.kind in ("every_n", "segments"):
-            _check_positive_int(f"{self.kind}(n)", self.n)
+            check_positive_int(f"{self.kind}(n)", self.n)
         elif self.n != 0:
             raise ValueError(f"policy {self.kind!r} takes no n, got n={self.n!r}")
         if (self.save or self.offload) and self.kind not in ("selective", "offload"):
@@ -193,7 +193,7 @@ class Policy:
 
     def validate_depth(self, num_layers: int) -> None:
         """Raise ValueError if the policy cannot apply to a stack of ``num_layers`` layers."""
-        _check_positive_int("num_layers", num_layers)
+        check_positive_int("num_layers", num_layers)
         if self.kind in ("every_n", "segments") and self.n > num_layers:
             raise ValueError(
                 f"{self}: n={self.n} is greater than the depth ({num_layers} layers); allowed: 1 <= n <= {num_layers}"
@@ -407,7 +407,8 @@ def _split_options(spec: str, rest: str, allowed: tuple[str, ...]) -> tuple[tupl
     return _tag_list(head), opts
 
 
-def _check_positive_int(what: str, value) -> None:
+def check_positive_int(what: str, value) -> None:
+    """Raise TypeError for a non-integer (or bool) and ValueError for one below 1, naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be a positive integer, got {value!r} ({type(value).__name__})")
     if value < 1:

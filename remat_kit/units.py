@@ -1,0 +1,66 @@
+"""Memory sizes and FLOP counts: parsing ("80GB") and printing ("2.03 GB", "29.1 T")."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+}  # fmt: skip
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a memory size with any unit: ``"80GB"``, ``"24 GiB"``, ``"1.5e9"``, ``"512MiB"``.
+
+    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB … TiB) of 1024.
+
+    Raises:
+      ValueError: an unparseable or non-positive size, naming it and the accepted units.
+
+    >>> parse_bytes("80GB"), parse_bytes("1 GiB"), parse_bytes(1024)
+    (80000000000, 1073741824, 1024)
+    """
+    if isinstance(text, bool):
+        raise TypeError(f"a memory size must be a string or an int, got {text!r}")
+    if isinstance(text, int):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _UNITS:
+            raise ValueError(
+                f"cannot read memory size {text!r}; write a number with a unit: B, KB, MB, GB, TB, "
+                f"KiB, MiB, GiB, TiB (e.g. 80GB)"
+            )
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"a memory budget must be positive, got {text!r}")
+    return value
+
+
+def fmt_bytes(n: float) -> str:
+    """Decimal units, as the seed quotes them (GB from 0.1 GB on).
+
+    >>> fmt_bytes(234_881_024), fmt_bytes(2_031_616_000), fmt_bytes(58_720_256), fmt_bytes(512)
+    ('0.23 GB', '2.03 GB', '58.7 MB', '512 B')
+    """
+    for unit, scale, start in (("GB", 1e9, 1e8), ("MB", 1e6, 1e6), ("kB", 1e3, 1e3)):
+        if abs(n) >= start:
+            value = n / scale
+            return f"{value:.2f} {unit}" if unit == "GB" else f"{value:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_flops(n: float) -> str:
+    """FLOPs with a decimal prefix, three significant digits.
+
+    >>> fmt_flops(2.91e13), fmt_flops(2_097_152), fmt_flops(0)
+    ('29.1 T', '2.1 M', '0')
+    """
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)}"

@@ -22,8 +22,10 @@ from typing import Any, Literal
 
 import flax.linen as nn
 import jax
+from flax import nnx
 
 from remat_kit import names as _names
+from remat_kit import wrap_nnx
 
 Kind = Literal["none", "full", "every_n", "selective", "offload", "segments", "sqrt_n", "dots"]
 KINDS: tuple[str, ...] = ("none", "full", "every_n", "selective", "offload", "segments", "sqrt_n", "dots")
@@ -180,6 +182,8 @@ class Policy:
             if not self.remat:
                 return target
             return nn.remat(target, policy=self.jax_policy, prevent_cse=prevent_cse)
+        if isinstance(target, nnx.Module):
+            return wrap_nnx.remat(self, target, prevent_cse=prevent_cse)
         if isinstance(target, nn.Module):
             raise TypeError(
                 f"apply a policy to a Module class, not an instance ({type(target).__name__}(...)); "

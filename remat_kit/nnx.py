@@ -28,7 +28,6 @@ A depth not divisible by the group size runs its remainder as one more group.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -174,13 +174,18 @@ def check_tags_once(policy, module: nnx.Module, run, args: tuple, kwargs: dict, 
     dynamic = {i: a for i, a in enumerate(args) if i + 1 not in static}
     abstract_state, abstract_dynamic, abstract_kwargs = abstract((state, dynamic, kwargs))
     statics = tuple((i, a) for i, a in enumerate(args) if i + 1 in static)
-    key = (policy, graphdef, jax.tree.structure((dynamic, kwargs)), tuple(jax.tree.leaves((abstract_dynamic,
-           abstract_kwargs))), statics)
+    key = (
+        policy,
+        graphdef,
+        jax.tree.structure((dynamic, kwargs)),
+        tuple(jax.tree.leaves((abstract_dynamic, abstract_kwargs))),
+        statics,
+    )
     if not remember(key):
         return
 
     def traced(state, dyn, kw):
-        full = [dyn[i] if i in dyn else a for i, a in enumerate(args)]
+        full = [dyn.get(i, a) for i, a in enumerate(args)]
         return run(nnx.merge(graphdef, state), *full, **kw)
 
     try:

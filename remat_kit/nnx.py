@@ -22,7 +22,8 @@ RNG keys and counts): parameters are treated as read-only inside the forward pas
 written back after it. RNG streams held by the blocks (e.g. ``nnx.Dropout(rate, rngs=rngs)``) are split
 per layer at construction, so layer ``i`` draws the same numbers under every policy.
 
-A depth not divisible by the group size runs its remainder as one more group.
+A depth not divisible by the group size runs its remainder as one more group. ``offload`` runs in the
+"layer" mode; on CPU, XLA lowers the host transfer to nothing (no memory moves there).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ class Stack(nnx.Module):
             if self.policy.tags:
                 _tags.check(self.policy, emitted, self.block_name)
         except Exception:
-            wrap_nnx._CHECKED.discard(key)
+            wrap_nnx.forget(key)
             raise
 
 

@@ -163,6 +163,11 @@ def remember(key) -> bool:
     return True
 
 
+def forget(key) -> None:
+    """Undo :func:`remember` (a check that raised has not passed: run it again next time)."""
+    _CHECKED.discard(key)
+
+
 def check_tags_once(policy, module: nnx.Module, run, args: tuple, kwargs: dict, static: set[int]) -> None:
     """Apply the tag rule to ``run(module, *args, **kwargs)``, once per (policy, module graph, input signature).
 
@@ -192,5 +197,5 @@ def check_tags_once(policy, module: nnx.Module, run, args: tuple, kwargs: dict, 
         emitted = _tags.emitted_tags(traced, abstract_state, abstract_dynamic, abstract_kwargs)
         _tags.check(policy, emitted, type(module).__name__)
     except Exception:
-        _CHECKED.discard(key)  # a failed check is not a passed one: check again next time
+        forget(key)
         raise

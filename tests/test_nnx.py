@@ -278,6 +278,9 @@ def test_stack_bad_input_raises_before_tracing():
     assert not built
     with pytest.raises(TypeError, match=r"must return an nnx\.Module"):
         rk_nnx.stack(lambda rngs: 3, 2, "full", rngs=nnx.Rngs(0))
+    layers = rk_nnx.stack(Tagged, 2, "full", rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="give the blocks their modules and RNG streams in make_block"):
+        layers(X, rngs=nnx.Rngs(1))
 
 
 def test_stack_block_with_wrong_output_raises():

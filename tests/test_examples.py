@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from remat_kit import units
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -46,3 +48,17 @@ def test_compare_policies(tmp_path, policies):
         assert rel_diff < 1e-4 and kept_mib > 0  # same losses; memory reported
     assert float(rows["selective"][2]) < float(rows["none"][2])  # selective keeps less than none
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_nnx_module(tmp_path):
+    args = ["--steps", "3", "--depth", "2", "--width", "16", "--seq-len", "16", "--batch-size", "2"]
+    out = run_example("nnx_module.py", *args, cwd=tmp_path)
+    assert "2 x MyBlock under selective:ffn_up;strict=false" in out and "ffn_up of every layer (tagged, kept)" in out
+    kept = {
+        parts[0]: units.parse_bytes(" ".join(parts[1:3]))
+        for parts in map(str.split, out.splitlines())
+        if parts and parts[0] in ("none", "selective:ffn_up;strict=false", "full")
+    }
+    assert kept["full"] < kept["selective:ffn_up;strict=false"] < kept["none"], out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < losses[0]

@@ -201,7 +201,7 @@ def test_offload_of_missing_tag_is_an_error():
     [
         ((Block, 0, "full"), ValueError, r"num_layers must be a positive integer \(>= 1\), got 0"),
         ((Block, 2.0, "full"), TypeError, r"num_layers must be a positive integer, got 2.0"),
-        ((Block, 4, "every_n:5"), ValueError, r"n=5 is greater than the depth \(4 layers\)"),
+        ((Block, 4, "every_n:5"), ValueError, r"period=5 is greater than the depth \(4 layers\)"),
         ((Block, 4, "segments:0"), ValueError, r"got 0"),
         ((Block, 4, "bogus"), ValueError, r"unknown policy spec 'bogus'"),
         (("Block", 4, "full"), TypeError, r"block must be a Flax module class"),

@@ -225,7 +225,9 @@ class Policy:
             return wrap_nnx.remat(self, target, static_argnums=_argnums(static_argnums), prevent_cse=prevent_cse)
         if methods is not None and kind != "linen_class":
             raise TypeError(f"methods= applies to a flax.linen.Module class only, got {target!r}")
-        return wrap.remat(self, target, static_argnums=_argnums(static_argnums), methods=methods, prevent_cse=prevent_cse)
+        return wrap.remat(
+            self, target, static_argnums=_argnums(static_argnums), methods=methods, prevent_cse=prevent_cse
+        )
 
     # ---- how the scan core groups layers ----------------------------------------------------------
 
@@ -250,6 +252,32 @@ class Policy:
         if self.kind == "sqrt_n":
             return LayerPlan(sqrt_n_group_size(num_layers), "group")
         return LayerPlan(1, "layer")
+
+
+#: Primitives whose outputs are views or casts: free to recompute from their inputs.
+_VIEW_PRIMITIVES = frozenset(
+    {
+        "dynamic_slice",
+        "slice",
+        "squeeze",
+        "reshape",
+        "expand_dims",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "transpose",
+        "copy",
+    }
+)
+
+
+def keep_activations(prim, *_, **__) -> bool:
+    """A ``jax.checkpoint`` policy: save every value except views and casts (recomputed for free).
+
+    The scan core runs ``every_n``'s non-rematerialized layers under it: they keep all their
+    activations, as without remat, but not the slices (and casts) of the stacked weights, which JAX
+    would otherwise save as residuals because a scan cannot forward a slice of its input.
+    """
+    return prim.name not in _VIEW_PRIMITIVES
 
 
 def sqrt_n_group_size(num_layers: int) -> int:
@@ -377,7 +405,9 @@ MAXTEXT_ALIASES: dict[str, Callable[[], Policy]] = {
 
 _SPEC_HELP = (
     "none, full, dots, sqrt_n, every_n:N, segments:K, selective[:TAG,...][;strict=false], "
-    "offload[:TAG,...[;save=TAG,...][;dst=KIND][;strict=false]], or a MaxText preset (" + ", ".join(MAXTEXT_ALIASES) + ")"
+    "offload[:TAG,...[;save=TAG,...][;dst=KIND][;strict=false]], or a MaxText preset ("
+    + ", ".join(MAXTEXT_ALIASES)
+    + ")"
 )
 
 

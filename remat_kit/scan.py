@@ -1,12 +1,16 @@
 """The scan-over-layers core: N copies of one Flax block under ``lax.scan``, remat per policy.
 
-Parameters are created stacked on axis 0 (``[num_layers, ...]``) under the name ``layers``, the
-same tree for every policy, so a checkpoint trained under one policy loads under any other. The
-policy only decides how the scan groups the layers (see :meth:`remat_kit.policies.Policy.plan`):
+Every variable collection of the block (``params``, ``batch_stats``, …) is created stacked on axis 0
+(``[num_layers, ...]``) under the name ``layers``, the same tree for every policy, so a checkpoint
+trained under one policy loads under any other; mutable collections are updated layer by layer.
+Every RNG stream reaches every layer. The policy only decides how the scan groups the layers (see
+:meth:`remat_kit.policies.Policy.plan`):
 
 * ``"layer"`` (none, full, selective, offload, dots): one scan step per layer, each wrapped by the
   policy's ``jax.checkpoint``;
 * ``"first"`` (every_n): one scan step per group of n layers whose first layer is rematerialized;
+  the others keep every activation but no slice of the stacked weights
+  (:func:`remat_kit.policies.keep_activations`);
 * ``"group"`` (segments, sqrt_n): one scan step per group of k layers rematerialized together, so
   only group inputs are kept (Chen et al. 2016).
 
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 from flax.core.scope import subtract_filters
 
 from remat_kit import tags
-from remat_kit.policies import Policy, parse
+from remat_kit.policies import Policy, keep_activations, parse
 
 
 class Stack(nn.Module):
@@ -186,14 +190,17 @@ def _run_group(policy: Policy, mode: str, run_layer, variables, size: int, h, st
     if mode == "group":
         whole = functools.partial(_scan_from, run_layer, count=size)
         return policy.checkpoint(lambda v, c, s: whole(v, c, s), prevent_cse=False)(variables, h, start)
-    # "first": rematerialize the group's first layer, keep everything of the others. JAX cannot
-    # forward a slice of the stacked weights through the scan, so the non-rematerialized layers
-    # keep their weight slices as residuals ((n-1)/n of the stack's weights; the analysis shows them).
+    # "first": rematerialize the group's first layer, keep every activation of the others. Those run
+    # under a checkpoint that saves everything except views and casts (policies.keep_activations):
+    # without it JAX would keep their weight slices as residuals, (n-1)/n of the stack's weights,
+    # since a scan cannot forward a slice of its input; recomputing a slice costs nothing.
     first = policy.checkpoint(lambda v, c, i: run_layer(_layer_at(v, i), c, i), prevent_cse=False)
     h, y0 = first(variables, h, start)
     ys = jax.tree.map(lambda a: a[None], y0)
     if size > 1:
-        h, rest = _scan_from(run_layer, variables, h, start + 1, size - 1)
+        others = functools.partial(_scan_from, run_layer, count=size - 1)
+        keep = jax.checkpoint(others, policy=keep_activations, prevent_cse=False)
+        h, rest = keep(variables, h, start + 1)
         ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, rest)
     return h, ys
 

@@ -416,8 +416,8 @@ def parse(spec: str | Policy) -> Policy:
 
     Args:
       spec: e.g. ``"full"``, ``"every_n:2"``, ``"selective:q_proj,k_proj"``, ``"offload"``,
-        ``"offload:q_proj;save=mlp_up;dst=pinned_host"``, ``"selective:my_tag;strict=false"``, ``"segments:4"``, ``"sqrt_n"``,
-        or a MaxText preset name such as ``"minimal"``. A Policy is returned unchanged.
+        ``"offload:q_proj;save=mlp_up;dst=pinned_host"``, ``"selective:my_tag;strict=false"``,
+        ``"segments:4"``, ``"sqrt_n"``, or a MaxText preset name such as ``"minimal"``. A Policy is returned unchanged.
 
     Raises:
       ValueError: an unknown or malformed spec, naming it and the allowed forms.

@@ -29,7 +29,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
 from flax.core.scope import subtract_filters
 
 from remat_kit import tags

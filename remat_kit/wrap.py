@@ -140,11 +140,15 @@ def _remat_linen(policy, cls: type[nn.Module], static_argnums, methods, prevent_
     wrapped = nn.remat(
         cls, policy=policy.jax_policy, prevent_cse=prevent_cse, static_argnums=static_argnums, methods=methods
     )
-    if not tags.needs_check(policy):
-        return wrapped
     # The same methods, each checking the policy's tags before running the rematerialized one.
-    checked = {name: _checked_method(policy, cls, wrapped, name, static_argnums) for name in names}
-    return type(wrapped.__name__, (wrapped,), {"__module__": cls.__module__, **checked})
+    checked = (
+        {name: _checked_method(policy, cls, wrapped, name, static_argnums) for name in names}
+        if tags.needs_check(policy)
+        else {}
+    )
+    # Named like the class itself (flax would say "CheckpointMyBlock"): a parent's auto-named
+    # submodules, hence the parameter tree, are the same under every policy and without one.
+    return type(cls.__name__, (wrapped,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **checked})
 
 
 def _checked_method(policy, cls, wrapped, name: str, static_argnums: tuple[int, ...]):

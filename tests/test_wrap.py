@@ -75,6 +75,9 @@ def test_linen_class_with_positional_flag_gradients_equal_none(spec):
     assert (cls is Block) == (spec == "none")
     params = Block().init(jax.random.key(2), X, False)
     assert jax.tree.structure(cls().init(jax.random.key(2), X, False)) == jax.tree.structure(params)
+    # Inside a parent, auto-named submodules keep the class's own name: the same tree as without remat.
+    in_parent = lambda c: jax.eval_shape(nn.Sequential([lambda x: c()(x, False)] * 2).init, jax.random.key(0), X)
+    assert jax.tree.structure(in_parent(cls)) == jax.tree.structure(in_parent(Block))
 
     def loss(module, p):
         return jnp.sum(module.apply(p, X, True, rngs={"dropout": jax.random.key(3)}) ** 2)

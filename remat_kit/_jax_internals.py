@@ -15,8 +15,17 @@ import jax
 # jax._src.ad_checkpoint.saved_residuals: the exact list of values the backward pass keeps.
 from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
 
-# The primitive behind jax.ad_checkpoint.checkpoint_name is named "name".
-_NAME_PRIMITIVE = "name"
+
+def _tag_of(eqn) -> str | None:
+    """The ``checkpoint_name`` tag an equation attaches, or None.
+
+    JAX 0.10 (and 0.11+ by default) binds a primitive named ``name``; under 0.11+'s
+    ``JAX_REMAT3=true`` the equation is a ``call_hi_primitive`` whose ``_prim`` is a ``CheckpointName``.
+    """
+    hi = eqn.params.get("_prim")
+    if hi is not None:
+        return hi.params.get("name") if type(hi).__name__ == "CheckpointName" else None
+    return eqn.params["name"] if eqn.primitive.name == "name" else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +108,7 @@ def iter_eqns(jaxpr) -> Iterator[Any]:
 def emitted_tags(fn: Callable, *args: Any) -> frozenset[str]:
     """The checkpoint_name tags ``fn(*args)`` attaches (args may be ShapeDtypeStructs)."""
     jaxpr = jax.make_jaxpr(fn)(*args)
-    return frozenset(e.params["name"] for e in iter_eqns(jaxpr) if e.primitive.name == _NAME_PRIMITIVE)
+    return frozenset(t for t in map(_tag_of, iter_eqns(jaxpr)) if t is not None)
 
 
 def count_primitive(jaxpr, name: str, *, top_level: bool = False) -> int:

@@ -57,10 +57,8 @@ def get_optimizer(optimizer: str | optax.GradientTransformation) -> optax.Gradie
 
 
 def host_offload_available() -> bool:
-    """Whether the default device has a host memory kind to offload to."""
-    device = jax.devices()[0]
-    default = device.default_memory().kind
-    return any(m.kind != default and "host" in m.kind for m in device.addressable_memories())
+    """Whether the default device has a memory kind JAX's remat offloads to (``pinned_host``)."""
+    return any(m.kind in policies.OFFLOAD_DESTINATIONS for m in jax.devices()[0].addressable_memories())
 
 
 def candidates(config: TransformerConfig, *, offload: bool | None = None) -> tuple[policies.Policy, ...]:

@@ -57,9 +57,9 @@ def test_selective_keeps_only_its_tags_and_the_layer_inputs(results):
     assert a.layers_saved_bytes == L * B * S * (3 * D + 2 * kv + 2 * F + D) * F32
 
 
-def test_every_n_reports_its_weight_slices(results):
-    weights = [r for r in results["every_n:2"].residuals if r.label.startswith("weight ")]
-    assert weights and all(r.region == "layers" for r in weights)
+def test_every_n_keeps_no_weight_slices(results):
+    # Its non-rematerialized layers run under policies.keep_activations (issue 13): views are recomputed.
+    assert not [r for r in results["every_n:2"].residuals if r.label.startswith("weight ")]
 
 
 def test_saved_bytes_order_policies(results):

@@ -109,7 +109,7 @@ def test_candidates_cover_the_policy_families():
     kinds = {P.parse(s).kind for s in specs}
     assert kinds == {"none", "selective", "dots", "every_n", "segments", "sqrt_n", "full", "offload"}
     assert not any(P.parse(s).kind == "offload" for s in A.candidates(cfg, offload=False))
-    assert all(p.n <= 4 for p in A.candidates(CFG) if p.kind == "every_n")  # never deeper than the model
+    assert all(p.period <= 4 for p in A.candidates(CFG) if p.kind == "every_n")  # never deeper than the model
 
 
 @pytest.mark.parametrize(

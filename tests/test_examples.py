@@ -33,7 +33,7 @@ def test_train_lm(tmp_path):
 
 def test_custom_module(tmp_path):
     out = run_example("custom_module.py", "--steps", "3", "--depth", "3", cwd=tmp_path)
-    assert "3 x MyBlock under selective:ffn_up;strict=false" in out
+    assert "3 x MyBlock under selective:ffn_up; params" in out
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 3 and losses[-1] < losses[0]
 

@@ -197,7 +197,8 @@ class Policy:
           static_argnums: positional arguments that are Python values (flags), not arrays. For a
             function they index its arguments (``jax.checkpoint``'s meaning); for a Linen class
             they count ``self`` as 0 (``flax.linen.remat``'s meaning: ``__call__(self, x, train)``
-            takes ``static_argnums=(2,)``); for an NNX instance they index ``__call__``'s arguments.
+            takes ``static_argnums=(2,)``), and so for an NNX instance (``__call__(self, x, train)``:
+            ``(2,)``).
           methods: Linen classes only: the methods to rematerialize (default ``["__call__"]``).
           prevent_cse: passed to ``jax.checkpoint``; keep True outside scans.
 

@@ -38,8 +38,21 @@ def _budget(ns):
     assert ns["r"].chosen is not None and ns["r"].chosen.kind in ("none", "selective")
 
 
+def _nnx(ns):
+    """NNX: the stack's gradients are stacked and non-zero; the owning wrapper's gradients are the bare block's."""
+    kernel = ns["grads"]["layers"]["up"]["kernel"]
+    assert kernel.shape == (8, 16, 64) and float(jnp.max(jnp.abs(kernel[...]))) > 0
+    bare = ns["nnx"].grad(ns["loss"])(ns["block"].module)
+    assert max_rel_err(ns["block_grads"]["module"], bare) <= 1e-5
+
+
 #: A marker found in a block → what to assert after running it.
-KNOWN = {"RematBlock = policy(MyBlock": _linen_loop, "remat_kit.stack(NormBlock": _stack, "remat_kit.auto(": _budget}
+KNOWN = {
+    "RematBlock = policy(MyBlock": _linen_loop,
+    "remat_kit.stack(NormBlock": _stack,
+    "remat_kit.auto(": _budget,
+    "remat_kit.nnx.stack(Block": _nnx,
+}
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"block{i}" for i in range(len(BLOCKS))])

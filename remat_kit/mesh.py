@@ -18,6 +18,9 @@ import dataclasses
 import itertools
 import json
 import os
+import socket
+import sys
+import time
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -149,9 +152,10 @@ def tree_shardings(tree, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-#: Seconds a process waits for the coordinator at start-up, and for a silent process during a run,
-#: unless ``--distributed-timeout`` / ``REMAT_KIT_DISTRIBUTED_TIMEOUT`` says otherwise (JAX's default).
-DEFAULT_TIMEOUT_S = 100
+#: JAX's defaults, used unless ``--distributed-timeout`` / ``REMAT_KIT_DISTRIBUTED_TIMEOUT`` sets both:
+#: seconds to wait for all processes to join, and for a process that stopped sending heartbeats.
+JAX_JOIN_TIMEOUT_S = 300
+JAX_HEARTBEAT_TIMEOUT_S = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +268,12 @@ def initialize_processes(spec: str | MeshSpec | None = None, processes: Processe
     of the mesh's CPU devices (a no-op for GPUs and TPUs), cross-process CPU collectives go over
     gloo, and the run joins the coordinator. If JAX is already initialized, nothing is done again.
 
+    A process other than 0 first waits (up to the timeout) until the coordinator's port accepts a
+    connection, and raises a clear error if it never does: JAX itself would abort the process with
+    a misleading "another task died". Once joined, a process that stops sending heartbeats for the
+    timeout makes JAX abort every other process (SIGABRT, "Terminating process because the JAX
+    distributed service detected fatal errors"), so no process waits forever on a dead one.
+
     Args:
       spec: the mesh the run will use (checked to split evenly over the processes).
       processes: the setting (:meth:`Processes.resolve`).
@@ -296,18 +306,36 @@ def initialize_processes(spec: str | MeshSpec | None = None, processes: Processe
         }
     if processes.timeout_s is not None:
         kwargs |= {"initialization_timeout": processes.timeout_s, "heartbeat_timeout_seconds": processes.timeout_s}
-    try:
-        jax.distributed.initialize(**kwargs)
-    except (ValueError, TypeError):
-        raise
-    except Exception as err:  # jaxlib raises its own runtime error types for a failed connection
-        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        timeout = processes.timeout_s or "JAX's default"
-        raise TimeoutError(
-            f"process {processes.process_id} of {processes.num_processes} could not join the coordinator at "
-            f"{processes.coordinator} within {timeout} s (is process 0 running and the port reachable?): {first}"
-        ) from None
+    if processes.coordinator is not None:
+        timeout = processes.timeout_s or JAX_JOIN_TIMEOUT_S
+        # Said first, so that JAX's abort when a process never joins comes with this context.
+        print(
+            f"process {processes.process_id} of {processes.num_processes}: joining the coordinator at "
+            f"{processes.coordinator} (waiting up to {timeout} s for all processes)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if processes.process_id:
+            _wait_for_port(processes, timeout)
+    jax.distributed.initialize(**kwargs)
     return processes
+
+
+def _wait_for_port(processes: Processes, timeout_s: float) -> None:
+    host, _, port = processes.coordinator.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"process {processes.process_id} of {processes.num_processes} could not join the coordinator "
+                    f"at {processes.coordinator} within {timeout_s:g} s ({err.strerror or err}); is process 0 "
+                    "running there, and the port reachable from this host? (--distributed-timeout sets the wait)"
+                ) from None
+            time.sleep(0.2)
 
 
 def maybe_initialize_distributed(env: Mapping[str, str] | None = None) -> bool:

@@ -794,8 +794,9 @@ def add_cli(subparsers) -> None:
         type=int,
         default=None,
         metavar="S",
-        help=f"seconds to wait for the coordinator at start-up and for a process that stopped sending heartbeats "
-        f"(JAX's heartbeat timeout) before exiting with an error (default {mesh_lib.DEFAULT_TIMEOUT_S})",
+        help="seconds to wait for all processes to join, and for a process that stopped sending heartbeats "
+        "(JAX's heartbeat timeout: then every other process aborts), before exiting with an error "
+        f"(default: JAX's {mesh_lib.JAX_JOIN_TIMEOUT_S} s to join, {mesh_lib.JAX_HEARTBEAT_TIMEOUT_S} s heartbeat)",
     )
     p.set_defaults(func=_train_command)
 

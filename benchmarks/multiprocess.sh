@@ -43,7 +43,7 @@ two() {
   local port; port=$(free_port)
   PIDS=()
   for id in 0 1; do
-    setsid bash -c '"$@" 2>&1 | sed -u "s/^/[p'"$id"' raw] /" > "'"$WORK/$name"'-p'"$id"'.log"' _ \
+    setsid bash -c '"$@" 2>&1 | sed -u "/^\[p'"$id"'\] /!s/^/[p'"$id"'] /" > "'"$WORK/$name"'-p'"$id"'.log"' _ \
       "${RK[@]}" "${ARGS[@]}" "$@" --coordinator "127.0.0.1:$port" --num-processes 2 --process-id "$id" &
     PIDS+=($!)
   done

@@ -478,8 +478,10 @@ def train(
     meta = json.loads(json.dumps(meta))  # compare with saved metadata as it comes back from JSON
     # Before anything is compiled or saved: processes started with different flags would train
     # different models on one mesh, or deadlock in a collective that only some of them reach.
+    # The data is compared by content: hosts may mount it under different paths.
+    same_run = {**meta, "data": {k: v for k, v in meta["data"].items() if k != "source"}}
     mesh_lib.check_same_across_processes(
-        {"run": meta, "mesh": mesh if isinstance(mesh, (str, type(None))) else dict(mesh.shape),
+        {"run": same_run, "mesh": mesh if isinstance(mesh, (str, type(None))) else dict(mesh.shape),
          "checkpoints": checkpoint_dir is not None, "resume": resume, "checkpoint_every": checkpoint_every,
          "keep": keep},
         "run configuration",

@@ -1,17 +1,20 @@
 """Two JAX processes x 2 CPU devices on localhost train, plan and checkpoint like one process x 4.
 
-The module fixture runs three 2-process launches of this file (see ``_child``), each with a hard
+The module fixture runs two 2-process launches of this file (see ``_child``), each with a hard
 time limit and its processes always killed afterwards:
 
 * ``main``: processes started with different flags are refused; then ``full``, ``selective`` and
   ``offload`` runs over ``--mesh data=2,fsdp=2``; a resume of a 1-process checkpoint; a
-  compile-only plan.
-* ``kill``: process 1 dies (SIGKILL) mid-run; process 0 must abort within JAX's heartbeat timeout
-  (``--distributed-timeout``).
-* ``resume``: both restart with ``--resume`` and must end bit for bit where ``main``'s ``full`` run did.
+  compile-only plan; last, a run in which process 1 dies (SIGKILL) mid-way: process 0 must abort
+  within JAX's heartbeat timeout (``--distributed-timeout``).
+* ``resume``: both restart the killed run with ``--resume`` and must end bit for bit where
+  ``main``'s uninterrupted ``full`` run did.
 
 Cross-process all-reduces (gloo) add in another order than in-process ones, so 2 processes agree
-with 1 process to float rounding (rel 1e-5), and with themselves bit for bit.
+with 1 process x 4 devices to float rounding (rel 1e-5), and with themselves bit for bit. Against
+1 device (no sharding at all) the losses agree to 1e-5 but single parameters need not: AdamW's
+first steps move each weight by about ``lr * g / |g|``, so a weight whose gradient is rounding
+noise moves by +-lr in either run (the same holds for any sharded run, one process or many).
 """
 
 from __future__ import annotations
@@ -63,22 +66,28 @@ def _child(scenario: str, port: int, pid: int, work: Path) -> None:
         print(f"=== {' '.join(args)}", file=sys.stderr, flush=True)
         return cli.main([*_train_args(corpus), *args, *dist])
 
+    def record(key, value):  # after every run: a scenario may end with this process aborted
+        out[key] = value
+        (work / f"{scenario}-p{pid}.json").write_text(json.dumps(out))
+
     if scenario == "main":
-        # Different flags in process 1: refused by both before anything is compiled.
-        out["mismatch_rc"] = run("--lr", "0.003" if pid == 0 else "0.002", "--distributed-timeout", "120")
+        # Different flags in process 1: refused by both before anything is compiled. The first run
+        # joins the coordinator, so its --distributed-timeout is the heartbeat timeout of them all.
+        record("mismatch_rc", run("--lr", "0.003" if pid == 0 else "0.002", "--distributed-timeout", str(HEARTBEAT_S)))
         for policy in POLICIES:
-            out[policy] = run("--policy", policy, "--checkpoint-dir", str(work / policy), "--checkpoint-every",
-                              "100", "--metrics", str(work / f"{policy}-p{pid}.jsonl"))  # fmt: skip
-        out["from1"] = run("--checkpoint-dir", str(work / "from1"), "--resume", "--metrics", str(work / "from1.jsonl"))
+            record(policy, run("--policy", policy, "--checkpoint-dir", str(work / policy), "--checkpoint-every",
+                               "100", "--metrics", str(work / f"{policy}-p{pid}.jsonl")))  # fmt: skip
+        record(
+            "from1", run("--checkpoint-dir", str(work / "from1"), "--resume", "--metrics", str(work / "from1.jsonl"))
+        )
         # plan's figures: compile-only and per device, in each of the 2 processes.
         a = analysis.analyze(TransformerConfig.preset("tiny"), "full", 4, 32, mesh=mesh_lib.make_mesh(MESH))
-        out["plan"] = {k: v for k, v in a.to_dict().items() if k.endswith("_bytes")}
-    elif scenario == "kill":
+        record("plan", {k: v for k, v in a.to_dict().items() if k.endswith("_bytes")})
         if pid == 1:
             original = train_mod.train
 
             def dies_at_step(*args, **kwargs):
-                def die(step, record):
+                def die(step, _record):
                     if step == KILL_AT:
                         print(f"killing process 1 at step {step}", file=sys.stderr, flush=True)
                         os.kill(os.getpid(), signal.SIGKILL)
@@ -86,16 +95,16 @@ def _child(scenario: str, port: int, pid: int, work: Path) -> None:
                 return original(*args, **kwargs, callbacks=[die])
 
             train_mod.train = dies_at_step
-        out["rc"] = run("--checkpoint-dir", str(work / "kill"), "--checkpoint-every", "1",
-                        "--metrics", str(work / "kill.jsonl"), "--distributed-timeout", str(HEARTBEAT_S))  # fmt: skip
+        record("kill", run("--checkpoint-dir", str(work / "kill"), "--checkpoint-every", "1",
+                           "--metrics", str(work / "kill.jsonl")))  # fmt: skip
     elif scenario == "resume":
-        out["rc"] = run("--checkpoint-dir", str(work / "kill"), "--checkpoint-every", "1", "--resume",
-                        "--metrics", str(work / "kill.jsonl"))  # fmt: skip
+        record("rc", run("--checkpoint-dir", str(work / "kill"), "--checkpoint-every", "1", "--resume",
+                         "--metrics", str(work / "kill.jsonl")))  # fmt: skip
     elif scenario == "unreachable":
         t0 = time.monotonic()
-        out["rc"] = run("--distributed-timeout", "3")
-        out["seconds"] = time.monotonic() - t0
-    (work / f"{scenario}-p{pid}.json").write_text(json.dumps(out))
+        rc = run("--distributed-timeout", "3")
+        record("rc", rc)
+        record("seconds", time.monotonic() - t0)
 
 
 # ---- launching --------------------------------------------------------------------------------------
@@ -112,6 +121,8 @@ def _launch(scenario: str, work: Path, pids=(0, 1), port: int | None = None) -> 
     port = port or _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "REMAT_KIT_", "XLA_FLAGS"))}
     env |= {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    # The runs of `full` compile the same programs: compile them once (JAX's persistent cache).
+    env |= {"JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     procs, files = {}, []
     t0 = time.monotonic()
     ended: dict[int, float] = {}
@@ -200,7 +211,7 @@ def runs(tmp_path_factory):
     shutil.copytree(work / "one", work / "from1")
     for step in range(4, STEPS + 1):
         shutil.rmtree(work / "from1" / str(step))
-    launches = {"main": _launch("main", work), "kill": _launch("kill", work)}
+    launches = {"main": _launch("main", work)}
     shutil.copytree(work / "kill", work / "killed")  # as the kill left it, for the 2 -> 1 process resume
     launches["resume"] = _launch("resume", work)
     return {"work": work, "corpus": corpus, "refs": refs, **launches}
@@ -217,16 +228,15 @@ def test_processes_with_different_flags_are_refused(runs):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_two_processes_train_like_one(runs, policy):
     main, work, ref = runs["main"], runs["work"], runs["refs"][policy]
-    assert main["rc"] == {0: 0, 1: 0} and main[0]["result"][policy] == 0
+    assert main[0]["result"][policy] == 0 and main[1]["result"][policy] == 0
     losses = _losses(work / f"{policy}-p0.jsonl")
     assert len(losses) == STEPS
     np.testing.assert_allclose(losses, [r["loss"] for r in ref.history], rtol=RTOL_F32)
     step, params = _final(work / policy)  # saved by 2 processes, restored in this one
     assert step == STEPS and _rel(params, ref.state.params) <= RTOL_F32
-    if policy == "full":
+    if policy == "full":  # 1 device: the same losses (parameters: see the module docstring)
         one = runs["refs"]["one_device"]
         np.testing.assert_allclose(losses, [r["loss"] for r in one.history], rtol=RTOL_F32)
-        assert _rel(params, one.state.params) <= RTOL_F32
 
 
 def test_process_0_alone_writes_metrics_and_other_logs_say_their_process(runs):
@@ -252,7 +262,7 @@ def test_plan_is_the_same_in_two_processes(runs):
 def test_one_process_checkpoint_resumes_in_two(runs):
     work = runs["work"]
     assert runs["main"][0]["result"]["from1"] == 0 and "resumed from step 3" in runs["main"][0]["err"]
-    one = runs["refs"]["one_device"]
+    one = runs["refs"]["one_device"]  # steps 1-3 were on 1 device, so it is the reference
     # The metrics file of the resumed run starts after the checkpoint: steps 4..6.
     np.testing.assert_allclose(_losses(work / "from1.jsonl"), [r["loss"] for r in one.history[3:]], rtol=RTOL_F32)
     step, params = _final(work / "from1")
@@ -260,7 +270,8 @@ def test_one_process_checkpoint_resumes_in_two(runs):
 
 
 def test_killing_one_process_stops_the_other_within_the_heartbeat_timeout(runs):
-    kill = runs["kill"]
+    kill = runs["main"]
+    assert "kill" not in kill[0]["result"] and "kill" not in kill[1]["result"]  # neither run returned
     assert kill["rc"][1] == -signal.SIGKILL and f"killing process 1 at step {KILL_AT}" in kill[1]["err"]
     assert kill["rc"][0] == -signal.SIGABRT, kill[0]["err"][-2000:]  # JAX's fatal error, not a hang
     assert "Terminating process because the JAX distributed service detected fatal errors" in kill[0]["err"]
@@ -282,12 +293,16 @@ def test_restarting_both_resumes_bit_for_bit(runs):
 
 
 def test_two_process_checkpoint_resumes_in_one(runs):
+    import warnings
+
     from remat_kit import train
 
-    result = train.train(_config("full"), runs["corpus"], checkpoint_dir=runs["work"] / "killed", resume=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # restored arrays that failed their SHA-256 would warn and be skipped
+        result = train.train(_config("full"), runs["corpus"], checkpoint_dir=runs["work"] / "killed", resume=True)
     assert result.resumed_from in (KILL_AT - 2, KILL_AT - 1)  # the newest save that was complete
-    one = runs["refs"]["one_device"]
-    assert _rel(result.state.params, one.state.params) <= RTOL_F32
+    _, uninterrupted = _final(runs["work"] / "full")  # steps up to the kill were in 2 processes
+    assert _rel(result.state.params, uninterrupted) <= RTOL_F32
 
 
 def jax_leaves(tree):

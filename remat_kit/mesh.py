@@ -5,6 +5,10 @@ batch is split over both axes (every device sees different examples); parameters
 optimizer state are split over ``fsdp`` along their largest divisible dimension. The scanned layer
 stack's layer axis (axis 0 of every leaf under a ``layers`` key) is never split: the scan walks it.
 
+The mesh may span several JAX processes (one per host): :func:`initialize_processes` joins them,
+:func:`local_rows` / :func:`global_batch` let each process feed only its rows of a batch, and
+:func:`check_same_across_processes` refuses processes started with different settings.
+
 >>> MeshSpec.parse("data=2,fsdp=2")
 MeshSpec(data=2, fsdp=2)
 >>> str(MeshSpec.parse("fsdp=4"))

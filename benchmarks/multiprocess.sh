@@ -52,7 +52,8 @@ two() {
 {
   echo "\$ bash benchmarks/multiprocess.sh  (POLICIES='$POLICIES' STEPS=$STEPS TIMEOUT_S=$TIMEOUT_S)"
   echo
-  "$PY" -c 'import jax, os; print(f"jax {jax.__version__}, {os.cpu_count()} CPU cores; mesh data=2,fsdp=2; tiny preset, batch 8 x 64")'
+  "$PY" -c 'import jax, os; print(f"jax {jax.__version__}, {os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f}'\
+'  at the start: timings are only indicative); mesh data=2,fsdp=2; tiny preset, batch 8 x 64")'
   echo
   for policy in $POLICIES; do
     t0=$(date +%s.%N)
@@ -101,6 +102,7 @@ EOF
   deadline=$(( $(date +%s) + 300 ))
   while [ "$(steps_done)" -lt 3 ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 0.1; done
   kill -9 -- "-${PIDS[1]}"  # process 1's whole process group
+  wait "${PIDS[1]}" 2>/dev/null || true  # (quietly: bash would report the kill)
   t_kill=$(date +%s.%N)
   echo "killed process 1 (SIGKILL) after step $(tail -1 "$WORK/kill.jsonl" | sed 's/.*"step": \([0-9]*\).*/\1/') of $STEPS; --distributed-timeout $TIMEOUT_S"
   wait "${PIDS[0]}" || true

@@ -223,7 +223,7 @@ def measure(
     for i in range(warmup + steps):
         log(f"warm-up {i + 1}/{warmup}" if i < warmup else f"step {i + 1 - warmup}/{steps}")
         start = time.perf_counter()
-        params, opt_state, loss = jax.block_until_ready(compiled(params, opt_state, tokens))
+        params, opt_state, loss, *_ = jax.block_until_ready(compiled(params, opt_state, tokens))
         if i >= warmup:
             times.append(time.perf_counter() - start)
         if first_loss is None:

@@ -269,9 +269,12 @@ def check_loss(loss_fn: Callable, args: Sequence[Any]) -> None:
         raise ValueError(f"loss_fn must return a floating-point scalar, got {got} {dtype}".rstrip())
 
 
-def _differentiate_only(loss_fn: Callable, argnums: tuple[int, ...]) -> Callable:
+def _differentiate_only(loss_fn: Callable, argnums: tuple[int, ...], nargs: int) -> Callable:
     """``loss_fn`` with every argument outside ``argnums`` behind stop_gradient: JAX's residual analysis
     differentiates every input, while the gradient wants only ``argnums``."""
+
+    if len(argnums) == nargs:
+        return loss_fn
 
     def fn(*args):
         return loss_fn(*(a if i in argnums else jax.tree.map(jax.lax.stop_gradient, a) for i, a in enumerate(args)))
@@ -286,8 +289,8 @@ def residuals(loss_fn: Callable, *args, argnums=0) -> tuple[Residual, ...]:
     """What the backward pass of ``loss_fn`` w.r.t. ``argnums`` keeps (trace-only), largest first."""
     nums = check_argnums(argnums, len(args))
     out = []
-    for r in _jax_internals.saved_residuals(_differentiate_only(loss_fn, nums), *args):
-        if r.is_argument or _STOP in r.source:
+    for r in _jax_internals.saved_residuals(_differentiate_only(loss_fn, nums, len(args)), *args):
+        if r.is_argument or (r.source.startswith("output of stop_gradient") and _STOP in r.source):
             continue  # the inputs live anyway (those behind the stop_gradient are inputs too)
         out.append(
             Residual(

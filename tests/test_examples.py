@@ -46,3 +46,11 @@ def test_compare_policies(tmp_path, policies):
         assert rel_diff < 1e-4 and kept_mib > 0  # same losses; memory reported
     assert float(rows["selective"][2]) < float(rows["none"][2])  # selective keeps less than none
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_your_model(tmp_path):
+    out = run_example("plan_your_model.py", "--small", "--budget", "30MB", cwd=tmp_path)
+    assert "inspect, policy full:" in out and "peak" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.split()[:1] in (["none"], ["dots"], ["full"])]
+    assert rows[:3] == ["none", "dots", "full"]  # compare keeps the order asked
+    assert "chosen: dots" in out  # no recompute, and the leaner of the two that recompute nothing

@@ -513,14 +513,19 @@ def max_fit(
     if planner.loss_chunks:  # the chunk count may not exceed the token count
         first = -(-planner.loss_chunks // (seq if dim == "batch" else batch))
     start = max(first, min(batch if dim == "batch" else seq, cap))
-    if dim == "batch":
-        found = _affine_fit(need, start, cap, target)
-        if found is not None:
-            return found
-    elif need(cap) <= target:
-        return cap
     lo, hi = first - 1, cap + 1  # lo: largest known to fit (first - 1: none yet); hi: smallest known not to
     probe = start
+    if dim == "batch":
+        found, known_lo, hi = _affine_fit(need, start, cap, target)
+        if found is not None:
+            return found
+        lo = max(lo, known_lo)
+        if hi - lo <= 1:
+            return max(lo, 0) if lo >= first else 0
+        if lo >= first:
+            probe = _next_probe(lo, hi, cap, need, target, first)
+    elif need(cap) <= target:
+        return cap
     while hi - lo > 1:
         if need(probe) <= target:
             lo = probe
@@ -532,23 +537,43 @@ def max_fit(
     return max(lo, 0) if lo >= first else 0
 
 
-def _affine_fit(need, start: int, cap: int, target: float) -> int | None:
-    """The largest n <= cap with ``need(n) <= target`` if need is affine in n from ``start`` on, from two
-    compiles (``start`` and twice it; XLA's layout at n = 1 may differ) and one that verifies the
-    answer; None when the line is not exact there, or the answer lies below ``start``."""
+def _affine_fit(need, start: int, cap: int, target: float) -> tuple[int | None, int, int]:
+    """The largest n <= cap with ``need(n) <= target``, read off the line through ``need`` at ``start``
+    and twice it (XLA's layout at n = 1 may differ), then confirmed by one compile where the line is
+    exact there, else by compiling n + 1 too.
+
+    Returns:
+      ``(answer, lo, hi)``: the answer (None when the line's guess failed) and the tightest bracket
+      known, ``lo`` fitting and ``hi`` not (``0`` and ``cap + 1`` when unknown), for the search to go on from.
+    """
     p0 = max(start, 2)
     p1 = 2 * p0
-    if p1 > cap or need(p0) > target:
-        return None
+    lo, hi = 0, cap + 1
+    if p1 > cap:
+        return None, lo, hi
+    if need(p0) > target:
+        return None, lo, p0
+    lo = p0
+    if need(p1) > target:
+        hi = p1
+    else:
+        lo = p1
     rise = need(p1) - need(p0)
-    if rise <= 0 or rise % (p1 - p0):
-        return None
-    slope = rise // (p1 - p0)
-    n = min(cap, p0 + int((target - need(p0)) // slope))
-    line = lambda m: need(p0) + slope * (m - p0)
-    if n in (p0, p1):  # the answer is a point of the line itself: check the next one
-        return n if n == cap or (need(n + 1) == line(n + 1) and need(n + 1) > target) else None
-    return n if need(n) == line(n) and need(n) <= target else None
+    if rise <= 0:
+        return None, lo, hi
+    line = lambda m: need(p0) + rise * (m - p0) / (p1 - p0)
+    n = min(cap, p0 + int((target - need(p0)) * (p1 - p0) // rise), hi - 1)
+    n = max(n, lo)
+    if need(n) > target:
+        return None, lo, n
+    lo = n
+    if n == cap:
+        return n, lo, hi
+    if n not in (p0, p1) and need(n) == line(n):  # a third point exactly on the line confirms it
+        return n, lo, hi
+    if n + 1 >= hi or need(n + 1) > target:
+        return n, lo, n + 1
+    return None, n + 1, hi
 
 
 def _next_probe(lo: int, hi: int, cap: int, need, target: float, first: int) -> int:
@@ -633,7 +658,7 @@ def plot_pareto(result: AutoResult, path: str) -> str:
             zorder=4,
         )
     ax.set_xlabel("recompute per step (GFLOP, matmuls beyond `none`)")
-    ax.set_ylabel("device memory of the step (GB)")
+    ax.set_ylabel("compiled peak of the step (GB): arguments + outputs − aliased + temp")
     ax.set_title(f"policies at batch {result.batch} x seq {result.seq} (green fits, red does not)")
     ax.legend(fontsize=8)
     fig.tight_layout()

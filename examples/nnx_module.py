@@ -1,7 +1,8 @@
 """Your own Flax NNX block under a remat_kit policy: tag it, stack it, see what is kept, train it.
 
-``MyBlock`` tags two of its values with ``remat_kit.names.tag``; ``selective(["ffn_up"],
-strict=False)`` keeps the tagged ``ffn_up`` for the backward pass and recomputes everything else.
+``MyBlock`` tags two of its values with ``remat_kit.names.tag``; ``selective(["ffn_up"])`` keeps
+the tagged ``ffn_up`` for the backward pass and recomputes everything else (your own tag names need
+no flag: the policy checks at trace time that the block emits them).
 ``remat_kit.nnx.stack`` creates the layers with their parameters stacked on axis 0 and runs them
 under one scan (one compiled block whatever the depth), each layer under ``nnx.remat``. A misspelt
 tag (``ffn_upp``) is an error naming ``ffn_up``, not a silent full recompute.
@@ -84,7 +85,7 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=64)
     args = parser.parse_args(argv)
 
-    policy = policies.selective(["ffn_up"], strict=False)
+    policy = policies.selective(["ffn_up"])
     corpus = data.load_corpus(max_bytes=2**20)  # the Python standard library: real, local text
     batches = data.Batches(corpus.tokens, batch_size=args.batch_size, seq_len=args.seq_len, seed=0)
     first = jnp.asarray(batches.batch(0))

@@ -38,6 +38,7 @@ import optax
 
 from remat_kit import __version__, data, policies
 from remat_kit import mesh as mesh_lib
+from remat_kit import step as step_lib
 from remat_kit.checkpoint import Checkpoints
 from remat_kit.loss import lm_loss
 from remat_kit.model import PRESETS, Transformer, TransformerConfig, init_params
@@ -204,13 +205,14 @@ def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, o
         decay_steps=config.steps,
         end_value=config.learning_rate * config.min_lr_ratio,
     )
-    inner = optax.chain(
-        optax.clip_by_global_norm(config.clip_norm),
-        optax.adamw(schedule, weight_decay=config.weight_decay, mask=_decay_mask),
+    optimizer = step_lib.make_optimizer(
+        schedule,
+        clip_norm=config.clip_norm,
+        weight_decay=config.weight_decay,
+        mask=_decay_mask,
+        grad_accum=config.grad_accum,
     )
-    if config.grad_accum == 1:
-        return inner, schedule
-    return optax.MultiSteps(inner, every_k_schedule=config.grad_accum), schedule
+    return optimizer, schedule
 
 
 def _decay_mask(params):
@@ -239,7 +241,7 @@ class Trainer:
         self.optimizer, self.schedule = make_optimizer(config)
         self.traces = {"step": 0, "eval": 0}
         self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
-        step_kw, eval_kw = {}, {}
+        step_kw, eval_kw = {"donate_argnums": (0, 1)}, {}
         self._shardings = None
         #: The rows of each global batch this process feeds (all of them in one process).
         self.local_rows = slice(0, config.batch_size)
@@ -256,13 +258,11 @@ class Trainer:
             opt_state = mesh_lib.tree_shardings(abstract.opt_state, self.mesh)
             tokens = mesh_lib.batch_sharding(self.mesh)
             self._shardings = (params, opt_state, tokens)
-            step_kw = {
-                "in_shardings": (params, opt_state, tokens, None),
-                "out_shardings": (params, opt_state, *[None] * 3),
-            }
+            step_kw = step_lib.jit_kwargs(abstract.params, abstract.opt_state, self.mesh, batch_args=2)
             eval_kw = {"in_shardings": (params, tokens)}
-        # Donated: the old parameters and optimizer state are dead once the step returns.
-        self._micro_step = jax.jit(self._micro_step_impl, donate_argnums=(0, 1), **step_kw)
+        # The step plan, auto and bench compile (remat_kit.step); parameters and optimizer state donated.
+        micro_step = step_lib.make_step(self._loss, self.optimizer, on_trace=lambda: self._count_trace("step"))
+        self._micro_step = jax.jit(micro_step, **step_kw)
         self._eval = jax.jit(self._eval_impl, **eval_kw)
 
     def state_shardings(self) -> dict[str, Any] | None:
@@ -319,26 +319,16 @@ class Trainer:
         if self.traces[name] > 1:
             raise RetraceError(f"the jitted {name} function was traced {self.traces[name]} times; it must trace once")
 
-    def _micro_step_impl(self, params, opt_state, tokens, key):
-        self._count_trace("step")
+    def _loss(self, params, tokens, key):
         dropout = self.config.model.dropout > 0
-
-        def loss_fn(p):
-            return lm_loss(
-                self.model,
-                p,
-                tokens,
-                loss_chunks=self.config.loss_chunks,
-                deterministic=not dropout,
-                rngs={"dropout": key} if dropout else None,
-            )
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        # A finite loss does not prove finite new parameters; check them so none is ever saved.
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
-        return params, opt_state, loss, optax.tree.norm(grads), finite
+        return lm_loss(
+            self.model,
+            params,
+            tokens,
+            loss_chunks=self.config.loss_chunks,
+            deterministic=not dropout,
+            rngs={"dropout": key} if dropout else None,
+        )
 
     def _eval_impl(self, params, tokens):
         self._count_trace("eval")

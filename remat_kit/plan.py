@@ -444,8 +444,8 @@ def add_cli(subparsers) -> None:
         "--limits",
         choices=("pareto", "all", "chosen", "none"),
         default=None,
-        help="with --budget: find the largest batch and longest sequence that fit for the Pareto-optimal "
-        "policies (default; a dominated one is never the best choice), every policy, only the chosen one, or none",
+        help="with --budget: find the largest batch and longest sequence that fit for the chosen policy (default: "
+        "chosen), the Pareto-optimal policies (pareto; a dominated one is never the best choice), every policy, or none",
     )
     p.add_argument("--plot", default=None, metavar="PNG", help="with --budget: Pareto plot of memory vs recompute")
     p.add_argument(
@@ -504,7 +504,9 @@ def _budget_command(args: argparse.Namespace, config: TransformerConfig, batch: 
     budget_bytes = budget.parse_bytes(args.budget)
     margin = budget.DEFAULT_MARGIN if args.margin is None else args.margin
     budget.check_budget(budget_bytes, margin)
-    limits = args.limits or "pareto"
+    # Only the chosen policy's limits by default: each policy's search costs a few compiles, and the
+    # chosen one answers "how far can I push this run"; the others are one flag away.
+    limits = args.limits or "chosen"
     check_writable(args.json, "--json")
     check_writable(args.plot, "--plot")
     pool = parse_policies(args.policies, config.num_layers) if args.policies else list(budget.candidates(config))

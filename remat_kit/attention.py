@@ -28,7 +28,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from remat_kit import names
 
@@ -270,7 +269,7 @@ def chunked_attention(q, k, v, *, block: int = DEFAULT_BLOCK, flat: bool = False
     recomputes each block's probabilities. The output and the logsumexp carry the ``context`` tag,
     so a policy that keeps ``context`` avoids re-running the forward in the backward pass.
 
-    Both passes are one ``lax.scan`` over the n(n+1)/2 causal block pairs (see :func:`block_pairs`),
+    Both passes are one ``lax.scan`` over the n(n+1)/2 causal block pairs (see :func:`_pair_scan`),
     so the traced program is the same size at any sequence length (compile time is flat; see
     ``benchmarks/attention_compile.py``), the masked half of the block pairs is never computed,
     and the scans' static trip count lets :mod:`remat_kit.flops` count their matmuls exactly.
@@ -293,14 +292,25 @@ def chunked_attention(q, k, v, *, block: int = DEFAULT_BLOCK, flat: bool = False
     return out if flat else out.reshape(q.shape)
 
 
-def block_pairs(num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    """The causal (query block, key block) pairs ``(i, j)``, ``j <= i``, ordered by i then j.
+def _pair_scan(step, init, num_blocks: int):
+    """``lax.scan`` of ``step(carry, (i, j)) -> carry`` over the causal block pairs ``j <= i``, i then j.
 
-    >>> [list(a) for a in block_pairs(3)]
-    [[0, 1, 1, 2, 2, 2], [0, 0, 1, 0, 1, 2]]
+    The pair is counted in the loop rather than read from an index array, so no constant of the
+    loop becomes a residual. The trip count, n(n+1)/2, is static, so the matmuls are counted exactly.
+
+    >>> int(_pair_scan(lambda total, ij: total + 10 * ij[0] + ij[1], jnp.int32(0), 3))  # 00 10 11 20 21 22
+    84
     """
-    i, j = np.tril_indices(num_blocks)
-    return i.astype(np.int32), j.astype(np.int32)
+
+    def body(state, _):
+        carry, i, j = state
+        carry = step(carry, (i, j))
+        last = j == i
+        return (carry, jnp.where(last, i + 1, i), jnp.where(last, 0, j + 1)), None
+
+    zero = jnp.zeros((), jnp.int32)
+    (out, _, _), _ = jax.lax.scan(body, (init, zero, zero), None, length=num_blocks * (num_blocks + 1) // 2)
+    return out
 
 
 def _pad_seq(x, size: int, value: float = 0.0):
@@ -357,14 +367,14 @@ def _forward(q, k, v, block: int):
         total = total * corr + jnp.sum(p, axis=-1)
         acc = acc * corr[..., None] + pv
         put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, q0, axis=3)
-        return (put(m_all, m_new), put(total_all, total), put(acc_all, acc)), None
+        return put(m_all, m_new), put(total_all, total), put(acc_all, acc)
 
     init = (
         jnp.full((b, kv, g, sp), _MASKED, jnp.float32),
         jnp.zeros((b, kv, g, sp), jnp.float32),
         jnp.zeros((b, kv, g, sp, d), jnp.float32),
     )
-    (m, total, acc), _ = jax.lax.scan(step, init, jnp.stack(block_pairs(n), axis=1))
+    m, total, acc = _pair_scan(step, init, n)
     out = (acc / total[..., None])[:, :, :, :s]  # [b, kv, g, s, d]
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h * d).astype(q.dtype)  # flat: see chunked_attention
     return out, (m + jnp.log(total))[..., :s]
@@ -397,7 +407,9 @@ def _flash_bwd(block: int, residuals, d_out):
     dog = _pad_seq(d_out.reshape(b, s, kv, g, d), sp)
     k, v = _pad_seq(k, sp), _pad_seq(v, sp)
     # D_i = rowsum(dO ∘ O): the softmax backward's correction term, [b, kv, g, sp].
-    delta = jnp.einsum("bqkgd,bqkgd->bkgq", dog.astype(jnp.float32), _pad_seq(out.reshape(b, s, kv, g, d), sp))
+    delta = jnp.einsum(
+        "bqkgd,bqkgd->bkgq", dog.astype(jnp.float32), _pad_seq(out.reshape(b, s, kv, g, d), sp).astype(jnp.float32)
+    )
     # Padded query rows get an infinite logsumexp, so their probabilities are exactly 0.
     lse = jnp.swapaxes(_pad_seq(jnp.swapaxes(lse, 1, 3), sp, jnp.inf), 1, 3)
 
@@ -417,14 +429,14 @@ def _flash_bwd(block: int, residuals, d_out):
         ds = (p * (dp - delta_blk) * scale).astype(q.dtype)
         dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k_blk, preferred_element_type=jnp.float32)
         dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q_blk, preferred_element_type=jnp.float32)
-        return (_add_at(dq_all, q0, dq, 1), _add_at(dk_all, k0, dk, 1), _add_at(dv_all, k0, dv, 1)), None
+        return _add_at(dq_all, q0, dq, 1), _add_at(dk_all, k0, dk, 1), _add_at(dv_all, k0, dv, 1)
 
     init = (
         jnp.zeros((b, sp, kv, g, d), jnp.float32),
         jnp.zeros((b, sp, kv, d), jnp.float32),
         jnp.zeros((b, sp, kv, d), jnp.float32),
     )
-    (dq, dk, dv), _ = jax.lax.scan(step, init, jnp.stack(block_pairs(n), axis=1))
+    dq, dk, dv = _pair_scan(step, init, n)
     dq = dq[:, :s].reshape(b, s, h, d).astype(q.dtype)
     return dq, dk[:, :s].astype(k.dtype), dv[:, :s].astype(v.dtype)
 

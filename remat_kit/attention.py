@@ -35,7 +35,9 @@ ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "chunked", "cudnn")
 
 #: Block size (positions) of ``chunked`` attention per backend when the config leaves it unset.
 #: CPU: 128 measured fastest (fwd+bwd, b=4, s=1024, h=8, d=64 on 2 cores: 64 → 0.52 s, 128 → 0.35 s,
-#: 256 → 0.37 s, 512 → 0.52 s; ``xla`` 1.3 s); accelerators want larger tiles.
+#: 256 → 0.37 s, 512 → 0.52 s; ``xla`` 1.3 s), measured when the blocks were unrolled; the scan over
+#: block pairs that replaced them ran as fast or faster side by side (on a loaded machine); accelerators
+#: want larger tiles.
 DEFAULT_BLOCKS: dict[str, int] = {"cpu": 128}
 DEFAULT_BLOCK = 512
 
@@ -272,7 +274,9 @@ def chunked_attention(q, k, v, *, block: int = DEFAULT_BLOCK, flat: bool = False
     Both passes are one ``lax.scan`` over the n(n+1)/2 causal block pairs (see :func:`_pair_scan`),
     so the traced program is the same size at any sequence length (compile time is flat; see
     ``benchmarks/attention_compile.py``), the masked half of the block pairs is never computed,
-    and the scans' static trip count lets :mod:`remat_kit.flops` count their matmuls exactly.
+    and the scans' static trip count lets :mod:`remat_kit.flops` count their matmuls exactly. The
+    trade-off: a ragged last block is computed at full size (at most ``block - 1`` padded positions),
+    and every block pair applies the causal mask (an elementwise select, cheap beside its matmuls).
 
     Args:
       q: ``[batch, seq, heads, head_dim]``.

@@ -5,10 +5,11 @@ residual dropout, separate parameter and compute dtypes. Every tag of :mod:`rema
 attached inside :class:`Block`, so any selective or offload policy can address it.
 
 The block is *lean*: what its backward pass keeps is chosen here, not left to autodiff. Without a
-policy (``none``) a layer keeps the Korthikanti floor and nothing else: its input, the two norm
-outputs, the rotated q and k, v, the context (and attention's per-query logsumexp), the
-post-attention residual stream, gate, up and their product, all in the compute dtype. Three small
-``jax.custom_vjp`` functions make it so:
+policy (``none``) a layer keeps what its backward pass needs and nothing else: its input, the two
+norm outputs, the rotated q and k, v, the context (and attention's float32 per-query logsumexp), the
+post-attention residual stream, gate, up and their product, all in the compute dtype (on the 2B
+preset 0.94 × Korthikanti's 34·b·s·h per layer; ``benchmarks/results/plan_2b.txt``). Three small
+``jax.custom_vjp`` functions make it so, with :func:`remat_kit.attention.rope` (which keeps nothing):
 
 * :func:`project` (every weight matmul, the output head too) keeps the *stored* weight, which the
   scan forwards for free, and casts it to the compute dtype again in the backward pass: no
@@ -216,7 +217,7 @@ project.defvjp(_project_fwd, _project_bwd)
 
 
 def _rms(x, eps: float):
-    """``x / rms(x) * scale`` in float32, the statistics in float32 (as Flax's ``RMSNorm``)."""
+    """``(x in float32, 1 / rms(x) [..., 1])``: the statistics in float32, as Flax's ``RMSNorm``."""
     xf = x.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)  # [..., 1]
     return xf, r

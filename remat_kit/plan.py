@@ -199,12 +199,17 @@ def seed_check(results: dict[str, analysis.Analysis]) -> list[str]:
                 f"attention={cfg.attention} keeps no [s, s] tensor (flash-style), so Korthikanti's separate "
                 f"5·a·s²·b·L = {fmt_bytes(e.korthikanti_scores)} does not arise (--attention xla shows it)"
             )
+        kv_width = 2 * cfg.num_kv_heads * cfg.head_dim
+        floor = L * b * s * ((6 * d + kv_width + 3 * cfg.d_ff) * item + 4 * cfg.num_heads)
+        copies = f"{fmt_bytes(weights)} are weight copies (compute-dtype casts or slices), not activations; "
         lines.append(
-            f"  why they differ: {attn}; {fmt_bytes(weights)} are weight copies (compute-dtype casts or slices), "
-            f"not activations; the other {fmt_bytes(rest)} ({rest / max(e.korthikanti, 1):.2f}× the 34·b·s·h·L) "
-            f"reflect this block: SwiGLU (d_ff={cfg.d_ff} = {cfg.d_ff / d:.1f}·h, three [b, s, d_ff] tensors), "
-            f"{cfg.dtype} activations with float32 norm and softmax intermediates, RoPE, and no dropout masks "
-            f"(dropout={cfg.dropout})."
+            f"  why they differ: {attn}; {copies if weights else ''}the lean block keeps per token and layer its "
+            f"input, both norm outputs, q, k, v, the context and the post-attention residual stream (6·h + "
+            f"2·kv·hd), gate, up and act (3·d_ff = {3 * cfg.d_ff / d:.0f}·h) in {cfg.dtype}, and attention's "
+            f"float32 logsumexp (4·a bytes): L·b·s·((6·h + 2·kv·hd + 3·d_ff)·{item} + 4·a) = {fmt_bytes(floor)} "
+            f"({'equal to the byte' if rest == floor else f'the rest differs by {rest - floor:+,} B'}); no "
+            f"float32 norm or softmax intermediates. Korthikanti's 34 counts instead a GELU MLP of 4h, full-width "
+            f"k and v and dropout masks (dropout={cfg.dropout} here)."
         )
     return lines
 

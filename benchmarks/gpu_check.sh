@@ -54,8 +54,8 @@ bench() {
 }
 
 status=0
-bench gpu_bench_small "$SMALL_PRESET" "$POLICIES" 240 || status=1
+bench gpu_bench_small "$SMALL_PRESET" "$POLICIES" "${SMALL_LIMIT:-240}" || status=1
 # shellcheck disable=SC2086  # LARGE_ARGS is a list of options
-bench gpu_bench_large "$LARGE_PRESET" "$LARGE_POLICIES" 330 --no-grad-check $LARGE_ARGS || status=1
+bench gpu_bench_large "$LARGE_PRESET" "$LARGE_POLICIES" "${LARGE_LIMIT:-330}" --no-grad-check $LARGE_ARGS || status=1
 echo "gpu_check: done in $(( $(date +%s) - START )) s, exit $status; results in $DEST" >&2
 exit $status

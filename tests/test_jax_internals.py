@@ -65,12 +65,14 @@ def test_saved_residuals_reports_names_sizes_and_arguments(remat3):
     assert len(res) == 3
 
 
-def test_saved_residuals_marks_host_offload():
+def test_saved_residuals_marks_host_offload(remat3):
     policy = jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=["h"], offload_src="device", offload_dst="pinned_host"
     )
     res = internals.saved_residuals(jax.checkpoint(_f, policy=policy), jnp.ones((4, 8)), jnp.ones((3, 4)))
-    assert [r.shape for r in res if r.host] == [(3, 8)], f"{JAX}: {res}"
+    # jax 0.10's remat3 cannot offload (see test_offload_supported): it keeps nothing then.
+    expected = [(3, 8)] if internals.offload_supported() else []
+    assert [r.shape for r in res if r.host] == expected, f"{JAX} (remat3={remat3}): {res}"
 
 
 def test_saved_residuals_sizes_prng_keys():

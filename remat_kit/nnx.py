@@ -36,7 +36,7 @@ from flax import nnx
 
 from remat_kit import tags as _tags
 from remat_kit import wrap_nnx
-from remat_kit.policies import Policy, parse
+from remat_kit.policies import Policy, keep_all, parse
 
 
 class Stack(nnx.Module):
@@ -131,17 +131,17 @@ class Stack(nnx.Module):
             return jax.lax.scan(body, h, first + jnp.arange(count, dtype=jnp.int32))
 
         ckpt = jax.checkpoint(run_plain, policy=self.policy.jax_policy, prevent_cse=False, static_argnums=(4,))
+        keep_plain = keep_all(run_plain, static_argnums=(4,))
 
         def group(count, h, start):
             if mode == "group":
                 return ckpt(params, other, h, start, count, dynamic)
-            # "first": the group's first layer rematerialized, the others keep everything. JAX cannot
-            # forward a slice of the stacked weights through the scan, so those layers keep their
-            # weight slices as residuals ((n-1)/n of the weights), as in remat_kit.scan.
+            # "first": the group's first layer rematerialized, the others keep every activation but no
+            # slice of the stacked weights (policies.keep_all), as in remat_kit.scan.
             h, first = ckpt(params, other, h, start, 1, dynamic)
             if count == 1:
                 return h, first
-            h, rest = run_plain(params, other, h, start + 1, count - 1, dynamic)
+            h, rest = keep_plain(params, other, h, start + 1, count - 1, dynamic)
             return h, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, rest)
 
         full_groups, remainder = divmod(self.num_layers, size)

@@ -449,8 +449,9 @@ def add_cli(subparsers) -> None:
         "--limits",
         choices=("pareto", "all", "chosen", "none"),
         default=None,
-        help="with --budget: find the largest batch and longest sequence that fit for the chosen policy (default: "
-        "chosen), the Pareto-optimal policies (pareto; a dominated one is never the best choice), every policy, or none",
+        help="with --budget: find the largest batch and longest sequence that fit for the chosen policy "
+        "(default: chosen), the Pareto-optimal policies (pareto; a dominated one is never the best choice), "
+        "every policy, or none",
     )
     p.add_argument("--plot", default=None, metavar="PNG", help="with --budget: Pareto plot of memory vs recompute")
     p.add_argument(

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax.core.scope import subtract_filters
 
 from remat_kit import tags
-from remat_kit.policies import Policy, keep_activations, parse
+from remat_kit.policies import Policy, keep_all, parse
 
 
 class Stack(nn.Module):
@@ -190,7 +190,7 @@ def _run_group(policy: Policy, mode: str, run_layer, variables, size: int, h, st
         whole = functools.partial(_scan_from, run_layer, count=size)
         return policy.checkpoint(lambda v, c, s: whole(v, c, s), prevent_cse=False)(variables, h, start)
     # "first": rematerialize the group's first layer, keep every activation of the others. Those run
-    # under a checkpoint that saves everything except views and casts (policies.keep_activations):
+    # under a checkpoint that saves everything except views and casts (policies.keep_all):
     # without it JAX would keep their weight slices as residuals, (n-1)/n of the stack's weights,
     # since a scan cannot forward a slice of its input; recomputing a slice costs nothing.
     first = policy.checkpoint(lambda v, c, i: run_layer(_layer_at(v, i), c, i), prevent_cse=False)
@@ -198,7 +198,7 @@ def _run_group(policy: Policy, mode: str, run_layer, variables, size: int, h, st
     ys = jax.tree.map(lambda a: a[None], y0)
     if size > 1:
         others = functools.partial(_scan_from, run_layer, count=size - 1)
-        keep = jax.checkpoint(others, policy=keep_activations, prevent_cse=False)
+        keep = keep_all(others)
         h, rest = keep(variables, h, start + 1)
         ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, rest)
     return h, ys

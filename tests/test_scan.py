@@ -298,7 +298,12 @@ def test_every_n_keeps_no_weight_slices(depth, n):
     none, full, got = (analysis.layer_stack_bytes(cfg, spec, 2, 16)[0] for spec in ("none", "full", f"every_n:{n}"))
     rematerialized = len(range(0, depth, n))  # the first layer of each group, the remainder's included
     ideal = ((depth - rematerialized) * none + rematerialized * full) / depth
-    assert ideal <= got <= 1.02 * ideal
+    if internals.remat3_enabled():
+        # remat3 would recompute under keep_activations, so the plain layers run unwrapped and keep
+        # their weight slices as well (policies.keep_all).
+        assert got > ideal
+    else:
+        assert ideal <= got <= 1.02 * ideal
 
 
 def test_every_n_with_a_remainder_group_gradients_equal_none():

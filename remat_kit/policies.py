@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 import jax
 
-from remat_kit import _jax_internals
 from remat_kit import names as _names
 
 Kind = Literal["none", "full", "every_n", "selective", "offload", "segments", "sqrt_n", "dots"]
@@ -283,20 +282,18 @@ def keep_activations(prim, *_, **__) -> bool:
 
 
 def keep_all(fn: Callable, *, static_argnums: tuple[int, ...] = ()) -> Callable:
-    """How a stack runs ``every_n``'s non-rematerialized layers: every activation kept, no weight copy.
+    """How a stack runs ``every_n``'s non-rematerialized layers: activations kept, no weight copy.
 
     Under :func:`keep_activations` the layers keep everything but the views and casts of the stacked
-    weights. JAX's remat3 (``JAX_REMAT3=true``) asks a plain-callable policy only at names and matmuls
-    and recomputes everything else, which would turn those layers into a partial recompute; there
-    they run without a checkpoint, keeping their weight slices as residuals as before
-    (about (n-1)/n of the stack's weights; the analysis labels them).
+    weights. JAX's remat3 (``JAX_REMAT3=true``) asks a plain-callable policy only at names, matmuls and
+    control flow and recomputes the rest, so there these layers keep their matmul outputs and recompute
+    only elementwise work (no matmul FLOPs): a little less memory than classic ``every_n``, still no
+    weight copy. Running them unwrapped instead would keep (n-1)/n of the stack's weights.
 
     Args:
       fn: the function running the layers (its arguments include the full stacked weights).
       static_argnums: passed to ``jax.checkpoint``.
     """
-    if _jax_internals.remat3_enabled():
-        return fn
     return jax.checkpoint(fn, policy=keep_activations, prevent_cse=False, static_argnums=static_argnums)
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from remat_kit import _jax_internals, analysis, flops, names, policies
+from remat_kit import analysis, flops, names, policies
 from remat_kit.model import TransformerConfig
 
 # XLA's default attention: the analytic attention FLOPs (full s², no skipped blocks) hold exactly.
@@ -61,10 +61,8 @@ def test_selective_keeps_only_its_tags_and_the_layer_inputs(results):
 
 
 def test_every_n_keeps_no_weight_slices(results):
-    # Its non-rematerialized layers run under policies.keep_all (issue 13): views are recomputed,
-    # except under remat3, where they run unwrapped and keep their weight slices (labelled as such).
-    weights = [r for r in results["every_n:2"].residuals if r.label.startswith("weight ")]
-    assert bool(weights) == _jax_internals.remat3_enabled()
+    # Its non-rematerialized layers run under policies.keep_all (issue 13): views are recomputed.
+    assert not [r for r in results["every_n:2"].residuals if r.label.startswith("weight ")]
 
 
 def test_saved_bytes_order_policies(results):

@@ -138,7 +138,11 @@ def test_every_n_keeps_full_internals_for_half_the_layers():
     )
     assert len(inputs) == 1
     acts = collections.Counter({k: v for k, v in internals_.items() if k[0][1:] in {(B, S, D), (B, S, F)}})
-    assert acts == none
+    if internals.remat3_enabled():
+        # remat3 keeps only the matmul outputs of the plain layers (policies.keep_all): a subset.
+        assert acts and not acts - none
+    else:
+        assert acts == none
 
 
 @pytest.mark.parametrize(("depth", "k"), [(8, 2), (8, 4), (9, 4), (5, 5)], ids=["L8k2", "L8k4", "L9k4", "L5k5"])
@@ -299,9 +303,8 @@ def test_every_n_keeps_no_weight_slices(depth, n):
     rematerialized = len(range(0, depth, n))  # the first layer of each group, the remainder's included
     ideal = ((depth - rematerialized) * none + rematerialized * full) / depth
     if internals.remat3_enabled():
-        # remat3 would recompute under keep_activations, so the plain layers run unwrapped and keep
-        # their weight slices as well (policies.keep_all).
-        assert got > ideal
+        # remat3 asks keep_activations only at names and matmuls: elementwise work is recomputed too.
+        assert full < got <= 1.02 * ideal
     else:
         assert ideal <= got <= 1.02 * ideal
 

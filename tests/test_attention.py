@@ -115,7 +115,12 @@ def test_selective_keeps_the_logsumexp_with_the_context():
     cfg = TransformerConfig.preset("tiny", attention="chunked", attention_block=16)
     b, s, kv, g = 2, 48, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
     kept = {r.shape for r in _activation_residuals(cfg, "selective:context", b, s)}
-    assert (cfg.num_layers, b, kv, g, s) in kept  # the logsumexp, stacked over layers
+    if internals.remat3_enabled():
+        # remat3 treats the custom_vjp as one unit and does not keep the logsumexp tagged inside its
+        # forward rule: the backward pass re-runs attention's forward (README: Tested JAX versions).
+        assert (cfg.num_layers, b, kv, g, s) not in kept
+    else:
+        assert (cfg.num_layers, b, kv, g, s) in kept  # the logsumexp, stacked over layers
     assert (cfg.num_layers, b, s, cfg.d_model) in kept  # the output, flat as the out projection takes it
     recomputed = {r.shape for r in _activation_residuals(cfg, "selective:q_proj", b, s)}
     assert (cfg.num_layers, b, kv, g, s) not in recomputed

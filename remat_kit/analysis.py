@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit import _jax_internals, flops, policies
+from remat_kit import _jax_internals, flops, lora, policies
 from remat_kit import mesh as mesh_lib
 from remat_kit.loss import lm_loss
 from remat_kit.model import Block, Transformer, TransformerConfig, abstract_params
@@ -246,9 +246,9 @@ def train_step(model: Transformer, opt: optax.GradientTransformation, loss_chunk
     """One AdamW step ``(params, opt_state, tokens) -> (params, opt_state, loss)`` (not jitted)."""
 
     def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(lambda p: lm_loss(model, p, tokens, loss_chunks=loss_chunks))(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        loss_fn = lambda p: lm_loss(model, p, tokens, loss_chunks=loss_chunks)
+        loss, _, params, opt_state = lora.update(loss_fn, opt, params, opt_state)  # LoRA: adapters only
+        return params, opt_state, loss
 
     return step
 
@@ -266,7 +266,7 @@ def abstract_inputs(
     else:
         sample = jnp.zeros((1, min(8, seq)), jnp.int32)
         params = jax.eval_shape(lambda k: model.init(k, sample)["params"], jax.random.key(0))
-    return params, jax.eval_shape(opt.init, params), tokens
+    return params, jax.eval_shape(lambda p: lora.init_optimizer(opt, p), params), tokens
 
 
 def compile_step(

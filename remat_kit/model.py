@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from remat_kit import attention, names, policies
+from remat_kit import attention, lora, names, policies
 from remat_kit.scan import stack
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -51,6 +51,7 @@ class TransformerConfig:
         ``auto`` (default) is cuDNN flash attention on a GPU, ``chunked`` elsewhere.
       attention_block: block size of ``chunked`` attention in positions; None for the backend's
         default (:func:`remat_kit.attention.default_block`).
+      lora_rank, lora_alpha, lora_targets, quantize: LoRA adapters / int8 base (see :mod:`remat_kit.lora`).
     """
 
     vocab_size: int = 256
@@ -68,6 +69,10 @@ class TransformerConfig:
     tie_embeddings: bool = False
     attention: str = "auto"
     attention_block: int | None = None
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    quantize: str = "none"
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_seq_len"):
@@ -89,6 +94,7 @@ class TransformerConfig:
         block = self.attention_block
         if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
             raise ValueError(f"attention_block must be a positive integer or None, got {block!r}")
+        lora.check_config(self)
 
     @property
     def head_dim(self) -> int:
@@ -151,6 +157,8 @@ PRESET_SHAPES: dict[str, tuple[int, int]] = {"tiny": (2, 32), "small": (4, 256),
 
 
 def _dense(features: int, cfg: TransformerConfig, name: str) -> nn.Dense:
+    if lora.enabled(cfg):
+        return lora.dense(features, cfg, name)
     return nn.Dense(
         features,
         use_bias=False,

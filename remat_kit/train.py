@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from remat_kit import __version__, data, policies
+from remat_kit import __version__, data, lora, policies
 from remat_kit import mesh as mesh_lib
 from remat_kit.checkpoint import Checkpoints
 from remat_kit.loss import lm_loss
@@ -291,9 +291,8 @@ class Trainer:
                 rngs={"dropout": key} if dropout else None,
             )
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        # Only the trainable part (LoRA adapters, or everything without them) gets gradients and updates.
+        loss, grads, params, opt_state = lora.update(loss_fn, self.optimizer, params, opt_state)
         # A finite loss does not prove finite new parameters; check them so none is ever saved.
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
         return params, opt_state, loss, optax.tree.norm(grads), finite
@@ -308,7 +307,7 @@ class Trainer:
         params = _init_params(self.config.model, jax.random.fold_in(key, 0))
         return TrainState(
             params=params,
-            opt_state=self.optimizer.init(params),
+            opt_state=lora.init_optimizer(self.optimizer, params),
             step=jnp.asarray(0, jnp.int32),
             data_position=jnp.asarray(0, jnp.int32),
             rng=jax.random.key_data(jax.random.fold_in(key, 1)),

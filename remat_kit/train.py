@@ -695,6 +695,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="global gradient-norm clip")
     p.add_argument("--dropout", type=float, default=None, help="override the preset's dropout rate")
+    lora.add_cli_args(p)
     p.add_argument("--loss-chunks", type=int, default=0, help="compute logits/loss in K chunks (0: plain)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders (default: Python stdlib)")
@@ -716,6 +717,7 @@ def add_cli(subparsers) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` of parsed ``remat-kit train`` arguments."""
     overrides = {} if args.dropout is None else {"dropout": args.dropout}
+    overrides.update(lora.overrides_from_args(args))
     return TrainConfig(
         model=TransformerConfig.preset(args.preset, **overrides),
         policy=args.policy,

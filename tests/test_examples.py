@@ -46,3 +46,12 @@ def test_compare_policies(tmp_path, policies):
         assert rel_diff < 1e-4 and kept_mib > 0  # same losses; memory reported
     assert float(rows["selective"][2]) < float(rows["none"][2])  # selective keeps less than none
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_lora_finetune(tmp_path):
+    args = ["--preset", "tiny", "--base-steps", "2", "--steps", "3", "--batch-size", "2", "--seq-len", "32"]
+    out = run_example("lora_finetune.py", *args, "--out", "run", cwd=tmp_path)
+    assert "base: tiny trained 2 steps" in out and "base int8" in out
+    before, after = (float(x) for x in out.split("validation ")[1].split()[0:3:2])
+    assert after < before, out  # the adapters learn the new text
+    assert "base weights unchanged: True" in out

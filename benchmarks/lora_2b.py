@@ -83,14 +83,19 @@ def main(argv=None) -> int:
             if est and (gb == 24 or args.verify_16):
                 got = planner.memory(p, b, est)[0]
                 verified = got * (1 + margin) <= gb * GB
-                while not verified and est > args.round:  # the fit overshot: step down until it fits
-                    est -= args.round
+                while not verified and est > args.round:  # the fit overshot: step down by the excess, then recheck
+                    over = got * (1 + margin) - gb * GB
+                    est -= max(args.round, -(-int(over / (1 + margin) / slope) // args.round) * args.round)
                     got = planner.memory(p, b, est)[0]
                     verified = got * (1 + margin) <= gb * GB
             fits[gb] = (est, verified)
         flops = planner.flops(p, b, args.seq)
         rows.append((str(p), need, flops, slope, fits))
-        print(f"  [{time.perf_counter() - t0:.0f} s, {planner.compiles} compiles] {p}", flush=True)
+        print(
+            f"  [{time.perf_counter() - t0:.0f} s, {planner.compiles} compiles] {p}: {fmt_bytes(need)} at "
+            f"{args.seq}, {fmt_bytes(need2)} at {args.probe_seq}, max seq {fits}",
+            flush=True,
+        )
 
     base_flops = planner.flops(policies.none(), b, args.seq)
     print(f"\nbatch {b}: need at seq {args.seq}, bytes per extra token, longest sequence that fits (+{margin:.0%})")

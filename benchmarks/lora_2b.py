@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--round", type=int, default=256, help="report sequence lengths in multiples of this")
     ap.add_argument("--max-seq", type=int, default=131072, help="max_seq_len override for planning")
     ap.add_argument("--verify-16", action="store_true", help="also verify the 16 GB answer with a compile")
+    ap.add_argument("--no-verify", action="store_true", help="report the affine estimates without compiling them")
     ap.add_argument("--auto", action="store_true", help="also run remat_kit.auto at batch x seq under 24 GB")
     args = ap.parse_args(argv)
 
@@ -80,12 +81,15 @@ def main(argv=None) -> int:
             est = int((target - intercept) / slope) // args.round * args.round
             est = max(0, min(est, args.max_seq))
             verified = None
-            if est and (gb == 24 or args.verify_16):
+            if est and not args.no_verify and (gb == 24 or args.verify_16):
                 got = planner.memory(p, b, est)[0]
                 verified = got * (1 + margin) <= gb * GB
                 while not verified and est > args.round:  # the fit overshot: step down by the excess, then recheck
                     over = got * (1 + margin) - gb * GB
                     est -= max(args.round, -(-int(over / (1 + margin) / slope) // args.round) * args.round)
+                    if est < args.round:
+                        est, verified = 0, False
+                        break
                     got = planner.memory(p, b, est)[0]
                     verified = got * (1 + margin) <= gb * GB
             fits[gb] = (est, verified)

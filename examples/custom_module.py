@@ -1,9 +1,10 @@
 """Your own Flax block under a remat_kit policy: tag it, choose what to keep, stack it, train it.
 
-The block tags two of its values with ``remat_kit.names.tag``; ``selective(["ffn_up"],
-strict=False)`` keeps the tagged ``ffn_up`` for the backward pass and recomputes everything else
-(``strict=False`` because these tags are yours, not the built-in vocabulary). ``remat_kit.stack``
-runs the layers under one scan, so XLA compiles one block whatever the depth.
+The block tags two of its values with ``remat_kit.names.tag``; ``selective(["ffn_up"])`` keeps the
+tagged ``ffn_up`` for the backward pass and recomputes everything else. Your own tag names need no
+flag: when the stack is traced, remat_kit checks that the block really emits every tag the policy
+names (a typo such as ``ffn_upp`` is an error suggesting ``ffn_up``). ``remat_kit.stack`` runs the
+layers under one scan, so XLA compiles one block whatever the depth.
 
     python examples/custom_module.py --steps 100
 """
@@ -56,7 +57,7 @@ def main(argv=None):
     parser.add_argument("--width", type=int, default=64)
     args = parser.parse_args(argv)
 
-    policy = remat_kit.policies.selective(["ffn_up"], strict=False)
+    policy = remat_kit.policies.selective(["ffn_up"])
     model = ByteLM(width=args.width, depth=args.depth, policy=policy)
     corpus = data.load_corpus(max_bytes=2**20)  # the Python standard library: real, local text
     batches = data.Batches(corpus.tokens, batch_size=8, seq_len=64, seed=0)

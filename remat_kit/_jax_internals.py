@@ -2,21 +2,72 @@
 
 Everything here is tested directly (tests/test_jax_internals.py) so that a JAX upgrade that moves
 these names breaks one module, loudly, rather than skewing figures elsewhere.
+
+JAX has two representations of checkpoint names and rematerialized calls, and remat_kit reads both:
+
+- the classic one (``jax_remat3`` off, the default up to jax 0.12): ``checkpoint_name`` binds the
+  ``name`` primitive (``params["name"]``) and ``jax.checkpoint`` binds ``remat2`` (``params["jaxpr"]``);
+- remat3 (``JAX_REMAT3=true``, on jax >= 0.10.2): both are ``call_hi_primitive`` equations whose
+  ``params["_prim"]`` is a private object, ``CheckpointName`` (its ``params["name"]``) or
+  ``RematTraced`` (its ``params["jaxpr"]``, a ``core.Jaxpr``).
+
+JAX offers no public API for either walk, nor for the structured residual list
+(``jax.ad_checkpoint.print_saved_residuals`` only prints), so the private reads stay here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-# jax._src.ad_checkpoint.saved_residuals: the exact list of values the backward pass keeps.
-from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
+# Private module: saved_residuals and the remat3 name classes live here (jax 0.10.2 .. 0.12.x).
+from jax._src import ad_checkpoint as _ad_checkpoint
 
-# The primitive behind jax.ad_checkpoint.checkpoint_name is named "name".
+# jax._src.ad_checkpoint.saved_residuals: the exact list of values the backward pass keeps. It
+# names a residual kept from checkpoint_name in either representation ("named 'h' from ...").
+_saved_residuals = _ad_checkpoint.saved_residuals
+
+# Classic representation: the primitive behind jax.ad_checkpoint.checkpoint_name is named "name".
 _NAME_PRIMITIVE = "name"
+# remat3 representation: a "higher" primitive whose params["_prim"] is the object that does the work.
+_HI_PRIMITIVE = "call_hi_primitive"
+_HI_PRIM_PARAM = "_prim"
+# The remat3 classes of a checkpoint_name equation (CheckpointNameFwd is jax >= 0.11's
+# checkpoint_name_fwd). Looked up, not imported, so that remat_kit still imports on a JAX that
+# renames them; tests/test_jax_internals.py then fails and names the JAX version.
+_REMAT3_NAME_CLASS_NAMES = ("CheckpointName", "CheckpointNameFwd")
+_REMAT3_NAME_CLASSES = tuple(
+    getattr(_ad_checkpoint, n) for n in _REMAT3_NAME_CLASS_NAMES if isinstance(getattr(_ad_checkpoint, n, None), type)
+)
+
+
+def remat3_enabled() -> bool:
+    """Whether ``jax.checkpoint`` currently runs JAX's remat3 implementation (``JAX_REMAT3=true``)."""
+    return bool(getattr(jax.config, "jax_remat3", False))
+
+
+def offload_supported() -> bool:
+    """Whether ``jax.checkpoint`` can offload a named value to ``pinned_host`` under the current settings.
+
+    False for remat3 on jax 0.10.x: its ``CheckpointName`` rule knows saveable names only and
+    recomputes an offloadable one. Probed by tracing a tiny function (nothing is compiled).
+    """
+    return _offload_supported(remat3_enabled())
+
+
+@functools.cache
+def _offload_supported(remat3: bool) -> bool:
+    del remat3  # the cache key: the probe's answer depends on the flag, read inside JAX
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["x"], offload_src="device", offload_dst="pinned_host"
+    )
+    fn = jax.checkpoint(lambda x: jnp.sum(jnp.sin(jax.ad_checkpoint.checkpoint_name(jnp.sin(x), "x"))), policy=policy)
+    return any(r.host for r in saved_residuals(fn, jax.ShapeDtypeStruct((2,), jnp.float32)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +93,10 @@ class Residual:
 
     @property
     def tag(self) -> str | None:
-        """The checkpoint_name tag, when JAX reports one (``named 'q_proj' from ...``)."""
+        """The checkpoint_name tag, when JAX reports one (``named 'q_proj' from ...``).
+
+        An offloaded residual reports the host copy (``output of device_put``), so it has no tag.
+        """
         prefix = "named '"
         if self.source.startswith(prefix):
             return self.source[len(prefix) :].split("'", 1)[0]
@@ -53,6 +107,7 @@ def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
     """List what the backward pass of ``fn(*args)`` keeps (args may be ShapeDtypeStructs)."""
     out = []
     for aval, source in _saved_residuals(fn, *args):
+        # MemorySpace.Host when offloaded (only the "pinned_host" memory kind maps there).
         space = str(getattr(aval, "memory_space", "")).lower()
         out.append(
             Residual(
@@ -61,6 +116,7 @@ def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
                 nbytes=_nbytes(aval),
                 host="host" in space,
                 source=str(source),
+                # "from the argument w" (remat3 on jax 0.10.2: "from the argument args[0]").
                 is_argument=str(source).startswith("from the argument"),
             )
         )
@@ -78,9 +134,18 @@ def _nbytes(aval) -> int:
     return size * aval.dtype.itemsize
 
 
+def _param_values(eqn) -> Iterator[Any]:
+    """An equation's parameter values; for a remat3 ``call_hi_primitive``, those of its ``_prim``."""
+    for key, value in eqn.params.items():
+        if key == _HI_PRIM_PARAM and eqn.primitive.name == _HI_PRIMITIVE:
+            yield from getattr(value, "params", {}).values()
+        else:
+            yield value
+
+
 def subjaxprs(eqn) -> Iterator[Any]:
-    """The jaxprs nested in one equation's parameters (scan/cond/remat/pjit bodies)."""
-    for value in eqn.params.values():
+    """The jaxprs nested in one equation's parameters (scan/cond/remat/pjit bodies, both remats)."""
+    for value in _param_values(eqn):
         for item in value if isinstance(value, (tuple, list)) else (value,):
             inner = getattr(item, "jaxpr", item)
             if hasattr(inner, "eqns"):
@@ -96,13 +161,27 @@ def iter_eqns(jaxpr) -> Iterator[Any]:
             yield from iter_eqns(sub)
 
 
+def checkpoint_name_of(eqn) -> str | None:
+    """The tag a ``checkpoint_name`` equation attaches (either representation), else None."""
+    name = eqn.primitive.name
+    if name == _NAME_PRIMITIVE:
+        return eqn.params["name"]
+    if name == _HI_PRIMITIVE and isinstance(eqn.params.get(_HI_PRIM_PARAM), _REMAT3_NAME_CLASSES):
+        return eqn.params[_HI_PRIM_PARAM].params["name"]
+    return None
+
+
 def emitted_tags(fn: Callable, *args: Any) -> frozenset[str]:
     """The checkpoint_name tags ``fn(*args)`` attaches (args may be ShapeDtypeStructs)."""
     jaxpr = jax.make_jaxpr(fn)(*args)
-    return frozenset(e.params["name"] for e in iter_eqns(jaxpr) if e.primitive.name == _NAME_PRIMITIVE)
+    return frozenset(t for t in map(checkpoint_name_of, iter_eqns(jaxpr)) if t is not None)
 
 
 def count_primitive(jaxpr, name: str, *, top_level: bool = False) -> int:
-    """How many equations of primitive ``name`` a jaxpr holds (recursively unless ``top_level``)."""
+    """How many equations of primitive ``name`` a jaxpr holds (recursively unless ``top_level``).
+
+    A remat3 rematerialized call counts as ``call_hi_primitive``; its body is walked like a
+    ``remat2`` body.
+    """
     eqns = getattr(jaxpr, "jaxpr", jaxpr).eqns if top_level else iter_eqns(jaxpr)
     return sum(1 for e in eqns if e.primitive.name == name)

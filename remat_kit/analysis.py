@@ -29,8 +29,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit import _jax_internals, flops, lora, policies
+from remat_kit import _jax_internals, flops, inspection, policies
 from remat_kit import mesh as mesh_lib
+from remat_kit import step as step_lib
+from remat_kit.inspection import CompiledMemory as CompiledMemory  # re-exported: analysis.CompiledMemory
 from remat_kit.loss import lm_loss
 from remat_kit.model import Block, Transformer, TransformerConfig, abstract_params
 
@@ -65,42 +67,6 @@ class SavedResidual:
 
 
 @dataclasses.dataclass(frozen=True)
-class CompiledMemory:
-    """XLA's buffer assignment for the compiled step (``Compiled.memory_analysis()``), in bytes.
-
-    ``argument`` and ``output`` overlap by ``alias`` (parameters and optimizer state are donated).
-    ``temp`` is everything else the step needs at once: activations, gradients, workspace.
-    """
-
-    argument: int
-    output: int
-    alias: int
-    temp: int
-    host_argument: int
-    host_output: int
-    host_temp: int
-
-    @classmethod
-    def from_compiled(cls, compiled) -> CompiledMemory:
-        """Read ``compiled.memory_analysis()`` (per device for a sharded executable)."""
-        m = compiled.memory_analysis()
-        return cls(
-            argument=int(m.argument_size_in_bytes),
-            output=int(m.output_size_in_bytes),
-            alias=int(m.alias_size_in_bytes),
-            temp=int(m.temp_size_in_bytes),
-            host_argument=int(m.host_argument_size_in_bytes),
-            host_output=int(m.host_output_size_in_bytes),
-            host_temp=int(m.host_temp_size_in_bytes),
-        )
-
-    @property
-    def total(self) -> int:
-        """Device bytes live at the peak, bounded by XLA's buffer assignment: arguments + outputs − aliased + temp."""
-        return self.argument + self.output - self.alias + self.temp
-
-
-@dataclasses.dataclass(frozen=True)
 class Estimates:
     """The seed's analytic figures, for comparison with the exact ones (bytes).
 
@@ -130,7 +96,8 @@ class Analysis:
       config: the model configuration.
       batch, seq: the token shape; loss_chunks: 0 for the plain loss, k for the chunked one.
       residuals: every non-argument tensor the backward pass keeps, largest first.
-      saved_bytes, saved_host_bytes: their totals on the device and in host memory.
+      saved_bytes, saved_host_bytes: their totals on the device and in host memory (offloaded
+        bytes count as device bytes where offload is not enforced, as on CPU).
       layers_saved_bytes, layers_saved_host_bytes: the same for the layer stack alone.
       param_bytes: bytes of the parameters (arguments, not activation memory).
       memory: XLA's compiled memory.
@@ -141,6 +108,8 @@ class Analysis:
       compile_s: seconds to lower and compile the step.
       mesh: the mesh spec the step was compiled for (None: one device); ``memory`` is then per device.
       batch_devices: devices the batch is split over (``data`` × ``fsdp``).
+      notes: caveats, e.g. that offloaded bytes stay on the device on CPU
+        (:func:`remat_kit.inspection.host_offload_enforced`).
     """
 
     policy: str
@@ -162,6 +131,12 @@ class Analysis:
     compile_s: float
     mesh: str | None = None
     batch_devices: int = 1
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak_bytes(self) -> int:
+        """The compiled step's device bytes at its peak: arguments + outputs − aliased + temp."""
+        return self.memory.total
 
     @property
     def saved_bytes_per_device(self) -> int:
@@ -201,6 +176,7 @@ class Analysis:
             "output_bytes": self.memory.output,
             "alias_bytes": self.memory.alias,
             "temp_bytes": self.memory.temp,
+            "peak_bytes": self.peak_bytes,
             "host_bytes": self.memory.host_argument + self.memory.host_output + self.memory.host_temp,
             "host_temp_bytes": self.memory.host_temp,
             "flops": self.flops,
@@ -211,6 +187,7 @@ class Analysis:
             "compile_s": self.compile_s,
             "mesh": self.mesh,
             "saved_bytes_per_device": self.saved_bytes_per_device,
+            "notes": list(self.notes),
             "residuals": [dataclasses.asdict(r) for r in residuals],
         }
 
@@ -237,20 +214,15 @@ def check_shape(config: TransformerConfig, batch: int, seq: int, loss_chunks: in
 # ---- the training step -----------------------------------------------------------------------------
 
 
-def optimizer(learning_rate: float = 1e-3) -> optax.GradientTransformation:
-    """The optimizer every measured step uses: AdamW."""
-    return optax.adamw(learning_rate)
+def optimizer(learning_rate: float = 1e-3, grad_accum: int = 1) -> optax.GradientTransformation:
+    """The optimizer every measured step uses: ``train``'s clipped AdamW (:func:`remat_kit.step.make_optimizer`)."""
+    return step_lib.make_optimizer(learning_rate, grad_accum=grad_accum)
 
 
 def train_step(model: Transformer, opt: optax.GradientTransformation, loss_chunks: int = 0):
-    """One AdamW step ``(params, opt_state, tokens) -> (params, opt_state, loss)`` (not jitted)."""
-
-    def step(params, opt_state, tokens):
-        loss_fn = lambda p: lm_loss(model, p, tokens, loss_chunks=loss_chunks)
-        loss, _, params, opt_state = lora.update(loss_fn, opt, params, opt_state)  # LoRA: adapters only
-        return params, opt_state, loss
-
-    return step
+    """The shared training step (:func:`remat_kit.step.make_step`) of the language-model loss (not jitted):
+    ``(params, opt_state, tokens) -> (params, opt_state, loss, grad_norm, params_finite)``."""
+    return step_lib.make_step(lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=loss_chunks), opt)
 
 
 def abstract_inputs(
@@ -266,7 +238,7 @@ def abstract_inputs(
     else:
         sample = jnp.zeros((1, min(8, seq)), jnp.int32)
         params = jax.eval_shape(lambda k: model.init(k, sample)["params"], jax.random.key(0))
-    return params, jax.eval_shape(lambda p: lora.init_optimizer(opt, p), params), tokens
+    return params, jax.eval_shape(lambda p: step_lib.init_optimizer(opt, p), params), tokens
 
 
 def compile_step(
@@ -284,8 +256,10 @@ def compile_step(
     opt = optimizer(learning_rate)
     args = abstract_inputs(model.config, batch, seq, opt, model)
     start = time.perf_counter()
-    shardings = mesh_lib.step_jit_kwargs(args[0], args[1], batch, mesh)
-    traced = jax.jit(train_step(model, opt, loss_chunks), donate_argnums=(0, 1), **shardings).trace(*args)
+    if mesh is not None:
+        mesh_lib.check_batch(batch, mesh)
+    kwargs = step_lib.jit_kwargs(args[0], args[1], mesh)
+    traced = jax.jit(train_step(model, opt, loss_chunks), **kwargs).trace(*args)
     compiled = traced.lower().compile()
     seconds = time.perf_counter() - start
     return compiled, flops.jaxpr_flops(traced.jaxpr), seconds
@@ -294,14 +268,7 @@ def compile_step(
 # ---- residuals -------------------------------------------------------------------------------------
 
 
-def _short(source: str) -> str:
-    """``"output of exp from .../attention.py:58:12 (xla_attention)"`` → ``"exp in xla_attention"``."""
-    if source.startswith("named '"):
-        return source[len("named '") :].split("'", 1)[0]
-    head = source.removeprefix("output of ").split(" from ", 1)[0]
-    head = head.removeprefix("jitted function ").strip("'")
-    func = source.rsplit("(", 1)[-1].rstrip(")") if source.endswith(")") else ""
-    return f"{head} in {func}" if func else head
+_short = inspection.short_source
 
 
 def _block_candidates(config: TransformerConfig, policy: policies.Policy, batch: int, seq: int):
@@ -376,7 +343,7 @@ def layer_stack_bytes(
     policy = policies.parse(policy)
     policy.validate_depth(config.num_layers)
     layers = _stack_residuals(Transformer(config=config, policy=policy), abstract_params(config), batch, seq)
-    return sum(r.nbytes for r in layers if not r.host), sum(r.nbytes for r in layers if r.host)
+    return inspection.split_saved(layers)
 
 
 def _residuals(config, policy, batch, seq, loss_chunks):
@@ -512,7 +479,8 @@ def analyze_compiled(
     """:func:`analyze`, also returning the compiled step so a benchmark can run it without recompiling.
 
     Returns:
-      ``(Analysis, compiled)``; ``compiled(params, opt_state, tokens)`` donates params and state.
+      ``(Analysis, compiled)``; ``compiled(params, opt_state, tokens)`` donates params and state and
+      returns ``(params, opt_state, loss, grad_norm, params_finite)``.
     """
     check_shape(config, batch, seq, loss_chunks)
     policy = policies.parse(policy)
@@ -525,6 +493,10 @@ def analyze_compiled(
     residuals, layers, param_bytes = _residuals(config, policy, batch, seq, loss_chunks)
     compiled, count, seconds = compile_step(model, batch, seq, loss_chunks, learning_rate, mesh)
     memory = CompiledMemory.from_compiled(compiled)
+    # One host rule (inspection.host_offload_enforced): on CPU offloaded residuals stay device bytes.
+    saved, saved_host = inspection.split_saved(residuals)
+    layers_saved, layers_host = inspection.split_saved(layers)
+    note = inspection.offload_note() if any(r.host for r in residuals) else None
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     analysis = Analysis(
@@ -534,10 +506,10 @@ def analyze_compiled(
         seq=seq,
         loss_chunks=loss_chunks,
         residuals=residuals,
-        saved_bytes=sum(r.nbytes for r in residuals if not r.host),
-        saved_host_bytes=sum(r.nbytes for r in residuals if r.host),
-        layers_saved_bytes=sum(r.nbytes for r in layers if not r.host),
-        layers_saved_host_bytes=sum(r.nbytes for r in layers if r.host),
+        saved_bytes=saved,
+        saved_host_bytes=saved_host,
+        layers_saved_bytes=layers_saved,
+        layers_saved_host_bytes=layers_host,
         param_bytes=param_bytes,
         memory=memory,
         flops=count,
@@ -547,5 +519,6 @@ def analyze_compiled(
         compile_s=seconds,
         mesh=None if mesh is None else f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
         batch_devices=1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"],
+        notes=() if note is None else (note,),
     )
     return analysis, compiled

@@ -7,8 +7,10 @@
 * ``"chunked"`` is flash-style attention in pure JAX: queries and keys/values in blocks of
   ``block`` positions, an online softmax over key blocks, and a ``jax.custom_vjp`` whose backward
   recomputes each block's probabilities from the saved per-query logsumexp. Neither pass keeps a
-  ``seq × seq`` tensor; the backward keeps q, k, v, the output and the logsumexp. Fully masked
-  (future) key blocks are skipped, which halves the work of causal attention. Runs on any backend.
+  ``seq × seq`` tensor; the backward keeps q, k, v, the output and the logsumexp. Each pass is one
+  ``lax.scan`` over the causal block pairs only: fully masked (future) key blocks are skipped, which
+  halves the work of causal attention, and compile time does not grow with the sequence. Runs on
+  any backend.
 * ``"cudnn"`` is ``jax.nn.dot_product_attention(implementation="cudnn")``: fused flash attention on
   NVIDIA GPUs, float16/bfloat16 only.
 * ``"auto"`` resolves per backend when the model is traced: cuDNN on a GPU when the compute dtype
@@ -33,13 +35,11 @@ ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "chunked", "cudnn")
 
 #: Block size (positions) of ``chunked`` attention per backend when the config leaves it unset.
 #: CPU: 128 measured fastest (fwd+bwd, b=4, s=1024, h=8, d=64 on 2 cores: 64 → 0.52 s, 128 → 0.35 s,
-#: 256 → 0.37 s, 512 → 0.52 s; ``xla`` 1.3 s); accelerators want larger tiles.
+#: 256 → 0.37 s, 512 → 0.52 s; ``xla`` 1.3 s), measured when the blocks were unrolled; the scan over
+#: block pairs that replaced them ran as fast or faster side by side (on a loaded machine); accelerators
+#: want larger tiles.
 DEFAULT_BLOCKS: dict[str, int] = {"cpu": 128}
 DEFAULT_BLOCK = 512
-
-#: The block grows beyond the requested size when a sequence would need more blocks than this:
-#: the blocks are unrolled at trace time, and compile time grows with their square.
-MAX_BLOCKS = 16
 
 #: Compute dtypes cuDNN's flash attention accepts.
 CUDNN_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
@@ -48,8 +48,24 @@ CUDNN_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
 _MASKED = 0.5 * float(jnp.finfo(jnp.float32).min)
 
 
+def _rotate(x, base: float, sign: float):
+    seq, head_dim = x.shape[1], x.shape[-1]
+    half = head_dim // 2
+    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [half]
+    angle = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq[None, :]  # [seq, half]
+    sin = sign * jnp.sin(angle)[None, :, None, :]
+    cos = jnp.cos(angle)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def rope(x, base: float = 10_000.0):
     """Rotary position embedding over the sequence axis.
+
+    A rotation is orthogonal, so its backward pass is the rotation by the opposite angle: it keeps
+    no residual at all (autodiff would keep the float32 sines and cosines of every layer).
 
     Args:
       x: ``[batch, seq, heads, head_dim]`` with an even ``head_dim``.
@@ -58,15 +74,18 @@ def rope(x, base: float = 10_000.0):
     Returns:
       ``x`` rotated by position, same shape and dtype.
     """
-    seq, head_dim = x.shape[1], x.shape[-1]
-    half = head_dim // 2
-    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [half]
-    angle = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq[None, :]  # [seq, half]
-    sin = jnp.sin(angle)[None, :, None, :]
-    cos = jnp.cos(angle)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return _rotate(x, base, 1.0)
+
+
+def _rope_fwd(x, base):
+    return _rotate(x, base, 1.0), None
+
+
+def _rope_bwd(base, _, g):
+    return (_rotate(g, base, -1.0),)
+
+
+rope.defvjp(_rope_fwd, _rope_bwd)
 
 
 def causal_bias(seq: int):
@@ -245,21 +264,24 @@ def cudnn_attention(q, k, v):
 def chunked_attention(q, k, v, *, block: int = DEFAULT_BLOCK, flat: bool = False):
     """Causal flash-style attention that never holds a ``seq × seq`` tensor.
 
-    Queries and keys/values are split into blocks of ``block`` positions (the last may be shorter);
-    each query block runs an online softmax over the key blocks at or before it, so fully masked
-    key blocks cost nothing. The backward pass (a ``jax.custom_vjp``) keeps q, k, v, the output and
-    the per-query logsumexp, and recomputes each block's probabilities. The output and the
-    logsumexp carry the ``context`` tag, so a policy that keeps ``context`` avoids re-running the
-    forward in the backward pass.
+    Queries and keys/values are split into blocks of ``block`` positions (the sequence is padded to
+    a multiple; padded keys are masked, padded queries dropped); an online softmax runs over the
+    key blocks at or before each query block, so fully masked key blocks cost nothing. The backward
+    pass (a ``jax.custom_vjp``) keeps q, k, v, the output and the per-query logsumexp, and
+    recomputes each block's probabilities. The output and the logsumexp carry the ``context`` tag,
+    so a policy that keeps ``context`` avoids re-running the forward in the backward pass.
 
-    The blocks are unrolled at trace time, (seq / block)² / 2 block pairs per pass; so that compile
-    time stays bounded, a sequence longer than :data:`MAX_BLOCKS` blocks uses blocks of
-    ``ceil(seq / MAX_BLOCKS)`` instead.
+    Both passes are one ``lax.scan`` over the n(n+1)/2 causal block pairs (see :func:`_pair_scan`),
+    so the traced program is the same size at any sequence length (compile time is flat; see
+    ``benchmarks/attention_compile.py``), the masked half of the block pairs is never computed,
+    and the scans' static trip count lets :mod:`remat_kit.flops` count their matmuls exactly. The
+    trade-off: a ragged last block is computed at full size (at most ``block - 1`` padded positions),
+    and every block pair applies the causal mask (an elementwise select, cheap beside its matmuls).
 
     Args:
       q: ``[batch, seq, heads, head_dim]``.
       k, v: ``[batch, seq, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``.
-      block: block size in positions, a positive integer.
+      block: block size in positions, a positive integer (capped at ``seq``).
       flat: return ``[batch, seq, heads * head_dim]``, the very array the backward pass keeps: a
         caller that feeds it to the out projection then keeps it once, not twice (a reshape of it
         would be a second residual).
@@ -270,23 +292,56 @@ def chunked_attention(q, k, v, *, block: int = DEFAULT_BLOCK, flat: bool = False
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"attention block must be a positive integer, got {block!r}")
     _check_qkv(q, k, v)
-    out = _flash(q, k, v, block)
+    out = _flash(q, k, v, min(block, q.shape[1]))
     return out if flat else out.reshape(q.shape)
 
 
-def _spans(seq: int, block: int) -> list[tuple[int, int]]:
-    block = max(block, -(-seq // MAX_BLOCKS))
-    return [(start, min(start + block, seq)) for start in range(0, seq, block)]
+def _pair_scan(step, init, num_blocks: int):
+    """``lax.scan`` of ``step(carry, (i, j)) -> carry`` over the causal block pairs ``j <= i``, i then j.
+
+    The pair is counted in the loop rather than read from an index array, so no constant of the
+    loop becomes a residual. The trip count, n(n+1)/2, is static, so the matmuls are counted exactly.
+
+    >>> int(_pair_scan(lambda total, ij: total + 10 * ij[0] + ij[1], jnp.int32(0), 3))  # 00 10 11 20 21 22
+    84
+    """
+
+    def body(state, _):
+        carry, i, j = state
+        carry = step(carry, (i, j))
+        last = j == i
+        return (carry, jnp.where(last, i + 1, i), jnp.where(last, 0, j + 1)), None
+
+    zero = jnp.zeros((), jnp.int32)
+    (out, _, _), _ = jax.lax.scan(body, (init, zero, zero), None, length=num_blocks * (num_blocks + 1) // 2)
+    return out
 
 
-def _block_scores(q_blk, k_blk, q0: int, k0: int, scale: float):
-    """Scaled, causally masked scores ``[b, kv, g, bq, bk]`` (float32) of one block pair."""
+def _pad_seq(x, size: int, value: float = 0.0):
+    """Pad axis 1 of ``x`` to ``size`` with ``value``."""
+    extra = size - x.shape[1]
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _block_scores(q_blk, k_blk, q0, k0, scale: float):
+    """Scaled, causally masked scores ``[b, kv, g, bq, bk]`` (float32) of one block pair at offsets q0, k0."""
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
     bq, bk = q_blk.shape[1], k_blk.shape[1]
-    if k0 + bk - 1 <= q0:  # every key of the block precedes every query: nothing to mask
-        return scores
     allowed = (q0 + jnp.arange(bq))[:, None] >= (k0 + jnp.arange(bk))[None, :]
     return jnp.where(allowed, scores, _MASKED)
+
+
+def _at(x, start, size: int, axis: int):
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _add_at(buf, start, update, axis: int):
+    """``buf`` with ``update`` added to its slice at ``start`` along ``axis`` (in place inside a loop)."""
+    return jax.lax.dynamic_update_slice_in_dim(buf, _at(buf, start, update.shape[axis], axis) + update, start, axis)
 
 
 def _forward(q, k, v, block: int):
@@ -294,33 +349,39 @@ def _forward(q, k, v, block: int):
     b, s, h, d = q.shape
     kv = k.shape[2]
     g = h // kv
+    n = -(-s // block)
+    sp = n * block
     scale = 1.0 / float(d) ** 0.5
-    qg = q.reshape(b, s, kv, g, d)
-    spans = _spans(s, block)
-    outs, lses = [], []
-    for q0, q1 in spans:
-        q_blk = qg[:, q0:q1]
-        m = total = acc = None
-        for k0, k1 in spans:
-            if k0 >= q1:  # the whole key block is in the future of every query
-                break
-            scores = _block_scores(q_blk, k[:, k0:k1], q0, k0, scale)
-            block_max = jnp.max(scores, axis=-1)
-            m_new = block_max if m is None else jnp.maximum(m, block_max)
-            p = jnp.exp(scores - m_new[..., None])
-            pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v[:, k0:k1], preferred_element_type=jnp.float32)
-            if m is None:
-                total, acc = jnp.sum(p, axis=-1), pv
-            else:
-                corr = jnp.exp(m - m_new)
-                total = total * corr + jnp.sum(p, axis=-1)
-                acc = acc * corr[..., None] + pv
-            m = m_new
-        outs.append(acc / total[..., None])  # [b, kv, g, bq, d]
-        lses.append(m + jnp.log(total))
-    out = jnp.concatenate(outs, axis=3)  # [b, kv, g, s, d]
+    qg = _pad_seq(q, sp).reshape(b, sp, kv, g, d)
+    k, v = _pad_seq(k, sp), _pad_seq(v, sp)
+
+    def step(state, ij):
+        # The online softmax state of every query row lives in full-length buffers; each block pair
+        # reads and updates its query block's rows. Pairs come in (i, then j) order, as FlashAttention.
+        m_all, total_all, acc_all = state  # [b, kv, g, sp], same, [b, kv, g, sp, d]
+        q0, k0 = ij[0] * block, ij[1] * block
+        scores = _block_scores(_at(qg, q0, block, 1), _at(k, k0, block, 1), q0, k0, scale)
+        m, total, acc = _at(m_all, q0, block, 3), _at(total_all, q0, block, 3), _at(acc_all, q0, block, 3)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        p = jnp.exp(scores - m_new[..., None])
+        pv = jnp.einsum(
+            "bkgqs,bskd->bkgqd", p.astype(v.dtype), _at(v, k0, block, 1), preferred_element_type=jnp.float32
+        )
+        corr = jnp.exp(m - m_new)  # 0 on a row's first block: its state starts at (_MASKED, 0, 0)
+        total = total * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + pv
+        put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, q0, axis=3)
+        return put(m_all, m_new), put(total_all, total), put(acc_all, acc)
+
+    init = (
+        jnp.full((b, kv, g, sp), _MASKED, jnp.float32),
+        jnp.zeros((b, kv, g, sp), jnp.float32),
+        jnp.zeros((b, kv, g, sp, d), jnp.float32),
+    )
+    m, total, acc = _pair_scan(step, init, n)
+    out = (acc / total[..., None])[:, :, :, :s]  # [b, kv, g, s, d]
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h * d).astype(q.dtype)  # flat: see chunked_attention
-    return out, jnp.concatenate(lses, axis=3)
+    return out, (m + jnp.log(total))[..., :s]
 
 
 def _tagged_forward(q, k, v, block: int):
@@ -343,37 +404,45 @@ def _flash_bwd(block: int, residuals, d_out):
     b, s, h, d = q.shape
     kv = k.shape[2]
     g = h // kv
+    n = -(-s // block)
+    sp = n * block
     scale = 1.0 / float(d) ** 0.5
-    qg = q.reshape(b, s, kv, g, d)
-    dog = d_out.reshape(b, s, kv, g, d)
-    # D_i = rowsum(dO ∘ O): the softmax backward's correction term, [b, kv, g, s].
-    delta = jnp.einsum("bqkgd,bqkgd->bkgq", dog.astype(jnp.float32), out.reshape(b, s, kv, g, d).astype(jnp.float32))
-    spans = _spans(s, block)
-    dq_blocks = []
-    dk_acc: list = [None] * len(spans)
-    dv_acc: list = [None] * len(spans)
-    for q0, q1 in spans:
-        q_blk, do_blk = qg[:, q0:q1], dog[:, q0:q1]
-        lse_blk, delta_blk = lse[..., q0:q1, None], delta[..., q0:q1, None]
-        dq = None
-        for j, (k0, k1) in enumerate(spans):
-            if k0 >= q1:
-                break
-            k_blk, v_blk = k[:, k0:k1], v[:, k0:k1]
-            p = jnp.exp(_block_scores(q_blk, k_blk, q0, k0, scale) - lse_blk)  # [b, kv, g, bq, bk]
-            dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), do_blk, preferred_element_type=jnp.float32)
-            dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
-            ds = (p * (dp - delta_blk) * scale).astype(q.dtype)
-            dq_j = jnp.einsum("bkgqs,bskd->bqkgd", ds, k_blk, preferred_element_type=jnp.float32)
-            dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q_blk, preferred_element_type=jnp.float32)
-            dq = dq_j if dq is None else dq + dq_j
-            dk_acc[j] = dk if dk_acc[j] is None else dk_acc[j] + dk
-            dv_acc[j] = dv if dv_acc[j] is None else dv_acc[j] + dv
-        dq_blocks.append(dq)
-    dq = jnp.concatenate(dq_blocks, axis=1).reshape(b, s, h, d).astype(q.dtype)
-    dk = jnp.concatenate(dk_acc, axis=1).astype(k.dtype)
-    dv = jnp.concatenate(dv_acc, axis=1).astype(v.dtype)
-    return dq, dk, dv
+    qg = _pad_seq(q, sp).reshape(b, sp, kv, g, d)
+    dog = _pad_seq(d_out.reshape(b, s, kv, g, d), sp)
+    k, v = _pad_seq(k, sp), _pad_seq(v, sp)
+    # D_i = rowsum(dO ∘ O): the softmax backward's correction term, [b, kv, g, sp].
+    delta = jnp.einsum(
+        "bqkgd,bqkgd->bkgq", dog.astype(jnp.float32), _pad_seq(out.reshape(b, s, kv, g, d), sp).astype(jnp.float32)
+    )
+    # Padded query rows get an infinite logsumexp, so their probabilities are exactly 0.
+    lse = jnp.swapaxes(_pad_seq(jnp.swapaxes(lse, 1, 3), sp, jnp.inf), 1, 3)
+
+    def step(grads, ij):
+        dq_all, dk_all, dv_all = grads  # float32 [b, sp, kv, g, d], [b, sp, kv, d], [b, sp, kv, d]
+        q0, k0 = ij[0] * block, ij[1] * block
+        q_blk, do_blk, k_blk, v_blk = (
+            _at(qg, q0, block, 1),
+            _at(dog, q0, block, 1),
+            _at(k, k0, block, 1),
+            _at(v, k0, block, 1),
+        )
+        lse_blk, delta_blk = _at(lse, q0, block, 3)[..., None], _at(delta, q0, block, 3)[..., None]
+        p = jnp.exp(_block_scores(q_blk, k_blk, q0, k0, scale) - lse_blk)  # [b, kv, g, bq, bk]
+        dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), do_blk, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
+        ds = (p * (dp - delta_blk) * scale).astype(q.dtype)
+        dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k_blk, preferred_element_type=jnp.float32)
+        dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q_blk, preferred_element_type=jnp.float32)
+        return _add_at(dq_all, q0, dq, 1), _add_at(dk_all, k0, dk, 1), _add_at(dv_all, k0, dv, 1)
+
+    init = (
+        jnp.zeros((b, sp, kv, g, d), jnp.float32),
+        jnp.zeros((b, sp, kv, d), jnp.float32),
+        jnp.zeros((b, sp, kv, d), jnp.float32),
+    )
+    dq, dk, dv = _pair_scan(step, init, n)
+    dq = dq[:, :s].reshape(b, s, h, d).astype(q.dtype)
+    return dq, dk[:, :s].astype(k.dtype), dv[:, :s].astype(v.dtype)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -48,6 +48,7 @@ RECORD_KEYS: tuple[str, ...] = (
     "saved_host_bytes",
     "layers_saved_bytes",
     "temp_bytes",
+    "xla_peak_bytes",
     "peak_bytes",
     "baseline_bytes",
     "peak_source",
@@ -71,6 +72,8 @@ class BenchRecord:
       policy: the spec.
       saved_bytes, saved_host_bytes, layers_saved_bytes: from :func:`remat_kit.analysis.analyze`.
       temp_bytes: XLA's compiled temp bytes for the step.
+      xla_peak_bytes: the compiled step's peak (arguments + outputs − aliased + temp), the figure
+        ``plan`` and ``auto`` compare with a budget.
       peak_bytes: measured peak memory during the timed steps (device bytes, or process RSS).
       baseline_bytes: the same measure just before the first step (parameters and optimizer
         state live); ``peak_bytes - baseline_bytes`` is what the step itself needs.
@@ -89,6 +92,7 @@ class BenchRecord:
     saved_host_bytes: int
     layers_saved_bytes: int
     temp_bytes: int
+    xla_peak_bytes: int
     peak_bytes: int
     baseline_bytes: int
     peak_source: str
@@ -195,6 +199,8 @@ def measure(
     import jax
     import numpy as np
 
+    from remat_kit import lora
+    from remat_kit import step as step_lib
     from remat_kit.loss import lm_loss
     from remat_kit.model import Transformer
 
@@ -207,7 +213,7 @@ def measure(
     key_params, key_tokens = jax.random.split(jax.random.key(seed))
     tokens = jax.random.randint(key_tokens, (batch, seq), 0, config.vocab_size, dtype=jax.numpy.int32)
     params = jax.jit(lambda k: model.init(k, tokens[:1])["params"])(key_params)
-    opt_state = jax.jit(analysis.optimizer(learning_rate).init)(params)
+    opt_state = jax.jit(lambda p: step_lib.init_optimizer(analysis.optimizer(learning_rate), p))(params)
     if mesh_obj is not None:  # the compiled step takes its inputs laid out as it was compiled for
         params = jax.device_put(params, mesh_lib.tree_shardings(params, mesh_obj))
         opt_state = jax.device_put(opt_state, mesh_lib.tree_shardings(opt_state, mesh_obj))
@@ -223,7 +229,7 @@ def measure(
     for i in range(warmup + steps):
         log(f"warm-up {i + 1}/{warmup}" if i < warmup else f"step {i + 1 - warmup}/{steps}")
         start = time.perf_counter()
-        params, opt_state, loss = jax.block_until_ready(compiled(params, opt_state, tokens))
+        params, opt_state, loss, *_ = jax.block_until_ready(compiled(params, opt_state, tokens))
         if i >= warmup:
             times.append(time.perf_counter() - start)
         if first_loss is None:
@@ -233,8 +239,9 @@ def measure(
 
     if grads_path:
         log("gradient check")
-        grad_fn = jax.value_and_grad(lambda p: lm_loss(model, p, tokens, loss_chunks=loss_chunks))
-        grads = jax.jit(grad_fn)(initial)[1]
+        trainable, frozen = lora.partition(initial)  # LoRA: the adapters' gradients (an int8 base has none)
+        grad_fn = jax.value_and_grad(lambda t: lm_loss(model, lora.combine(t, frozen), tokens, loss_chunks=loss_chunks))
+        grads = jax.jit(grad_fn)(trainable)[1]
         np.savez(grads_path, *[np.asarray(g, np.float32) for g in jax.tree.leaves(grads)])
         del grads
     return {
@@ -243,11 +250,90 @@ def measure(
         "saved_host_bytes": a.saved_host_bytes,
         "layers_saved_bytes": a.layers_saved_bytes,
         "temp_bytes": a.memory.temp,
+        "xla_peak_bytes": a.peak_bytes,
         "peak_bytes": peak,
         "baseline_bytes": baseline,
         "peak_source": probe.source,
         "flops": a.flops,
         "compile_s": a.compile_s,
+        "step_time_s": statistics.median(times),
+        "step_times_s": times,
+        "loss": first_loss,
+    }
+
+
+def measure_model(
+    model: str,
+    policy: str,
+    *,
+    steps: int = 5,
+    warmup: int = 1,
+    seed: int = 0,
+    learning_rate: float = 1e-3,
+    grads_path: str | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """:func:`measure` for ``--model MODULE:FACTORY``: the shared step (:mod:`remat_kit.step`) of
+    ``FACTORY(policy)``'s loss on its example inputs (ShapeDtypeStructs are drawn from ``seed``:
+    floats normal × 0.02, integers zero), timed, its peak measured, its gradients written."""
+    import jax
+    import numpy as np
+
+    from remat_kit import inspection, policies
+    from remat_kit import step as step_lib
+    from remat_kit.plan import load_factory, model_from_factory
+
+    make_loss, example = model_from_factory(load_factory(model), model)
+    loss_fn = make_loss(policies.parse(policy))
+    log("compiling")
+    report = inspection.inspect(loss_fn, *example)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(example))))
+
+    def real(x):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return jax.numpy.asarray(x)
+        if jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+            return (0.02 * jax.random.normal(next(keys), x.shape)).astype(x.dtype)
+        return jax.numpy.zeros(x.shape, x.dtype)
+
+    params, *batch = jax.tree.map(real, tuple(example))
+    opt = step_lib.make_optimizer(learning_rate)
+    opt_state = jax.jit(lambda p: step_lib.init_optimizer(opt, p))(params)
+    start = time.perf_counter()
+    compiled = jax.jit(step_lib.make_step(loss_fn, opt), **step_lib.jit_kwargs(params, opt_state)).trace(
+        params, opt_state, *batch).lower().compile()  # fmt: skip
+    compile_s = time.perf_counter() - start
+    xla_peak = analysis.CompiledMemory.from_compiled(compiled).total
+    initial = jax.device_get(params) if grads_path else None
+    probe = _MemoryProbe(jax.devices()[0])
+    baseline = probe.baseline()
+    first_loss, times = None, []
+    for i in range(warmup + steps):
+        log(f"warm-up {i + 1}/{warmup}" if i < warmup else f"step {i + 1 - warmup}/{steps}")
+        start = time.perf_counter()
+        params, opt_state, loss, *_ = jax.block_until_ready(compiled(params, opt_state, *batch))
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        if first_loss is None:
+            first_loss = float(loss)
+    peak = probe.peak()
+    del params, opt_state
+    if grads_path:
+        log("gradient check")
+        grads = jax.jit(jax.grad(loss_fn))(initial, *batch)
+        np.savez(grads_path, *[np.asarray(g, np.float32) for g in jax.tree.leaves(grads)])
+    return {
+        "policy": str(policies.parse(policy)),
+        "saved_bytes": report.saved_bytes,
+        "saved_host_bytes": report.saved_host_bytes,
+        "layers_saved_bytes": report.saved_bytes,
+        "temp_bytes": report.temp_bytes,
+        "xla_peak_bytes": xla_peak,
+        "peak_bytes": peak,
+        "baseline_bytes": baseline,
+        "peak_source": probe.source,
+        "flops": report.flops,
+        "compile_s": compile_s,
         "step_time_s": statistics.median(times),
         "step_times_s": times,
         "loss": first_loss,
@@ -286,9 +372,14 @@ def _run_worker(job: dict[str, Any], log: Callable[[str], None]) -> dict[str, An
 
 def _worker_main(job_text: str) -> int:
     job = json.loads(job_text)
+    log = lambda m: print("progress: " + m, file=sys.stderr, flush=True)
+    if "model" in job:
+        record = measure_model(job.pop("model"), log=log, **job)
+        print(json.dumps(record))
+        return 0
     mesh_lib.ensure_cpu_devices(job.get("mesh"))  # a fresh process: simulate the mesh's CPU devices
     config = TransformerConfig(**job.pop("config"))
-    record = measure(config, log=lambda m: print("progress: " + m, file=sys.stderr, flush=True), **job)
+    record = measure(config, log=log, **job)
     print(json.dumps(record))
     return 0
 
@@ -324,6 +415,7 @@ def run_bench(
     grad_check: bool = True,
     progress: Callable[[str], None] = lambda _: None,
     mesh: str | None = None,
+    model: str | None = None,
 ) -> list[BenchRecord]:
     """Measure every policy in ``specs`` (``none`` is run first as the reference if missing).
 
@@ -338,11 +430,14 @@ def run_bench(
       grad_check: compare gradients with ``none`` (one more compile per policy); False reports None.
       progress: called with one line per stage.
       mesh: run every step sharded over this mesh spec (e.g. ``"data=2,fsdp=2"``).
+      model: ``"MODULE:FACTORY"`` to measure that model instead (``config``, ``batch``, ``seq``,
+        ``loss_chunks`` and ``mesh`` are then unused; see :func:`measure_model`).
 
     Returns:
       One :class:`BenchRecord` per policy, ``none`` first.
     """
-    analysis.check_shape(config, batch, seq, loss_chunks)
+    if model is None:
+        analysis.check_shape(config, batch, seq, loss_chunks)
     for what, value, low in (("steps", steps, 1), ("warmup", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
@@ -367,7 +462,12 @@ def run_bench(
                 "mesh": mesh,
             }
             log = lambda m, i=i, spec=spec: progress(f"[{i + 1}/{len(specs)}] {spec}: {m}")
-            if subprocesses:
+            if model is not None:
+                for key in ("batch", "seq", "loss_chunks", "mesh"):
+                    job.pop(key)
+                job["model"] = model
+                raw[spec] = _run_worker(job, log) if subprocesses else measure_model(log=log, **job)
+            elif subprocesses:
                 raw[spec] = _run_worker({**job, "config": dataclasses.asdict(config)}, log)
             else:
                 raw[spec] = measure(config, log=log, **job)
@@ -404,6 +504,7 @@ _COLUMNS = (
     ("saved", lambda r: fmt_bytes(r.saved_bytes)),
     ("host", lambda r: fmt_bytes(r.saved_host_bytes)),
     ("XLA temp", lambda r: fmt_bytes(r.temp_bytes)),
+    ("XLA peak", lambda r: fmt_bytes(r.xla_peak_bytes)),
     ("peak", lambda r: fmt_bytes(r.peak_bytes)),
     ("peak−base", lambda r: fmt_bytes(r.step_bytes)),
     ("GFLOPs", lambda r: f"{r.flops / 1e9:.2f}"),
@@ -437,6 +538,7 @@ def format_markdown(records: list[BenchRecord], header: str) -> str:
         f"Pareto front (step time vs peak−base memory): {', '.join(pareto_front(records))}.",
         "",
         "saved/host: residuals the backward pass keeps (JAX's residual analysis); XLA temp: compiled scratch;",
+        "XLA peak: the compiled step's arguments + outputs − aliased + temp (what plan and auto hold to a budget);",
         f"peak: measured ({'device memory_stats peak_bytes_in_use' if source == 'device' else 'process peak RSS'}); "
         "peak−base: above the same measure just before the first (warm-up) step;",
         "GFLOPs: matmul FLOPs per step counted from the jaxpr (scan trip counts applied); step: median;",
@@ -473,8 +575,10 @@ def plot(records: list[BenchRecord], path: str, title: str) -> None:
 
 
 def _bench_command(args: argparse.Namespace) -> int:
+    if args.model:
+        return _bench_model_command(args)
     config, batch, seq = config_from_args(args)
-    specs = [str(p) for p in parse_policies(args.policies, config.num_layers)]
+    specs = [str(p) for p in parse_policies(args.policies or ",".join(DEFAULT_POLICIES), config.num_layers)]
     if args.mesh:
         mesh_lib.check_batch(batch, mesh_lib.make_mesh(args.mesh))
     for path, what in ((args.json, "--json"), (args.markdown, "--markdown"), (args.plot, "--plot")):
@@ -527,11 +631,57 @@ def _bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_model_command(args: argparse.Namespace) -> int:
+    """``bench --model MODULE:FACTORY``: the same table and JSON for the factory's model."""
+    from remat_kit.plan import PRESET_ONLY, load_factory, model_from_factory, parse_model_policies
+
+    given = [f"--{k.replace('_', '-')}" for k in PRESET_ONLY if getattr(args, k, None) not in (None, 0)]
+    if given:
+        raise ValueError(f"{', '.join(given)} shape the built-in model; with --model the factory gives the shapes")
+    specs = [str(p) for p in parse_model_policies(args.policies)]
+    for path, what in ((args.json, "--json"), (args.markdown, "--markdown"), (args.plot, "--plot")):
+        check_writable(path, what)
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    model_from_factory(load_factory(args.model), args.model)  # a bad factory fails here, before any compile
+    command = command_line("bench", args)
+    print(f"{command}\n", file=sys.stderr, flush=True)
+    records = run_bench(None, 0, 0, specs, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                        subprocesses=not args.in_process, grad_check=not args.no_grad_check,
+                        progress=lambda line: print(line, file=sys.stderr, flush=True), model=args.model)  # fmt: skip
+    import jax
+
+    device = jax.devices()[0]
+    setting = (
+        f"model {args.model}, clipped AdamW step, {args.steps} timed steps after {args.warmup} warm-up, "
+        f"device {device.platform}:{device.device_kind}"
+    )
+    print(setting)
+    print("\n".join(format_table(records)))
+    print(f"Pareto front (time vs measured memory): {', '.join(pareto_front(records))}")
+    if args.json:
+        write_json(args.json, {"command": command, "setting": setting,
+                               "records": [dataclasses.asdict(r) for r in records]})  # fmt: skip
+        print(f"wrote {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(format_markdown(records, f"# remat-kit bench\n\n`{command}`\n\n{setting}"))
+        print(f"wrote {args.markdown}")
+    if args.plot:
+        plot(records, args.plot, f"{args.model} ({device.platform})")
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def add_cli(subparsers) -> None:
     """Register ``remat-kit bench``."""
     p = subparsers.add_parser("bench", help="run real training steps under each policy: memory, time, exactness")
     add_model_args(p, default_preset="small")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy specs")
+    p.add_argument(
+        "--policies",
+        default=None,
+        help=f"comma-separated policy specs (default: {','.join(DEFAULT_POLICIES)}; with --model: none,dots,full)",
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps per policy (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     p.add_argument("--seed", type=int, default=0, help="parameters and tokens seed")

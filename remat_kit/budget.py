@@ -18,24 +18,28 @@ True
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from remat_kit import analysis, flops, policies
+from remat_kit import analysis, flops, inspection, policies
 from remat_kit import mesh as mesh_lib
+from remat_kit import step as step_lib
 from remat_kit.model import Transformer, TransformerConfig
 from remat_kit.units import fmt_bytes
 from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.budget.parse_bytes
 
 #: Optimizers by name (their state is part of what must fit).
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    "adamw": lambda: optax.adamw(1e-3),
+    "adamw": lambda: step_lib.make_optimizer(1e-3),  # train's clipped AdamW: what is planned is what is trained
     "adam": lambda: optax.adam(1e-3),
     "lion": lambda: optax.lion(1e-4),
     "adafactor": lambda: optax.adafactor(1e-3),
@@ -57,10 +61,8 @@ def get_optimizer(optimizer: str | optax.GradientTransformation) -> optax.Gradie
 
 
 def host_offload_available() -> bool:
-    """Whether the default device has a host memory kind to offload to."""
-    device = jax.devices()[0]
-    default = device.default_memory().kind
-    return any(m.kind != default and "host" in m.kind for m in device.addressable_memories())
+    """Whether the default device has a memory kind JAX's remat offloads to (``pinned_host``)."""
+    return any(m.kind in policies.OFFLOAD_DESTINATIONS for m in jax.devices()[0].addressable_memories())
 
 
 def candidates(config: TransformerConfig, *, offload: bool | None = None) -> tuple[policies.Policy, ...]:
@@ -88,6 +90,9 @@ def candidates(config: TransformerConfig, *, offload: bool | None = None) -> tup
     if host_offload_available() if offload is None else offload:
         out += [policies.offload(), policies.parse("qkv_proj_offloaded"), policies.parse("minimal_offloaded")]
     return tuple(dict.fromkeys(out))
+
+
+default_candidates = candidates  # auto's ``candidates`` argument shadows the name inside it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +123,8 @@ class AutoResult:
     Attributes:
       chosen: the winning policy, or None when nothing fits.
       budget_bytes, margin: the budget and the safety margin applied to each need.
-      batch, seq, loss_chunks, optimizer: the step that was planned.
+      batch, seq, loss_chunks, optimizer: the step that was planned (batch and seq None for a
+        model given as ``make_loss``).
       candidates: every candidate, in the order considered (least recompute first).
       reason: one paragraph: why the winner won, or what is needed and the levers if nothing fits.
       compiled: how many candidates were compiled; seconds: wall time of the search.
@@ -127,8 +133,8 @@ class AutoResult:
     chosen: policies.Policy | None
     budget_bytes: int
     margin: float
-    batch: int
-    seq: int
+    batch: int | None
+    seq: int | None
     loss_chunks: int
     optimizer: str
     candidates: tuple[Candidate, ...]
@@ -153,15 +159,103 @@ class AutoResult:
         }
 
 
-class Planner:
-    """Traces and compiles training steps of one config, memoized, for :func:`auto` and :func:`max_fit`.
+class StepPlanner:
+    """Traces and compiles the shared training step (:mod:`remat_kit.step`) of one model, memoized.
+
+    Args:
+      build: ``build(policy, batch, seq) -> (loss_fn, params, batch_args)``: the loss
+        ``loss_fn(params, *batch_args)`` under ``policy`` and its inputs (ShapeDtypeStructs) at that
+        shape; ``batch`` and ``seq`` are None for a model planned at one fixed shape.
+      optimizer: a name in :data:`OPTIMIZERS` or an optax transformation; its state is part of the step.
+      mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``); bytes are then per device.
+      progress: ``progress(done, total, what)`` after each compile (``total`` counts known work).
+    """
+
+    def __init__(self, build: Callable, optimizer: str | optax.GradientTransformation = "adamw", mesh=None,
+                 progress: Callable | None = None):  # fmt: skip
+        self.build = build
+        self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
+        self.optimizer_name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
+        self.opt = get_optimizer(optimizer)
+        self.progress = progress
+        self._traced: dict[tuple, Any] = {}
+        self._flops: dict[tuple, int] = {}
+        self._memory: dict[tuple, inspection.CompiledMemory] = {}
+        self._lock = threading.Lock()
+        self.compiles = 0
+        self.planned = 0  # compiles announced by precompile, for progress
+
+    def _key(self, policy, batch, seq) -> tuple:
+        return (str(policy), batch, seq)
+
+    def _trace(self, policy: policies.Policy, batch: int | None, seq: int | None):
+        key = self._key(policy, batch, seq)
+        if key not in self._traced:
+            loss_fn, params, batch_args = self.build(policy, batch, seq)
+            params, opt_state = step_lib.abstract_state(params, self.opt)
+            kwargs = step_lib.jit_kwargs(params, opt_state, self.mesh, batch_args=len(batch_args))
+            step = step_lib.make_step(loss_fn, self.opt)
+            self._traced[key] = jax.jit(step, **kwargs).trace(params, opt_state, *batch_args)
+        return self._traced[key]
+
+    def flops(self, policy: policies.Policy, batch: int | None = None, seq: int | None = None) -> int:
+        """Matmul FLOPs of one step (trace only; no compile)."""
+        key = self._key(policy, batch, seq)
+        if key not in self._flops:
+            self._flops[key] = flops.jaxpr_flops(self._trace(policy, batch, seq).jaxpr)
+        return self._flops[key]
+
+    def compiled_memory(self, policy: policies.Policy, batch=None, seq=None) -> inspection.CompiledMemory:
+        """XLA's memory figures of the compiled step (per device under a mesh)."""
+        key = self._key(policy, batch, seq)
+        if key not in self._memory:
+            traced = self._trace(policy, batch, seq)
+            memory = inspection.CompiledMemory.from_compiled(traced.lower().compile())
+            with self._lock:
+                self._memory[key] = memory
+                self._traced.pop(key, None)  # the trace is no longer needed: keep memory flat over long searches
+                self.compiles += 1
+                done, total = self.compiles, max(self.planned, self.compiles)
+            if self.progress:
+                self.progress(done, total, f"{key[0]}" + ("" if batch is None else f" @ batch {batch} × seq {seq}"))
+        return self._memory[key]
+
+    def precompile(self, shapes: Sequence[tuple], jobs: int = 1) -> None:
+        """Compile ``(policy, batch, seq)`` shapes not yet known, ``jobs`` at a time (XLA compiles on
+        one core per job, outside the GIL). Traces run first, one at a time."""
+        todo = [s for s in dict.fromkeys((str(p), b, q) for p, b, q in shapes) if s not in self._memory]
+        todo_policies = {str(p): p for p, _, _ in shapes}
+        self.planned += len(todo)
+        for spec, b, q in todo:
+            self._trace(todo_policies[spec], b, q)
+        run = lambda s: self.compiled_memory(todo_policies[s[0]], s[1], s[2])
+        if jobs <= 1 or len(todo) <= 1:
+            for s in todo:
+                run(s)
+            return
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(run, todo))
+
+    def memory(self, policy: policies.Policy, batch=None, seq=None) -> tuple[int, int]:
+        """``(device bytes, host bytes)`` at the step's peak (per device under a mesh), under the one
+        host rule (:func:`remat_kit.inspection.host_offload_enforced`)."""
+        m = self.compiled_memory(policy, batch, seq)
+        return m.total, m.host
+
+    def fits(self, policy, batch, seq, budget_bytes: int, margin: float) -> bool:
+        return self.memory(policy, batch, seq)[0] * (1 + margin) <= budget_bytes
+
+
+class Planner(StepPlanner):
+    """A :class:`StepPlanner` for :class:`remat_kit.model.Transformer` steps of one config.
 
     Args:
       config: the model.
       optimizer: a name in :data:`OPTIMIZERS` or an optax transformation.
       loss_chunks: 0 for the plain loss, k for the chunked loss.
-      mesh: a ``jax.sharding.Mesh`` (see :mod:`remat_kit.mesh`) or a mesh spec such as
-        ``"data=2,fsdp=2"``; bytes are then per device.
+      mesh: a ``jax.sharding.Mesh`` or a mesh spec such as ``"data=2,fsdp=2"``; bytes are then per device.
+      grad_accum: micro-batches per update: ``optax.MultiSteps`` adds its gradient buffer, as in ``train``.
+      progress: see :class:`StepPlanner`.
     """
 
     def __init__(
@@ -170,52 +264,26 @@ class Planner:
         optimizer: str | optax.GradientTransformation = "adamw",
         loss_chunks: int = 0,
         mesh=None,
+        grad_accum: int = 1,
+        progress: Callable | None = None,
     ):
+        from remat_kit.loss import lm_loss
+
         self.config = config
-        self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
-        self.optimizer_name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
-        self.opt = get_optimizer(optimizer)
         self.loss_chunks = loss_chunks
-        self._traced: dict[tuple, Any] = {}
-        self._flops: dict[tuple, int] = {}
-        self._memory: dict[tuple, analysis.CompiledMemory] = {}
-        self.compiles = 0
+        params = analysis.abstract_params(config)
 
-    def _trace(self, policy: policies.Policy, batch: int, seq: int):
-        key = (str(policy), batch, seq)
-        if key not in self._traced:
-            analysis.check_shape(self.config, batch, seq, self.loss_chunks)
-            model = Transformer(config=self.config, policy=policy)
-            step = analysis.train_step(model, self.opt, self.loss_chunks)
-            args = analysis.abstract_inputs(self.config, batch, seq, self.opt)
-            kwargs = mesh_lib.step_jit_kwargs(args[0], args[1], batch, self.mesh)
-            self._traced[key] = jax.jit(step, donate_argnums=(0, 1), **kwargs).trace(*args)
-        return self._traced[key]
+        def build(policy, batch, seq):
+            analysis.check_shape(config, batch, seq, loss_chunks)
+            if self.mesh is not None:
+                mesh_lib.check_batch(batch, self.mesh)
+            model = Transformer(config=config, policy=policy)
+            loss = lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=loss_chunks)
+            return loss, params, (jax.ShapeDtypeStruct((batch, seq), jnp.int32),)
 
-    def flops(self, policy: policies.Policy, batch: int, seq: int) -> int:
-        """Matmul FLOPs of one step (trace only; no compile)."""
-        key = (str(policy), batch, seq)
-        if key not in self._flops:
-            self._flops[key] = flops.jaxpr_flops(self._trace(policy, batch, seq).jaxpr)
-        return self._flops[key]
-
-    def compiled_memory(self, policy: policies.Policy, batch: int, seq: int) -> analysis.CompiledMemory:
-        """XLA's memory figures of the compiled step (per device under a mesh)."""
-        key = (str(policy), batch, seq)
-        if key not in self._memory:
-            compiled = self._trace(policy, batch, seq).lower().compile()
-            self.compiles += 1
-            self._memory[key] = analysis.CompiledMemory.from_compiled(compiled)
-            self._traced.pop(key, None)  # the trace is no longer needed: keep memory flat over long searches
-        return self._memory[key]
-
-    def memory(self, policy: policies.Policy, batch: int, seq: int) -> tuple[int, int]:
-        """``(device bytes, host bytes)`` of the compiled step (per device under a mesh)."""
-        m = self.compiled_memory(policy, batch, seq)
-        return m.total, m.host_argument + m.host_output + m.host_temp
-
-    def fits(self, policy, batch, seq, budget_bytes: int, margin: float) -> bool:
-        return self.memory(policy, batch, seq)[0] * (1 + margin) <= budget_bytes
+        super().__init__(build, optimizer, mesh, progress)
+        if grad_accum > 1:
+            self.opt = optax.MultiSteps(self.opt, every_k_schedule=grad_accum)
 
 
 def check_budget(budget_bytes, margin) -> None:
@@ -225,46 +293,114 @@ def check_budget(budget_bytes, margin) -> None:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
 
 
+#: The policies :func:`auto` tries for a model it did not build (``make_loss(policy)``): those that need
+#: no tags and no knowledge of the depth.
+GENERIC_CANDIDATES: tuple[str, ...] = ("none", "dots", "full")
+
+
 def auto(
-    config: TransformerConfig,
-    *,
-    batch: int,
-    seq: int,
+    model: TransformerConfig | Callable,
+    *args,
     budget_bytes: int,
     optimizer: str | optax.GradientTransformation = "adamw",
+    candidates: Sequence[policies.Policy | str] | None = None,
     margin: float = DEFAULT_MARGIN,
+    exhaustive: bool = False,
+    planner: StepPlanner | None = None,
+    jobs: int = 1,
+    batch: int | None = None,
+    seq: int | None = None,
     loss_chunks: int = 0,
     candidate_policies: Sequence[policies.Policy | str] | None = None,
-    exhaustive: bool = False,
-    planner: Planner | None = None,
 ) -> AutoResult:
-    """Choose the policy with the least recompute that fits ``budget_bytes``.
+    """Choose the policy with the least recompute whose training step fits ``budget_bytes``.
+
+    Two forms, told apart by the first argument:
+
+    * ``auto(make_loss, params, *batch_args, budget_bytes=...)``: any model. ``make_loss(policy)``
+      returns ``loss_fn(params, *batch_args) -> scalar``; the inputs may be ShapeDtypeStructs.
+    * ``auto(config, batch=..., seq=..., budget_bytes=...)``: the built-in Transformer (a
+      convenience over the first form; ``loss_chunks`` selects the chunked loss).
+
+    The step planned is the one ``train`` runs (:mod:`remat_kit.step`): gradient, clipping and the
+    optimizer update, parameters and optimizer state donated. A candidate's need is the compiled
+    step's peak (arguments + outputs − aliased + temp), never its saved bytes alone.
 
     Args:
-      config: the model.
-      batch, seq: the token shape of one step.
       budget_bytes: device memory available, in bytes (see :func:`parse_bytes`).
       optimizer: its state counts toward the budget; a name in :data:`OPTIMIZERS` or an optax one.
+      candidates: what to consider (default: :func:`candidates` for a config,
+        :data:`GENERIC_CANDIDATES` otherwise). ``candidate_policies`` is its older name.
       margin: safety margin: a candidate fits when ``need · (1 + margin) <= budget``.
-      loss_chunks: 0 for the plain loss, k > 0 for the chunked loss.
-      candidate_policies: what to consider (default :func:`candidates`).
       exhaustive: compile every candidate instead of stopping at the cheapest fitting group
         (same answer; for checking the search and for full tables).
-      planner: reuse a :class:`Planner`'s memoized compiles.
+      planner: reuse a :class:`StepPlanner`'s memoized compiles.
+      jobs: candidates compiled at once when ``exhaustive``.
 
     Returns:
       An :class:`AutoResult`; ``chosen`` is None when nothing fits, and ``reason`` then says what is
       needed, what was given and which levers remain.
+
+    Raises:
+      TypeError/ValueError: bad budget, margin, inputs or policies, before anything is compiled.
     """
     check_budget(budget_bytes, margin)
+    if candidates is not None and candidate_policies is not None:
+        raise TypeError("give candidates or candidate_policies (its older name), not both")
+    wanted = candidates if candidates is not None else candidate_policies
+    if isinstance(model, TransformerConfig):
+        if args:
+            raise TypeError("auto(config, ...) takes batch= and seq= keywords, not positional inputs")
+        if batch is None or seq is None:
+            raise TypeError("auto(config, ...) needs batch= and seq=")
+        analysis.check_shape(model, batch, seq, loss_chunks)
+        planner = planner or Planner(model, optimizer, loss_chunks)
+        pool = [policies.parse(p) for p in (wanted or default_candidates(model))]
+        for p in pool:
+            p.validate_depth(model.num_layers)
+        return search(planner, pool, budget_bytes, margin, exhaustive=exhaustive, batch=batch, seq=seq,
+                      loss_chunks=loss_chunks, jobs=jobs)  # fmt: skip
+    if not callable(model):
+        raise TypeError(f"auto's first argument must be a TransformerConfig or make_loss(policy), got {model!r}")
+    if batch is not None or seq is not None or loss_chunks:
+        raise TypeError("batch=, seq= and loss_chunks= belong to auto(config, ...); give make_loss its inputs")
+    if not args:
+        raise TypeError("auto(make_loss, params, *batch_args, ...) needs the loss's inputs (params first)")
+    inputs = inspection.abstract(args)
+    pool = [policies.parse(p) for p in (wanted or GENERIC_CANDIDATES)]
+    inspection.check_loss(make_loss_checked(model, pool[0]), inputs)
+    planner = planner or StepPlanner(lambda p, b, s: (model(p), inputs[0], inputs[1:]), optimizer)
+    return search(planner, pool, budget_bytes, margin, exhaustive=exhaustive, jobs=jobs)
+
+
+def make_loss_checked(make_loss: Callable, policy: policies.Policy) -> Callable:
+    """``make_loss(policy)``, or a TypeError saying what ``make_loss`` must return."""
+    loss_fn = make_loss(policy)
+    if not callable(loss_fn):
+        raise TypeError(f"make_loss(policy) must return a loss function, got {type(loss_fn).__name__}")
+    return loss_fn
+
+
+def search(
+    planner: StepPlanner,
+    pool: Sequence[policies.Policy],
+    budget_bytes: int,
+    margin: float,
+    *,
+    exhaustive: bool = False,
+    batch: int | None = None,
+    seq: int | None = None,
+    loss_chunks: int = 0,
+    jobs: int = 1,
+) -> AutoResult:
+    """:func:`auto`'s search over ``pool`` with ``planner`` at one shape: candidates in order of
+    recompute (traced, cheap), compiled group by group until the cheapest group that fits."""
     start = time.perf_counter()
-    planner = planner or Planner(config, optimizer, loss_chunks)
-    pool = [policies.parse(p) for p in (candidate_policies or candidates(config))]
-    for p in pool:
-        p.validate_depth(config.num_layers)
     base = planner.flops(policies.none(), batch, seq)
     compiles_before = planner.compiles
     order = sorted(pool, key=lambda p: planner.flops(p, batch, seq))
+    if exhaustive:
+        planner.precompile([(p, batch, seq) for p in order], jobs=jobs)
 
     rows: dict[str, Candidate] = {}
     chosen = None
@@ -294,16 +430,18 @@ def auto(
         margin=margin,
         batch=batch,
         seq=seq,
-        loss_chunks=planner.loss_chunks,
+        loss_chunks=loss_chunks,
         optimizer=planner.optimizer_name,
         candidates=table,
-        reason=_reason(chosen, table, budget_bytes, margin, planner.loss_chunks),
+        reason=_reason(chosen, table, budget_bytes, margin, loss_chunks, transformer=batch is not None),
         compiled=planner.compiles - compiles_before,
         seconds=time.perf_counter() - start,
     )
 
 
-def _reason(chosen, table: Sequence[Candidate], budget: int, margin: float, loss_chunks: int) -> str:
+def _reason(
+    chosen, table: Sequence[Candidate], budget: int, margin: float, loss_chunks: int, transformer: bool = True
+) -> str:
     if chosen is not None:
         win = next(c for c in table if c.policy == str(chosen))
         cheaper = [c for c in table if c.recompute_flops < win.recompute_flops]
@@ -324,12 +462,12 @@ def _reason(chosen, table: Sequence[Candidate], budget: int, margin: float, loss
     compiled = [c for c in table if c.need_bytes is not None]
     least = min(compiled, key=lambda c: c.need_bytes)
     levers = ["an offload policy on a backend with host memory (GPU/TPU)"]
-    if not loss_chunks:
+    if not loss_chunks and transformer:
         levers.append("a chunked loss (--loss-chunks 8) so the full logits never live at once")
     levers += [
         "a smaller batch with gradient accumulation",
         "a shorter sequence",
-        "sharding over more devices (--mesh)",
+        "sharding over more devices (--mesh)" if transformer else "sharding over more devices",
     ]
     return (
         f"nothing fits: the leanest candidate, {least.policy}, needs {fmt_bytes(least.need_bytes)} "
@@ -358,7 +496,8 @@ def max_fit(
     Exact: the answer fits and the answer + 1 does not (or the answer is the limit: the model's
     ``max_seq_len`` for ``seq``, ``limit`` or 2**20 for ``batch``). Compile-only; the search gallops
     from the given shape, then narrows by interpolation on the measured bytes, bisecting when that
-    stalls.
+    stalls. Bytes are affine in the batch: two compiles give the line, and one more verifies its
+    answer (the search takes over when it does not); a sequence limit that fits is checked first.
     """
     if dim not in ("batch", "seq"):
         raise ValueError(f"dim must be 'batch' or 'seq', got {dim!r}")
@@ -371,8 +510,20 @@ def max_fit(
     first = 1
     if planner.loss_chunks:  # the chunk count may not exceed the token count
         first = -(-planner.loss_chunks // (seq if dim == "batch" else batch))
+    start = max(first, min(batch if dim == "batch" else seq, cap))
     lo, hi = first - 1, cap + 1  # lo: largest known to fit (first - 1: none yet); hi: smallest known not to
-    probe = max(first, min(batch if dim == "batch" else seq, cap))
+    probe = start
+    if dim == "batch":
+        found, known_lo, hi = _affine_fit(need, start, cap, target)
+        if found is not None:
+            return found
+        lo = max(lo, known_lo)
+        if hi - lo <= 1:
+            return max(lo, 0) if lo >= first else 0
+        if lo >= first:
+            probe = _next_probe(lo, hi, cap, need, target, first)
+    elif need(cap) <= target:
+        return cap
     while hi - lo > 1:
         if need(probe) <= target:
             lo = probe
@@ -382,6 +533,45 @@ def max_fit(
             break
         probe = _next_probe(lo, hi, cap, need, target, first)
     return max(lo, 0) if lo >= first else 0
+
+
+def _affine_fit(need, start: int, cap: int, target: float) -> tuple[int | None, int, int]:
+    """The largest n <= cap with ``need(n) <= target``, read off the line through ``need`` at ``start``
+    and twice it (XLA's layout at n = 1 may differ), then confirmed by one compile where the line is
+    exact there, else by compiling n + 1 too.
+
+    Returns:
+      ``(answer, lo, hi)``: the answer (None when the line's guess failed) and the tightest bracket
+      known, ``lo`` fitting and ``hi`` not (``0`` and ``cap + 1`` when unknown), for the search to go on from.
+    """
+    p0 = max(start, 2)
+    p1 = 2 * p0
+    lo, hi = 0, cap + 1
+    if p1 > cap:
+        return None, lo, hi
+    if need(p0) > target:
+        return None, lo, p0
+    lo = p0
+    if need(p1) > target:
+        hi = p1
+    else:
+        lo = p1
+    rise = need(p1) - need(p0)
+    if rise <= 0:
+        return None, lo, hi
+    line = lambda m: need(p0) + rise * (m - p0) / (p1 - p0)
+    n = min(cap, p0 + int((target - need(p0)) * (p1 - p0) // rise), hi - 1)
+    n = max(n, lo)
+    if need(n) > target:
+        return None, lo, n
+    lo = n
+    if n == cap:
+        return n, lo, hi
+    if n not in (p0, p1) and need(n) == line(n):  # a third point exactly on the line confirms it
+        return n, lo, hi
+    if n + 1 >= hi or need(n + 1) > target:
+        return n, lo, n + 1
+    return None, n + 1, hi
 
 
 def _next_probe(lo: int, hi: int, cap: int, need, target: float, first: int) -> int:
@@ -466,7 +656,7 @@ def plot_pareto(result: AutoResult, path: str) -> str:
             zorder=4,
         )
     ax.set_xlabel("recompute per step (GFLOP, matmuls beyond `none`)")
-    ax.set_ylabel("device memory of the step (GB)")
+    ax.set_ylabel("compiled peak of the step (GB): arguments + outputs − aliased + temp")
     ax.set_title(f"policies at batch {result.batch} x seq {result.seq} (green fits, red does not)")
     ax.legend(fontsize=8)
     fig.tight_layout()

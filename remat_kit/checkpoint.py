@@ -48,19 +48,43 @@ def prepare_directory(directory: str | os.PathLike) -> Path:
 
 
 def tree_digest(tree: Any) -> str:
-    """SHA-256 over every leaf's key path, dtype, shape and bytes (device arrays are fetched)."""
+    """SHA-256 over every leaf's key path, dtype, shape and bytes (device arrays are fetched).
+
+    The digest is of the global values, so it does not depend on how the arrays are sharded or
+    over how many processes: a leaf spread over several processes is gathered first (every process
+    must then call this, in the same order; each gets the same digest).
+    """
     h = hashlib.sha256()
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        arr = np.asarray(leaf)
+        arr = _global_value(leaf)
         h.update(f"{jax.tree_util.keystr(keypath)}|{arr.dtype}|{arr.shape}|".encode())
         h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()
 
 
+def _global_value(leaf: Any) -> np.ndarray:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(leaf)
+
+
+def _all_processes_agree(ok: bool) -> bool:
+    """True when ``ok`` holds in every process (a collective across processes; ``ok`` in one)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
 class Checkpoints:
     """The checkpoints of one run in ``directory``; keeps the newest ``keep`` steps.
 
-    Use it as a context manager (or call :meth:`close`) so pending saves finish.
+    Use it as a context manager (or call :meth:`close`) so pending saves finish. In a run over
+    several JAX processes every process creates it on the same (shared) directory and makes the
+    same calls: each writes its own shards into one checkpoint, process 0 the metadata.
 
     >>> import tempfile, numpy as np
     >>> state = {"w": np.arange(3.0), "step": np.asarray(7)}
@@ -132,7 +156,8 @@ class Checkpoints:
 
         Args:
           abstract_state: the state's structure with ``jax.ShapeDtypeStruct`` leaves; the result
-            has exactly this structure.
+            has exactly this structure. Give the leaves shardings to read a checkpoint saved by
+            another process count or mesh (orbax reshards it onto them).
           check_meta: called with each candidate's metadata before its arrays are read; a
             ValueError it raises (e.g. a different model) stops the search and propagates, with
             nothing on disk changed.
@@ -149,17 +174,24 @@ class Checkpoints:
             try:
                 meta = self.read_meta(step)
             except Exception as err:  # orbax/tensorstore raise many types for a damaged step
-                bad.append((step, _describe(err)))
+                meta, why = None, _describe(err)
+            # Across processes, a step one process cannot read is skipped by all, so they stay in step.
+            if not _all_processes_agree(meta is not None):
+                bad.append((step, why if meta is None else "unreadable in another process"))
                 continue
             if check_meta is not None:
                 check_meta(meta)  # a config mismatch is the user's error, not corruption: no fallback
+            state, why = None, ""
             try:
                 state = self._restore_state(step, abstract_state)
-                digest = tree_digest(state)
-                if digest != meta.get("state_sha256"):
-                    raise ValueError("its arrays do not match the SHA-256 recorded when it was saved")
             except Exception as err:
-                bad.append((step, _describe(err)))
+                why = _describe(err)
+            if not _all_processes_agree(state is not None):
+                state = None
+            elif tree_digest(state) != meta.get("state_sha256"):  # the same global digest in every process
+                state, why = None, "ValueError: its arrays do not match the SHA-256 recorded when it was saved"
+            if state is None:
+                bad.append((step, why or "unreadable in another process"))
                 continue
             found = (step, state, meta)
             break
@@ -167,7 +199,7 @@ class Checkpoints:
             listing = "; ".join(f"step {s}: {why}" for s, why in bad)
             raise ValueError(f"no readable checkpoint in {self.directory} (nothing was changed): {listing}")
         for step, why in bad:
-            moved = self._quarantine(step)
+            moved = self._quarantine(step)  # process 0 moves it; the others wait for that
             warnings.warn(
                 f"checkpoint step {step} in {self.directory} is unreadable ({why}); moved to {moved.name} "
                 f"(its files are kept) and resuming from step {found[0]}",
@@ -187,7 +219,7 @@ class Checkpoints:
         leaves = jax.tree.leaves(restored)
         want = jax.tree.leaves(abstract_state)
         if len(leaves) != len(want) or any(
-            np.shape(a) != tuple(b.shape) or np.asarray(a).dtype != b.dtype for a, b in zip(leaves, want, strict=True)
+            np.shape(a) != tuple(b.shape) or np.dtype(a.dtype) != b.dtype for a, b in zip(leaves, want, strict=True)
         ):
             raise ValueError("its arrays do not match the expected training state")
         return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
@@ -199,8 +231,19 @@ class Checkpoints:
         while dst.exists():
             n += 1
             dst = dst.with_name(f"{dst.name}-{n}")
-        src.rename(dst)
-        return dst
+        if jax.process_count() == 1:
+            src.rename(dst)
+            return dst
+        from jax.experimental import multihost_utils
+
+        # One process renames (the directory is shared); its new name is the one every process reports.
+        if jax.process_index() == 0:
+            src.rename(dst)
+        name = np.zeros(256, np.uint8)
+        raw = dst.name.encode()[:256]
+        name[: len(raw)] = np.frombuffer(raw, np.uint8)
+        name = multihost_utils.broadcast_one_to_all(name)
+        return self.directory / bytes(np.asarray(name)).rstrip(b"\0").decode()
 
 
 def _describe(err: BaseException) -> str:

@@ -64,10 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if hasattr(args, "mesh"):
-            from remat_kit.mesh import ensure_cpu_devices, maybe_initialize_distributed
+            from remat_kit.mesh import Processes, initialize_processes
 
-            maybe_initialize_distributed()  # multi-host runs, when the environment configures one
-            ensure_cpu_devices(args.mesh)  # before any device query: lets a laptop plan a multi-device mesh
+            # Before any device query: joins a multi-process run when flags or the environment configure
+            # one, and simulates the mesh's CPU devices (so a laptop can plan a multi-device mesh).
+            processes = Processes.resolve(
+                getattr(args, "coordinator", None),
+                getattr(args, "num_processes", None),
+                getattr(args, "process_id", None),
+                getattr(args, "distributed_timeout", None),
+            )
+            initialize_processes(args.mesh, processes)
         return int(args.func(args) or 0)
     except (ValueError, TypeError, OSError) as err:
         # Bad input is reported as one line; anything else is a bug and keeps its traceback.

@@ -187,17 +187,27 @@ class Batches:
         slack = self.tokens.size - self.windows_per_epoch * self.seq_len
         return int(rng.integers(0, slack + 1)), rng.permutation(self.windows_per_epoch)
 
-    def batch(self, position: int) -> np.ndarray:
-        """The ``int32 [batch_size, seq_len]`` batch at ``position`` (0, 1, 2, ...)."""
+    def batch(self, position: int, rows: slice | None = None) -> np.ndarray:
+        """The ``int32 [batch_size, seq_len]`` batch at ``position`` (0, 1, 2, ...).
+
+        Args:
+          position: the batch's index in the run.
+          rows: only these rows of the batch (e.g. the part one process of a multi-process run
+            feeds); only their windows are read. ``batch(p, rows=r)`` equals ``batch(p)[r]``.
+        """
         if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < 0:
             raise ValueError(f"batch position must be a non-negative integer, got {position!r}")
-        rows = []
-        for g in range(int(position) * self.batch_size, (int(position) + 1) * self.batch_size):
+        first, last, stride = (rows or slice(None)).indices(self.batch_size)
+        if stride != 1:
+            raise ValueError(f"rows must be a contiguous slice of the batch, got {rows!r}")
+        base = int(position) * self.batch_size
+        out = []
+        for g in range(base + first, base + max(first, last)):
             epoch, index = divmod(g, self.windows_per_epoch)
             offset, order = self._epoch(epoch)
             start = offset + int(order[index]) * self.seq_len
-            rows.append(self.tokens[start : start + self.seq_len])
-        return np.stack(rows).astype(np.int32)
+            out.append(self.tokens[start : start + self.seq_len])
+        return np.stack(out).astype(np.int32) if out else np.zeros((0, self.seq_len), np.int32)
 
 
 def eval_windows(tokens: np.ndarray, *, batch_size: int, seq_len: int, num_batches: int) -> np.ndarray:

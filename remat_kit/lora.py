@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import traverse_util
+from flax.core import FrozenDict
 
 #: The Dense layers of :class:`remat_kit.model.Block` an adapter may target.
 TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out")
@@ -171,6 +172,10 @@ class LoRADense(nn.Module):
 
     @nn.compact
     def __call__(self, x):  # x: [..., d_in] -> [..., features]
+        # model.project: the backward pass keeps each float weight as stored and casts it again, as in
+        # the lean Block's own Dense (model imports this module, hence the late import).
+        from remat_kit.model import project
+
         d_in, dtype = x.shape[-1], jnp.dtype(self.dtype)
         x = x.astype(dtype)
         shape = (d_in, self.features)
@@ -181,7 +186,7 @@ class LoRADense(nn.Module):
             scale = q["scale"].astype(dtype).reshape((1,) * (x.ndim - 1) + (self.features,))
             y = (x @ q["qvalue"].astype(dtype)) * scale
         elif self.quantize == "none":
-            y = x @ self.param("kernel", self.kernel_init, shape, self.param_dtype).astype(dtype)
+            y = project(x, self.param("kernel", self.kernel_init, shape, self.param_dtype), 0, dtype)
         else:
             raise ValueError(f"quantize={self.quantize!r}; allowed: {', '.join(QUANTIZE_MODES)}")
         if self.rank:
@@ -189,7 +194,7 @@ class LoRADense(nn.Module):
             a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
             a = self.param("lora_a", a_init, (d_in, self.rank), self.param_dtype)
             b = self.param("lora_b", nn.initializers.zeros, (self.rank, self.features), self.param_dtype)
-            y = y + ((x @ a.astype(dtype)) @ b.astype(dtype)) * jnp.asarray(self.alpha / self.rank, dtype)
+            y = y + project(project(x, a, 0, dtype), b, 0, dtype) * jnp.asarray(self.alpha / self.rank, dtype)
         return y
 
 
@@ -216,7 +221,7 @@ def enabled(config: Any) -> bool:
 
 
 def _is_adapter(path: tuple) -> bool:
-    return path[-1] in ADAPTER_NAMES
+    return bool(path) and path[-1] in ADAPTER_NAMES
 
 
 def partition(params: Mapping) -> tuple[dict, dict]:
@@ -226,6 +231,8 @@ def partition(params: Mapping) -> tuple[dict, dict]:
     (base kernels, quantized or not, embeddings, norms). Without adapters, everything is trainable
     and ``frozen`` is ``{}`` (plain full fine-tuning, unchanged). :func:`combine` inverts it.
     """
+    if not isinstance(params, (dict, FrozenDict)):  # any other pytree (an array, an NNX state...): all trainable
+        return params, {}
     flat = traverse_util.flatten_dict(params)
     if not any(_is_adapter(k) for k in flat):
         return params, {}

@@ -1,8 +1,9 @@
 """The vocabulary of ``checkpoint_name`` tags emitted by remat_kit's transformer block.
 
 A selective or offload policy refers to values inside a block by these tags. Every tag below is
-attached by :class:`remat_kit.model.Block`; your own blocks may emit any of them (or their own tags,
-with ``strict=False`` on the policy).
+attached by :class:`remat_kit.model.Block`; your own code may emit any of them, or its own tags (any
+``checkpoint_name``): a policy may name either, and wherever it is applied the tags it names are
+checked against those the code really emits (:mod:`remat_kit.tags`).
 
 ====================  =========================================  ==========================  ===========
 tag                   value (shape)                              MaxText alias               kind
@@ -82,40 +83,33 @@ ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
-def resolve(names, *, strict: bool = True) -> tuple[str, ...]:
-    """Canonicalize tag names: expand aliases, drop duplicates, keep first-seen order.
+def resolve(names) -> tuple[str, ...]:
+    """Canonicalize tag names: expand MaxText aliases, drop duplicates, keep first-seen order.
+
+    Any other name passes through unchanged: your own code's tags need no flag. Whether the code
+    really emits a name is checked where the policy is applied (:func:`remat_kit.tags.check`),
+    which also suggests the nearest emitted tag for a typo.
 
     Args:
       names: an iterable of tag names or aliases (a single string is rejected, to catch
         ``save="q_proj"`` meaning ``save=("q_proj",)``).
-      strict: when True every name must be in :data:`VOCABULARY` or :data:`ALIASES`; when False,
-        unknown names pass through unchanged (tags of your own modules).
 
     Returns:
       A tuple of canonical tags.
 
     Raises:
-      TypeError: ``names`` is a string or holds a non-string.
-      ValueError: an unknown name while ``strict``.
+      TypeError: ``names`` is a string or holds a non-string (or an empty string).
 
-    >>> resolve(["query_proj", "mlpwi", "q_proj"])
-    ('q_proj', 'mlp_gate', 'mlp_up')
+    >>> resolve(["query_proj", "mlpwi", "q_proj", "my_tag"])
+    ('q_proj', 'mlp_gate', 'mlp_up', 'my_tag')
     """
     if isinstance(names, str):
         raise TypeError(f"tag names must be a sequence of strings, got the string {names!r}; write ({names!r},)")
     out: list[str] = []
     for name in names:
-        if not isinstance(name, str):
-            raise TypeError(f"tag names must be strings, got {name!r} ({type(name).__name__})")
-        if name in ALIASES:
-            expanded = ALIASES[name]
-        elif name in VOCABULARY or not strict:
-            expanded = (name,)
-        else:
-            raise ValueError(
-                f"unknown checkpoint tag {name!r}; allowed: {', '.join(VOCABULARY)} "
-                f"(aliases: {', '.join(ALIASES)}); pass strict=False for your own module's tags"
-            )
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"tag names must be non-empty strings, got {name!r} ({type(name).__name__})")
+        expanded = ALIASES.get(name, (name,))
         out.extend(t for t in expanded if t not in out)
     return tuple(out)
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import importlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from remat_kit import analysis, budget, lora, policies
+from remat_kit import analysis, budget, inspection, lora, policies
 from remat_kit import mesh as mesh_lib
 from remat_kit.attention import ATTENTION_KINDS
 from remat_kit.model import DTYPES, PRESET_SHAPES, PRESETS, TransformerConfig
@@ -53,8 +55,8 @@ def check_writable(path: str | None, what: str) -> None:
         raise OSError(f"{what} {path!r} is not writable")
 
 
-def parse_policies(text: str, num_layers: int) -> list[policies.Policy]:
-    """Comma-separated specs (``;`` options stay inside a spec) → policies valid for the depth.
+def parse_policies(text: str, num_layers: int | None) -> list[policies.Policy]:
+    """Comma-separated specs (``;`` options stay inside a spec) → policies valid for the depth (None: unchecked).
 
     ``every_n:2,selective:q_proj;strict=false`` is two specs: a comma splits specs only where the
     next piece starts a new policy kind.
@@ -72,7 +74,8 @@ def parse_policies(text: str, num_layers: int) -> list[policies.Policy]:
     out = []
     for spec in pieces:
         p = policies.parse(spec)
-        p.validate_depth(num_layers)
+        if num_layers is not None:
+            p.validate_depth(num_layers)
         out.append(p)
     return out
 
@@ -80,6 +83,13 @@ def parse_policies(text: str, num_layers: int) -> list[policies.Policy]:
 def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None:
     """The model and shape options plan and bench share."""
     parser.add_argument("--preset", default=default_preset, help=f"model preset: {', '.join(PRESETS)}")
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="MODULE:FACTORY",
+        help="your own model instead of a preset: FACTORY(policy) returns (loss_fn, example_args), "
+        "loss_fn(params, *batch) -> scalar, example_args arrays or jax.ShapeDtypeStructs",
+    )
     parser.add_argument("--batch", type=int, default=None, help="batch size (default: the preset's)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     parser.add_argument("--layers", type=int, default=None, help="override the preset's depth")
@@ -191,12 +201,17 @@ def seed_check(results: dict[str, analysis.Analysis]) -> list[str]:
                 f"attention={cfg.attention} keeps no [s, s] tensor (flash-style), so Korthikanti's separate "
                 f"5·a·s²·b·L = {fmt_bytes(e.korthikanti_scores)} does not arise (--attention xla shows it)"
             )
+        kv_width = 2 * cfg.num_kv_heads * cfg.head_dim
+        floor = L * b * s * ((6 * d + kv_width + 3 * cfg.d_ff) * item + 4 * cfg.num_heads)
+        copies = f"{fmt_bytes(weights)} are weight copies (compute-dtype casts or slices), not activations; "
         lines.append(
-            f"  why they differ: {attn}; {fmt_bytes(weights)} are weight copies (compute-dtype casts or slices), "
-            f"not activations; the other {fmt_bytes(rest)} ({rest / max(e.korthikanti, 1):.2f}× the 34·b·s·h·L) "
-            f"reflect this block: SwiGLU (d_ff={cfg.d_ff} = {cfg.d_ff / d:.1f}·h, three [b, s, d_ff] tensors), "
-            f"{cfg.dtype} activations with float32 norm and softmax intermediates, RoPE, and no dropout masks "
-            f"(dropout={cfg.dropout})."
+            f"  why they differ: {attn}; {copies if weights else ''}the lean block keeps per token and layer its "
+            f"input, both norm outputs, q, k, v, the context and the post-attention residual stream (6·h + "
+            f"2·kv·hd), gate, up and act (3·d_ff = {3 * cfg.d_ff / d:.0f}·h) in {cfg.dtype}, and attention's "
+            f"float32 logsumexp (4·a bytes): L·b·s·((6·h + 2·kv·hd + 3·d_ff)·{item} + 4·a) = {fmt_bytes(floor)} "
+            f"({'equal to the byte' if rest == floor else f'the rest differs by {rest - floor:+,} B'}); no "
+            f"float32 norm or softmax intermediates. Korthikanti's 34 counts instead a GELU MLP of 4h, full-width "
+            f"k and v and dropout masks (dropout={cfg.dropout} here)."
         )
     return lines
 
@@ -206,21 +221,24 @@ def _itemsize(dtype: str) -> int:
 
 
 def format_table(results: dict[str, analysis.Analysis]) -> list[str]:
-    """The per-policy comparison table (plain text)."""
+    """The per-policy comparison table (plain text): the columns every policy table prints
+    (:data:`remat_kit.inspection.TABLE_COLUMNS`), with the layer stack's and the head's saved bytes and
+    XLA's raw FLOPs, then the notes."""
     base = results.get("none")
-    header = (
-        f"{'policy':14} {'saved':>10} {'host':>10} {'layers':>10} {'head':>10} {'XLA temp':>10} "
-        f"{'GFLOPs':>9} {'×none':>6} {'XLA raw':>9} {'compile':>8}"
-    )
+    extra = (("layers", 10), ("head", 10), ("XLA raw", 9))
+    header = inspection.table_header(extra)
     rows = [header, "-" * len(header)]
     for name, a in results.items():
-        ratio = f"{a.flops / base.flops:.3f}" if base and base.flops else "-"
-        rows.append(
-            f"{name:14} {fmt_bytes(a.saved_bytes):>10} {fmt_bytes(a.saved_host_bytes):>10} "
-            f"{fmt_bytes(a.layers_saved_bytes):>10} {fmt_bytes(a.saved_bytes - a.layers_saved_bytes):>10} "
-            f"{fmt_bytes(a.memory.temp):>10} {a.flops / 1e9:>9.1f} {ratio:>6} {a.xla_flops / 1e9:>9.1f} "
-            f"{a.compile_s:>7.1f}s"
+        cells = (
+            (fmt_bytes(a.layers_saved_bytes), 10),
+            (fmt_bytes(a.saved_bytes - a.layers_saved_bytes), 10),
+            (f"{a.xla_flops / 1e9:.1f}", 9),
         )
+        rows.append(
+            inspection.table_row(name, a.saved_bytes, a.saved_host_bytes, a.memory.temp, a.peak_bytes, a.flops,
+                                 base.flops if base else None, a.compile_s, cells)
+        )  # fmt: skip
+    rows += [f"note: {n}" for n in dict.fromkeys(n for a in results.values() for n in a.notes)]
     return rows
 
 
@@ -255,7 +273,98 @@ def run_plan(
         return {str(p): f.result() for p, f in zip(specs, futures, strict=True)}
 
 
+# ---- --model MODULE:FACTORY: any model -------------------------------------------------------------------
+
+#: Options that shape the built-in model, meaningless with ``--model`` (whose factory gives the shapes).
+PRESET_ONLY: tuple[str, ...] = ("batch", "seq", "layers", "dtype", "param_dtype", "attention", "loss_chunks", "mesh")
+
+
+def load_factory(text: str) -> Callable:
+    """``"package.module:factory"`` → the factory, imported (the working directory is importable).
+
+    Raises:
+      ValueError: the text is not ``MODULE:FACTORY``, the module cannot be imported or lacks the name.
+      TypeError: the name is not callable.
+    """
+    module_name, sep, attr = str(text).partition(":")
+    if not sep or not module_name or not attr or not all(p.isidentifier() for p in [*module_name.split("."), attr]):
+        raise ValueError(f"--model {text!r} must be MODULE:FACTORY, e.g. mypkg.models:make_loss")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"--model {text!r}: cannot import {module_name!r}: {err}") from None
+    if not hasattr(module, attr):
+        raise ValueError(f"--model {text!r}: module {module_name!r} has no {attr!r}")
+    factory = getattr(module, attr)
+    if not callable(factory):
+        raise TypeError(f"--model {text!r}: {attr!r} is a {type(factory).__name__}, not a callable")
+    return factory
+
+
+def model_from_factory(factory: Callable, where: str = "the factory") -> tuple[Callable, tuple]:
+    """``(make_loss, example_args)`` from ``factory(policy) -> (loss_fn, example_args)``, checked on ``none``."""
+    out = factory(policies.none())
+    if not isinstance(out, tuple) or len(out) != 2 or not callable(out[0]) or not isinstance(out[1], (tuple, list)):
+        raise TypeError(f"{where}(policy) must return (loss_fn, example_args), got {type(out).__name__}")
+    return (lambda p: factory(p)[0]), tuple(out[1])
+
+
+def parse_model_policies(text: str | None) -> list[policies.Policy]:
+    """``--policies`` for ``--model`` (default :data:`remat_kit.budget.GENERIC_CANDIDATES`); the depth is
+    the model's own business, so it is not checked here."""
+    return parse_policies(text or ",".join(budget.GENERIC_CANDIDATES), num_layers=None)
+
+
+def _model_command(args: argparse.Namespace) -> int:
+    """``plan --model``: compare the policies on the factory's model, or (``--budget``) choose one."""
+    given = [f"--{k.replace('_', '-')}" for k in PRESET_ONLY if getattr(args, k, None) not in (None, 0)]
+    if given:
+        raise ValueError(f"{', '.join(given)} shape the built-in model; with --model the factory gives the shapes")
+    for flag in ("limits", "plot"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} is not available with --model (its shapes are fixed by the factory)")
+    if args.margin is not None and args.budget is None:
+        raise ValueError("--margin goes with --budget")
+    check_writable(args.json, "--json")
+    specs = parse_model_policies(args.policies)
+    budget_bytes = budget.parse_bytes(args.budget) if args.budget is not None else None
+    margin = budget.DEFAULT_MARGIN if args.margin is None else args.margin
+    if budget_bytes is not None:
+        budget.check_budget(budget_bytes, margin)
+    make_loss, example = model_from_factory(load_factory(args.model), args.model)
+    print(f"[plan] {args.model}: {len(specs)} policies ...", file=sys.stderr, flush=True)
+    if budget_bytes is None:
+        comparison = inspection.compare(make_loss, specs, *example)
+        print(f"remat-kit plan --model {args.model}: value_and_grad of the loss (first argument)")
+        print(
+            "saved = values the backward pass keeps; peak = arguments + outputs − aliased + temp; GFLOPs = matmul "
+            "FLOPs of the gradient with scans × trip count; ×none = over `none`.\n"
+        )
+        print(comparison.table())
+        payload = {"command": command_line("plan", args), "model": args.model, **comparison.to_dict()}
+    else:
+        result = budget.auto(make_loss, *example, budget_bytes=budget_bytes, margin=margin, candidates=specs,
+                             exhaustive=True, jobs=args.jobs)  # fmt: skip
+        print(f"remat-kit plan --model {args.model} --budget {fmt_bytes(budget_bytes)}: clipped AdamW step, "
+              f"margin {margin:.0%}")  # fmt: skip
+        print(BUDGET_LEGEND)
+        print("\n".join(format_budget_table(result)))
+        print(f"\nchosen: {result.chosen if result.chosen is not None else '(nothing fits)'}")
+        print(result.reason)
+        payload = {"command": command_line("plan", args), "model": args.model, **result.to_dict()}
+    if args.json:
+        write_json(args.json, payload)
+        print(f"\nwrote {args.json}")
+    if budget_bytes is not None and payload["chosen"] is None:
+        return 1
+    return 0
+
+
 def _plan_command(args: argparse.Namespace) -> int:
+    if args.model:
+        return _model_command(args)
     config, batch, seq = config_from_args(args)
     mesh = mesh_lib.make_mesh(args.mesh) if args.mesh else None
     if mesh is not None:
@@ -287,8 +396,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     )
     print(
         "saved = activations the backward pass keeps (device; host = offloaded); XLA temp = compiled scratch "
-        "(activations + gradients + workspace); GFLOPs = matmul FLOPs counted from the jaxpr with scans × trip "
-        "count; XLA raw = cost_analysis(), which counts a scan body once.\n"
+        "(activations + gradients + workspace); peak = arguments + outputs − aliased + temp, the step's device "
+        "bytes (what must fit); GFLOPs = matmul FLOPs counted from the jaxpr with scans × trip count; "
+        "XLA raw = cost_analysis(), which counts a scan body once.\n"
     )
     print("\n".join(format_table(results)))
     print(
@@ -341,8 +451,8 @@ def add_cli(subparsers) -> None:
         "--limits",
         choices=("pareto", "all", "chosen", "none"),
         default=None,
-        help="with --budget: find the largest batch and longest sequence that fit for the Pareto-optimal "
-        "policies (default; a dominated one is never the best choice), every policy, only the chosen one, or none",
+        help="with --budget: find the largest batch and longest sequence that fit for the chosen policy (default: "
+        "chosen), the Pareto-optimal policies (pareto; a dominated one is never the best choice), every policy, or none",
     )
     p.add_argument("--plot", default=None, metavar="PNG", help="with --budget: Pareto plot of memory vs recompute")
     p.add_argument(
@@ -355,20 +465,63 @@ def add_cli(subparsers) -> None:
 # ---- plan --budget: the least-recompute policy that fits -----------------------------------------------
 
 
+BUDGET_LEGEND = (
+    "peak = the compiled step's device bytes at its peak, arguments + outputs − aliased + temp (weights, gradients, "
+    "optimizer state, activations and the recompute working set): what must fit; recompute = matmul FLOPs beyond "
+    "`none`.\n"
+)
+
+
+def format_budget_table(result: budget.AutoResult, fit: dict[str, tuple[int, int]] | None = None) -> list[str]:
+    """``plan --budget``'s table: each candidate's recompute, peak, peak with the margin, whether it fits
+    and (``fit``) the largest batch and sequence that fit; the chosen one marked ``*``; then the notes."""
+    fit = fit or {}
+    margin = result.margin
+    width = max(len(c.policy) for c in result.candidates) + 1
+    head = f"{'policy':{width + 1}} {'recompute':>10} {'peak':>10} {'+margin':>10} {'host':>10} {'fits':>5}"
+    if fit:
+        head += f" {'max batch @seq ' + str(result.seq):>18} {'max seq @batch ' + str(result.batch):>18}"
+    rows = [head, "-" * len(head)]
+    for c in result.candidates:
+        mark = "*" if result.chosen is not None and c.policy == str(result.chosen) else " "
+        compiled = c.need_bytes is not None
+        fits = "-" if c.fits is None else "yes" if c.fits else "no"
+        row = (
+            f"{mark}{c.policy:{width}} {fmt_flops(c.recompute_flops):>10} "
+            f"{fmt_bytes(c.need_bytes) if compiled else '-':>10} "
+            f"{fmt_bytes(c.need_bytes * (1 + margin)) if compiled else '-':>10} "
+            f"{fmt_bytes(c.host_bytes) if compiled else '-':>10} {fits:>5}"
+        )
+        if fit:
+            row += "".join(f" {fit[c.policy][k] if c.policy in fit else '-':>18}" for k in (0, 1))
+        rows.append(row)
+    note = inspection.offload_note()
+    if note and any(policies.parse(c.policy).kind == "offload" for c in result.candidates):
+        rows.append(f"note: {note}.")
+    return rows
+
+
+def compile_progress(done: int, total: int, what: str) -> None:
+    """Progress on stderr: compiles done out of those known so far."""
+    print(f"[plan] compiled {done}/{total}: {what}", file=sys.stderr, flush=True)
+
+
 def _budget_command(args: argparse.Namespace, config: TransformerConfig, batch: int, seq: int, mesh) -> int:
     """``plan --budget``: every candidate's need against the budget, the choice, and the limits that fit."""
     budget_bytes = budget.parse_bytes(args.budget)
     margin = budget.DEFAULT_MARGIN if args.margin is None else args.margin
     budget.check_budget(budget_bytes, margin)
-    limits = args.limits or "pareto"
+    # Only the chosen policy's limits by default: each policy's search costs a few compiles, and the
+    # chosen one answers "how far can I push this run"; the others are one flag away.
+    limits = args.limits or "chosen"
     check_writable(args.json, "--json")
     check_writable(args.plot, "--plot")
     pool = parse_policies(args.policies, config.num_layers) if args.policies else list(budget.candidates(config))
-    planner = budget.Planner(config, loss_chunks=args.loss_chunks, mesh=mesh)
-    print(f"[plan] compiling {len(pool)} candidates ...", file=sys.stderr, flush=True)
+    planner = budget.Planner(config, loss_chunks=args.loss_chunks, mesh=mesh, progress=compile_progress)
+    print(f"[plan] compiling {len(pool)} candidates, {args.jobs} at a time ...", file=sys.stderr, flush=True)
     result = budget.auto(
-        config, batch=batch, seq=seq, budget_bytes=budget_bytes, margin=margin, candidate_policies=pool,
-        exhaustive=True, planner=planner,
+        config, batch=batch, seq=seq, budget_bytes=budget_bytes, margin=margin, candidates=pool,
+        exhaustive=True, planner=planner, jobs=args.jobs,
     )  # fmt: skip
     wanted = [c.policy for c in result.candidates] if limits == "all" else []
     if limits == "pareto":  # a dominated policy is never the best answer at any budget: skip its searches
@@ -377,38 +530,27 @@ def _budget_command(args: argparse.Namespace, config: TransformerConfig, batch: 
     if limits == "chosen" and result.chosen is not None:
         wanted = [str(result.chosen)]
     fit = {}
-    for i, spec in enumerate(wanted):
-        print(f"[plan] {i + 1}/{len(wanted)} {spec}: largest batch and sequence that fit ...", file=sys.stderr,
+    if wanted and mesh is None:
+        # The searches' first compiles are known in advance (the batch line's two points, the sequence
+        # limit): compile them together, args.jobs at a time; each search then needs about one more.
+        first = max(batch, 2)
+        shapes = [(policies.parse(s), b, q) for s in wanted for b, q in ((first, seq), (2 * first, seq),
+                                                                       (batch, config.max_seq_len))]  # fmt: skip
+        print(f"[plan] largest batch and sequence that fit for {len(wanted)} policies ...", file=sys.stderr,
               flush=True)  # fmt: skip
+        planner.precompile(shapes, jobs=args.jobs)
+    for spec in wanted:
         kw = {"batch": batch, "seq": seq, "budget_bytes": budget_bytes, "margin": margin, "planner": planner}
         fit[spec] = (budget.max_fit(config, spec, dim="batch", **kw), budget.max_fit(config, spec, dim="seq", **kw))
 
     where = f", mesh {args.mesh} (bytes per device)" if mesh is not None else ""
     print(
         f"remat-kit plan --budget {fmt_bytes(budget_bytes)}: preset {args.preset} ({config.num_params() / 1e9:.2f} B "
-        f"params), batch {batch} × seq {seq}, AdamW, loss_chunks={args.loss_chunks}, margin {margin:.0%}{where}"
+        f"params), batch {batch} × seq {seq}, clipped AdamW step, loss_chunks={args.loss_chunks}, "
+        f"margin {margin:.0%}{where}"
     )
-    print("need = compiled step's device bytes (weights + gradients + optimizer state + activations); "
-          "recompute = matmul FLOPs beyond `none`.\n")  # fmt: skip
-    width = max(len(c.policy) for c in result.candidates) + 1
-    head = f"{'policy':{width + 1}} {'recompute':>10} {'need':>10} {'+margin':>10} {'fits':>5}"
-    if fit:
-        head += f" {'max batch @seq ' + str(seq):>18} {'max seq @batch ' + str(batch):>18}"
-    print(head)
-    print("-" * len(head))
-    for c in result.candidates:
-        mark = "*" if result.chosen is not None and c.policy == str(result.chosen) else " "
-        row = (
-            f"{mark}{c.policy:{width}} {fmt_flops(c.recompute_flops):>10} {fmt_bytes(c.need_bytes):>10} "
-            f"{fmt_bytes(c.need_bytes * (1 + margin)):>10} {'yes' if c.fits else 'no':>5}"
-        )
-        if fit:
-            row += "".join(f" {fit[c.policy][k] if c.policy in fit else '-':>18}" for k in (0, 1))
-        print(row)
-    if any(policies.parse(c.policy).kind == "offload" for c in result.candidates) and not any(
-        c.host_bytes for c in result.candidates
-    ):
-        print("note: this backend reports offloaded bytes as device bytes (XLA:CPU); a GPU/TPU separates them.")
+    print(BUDGET_LEGEND)
+    print("\n".join(format_budget_table(result, fit)))
     print(f"\nchosen: {result.chosen if result.chosen is not None else '(nothing fits)'}")
     print(result.reason)
     if args.plot:

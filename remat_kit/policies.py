@@ -2,7 +2,9 @@
 
 A :class:`Policy` is data. The scan core (:mod:`remat_kit.scan`) reads its :meth:`Policy.plan` to
 decide how layers are grouped, and :meth:`Policy.checkpoint` to wrap one layer or group; applied to a
-plain function or a Flax module class it wraps that directly.
+plain function, a Flax Linen module class or a Flax NNX module instance it wraps that directly
+(:mod:`remat_kit.wrap`, :mod:`remat_kit.wrap_nnx`). Building a policy queries no backend and imports
+no Flax: it is plain, hashable data.
 
 >>> import jax, jax.numpy as jnp
 >>> p = parse("every_n:2")
@@ -20,15 +22,15 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal
 
-import flax.linen as nn
 import jax
-from flax import nnx
 
 from remat_kit import names as _names
-from remat_kit import wrap_nnx
 
 Kind = Literal["none", "full", "every_n", "selective", "offload", "segments", "sqrt_n", "dots"]
 KINDS: tuple[str, ...] = ("none", "full", "every_n", "selective", "offload", "segments", "sqrt_n", "dots")
+
+#: Kinds that group the layers of a stack; they have no meaning for one function or module.
+GROUPING_KINDS: tuple[str, ...] = ("every_n", "segments", "sqrt_n")
 
 #: How the scan core groups layers for a policy.
 #:   ``"layer"``: one layer per scan step, each wrapped by :meth:`Policy.checkpoint`;
@@ -37,6 +39,13 @@ KINDS: tuple[str, ...] = ("none", "full", "every_n", "selective", "offload", "se
 GroupMode = Literal["layer", "first", "group"]
 
 DEFAULT_OFFLOAD_DST = "pinned_host"
+
+#: The memory kinds ``jax.checkpoint`` really offloads residuals to. JAX's remat maps only
+#: ``pinned_host`` to host memory; any other kind (``unpinned_host`` included) silently keeps the
+#: residual on the device, so it is refused. Whether the backend has that memory is known only when
+#: compiling (XLA:CPU accepts it and moves nothing; tests/test_policies.py checks this list against
+#: the running JAX's residual analysis).
+OFFLOAD_DESTINATIONS: tuple[str, ...] = ("pinned_host",)
 
 # The default selective preset: keep the outputs of weight matmuls, recompute the attention core,
 # norms and activations (Korthikanti et al. 2022, Megatron's selective recompute).
@@ -64,16 +73,19 @@ class Policy:
 
     Attributes:
       kind: which policy, one of :data:`KINDS`.
-      n: the period of ``every_n`` or the group size of ``segments``; 0 otherwise.
+      period: ``every_n`` only: layers 0, period, 2·period, … are rematerialized; 0 otherwise.
+      group_size: ``segments`` only: layers rematerialized together per group; 0 otherwise.
       save: tags kept on the device (``selective``, ``offload``).
       offload: tags kept in host memory instead of recomputed (``offload``).
-      dst: the host memory kind offloaded tags go to.
-      strict: check tags against :data:`remat_kit.names.VOCABULARY` at construction and against the
-        tags the block really emits when stacked. Turn off for your own modules' tags.
+      dst: the memory kind offloaded tags go to, one of :data:`OFFLOAD_DESTINATIONS`.
+      strict: wherever the policy is applied, check at trace time that the wrapped code emits every
+        tag in :attr:`tags` (a ValueError naming the missing ones and the nearest emitted name).
+        Turn it off only for one policy shared by blocks that emit different tags.
     """
 
     kind: Kind
-    n: int = 0
+    period: int = 0
+    group_size: int = 0
     save: tuple[str, ...] = ()
     offload: tuple[str, ...] = ()
     dst: str = DEFAULT_OFFLOAD_DST
@@ -82,29 +94,39 @@ class Policy:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown policy kind {self.kind!r}; allowed: {', '.join(KINDS)}")
-        if self.kind in ("every_n", "segments"):
-            check_positive_int(f"{self.kind}(n)", self.n)
-        elif self.n != 0:
-            raise ValueError(f"policy {self.kind!r} takes no n, got n={self.n!r}")
+        for field, owner in (("period", "every_n"), ("group_size", "segments")):
+            value = getattr(self, field)
+            if self.kind == owner:
+                check_positive_int(f"{owner}({field})", value)
+            elif value != 0:
+                raise ValueError(f"policy {self.kind!r} takes no {field}, got {field}={value!r}")
         if (self.save or self.offload) and self.kind not in ("selective", "offload"):
             raise ValueError(f"policy {self.kind!r} takes no save/offload tags")
         for field in ("save", "offload"):
             value = getattr(self, field)
             if not isinstance(value, tuple) or not all(isinstance(t, str) for t in value):
                 raise TypeError(f"Policy.{field} must be a tuple of tag strings, got {value!r}")
+            for t in value:
+                # The spec string separates tags with "," and options with ";" and "=".
+                if not t or t != t.strip() or any(c in t for c in ",;="):
+                    raise ValueError(f"tag {t!r}: a tag is a non-empty name without spaces around it or ',;='")
+        if not isinstance(self.strict, bool):
+            raise TypeError(f"Policy.strict must be True or False, got {self.strict!r}")
         both = sorted(set(self.save) & set(self.offload))
         if both:
             raise ValueError(f"tags {both} are both saved and offloaded; a tag can be one or the other")
         if self.kind == "offload":
             if not self.offload:
                 raise ValueError("offload(names=...) needs at least one tag to offload")
-            _check_memory_kind(self.dst)
+            _check_offload_dst(self.dst)
 
     # ---- identity -----------------------------------------------------------------------------
 
     def __str__(self) -> str:
-        if self.kind in ("every_n", "segments"):
-            return f"{self.kind}:{self.n}"
+        if self.kind == "every_n":
+            return f"every_n:{self.period}"
+        if self.kind == "segments":
+            return f"segments:{self.group_size}"
         opts = [] if self.strict else ["strict=false"]
         if self.kind == "selective":
             if self.save == SELECTIVE_DEFAULT and self.strict:
@@ -164,55 +186,99 @@ class Policy:
             return fn
         return jax.checkpoint(fn, policy=self.jax_policy, prevent_cse=prevent_cse)
 
-    def __call__(self, target, *, prevent_cse: bool = True):
-        """Apply the policy to one function or one Flax module class.
+    def __call__(self, target, *, static_argnums: int | tuple[int, ...] = (), methods=None, prevent_cse: bool = True):
+        """Apply the policy to one function, one Flax Linen module class or one Flax NNX module instance.
 
-        A single function or module is one layer: ``every_n``, ``segments`` and ``sqrt_n`` then
-        rematerialize it whole (their layer-grouping shows only in :func:`remat_kit.stack`).
+        Wherever it is applied, a :attr:`strict` policy checks once per input signature, at trace
+        time, that the code emits every tag it names (see :mod:`remat_kit.tags`).
 
         Args:
-          target: a callable, or a ``flax.linen.Module`` subclass.
-          prevent_cse: passed to ``jax.checkpoint`` / ``nn.remat``; keep True outside scans.
+          target: a callable; a ``flax.linen.Module`` subclass; or an ``flax.nnx.Module`` instance.
+          static_argnums: positional arguments that are Python values (flags), not arrays. For a
+            function they index its arguments (``jax.checkpoint``'s meaning); for a Linen class
+            they count ``self`` as 0 (``flax.linen.remat``'s meaning: ``__call__(self, x, train)``
+            takes ``static_argnums=(2,)``), and so for an NNX instance (``__call__(self, x, train)``:
+            ``(2,)``).
+          methods: Linen classes only: the methods to rematerialize (default ``["__call__"]``).
+          prevent_cse: passed to ``jax.checkpoint``; keep True outside scans.
 
         Returns:
-          The function under ``jax.checkpoint`` or the class under ``flax.linen.remat``
-          (``target`` itself for ``none``).
+          The function under ``jax.checkpoint``, the class under ``flax.linen.remat``, or an
+          ``nnx.Module`` owning the instance (``target`` itself for ``none`` on a function or class).
+
+        Raises:
+          ValueError: a grouping policy (``every_n``, ``segments``, ``sqrt_n``): it applies to a stack.
+          TypeError: a target of another kind (a Linen instance, an NNX class, a non-callable).
         """
-        if isinstance(target, type) and issubclass(target, nn.Module):
-            if not self.remat:
-                return target
-            return nn.remat(target, policy=self.jax_policy, prevent_cse=prevent_cse)
-        if isinstance(target, nnx.Module):
-            return wrap_nnx.remat(self, target, prevent_cse=prevent_cse)
-        if isinstance(target, nn.Module):
-            raise TypeError(
-                f"apply a policy to a Module class, not an instance ({type(target).__name__}(...)); "
-                f"write policy({type(target).__name__})"
+        # Imported here, not at the top: a policy is data and must not need Flax to be built.
+        from remat_kit import wrap
+
+        kind = wrap.target_kind(target)
+        if self.kind in GROUPING_KINDS:
+            raise ValueError(
+                f"policy {self} groups the layers of a stack; apply it with remat_kit.stack (Linen) or "
+                f"remat_kit.nnx.stack (NNX), not to one {kind.replace('_', ' ')}; for a single function or "
+                f"module use full, selective, offload, dots or none"
             )
-        if not callable(target):
-            raise TypeError(f"a policy applies to a function or a flax.linen.Module class, got {target!r}")
-        return self.checkpoint(target, prevent_cse=prevent_cse)
+        if kind == "nnx_instance":
+            from remat_kit import wrap_nnx
+
+            return wrap_nnx.remat(self, target, static_argnums=_argnums(static_argnums), prevent_cse=prevent_cse)
+        if methods is not None and kind != "linen_class":
+            raise TypeError(f"methods= applies to a flax.linen.Module class only, got {target!r}")
+        return wrap.remat(
+            self, target, static_argnums=_argnums(static_argnums), methods=methods, prevent_cse=prevent_cse
+        )
 
     # ---- how the scan core groups layers ----------------------------------------------------------
 
     def validate_depth(self, num_layers: int) -> None:
         """Raise ValueError if the policy cannot apply to a stack of ``num_layers`` layers."""
         check_positive_int("num_layers", num_layers)
-        if self.kind in ("every_n", "segments") and self.n > num_layers:
-            raise ValueError(
-                f"{self}: n={self.n} is greater than the depth ({num_layers} layers); allowed: 1 <= n <= {num_layers}"
-            )
+        for field in ("period", "group_size"):
+            value = getattr(self, field)
+            if value > num_layers:
+                raise ValueError(
+                    f"{self}: {field}={value} is greater than the depth ({num_layers} layers); "
+                    f"allowed: 1 <= {field} <= {num_layers}"
+                )
 
     def plan(self, num_layers: int) -> LayerPlan:
         """How the scan core groups ``num_layers`` layers under this policy."""
         self.validate_depth(num_layers)
         if self.kind == "every_n":
-            return LayerPlan(self.n, "first")
+            return LayerPlan(self.period, "first")
         if self.kind == "segments":
-            return LayerPlan(self.n, "group")
+            return LayerPlan(self.group_size, "group")
         if self.kind == "sqrt_n":
             return LayerPlan(sqrt_n_group_size(num_layers), "group")
         return LayerPlan(1, "layer")
+
+
+#: Primitives whose outputs are views or casts: free to recompute from their inputs.
+_VIEW_PRIMITIVES = frozenset(
+    {
+        "dynamic_slice",
+        "slice",
+        "squeeze",
+        "reshape",
+        "expand_dims",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "transpose",
+        "copy",
+    }
+)
+
+
+def keep_activations(prim, *_, **__) -> bool:
+    """A ``jax.checkpoint`` policy: save every value except views and casts (recomputed for free).
+
+    The scan core runs ``every_n``'s non-rematerialized layers under it: they keep all their
+    activations, as without remat, but not the slices (and casts) of the stacked weights, which JAX
+    would otherwise save as residuals because a scan cannot forward a slice of its input.
+    """
+    return prim.name not in _VIEW_PRIMITIVES
 
 
 def sqrt_n_group_size(num_layers: int) -> int:
@@ -252,9 +318,9 @@ def every_n(n: int) -> Policy:
       n: the period, a positive integer no larger than the depth.
 
     >>> every_n(2)
-    Policy(kind='every_n', n=2, save=(), offload=(), dst='pinned_host', strict=True)
+    Policy(kind='every_n', period=2, group_size=0, save=(), offload=(), dst='pinned_host', strict=True)
     """
-    return Policy("every_n", n=n)
+    return Policy("every_n", period=n)
 
 
 def selective(save=SELECTIVE_DEFAULT, *, strict: bool = True) -> Policy:
@@ -264,13 +330,15 @@ def selective(save=SELECTIVE_DEFAULT, *, strict: bool = True) -> Policy:
     activations, as Megatron's selective recompute does.
 
     Args:
-      save: tags (or MaxText aliases) to keep; see :mod:`remat_kit.names`.
-      strict: reject tags outside the vocabulary; set False for your own module's tags.
+      save: tags to keep: remat_kit's (:mod:`remat_kit.names`, MaxText aliases expanded) or your own
+        code's ``checkpoint_name`` tags.
+      strict: check at trace time that the wrapped code emits every tag in ``save`` (see
+        :attr:`Policy.strict`).
 
-    >>> str(selective(["query_proj", "key_proj"]))
-    'selective:q_proj,k_proj'
+    >>> str(selective(["query_proj", "key_proj"])), str(selective(["my_tag"]))
+    ('selective:q_proj,k_proj', 'selective:my_tag')
     """
-    return Policy("selective", save=_names.resolve(save, strict=strict), strict=strict)
+    return Policy("selective", save=_names.resolve(save), strict=strict)
 
 
 def offload(names=(_names.LAYER_INPUT,), save=(), dst: str = DEFAULT_OFFLOAD_DST, *, strict: bool = True) -> Policy:
@@ -281,16 +349,17 @@ def offload(names=(_names.LAYER_INPUT,), save=(), dst: str = DEFAULT_OFFLOAD_DST
     Args:
       names: tags copied to ``dst`` in the forward pass and back in the backward pass.
       save: tags kept on the device; everything else is recomputed.
-      dst: a host memory kind of the backend, e.g. ``"pinned_host"`` or ``"unpinned_host"``.
-      strict: reject tags outside the vocabulary.
+      dst: the memory kind offloaded to, one of :data:`OFFLOAD_DESTINATIONS` (``"pinned_host"``).
+        On CPU no memory moves: XLA:CPU lowers the transfer to nothing.
+      strict: check at trace time that the wrapped code emits every tag named.
 
     >>> str(offload()), str(offload(["q_proj"], save=["mlp_up"]))
     ('offload', 'offload:q_proj;save=mlp_up')
     """
     return Policy(
         "offload",
-        save=_names.resolve(save, strict=strict),
-        offload=_names.resolve(names, strict=strict),
+        save=_names.resolve(save),
+        offload=_names.resolve(names),
         dst=dst,
         strict=strict,
     )
@@ -302,7 +371,7 @@ def segments(k: int) -> Policy:
     >>> str(segments(4))
     'segments:4'
     """
-    return Policy("segments", n=k)
+    return Policy("segments", group_size=k)
 
 
 def sqrt_n() -> Policy:
@@ -336,8 +405,10 @@ MAXTEXT_ALIASES: dict[str, Callable[[], Policy]] = {
 }
 
 _SPEC_HELP = (
-    "none, full, dots, sqrt_n, every_n:N, segments:K, selective[:TAG,...], "
-    "offload[:TAG,...[;save=TAG,...][;dst=KIND]], or a MaxText preset (" + ", ".join(MAXTEXT_ALIASES) + ")"
+    "none, full, dots, sqrt_n, every_n:N, segments:K, selective[:TAG,...][;strict=false], "
+    "offload[:TAG,...[;save=TAG,...][;dst=KIND][;strict=false]], or a MaxText preset ("
+    + ", ".join(MAXTEXT_ALIASES)
+    + ")"
 )
 
 
@@ -346,8 +417,8 @@ def parse(spec: str | Policy) -> Policy:
 
     Args:
       spec: e.g. ``"full"``, ``"every_n:2"``, ``"selective:q_proj,k_proj"``, ``"offload"``,
-        ``"offload:q_proj;save=mlp_up;dst=unpinned_host"``, ``"segments:4"``, ``"sqrt_n"``,
-        or a MaxText preset name such as ``"minimal"``. A Policy is returned unchanged.
+        ``"offload:q_proj;save=mlp_up;dst=pinned_host"``, ``"selective:my_tag;strict=false"``,
+        ``"segments:4"``, ``"sqrt_n"``, or a MaxText preset name such as ``"minimal"``. A Policy is returned unchanged.
 
     Raises:
       ValueError: an unknown or malformed spec, naming it and the allowed forms.
@@ -419,15 +490,24 @@ def check_positive_int(what: str, value) -> None:
         raise ValueError(f"{what} must be a positive integer (>= 1), got {value}")
 
 
-def _check_memory_kind(dst: str) -> None:
+def _check_offload_dst(dst: str) -> None:
     if not isinstance(dst, str):
         raise TypeError(f"offload dst must be a memory-kind string, got {dst!r}")
-    device = jax.devices()[0]
-    kinds = [m.kind for m in device.addressable_memories()]
-    host_kinds = [k for k in kinds if k != device.default_memory().kind]
-    if dst not in host_kinds:
+    if dst not in OFFLOAD_DESTINATIONS:
         raise ValueError(
-            f"offload destination {dst!r} is not a host memory kind of {device.platform} device "
-            f"{device.id}; allowed: {', '.join(host_kinds) or '(none: this backend cannot offload)'} "
-            f"(addressable memories: {', '.join(kinds)})"
+            f"offload destination {dst!r} is not a memory kind jax.checkpoint offloads to "
+            f"(jax {jax.__version__}); allowed: {', '.join(OFFLOAD_DESTINATIONS)}"
         )
+
+
+def _argnums(value) -> tuple[int, ...]:
+    """``static_argnums`` as a tuple of non-negative ints (an int is one index)."""
+    items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise TypeError(f"static_argnums must be an int or a tuple of ints, got {value!r}") from None
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ValueError(f"static_argnums must be non-negative ints, got {value!r}")
+    return items

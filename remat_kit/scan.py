@@ -1,12 +1,16 @@
 """The scan-over-layers core: N copies of one Flax block under ``lax.scan``, remat per policy.
 
-Parameters are created stacked on axis 0 (``[num_layers, ...]``) under the name ``layers``, the
-same tree for every policy, so a checkpoint trained under one policy loads under any other. The
-policy only decides how the scan groups the layers (see :meth:`remat_kit.policies.Policy.plan`):
+Every variable collection of the block (``params``, ``batch_stats``, …) is created stacked on axis 0
+(``[num_layers, ...]``) under the name ``layers``, the same tree for every policy, so a checkpoint
+trained under one policy loads under any other; mutable collections are updated layer by layer.
+Every RNG stream reaches every layer. The policy only decides how the scan groups the layers (see
+:meth:`remat_kit.policies.Policy.plan`):
 
 * ``"layer"`` (none, full, selective, offload, dots): one scan step per layer, each wrapped by the
   policy's ``jax.checkpoint``;
 * ``"first"`` (every_n): one scan step per group of n layers whose first layer is rematerialized;
+  the others keep every activation but no slice of the stacked weights
+  (:func:`remat_kit.policies.keep_activations`);
 * ``"group"`` (segments, sqrt_n): one scan step per group of k layers rematerialized together, so
   only group inputs are kept (Chen et al. 2016).
 
@@ -25,17 +29,23 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core.scope import subtract_filters
 
-from remat_kit import _jax_internals
-from remat_kit.policies import Policy, parse
+from remat_kit import tags
+from remat_kit.policies import Policy, keep_activations, parse
 
 
 class Stack(nn.Module):
     """Runs ``num_layers`` copies of ``block`` under one scan. Build it with :func:`stack`.
 
+    Every variable collection of the block is stacked on axis 0 under the name ``layers``
+    (``params``, ``batch_stats``, …); mutable collections are updated layer by layer and written back,
+    exactly as the blocks would without remat. Every RNG stream given to ``apply`` reaches every layer,
+    folded with the layer index.
+
     Attributes:
       block: a Flax module class (or ``functools.partial`` of one) whose ``__call__(x, *args,
-        **kwargs)`` returns a value shaped like ``x``.
+        **kwargs)`` returns a value shaped like ``x``, or a pair ``(x, aux)``.
       num_layers: the depth.
       policy: the rematerialization policy.
     """
@@ -46,93 +56,152 @@ class Stack(nn.Module):
 
     @nn.compact
     def __call__(self, x, *args, **kwargs):
-        """Apply the layers in order. ``args``/``kwargs`` reach every layer unchanged.
+        """Apply the layers in order. ``args``/``kwargs`` reach every layer unchanged (broadcast).
 
         Returns:
-          The output of the last layer, shaped like ``x``.
+          The output of the last layer, shaped like ``x``; or ``(x, aux)`` when the block returns
+          a pair, ``aux`` stacked over the layers on axis 0.
         """
         layer = self.block(parent=None)
         num_layers = self.num_layers
-        stream = "dropout"
-        base_key = self.make_rng(stream) if self.has_rng(stream) else None
+        # Every stream the caller gave (flax keeps them on the scope); "dropout" is always seeded at
+        # init, as before, so parameter values do not depend on which streams an init passes.
+        streams = sorted(self.scope.rngs)
+        if self.is_initializing():
+            key = self.make_rng("params")
 
-        def init_one(key):
-            return layer.init({"params": key, stream: key}, x, *args, **kwargs)["params"]
+            def init_one(k):
+                return layer.init({"params": k, "dropout": k, **{s: k for s in streams}}, x, *args, **kwargs)
 
-        params = self.param("layers", lambda rng: jax.vmap(init_one)(jax.random.split(rng, num_layers)))
+            created = jax.vmap(init_one)(jax.random.split(key, num_layers))
+            for col, tree in created.items():
+                if col == "params":
+                    self.param("layers", lambda _, t=tree: t)
+                else:
+                    self.variable(col, "layers", lambda t=tree: t)
+        variables = {col: tree["layers"] for col, tree in self.variables.items() if "layers" in tree}
+        keys = {s: self.make_rng(s) for s in streams}
+        # Parameters are read-only inside a layer; every other collection the caller made mutable is
+        # mutable there too (BatchNorm's batch_stats, sow'n intermediates).
+        mutable = subtract_filters(self.scope.mutable, "params")
 
-        def run_layer(p, h, i):
-            rngs = {} if base_key is None else {stream: jax.random.fold_in(base_key, i)}
-            return layer.apply({"params": p}, h, *args, rngs=rngs, **kwargs)
+        def run_layer(v, h, i):
+            rngs = {s: jax.random.fold_in(k, i) for s, k in keys.items()}
+            if mutable is False:
+                y, mutated = layer.apply(v, h, *args, rngs=rngs, **kwargs), {}
+            else:
+                y, mutated = layer.apply(v, h, *args, rngs=rngs, mutable=mutable, **kwargs)
+            h, aux = _split_output(y, h, type(layer).__name__)
+            return h, (aux, mutated)
 
-        if self.policy.strict and self.policy.tags:
-            one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
-            _check_tags(
+        if tags.needs_check(self.policy):
+            one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
+            tags.check_traced(
                 self.policy,
                 type(layer).__name__,
-                lambda p, h: run_layer(p, h, jnp.int32(0)),
+                lambda v, h: run_layer(v, h, jnp.int32(0)),
                 one,
                 jax.ShapeDtypeStruct(x.shape, x.dtype),
+                key=_block_key(self.block, streams, args, kwargs),
             )
 
-        plan = self.policy.plan(num_layers)
-        index = jnp.arange(num_layers, dtype=jnp.int32)
-        if plan.mode == "layer":
-            step = self.policy.checkpoint(run_layer, prevent_cse=False)
-            out, _ = jax.lax.scan(lambda h, xs: (step(xs[0], h, xs[1]), None), x, (params, index))
-            return out
-
-        # Grouped plans index the full stacked parameters inside each step instead of scanning over
-        # reshaped slices: a slice taken outside a checkpoint would be saved as a residual (a copy
-        # of the weights), while the stacked parameters themselves are forwarded for free.
-        group = functools.partial(_run_group, self.policy, plan.mode, run_layer, params)
-        full_groups, rest = divmod(num_layers, plan.size)
-        starts = jnp.arange(full_groups, dtype=jnp.int32) * plan.size
-        out, _ = jax.lax.scan(lambda h, start: (group(plan.size, h, start), None), x, starts)
-        if rest:
-            tail = jnp.full((1,), full_groups * plan.size, dtype=jnp.int32)
-            out, _ = jax.lax.scan(lambda h, start: (group(rest, h, start), None), out, tail)
-        return out
+        out, (aux, mutated) = _run_layers(self.policy, num_layers, run_layer, variables, x)
+        if not self.is_initializing():  # flax's init does not update statistics either
+            for col, tree in mutated.items():
+                self.put_variable(col, "layers", tree)
+        return out if aux is None else (out, aux)
 
 
-def _layer_at(params, i):
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), params)
+def _run_layers(policy: Policy, num_layers: int, run_layer, variables, x):
+    """Run the layers per ``policy.plan``; return (output, per-layer outputs stacked on axis 0)."""
+    plan = policy.plan(num_layers)
+    index = jnp.arange(num_layers, dtype=jnp.int32)
+    if plan.mode == "layer":
+        step = policy.checkpoint(run_layer, prevent_cse=False)
+        return jax.lax.scan(lambda h, xs: step(xs[0], h, xs[1]), x, (variables, index))
+
+    # Grouped plans index the full stacked variables inside each step instead of scanning over
+    # reshaped slices: a slice taken outside a checkpoint would be saved as a residual (a copy
+    # of the weights), while the stacked parameters themselves are forwarded for free.
+    group = functools.partial(_run_group, policy, plan.mode, run_layer, variables)
+    full_groups, rest = divmod(num_layers, plan.size)
+    starts = jnp.arange(full_groups, dtype=jnp.int32) * plan.size
+    out, ys = jax.lax.scan(lambda h, start: group(plan.size, h, start), x, starts)
+    ys = jax.tree.map(lambda a: a.reshape(full_groups * plan.size, *a.shape[2:]), ys)
+    if rest:
+        tail = jnp.full((1,), full_groups * plan.size, dtype=jnp.int32)
+        out, tail_ys = jax.lax.scan(lambda h, start: group(rest, h, start), out, tail)
+        ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[0]]), ys, tail_ys)
+    return out, ys
 
 
-def _scan_from(run_layer, params, h, first, count):
-    """Run layers ``first .. first+count-1`` plainly under an inner scan."""
+def _split_output(y, h, block_name: str):
+    """A block's output as (next carry, aux): ``y`` shaped like ``h``, or a pair ``(like h, aux)``."""
+    if _same_type(y, h):
+        return y, None
+    if isinstance(y, tuple) and len(y) == 2 and _same_type(y[0], h):
+        return y
+    raise ValueError(
+        f"{block_name} returns {_describe(y)} for an input {_describe(h)}; a stacked block must return a value "
+        f"with its input's shape and dtype, or a pair (x, aux) whose aux is then stacked over the layers"
+    )
+
+
+def _same_type(a, b) -> bool:
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    return ta == tb and all(
+        hasattr(u, "shape") and u.shape == v.shape and u.dtype == v.dtype for u, v in zip(la, lb, strict=True)
+    )
+
+
+def _describe(tree) -> str:
+    return str(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else repr(a), tree))
+
+
+def _block_key(block, streams, args, kwargs):
+    """A hashable name for the code a stack runs (a partial's fields by value), or None."""
+    if isinstance(block, functools.partial):
+        block = (block.func, block.args, tuple(sorted(block.keywords.items())))
+    key = (block, tuple(streams), tags.signature((args, kwargs)))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _layer_at(variables, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), variables)
+
+
+def _scan_from(run_layer, variables, h, first, count):
+    """Run layers ``first .. first+count-1`` plainly under an inner scan; (output, per-layer ys)."""
 
     def body(c, i):
-        return run_layer(_layer_at(params, i), c, i), None
+        return run_layer(_layer_at(variables, i), c, i)
 
-    out, _ = jax.lax.scan(body, h, first + jnp.arange(count, dtype=jnp.int32))
-    return out
+    return jax.lax.scan(body, h, first + jnp.arange(count, dtype=jnp.int32))
 
 
-def _run_group(policy: Policy, mode: str, run_layer, params, size: int, h, start):
-    """One scan step of a grouped plan: layers ``start .. start+size-1``."""
+def _run_group(policy: Policy, mode: str, run_layer, variables, size: int, h, start):
+    """One scan step of a grouped plan: layers ``start .. start+size-1``; (output, ys [size, ...])."""
     if mode == "group":
         whole = functools.partial(_scan_from, run_layer, count=size)
-        return policy.checkpoint(lambda p, c, s: whole(p, c, s), prevent_cse=False)(params, h, start)
-    # "first": rematerialize the group's first layer, keep everything of the others. JAX cannot
-    # forward a slice of the stacked weights through the scan, so the non-rematerialized layers
-    # keep their weight slices as residuals ((n-1)/n of the stack's weights; the analysis shows them).
-    first = policy.checkpoint(lambda p, c, i: run_layer(_layer_at(p, i), c, i), prevent_cse=False)
-    h = first(params, h, start)
+        return policy.checkpoint(lambda v, c, s: whole(v, c, s), prevent_cse=False)(variables, h, start)
+    # "first": rematerialize the group's first layer, keep every activation of the others. Those run
+    # under a checkpoint that saves everything except views and casts (policies.keep_activations):
+    # without it JAX would keep their weight slices as residuals, (n-1)/n of the stack's weights,
+    # since a scan cannot forward a slice of its input; recomputing a slice costs nothing.
+    first = policy.checkpoint(lambda v, c, i: run_layer(_layer_at(v, i), c, i), prevent_cse=False)
+    h, y0 = first(variables, h, start)
+    ys = jax.tree.map(lambda a: a[None], y0)
     if size > 1:
-        h = _scan_from(run_layer, params, h, start + 1, size - 1)
-    return h
-
-
-def _check_tags(policy: Policy, block_name: str, fn, *abstract_args) -> None:
-    emitted = _jax_internals.emitted_tags(fn, *abstract_args)
-    missing = [t for t in policy.tags if t not in emitted]
-    if missing:
-        raise ValueError(
-            f"policy {policy} names tags that {block_name} never emits: {', '.join(missing)}; "
-            f"it emits: {', '.join(sorted(emitted)) or '(none)'}. Tag them with "
-            f"jax.ad_checkpoint.checkpoint_name, or build the policy with strict=False to skip this check"
-        )
+        others = functools.partial(_scan_from, run_layer, count=size - 1)
+        keep = jax.checkpoint(others, policy=keep_activations, prevent_cse=False)
+        h, rest = keep(variables, h, start + 1)
+        ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, rest)
+    return h, ys
 
 
 def stack(

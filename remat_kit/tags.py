@@ -3,7 +3,8 @@
 A selective or offload policy names ``checkpoint_name`` tags. A name the wrapped code never emits
 would silently turn into "recompute it" (MaxText's silent failure), so wherever a policy is applied
 (a function, a Linen class, a Linen or NNX stack, an NNX instance) the wrapper traces the code once
-per input signature and calls :func:`check` with the tags actually emitted.
+per input signature and calls :func:`check` with the tags actually emitted (:func:`check_traced`
+does both, cached). A policy built with ``strict=False`` skips the check; it has no other meaning.
 
 >>> import jax, jax.numpy as jnp
 >>> from remat_kit import policies
@@ -20,11 +21,19 @@ ValueError: policy selective:mlp_upp names tags that f never emits: mlp_upp (did
 
 from __future__ import annotations
 
+import collections
 import difflib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
+import jax
+import numpy as np
+
 from remat_kit import _jax_internals
+
+# (policy, code key, input signature) already checked; bounded so long sessions do not grow it.
+_CHECKED: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+_MAX_CHECKED = 4096
 
 
 def emitted_tags(fn: Callable, *args: Any) -> frozenset[str]:
@@ -51,17 +60,26 @@ def missing(policy, emitted: Iterable[str]) -> tuple[str, ...]:
     return tuple(t for t in policy.tags if t not in emitted)
 
 
+def needs_check(policy) -> bool:
+    """Whether applying ``policy`` calls for a tag check (it is strict and names tags)."""
+    return bool(policy.strict and policy.tags)
+
+
 def check(policy, emitted: Iterable[str], where: str) -> None:
     """Raise ValueError if ``policy`` names a tag that the code called ``where`` never emits.
 
+    Does nothing for a policy built with ``strict=False``.
+
     Args:
-      policy: a :class:`remat_kit.policies.Policy`.
+      policy: a :class:`remat_kit.policies.Policy` (duck-typed: ``.tags``, ``.strict``).
       emitted: the tags the wrapped code attaches (see :func:`emitted_tags`).
       where: what was wrapped, for the message (``"MyBlock"``, ``"function f"``).
 
     Raises:
       ValueError: naming the missing tags, the nearest emitted name for each, and every emitted tag.
     """
+    if not policy.strict:
+        return
     emitted = frozenset(emitted)
     gone = missing(policy, emitted)
     if not gone:
@@ -74,3 +92,51 @@ def check(policy, emitted: Iterable[str], where: str) -> None:
         f"policy {policy} names tags that {where} never emits: {', '.join(described)}; "
         f"it emits: {', '.join(sorted(emitted)) or '(no tags)'}"
     )
+
+
+def signature(tree: Any) -> Hashable | None:
+    """A hashable key for the abstract value of ``tree``: structure, shapes and dtypes of its arrays,
+    and the values of its other leaves (Python flags); None when a leaf is unhashable.
+
+    >>> import jax.numpy as jnp
+    >>> signature((jnp.ones((2, 3)), True)) == signature((jnp.zeros((2, 3)), True))
+    True
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    key = []
+    for leaf in leaves:
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):  # tracers are jax.Arrays
+            key.append(("array", tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False))))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                return None
+            key.append((type(leaf), leaf))
+    return treedef, tuple(key)
+
+
+def check_traced(policy, where: str, fn: Callable, *args: Any, key: Hashable | None = None) -> None:
+    """Trace ``fn(*args)`` (nothing compiled) and :func:`check` the tags it emits, once per input signature.
+
+    Args:
+      policy: the policy being applied.
+      where: what was wrapped, for the message.
+      fn: the code the policy wraps; ``args`` may be arrays, tracers or ShapeDtypeStructs.
+      key: a hashable name for ``fn``'s code; with it, a second call with the same policy, key and
+        input signature returns at once. Without it (or with an unhashable argument), every call traces.
+
+    Raises:
+      ValueError: see :func:`check`.
+    """
+    if not needs_check(policy):
+        return
+    sig = signature(args) if key is not None else None
+    cache_key = None if sig is None else (policy, key, sig)
+    if cache_key is not None and cache_key in _CHECKED:
+        return
+    check(policy, emitted_tags(fn, *args), where)
+    if cache_key is not None:
+        _CHECKED[cache_key] = None
+        if len(_CHECKED) > _MAX_CHECKED:
+            _CHECKED.popitem(last=False)

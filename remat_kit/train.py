@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -37,6 +38,7 @@ import optax
 
 from remat_kit import __version__, data, lora, policies
 from remat_kit import mesh as mesh_lib
+from remat_kit import step as step_lib
 from remat_kit.checkpoint import Checkpoints
 from remat_kit.loss import lm_loss
 from remat_kit.model import PRESETS, Transformer, TransformerConfig, init_params
@@ -203,13 +205,14 @@ def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, o
         decay_steps=config.steps,
         end_value=config.learning_rate * config.min_lr_ratio,
     )
-    inner = optax.chain(
-        optax.clip_by_global_norm(config.clip_norm),
-        optax.adamw(schedule, weight_decay=config.weight_decay, mask=_decay_mask),
+    optimizer = step_lib.make_optimizer(
+        schedule,
+        clip_norm=config.clip_norm,
+        weight_decay=config.weight_decay,
+        mask=_decay_mask,
+        grad_accum=config.grad_accum,
     )
-    if config.grad_accum == 1:
-        return inner, schedule
-    return optax.MultiSteps(inner, every_k_schedule=config.grad_accum), schedule
+    return optimizer, schedule
 
 
 def _decay_mask(params):
@@ -238,37 +241,76 @@ class Trainer:
         self.optimizer, self.schedule = make_optimizer(config)
         self.traces = {"step": 0, "eval": 0}
         self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
-        step_kw, eval_kw = {}, {}
+        step_kw, eval_kw = {"donate_argnums": (0, 1)}, {}
         self._shardings = None
+        #: The rows of each global batch this process feeds (all of them in one process).
+        self.local_rows = slice(0, config.batch_size)
+        if self.mesh is None and jax.process_count() > 1:
+            raise ValueError(
+                f"a run over {jax.process_count()} processes needs a mesh over all {jax.device_count()} devices "
+                f"(e.g. --mesh data={jax.device_count()})"
+            )
         if self.mesh is not None:
             mesh_lib.check_batch(config.batch_size, self.mesh)
+            self.local_rows = mesh_lib.local_rows(config.batch_size, self.mesh)
             abstract = jax.eval_shape(self.init_state)
             params = mesh_lib.tree_shardings(abstract.params, self.mesh)
             opt_state = mesh_lib.tree_shardings(abstract.opt_state, self.mesh)
             tokens = mesh_lib.batch_sharding(self.mesh)
             self._shardings = (params, opt_state, tokens)
-            step_kw = {
-                "in_shardings": (params, opt_state, tokens, None),
-                "out_shardings": (params, opt_state, *[None] * 3),
-            }
+            step_kw = step_lib.jit_kwargs(abstract.params, abstract.opt_state, self.mesh, batch_args=2)
             eval_kw = {"in_shardings": (params, tokens)}
-        # Donated: the old parameters and optimizer state are dead once the step returns.
-        self._micro_step = jax.jit(self._micro_step_impl, donate_argnums=(0, 1), **step_kw)
+        # The step plan, auto and bench compile (remat_kit.step); parameters and optimizer state donated.
+        micro_step = step_lib.make_step(self._loss, self.optimizer, on_trace=lambda: self._count_trace("step"))
+        self._micro_step = jax.jit(micro_step, **step_kw)
         self._eval = jax.jit(self._eval_impl, **eval_kw)
 
-    def place(self, state: TrainState) -> TrainState:
-        """Put a state's parameters and optimizer state on the mesh (a no-op without one)."""
+    def state_shardings(self) -> dict[str, Any] | None:
+        """Shardings of :meth:`TrainState.to_dict`'s leaves on the mesh (None without a mesh).
+
+        Parameters and optimizer state are FSDP-sharded; the step, data position and RNG are
+        replicated, so that every process holds them and a checkpoint stores them once.
+        """
         if self._shardings is None:
-            return state
+            return None
         params, opt_state, _ = self._shardings
-        return dataclasses.replace(
-            state, params=jax.device_put(state.params, params), opt_state=jax.device_put(state.opt_state, opt_state)
-        )
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return {"params": params, "opt_state": opt_state, "step": replicated, "data_position": replicated,
+                "rng": replicated}  # fmt: skip
+
+    def abstract_state(self) -> dict[str, Any]:
+        """:meth:`TrainState.to_dict` of a fresh state as ``jax.ShapeDtypeStruct`` leaves (with the mesh's
+        shardings), nothing allocated: what a checkpoint is restored into, resharded as needed."""
+        abstract = jax.eval_shape(lambda: self.init_state().to_dict())
+        # Without a mesh: one device. Orbax needs a target sharding to read a checkpoint that
+        # another process count wrote.
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = self.state_shardings() or jax.tree.map(lambda _: one, abstract)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+    def place(self, state: TrainState) -> TrainState:
+        """Put a state on the mesh (:meth:`state_shardings`; a no-op without one)."""
+        shardings = self.state_shardings()
+        if shardings is None:
+            return state
+        multi = jax.process_count() > 1
+
+        def put(x, sharding):
+            # Across processes, a process-local array (the same in every process: a fresh state,
+            # or the step counter) goes to the global mesh from host memory.
+            if multi and getattr(x, "is_fully_addressable", True):
+                x = np.asarray(x)
+            return jax.device_put(x, sharding)
+
+        return TrainState(**jax.tree.map(put, state.to_dict(), shardings))
 
     def _tokens(self, tokens) -> jax.Array:
         if self._shardings is None:
             return jnp.asarray(tokens)
-        return jax.device_put(np.asarray(tokens), self._shardings[2])
+        tokens = np.asarray(tokens)
+        if tokens.shape[0] == self.config.batch_size:  # a whole global batch: keep this process's rows
+            tokens = tokens[self.local_rows]
+        return mesh_lib.global_batch(tokens, self.config.batch_size, self.mesh)
 
     def _count_trace(self, name: str) -> None:
         # Runs only while tracing. Per instance, unlike chex.assert_max_traces, whose counter is
@@ -277,25 +319,16 @@ class Trainer:
         if self.traces[name] > 1:
             raise RetraceError(f"the jitted {name} function was traced {self.traces[name]} times; it must trace once")
 
-    def _micro_step_impl(self, params, opt_state, tokens, key):
-        self._count_trace("step")
+    def _loss(self, params, tokens, key):
         dropout = self.config.model.dropout > 0
-
-        def loss_fn(p):
-            return lm_loss(
-                self.model,
-                p,
-                tokens,
-                loss_chunks=self.config.loss_chunks,
-                deterministic=not dropout,
-                rngs={"dropout": key} if dropout else None,
-            )
-
-        # Only the trainable part (LoRA adapters, or everything without them) gets gradients and updates.
-        loss, grads, params, opt_state = lora.update(loss_fn, self.optimizer, params, opt_state)
-        # A finite loss does not prove finite new parameters; check them so none is ever saved.
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
-        return params, opt_state, loss, optax.tree.norm(grads), finite
+        return lm_loss(
+            self.model,
+            params,
+            tokens,
+            loss_chunks=self.config.loss_chunks,
+            deterministic=not dropout,
+            rngs={"dropout": key} if dropout else None,
+        )
 
     def _eval_impl(self, params, tokens):
         self._count_trace("eval")
@@ -307,7 +340,7 @@ class Trainer:
         params = _init_params(self.config.model, jax.random.fold_in(key, 0))
         return TrainState(
             params=params,
-            opt_state=lora.init_optimizer(self.optimizer, params),
+            opt_state=step_lib.init_optimizer(self.optimizer, params),
             step=jnp.asarray(0, jnp.int32),
             data_position=jnp.asarray(0, jnp.int32),
             rng=jax.random.key_data(jax.random.fold_in(key, 1)),
@@ -346,7 +379,10 @@ class Trainer:
         }
 
     def evaluate(self, params, windows: np.ndarray) -> float:
-        """Mean loss over validation batches ``[num_batches, batch, seq]`` (no dropout)."""
+        """Mean loss over validation batches ``[num_batches, batch, seq]`` (no dropout).
+
+        Across processes ``windows`` may hold only this process's rows (``[:, local_rows]``).
+        """
         return float(np.mean([float(self._eval(params, self._tokens(w))) for w in windows]))
 
 
@@ -400,6 +436,9 @@ def train(
       DivergedError: a non-finite loss (the last good checkpoint is kept).
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    prefix = mesh_lib.process_prefix()
+    if prefix:  # another process than 0 of a multi-process run: its lines say which process they are from
+        log = functools.partial(lambda inner, msg: inner(prefix + msg), log)
     _check_int("checkpoint_every", checkpoint_every, 1)
     if resume and checkpoint_dir is None:
         raise ValueError("resume needs a checkpoint directory")
@@ -416,6 +455,9 @@ def train(
     for out in (metrics_path, plot_path):
         if out is not None and not Path(out).absolute().parent.is_dir():
             raise OSError(f"cannot write {str(out)!r}: folder {str(Path(out).absolute().parent)!r} does not exist")
+    if not mesh_lib.is_main_process():  # process 0 alone writes metrics, the plot and progress
+        metrics_path = plot_path = None
+        progress = False
 
     meta = {
         "format": 1,
@@ -424,6 +466,16 @@ def train(
         "data": {"source": corpus.source, "fingerprint": corpus.fingerprint, "tokens": int(corpus.tokens.size)},
     }
     meta = json.loads(json.dumps(meta))  # compare with saved metadata as it comes back from JSON
+    # Before anything is compiled or saved: processes started with different flags would train
+    # different models on one mesh, or deadlock in a collective that only some of them reach.
+    # The data is compared by content: hosts may mount it under different paths.
+    same_run = {**meta, "data": {k: v for k, v in meta["data"].items() if k != "source"}}
+    mesh_lib.check_same_across_processes(
+        {"run": same_run, "mesh": mesh if isinstance(mesh, (str, type(None))) else dict(mesh.shape),
+         "checkpoints": checkpoint_dir is not None, "resume": resume, "checkpoint_every": checkpoint_every,
+         "keep": keep},
+        "run configuration",
+    )  # fmt: skip
     ckpts = Checkpoints(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
     try:
         if ckpts is not None and ckpts.steps() and not resume:
@@ -435,8 +487,7 @@ def train(
         state, resumed_from = None, None
         if ckpts is not None and resume:
             # Shapes only (nothing allocated), so a mismatched checkpoint is reported at once.
-            abstract = jax.eval_shape(lambda: trainer.init_state().to_dict())
-            found = ckpts.restore_latest(abstract, lambda m: check_compatible(m, meta, ckpts.directory))
+            found = ckpts.restore_latest(trainer.abstract_state(), lambda m: check_compatible(m, meta, ckpts.directory))
             if found is None:
                 log(f"no checkpoint in {ckpts.directory}; starting from step 0")
             else:
@@ -451,6 +502,7 @@ def train(
         if state is None:
             state = trainer.init_state()
         state = trainer.place(state)
+        val_windows = val_windows[:, trainer.local_rows]  # each process feeds only its rows
         history = _start_metrics(metrics_path, resumed_from or 0)
         state, history = _loop(
             trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, metrics_path, history, progress,
@@ -526,7 +578,7 @@ def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, m
             for step in range(first, config.steps + 1):
                 t0 = time.perf_counter()
                 pos = int(state.data_position)
-                micro = [batches.batch(pos + i) for i in range(config.grad_accum)]
+                micro = [batches.batch(pos + i, rows=trainer.local_rows) for i in range(config.grad_accum)]
                 new_state, out = trainer.step(state, micro)
                 if not (math.isfinite(out["loss"]) and out["params_finite"]):
                     last = ckpts.steps()[-1] if ckpts is not None and ckpts.steps() else None
@@ -561,16 +613,27 @@ def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, m
                     )
                 for fn in callbacks:
                     fn(step, record)
-                # Decided last, so a Ctrl-C that arrives at any point of the step still saves it.
-                if ckpts is not None and (step % checkpoint_every == 0 or step == config.steps or stop.requested):
-                    ckpts.save(step, state.to_dict(), meta)
-                if stop.requested:
+                # Decided last, so a Ctrl-C that arrives at any point of the step still saves it. Across
+                # processes all stop together (a save is collective), when any of them was signalled.
+                stopping = _any_process(stop.requested)
+                if ckpts is not None and (step % checkpoint_every == 0 or step == config.steps or stopping):
+                    ckpts.save(step, trainer.place(state).to_dict(), meta)
+                if stopping:
                     log(f"interrupted after step {step}; saved" if ckpts else f"interrupted after step {step}")
                     raise KeyboardInterrupt
     finally:
         if metrics_file is not None:
             metrics_file.close()
     return state, history
+
+
+def _any_process(flag: bool) -> bool:
+    """``flag`` or-ed over all processes (every process must call it; free in one process)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
 
 class _StopOnSignal:
@@ -711,6 +774,23 @@ def add_cli(subparsers) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="loss-curve PNG (default: beside --metrics)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--mesh", default=None, help="train over a device mesh, e.g. data=4 or data=2,fsdp=2")
+    g = p.add_argument_group(
+        "many processes (one per host)",
+        "Start one process per host with the same flags and its own --process-id; default: JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES, JAX_PROCESS_ID, or REMAT_KIT_DISTRIBUTED=1 to let JAX detect SLURM / Open MPI.",
+    )
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
+    g.add_argument("--num-processes", type=int, default=None, help="processes taking part")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index (0 writes metrics)")
+    g.add_argument(
+        "--distributed-timeout",
+        type=int,
+        default=None,
+        metavar="S",
+        help="seconds to wait for all processes to join, and for a process that stopped sending heartbeats "
+        "(JAX's heartbeat timeout: then every other process aborts), before exiting with an error "
+        f"(default: JAX's {mesh_lib.JAX_JOIN_TIMEOUT_S} s to join, {mesh_lib.JAX_HEARTBEAT_TIMEOUT_S} s heartbeat)",
+    )
     p.set_defaults(func=_train_command)
 
 
@@ -757,6 +837,6 @@ def _train_command(args: argparse.Namespace) -> int:
     # The first step of a process includes compilation; leave it out of the throughput.
     speeds = [r["tokens_per_s"] for r in result.history[1:]]
     speed = f", {np.median(speeds):,.0f} tokens/s" if speeds else ""
-    print(f"trained {args.preset} under {config.policy} to step {int(result.state.step)}: "
+    print(f"{mesh_lib.process_prefix()}trained {args.preset} under {config.policy} to step {int(result.state.step)}: "
           f"loss {last.get('loss', float('nan')):.4f}{val}{speed}")  # fmt: skip
     return 0

@@ -1,14 +1,201 @@
-"""Apply a policy to a Flax NNX module instance (placeholder: the NNX helper replaces this)."""
+"""Apply a policy to one Flax NNX module instance: a module that owns it and runs it under ``nnx.remat``.
+
+Why a module that *owns* the instance, rather than a function that captures it: NNX transforms
+(``nnx.grad``, ``nnx.value_and_grad``, ``nnx.jit``, ``nnx.Optimizer``) find parameters by walking the
+graph of their *arguments*. A closure over the module hides it: wrapped once outside ``nnx.grad`` and
+then trained, every gradient would silently be 0.0. :class:`Remat` keeps the instance as its attribute
+``module`` (so it is part of the graph) and hands it to ``nnx.remat`` as an argument on every call.
+
+The policy is duck-typed (this module must not import :mod:`remat_kit.policies`, which imports it): it
+needs ``remat``, ``jax_policy``, ``tags`` and a readable ``str``.
+
+>>> import jax.numpy as jnp
+>>> from flax import nnx
+>>> from remat_kit import policies
+>>> model = policies.full()(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+>>> type(model).__name__, type(model.module).__name__
+('Remat', 'Linear')
+>>> grads = nnx.grad(lambda m: m(jnp.ones((1, 3))).sum())(model)
+>>> float(grads["module"]["bias"][...].sum())
+2.0
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
+import numpy as np
+from flax import nnx
 
-def remat(policy: Any, module: Any, *, static_argnums: tuple[int, ...] = (), prevent_cse: bool = True) -> Any:
-    """Return an ``nnx.Module`` that owns ``module`` and runs its ``__call__`` under ``nnx.remat``.
+from remat_kit import tags as _tags
 
-    ``policy`` is a :class:`remat_kit.policies.Policy` (duck-typed: this module never imports
-    policies, which imports it).
+# Signatures whose tags were already checked: (policy, graphdef, abstract inputs). Checking traces the
+# module once more, so it runs once per signature, like compilation; bounded so it cannot grow forever.
+_CHECKED: set = set()
+_CHECKED_MAX = 4096
+
+
+class Remat(nnx.Module):
+    """An ``nnx.Module`` that owns ``module`` and runs its ``__call__`` under ``nnx.remat``.
+
+    Build it with ``policy(instance)`` or :func:`remat`. Parameters appear under ``module``
+    (``nnx.state(wrapper)["module"]``), so optimizers and checkpoints see the wrapped module's tree
+    one level down.
+
+    Attributes:
+      module: the wrapped instance (the same object, not a copy: training the wrapper trains it).
+      policy: the policy (a :class:`remat_kit.policies.Policy`).
+      static_argnums: positions of ``__call__`` arguments that are Python values, counting ``self``
+        as 0 as ``flax.linen.remat`` does (so ``__call__(self, x, train)`` takes ``(2,)``).
+      prevent_cse: passed to ``nnx.remat``; keep True outside scans.
     """
-    raise NotImplementedError("remat_kit.wrap_nnx.remat is not written yet")
+
+    def __init__(self, policy, module: nnx.Module, *, static_argnums: tuple[int, ...] = (), prevent_cse: bool = True):
+        self.module = module
+        self.policy = policy
+        self.static_argnums = static_argnums
+        self.prevent_cse = prevent_cse
+
+    def __call__(self, *args, **kwargs):
+        """Run ``module(*args, **kwargs)`` under the policy.
+
+        Keyword arguments holding no array (flags such as ``train=True``) are static; array keyword
+        arguments are traced. Positional Python flags need ``static_argnums``.
+
+        Raises:
+          ValueError: the policy names a tag the module never emits (checked once per input signature).
+        """
+        static_kw = {k: v for k, v in kwargs.items() if is_static(v)}
+        traced_kw = {k: v for k, v in kwargs.items() if k not in static_kw}
+        # Indices of ``run``'s positional arguments equal ``__call__``'s with ``self`` as 0.
+        static = set(self.static_argnums)
+
+        def run(module, *a, **kw):
+            return module(*a, **kw, **static_kw)
+
+        if self.policy.tags:
+            check_tags_once(self.policy, self.module, run, args, traced_kw, static)
+        if not self.policy.remat:
+            return run(self.module, *args, **traced_kw)
+        lifted = nnx.remat(
+            run,
+            policy=self.policy.jax_policy,
+            static_argnums=self.static_argnums,
+            prevent_cse=self.prevent_cse,
+            # Propagate variable updates (BatchNorm statistics, RNG counts) but not graph-structure
+            # changes: the lifted function then returns only what changed, never a copy of the params.
+            graph_updates=False,
+        )
+        return lifted(self.module, *args, **traced_kw)
+
+
+def remat(policy, module: nnx.Module, *, static_argnums=(), prevent_cse: bool = True) -> Remat:
+    """Wrap an NNX module instance so that its ``__call__`` runs under ``policy``.
+
+    Also for ``none``: the result is always a :class:`Remat` (which then runs the module plainly), so
+    the tree of parameters has the same shape under every policy.
+
+    Args:
+      policy: a :class:`remat_kit.policies.Policy` (normally reached as ``policy(instance)``).
+      module: an ``nnx.Module`` instance.
+      static_argnums: positions of Python-valued arguments of ``module.__call__``, ``self`` being 0
+        (``flax.linen.remat``'s convention); an int or a tuple of ints >= 1.
+      prevent_cse: passed to ``nnx.remat``.
+
+    Returns:
+      A :class:`Remat` owning ``module``.
+
+    Raises:
+      TypeError: ``module`` is not an ``nnx.Module`` instance (a class gets a hint how to build one).
+      ValueError: a bad ``static_argnums``.
+    """
+    if isinstance(module, type) and issubclass(module, nnx.Module):
+        raise TypeError(
+            f"apply a policy to an NNX module instance, not the class {module.__name__}: "
+            f"write policy({module.__name__}(..., rngs=nnx.Rngs(0))), or use remat_kit.nnx.stack for layers"
+        )
+    if not isinstance(module, nnx.Module):
+        raise TypeError(f"remat_kit.wrap_nnx.remat wraps an nnx.Module instance, got {module!r}")
+    argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    for i in argnums:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 1:
+            raise ValueError(
+                f"static_argnums must hold ints >= 1 (0 is the module itself, 1 its first argument), "
+                f"got {static_argnums!r}"
+            )
+    return Remat(policy, module, static_argnums=argnums, prevent_cse=bool(prevent_cse))
+
+
+def is_static(value: Any) -> bool:
+    """Whether a call argument is a plain Python value (no arrays, no NNX objects inside).
+
+    >>> import jax.numpy as jnp
+    >>> is_static(True), is_static({"scale": 2.0}), is_static(jnp.ones(2)), is_static(None)
+    (True, True, False, True)
+    """
+    if nnx.graph.is_graph_node(value):
+        return False
+    return not any(isinstance(leaf, (jax.Array, np.ndarray, np.generic)) for leaf in jax.tree.leaves(value))
+
+
+def abstract(tree):
+    """``tree`` with each array replaced by its ``jax.ShapeDtypeStruct`` (other leaves kept)."""
+
+    def one(leaf):
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype)
+        return leaf
+
+    return jax.tree.map(one, tree)
+
+
+def remember(key) -> bool:
+    """Record ``key`` as checked; False when it was already (or cannot be hashed: then always check)."""
+    try:
+        if key in _CHECKED:
+            return False
+    except TypeError:
+        return True
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED.add(key)
+    return True
+
+
+def forget(key) -> None:
+    """Undo :func:`remember` (a check that raised has not passed: run it again next time)."""
+    _CHECKED.discard(key)
+
+
+def check_tags_once(policy, module: nnx.Module, run, args: tuple, kwargs: dict, static: set[int]) -> None:
+    """Apply the tag rule to ``run(module, *args, **kwargs)``, once per (policy, module graph, input signature).
+
+    The module is traced as a copy (``nnx.merge`` of its abstract state), so running the check changes
+    nothing: no statistics or RNG counters move.
+    """
+    graphdef, state = nnx.split(module)
+    # Positions in ``args`` are one less than ``run``'s (``run`` takes the module first).
+    dynamic = {i: a for i, a in enumerate(args) if i + 1 not in static}
+    abstract_state, abstract_dynamic, abstract_kwargs = abstract((state, dynamic, kwargs))
+    statics = tuple((i, a) for i, a in enumerate(args) if i + 1 in static)
+    key = (
+        policy,
+        graphdef,
+        jax.tree.structure((dynamic, kwargs)),
+        tuple(jax.tree.leaves((abstract_dynamic, abstract_kwargs))),
+        statics,
+    )
+    if not remember(key):
+        return
+
+    def traced(state, dyn, kw):
+        full = [dyn.get(i, a) for i, a in enumerate(args)]
+        return run(nnx.merge(graphdef, state), *full, **kw)
+
+    try:
+        emitted = _tags.emitted_tags(traced, abstract_state, abstract_dynamic, abstract_kwargs)
+        _tags.check(policy, emitted, type(module).__name__)
+    except Exception:
+        forget(key)
+        raise

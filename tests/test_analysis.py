@@ -39,11 +39,14 @@ def test_logits_are_kept_exactly_once_and_chunking_removes_them(results):
     assert chunked.saved_bytes < results["full"].saved_bytes
 
 
-def test_offload_moves_the_layer_inputs_to_host(results):
+def test_offload_marks_the_layer_inputs_host_but_cpu_keeps_them_on_device(results):
     a = results["offload"]
-    assert a.layers_saved_host_bytes == a.saved_host_bytes == L * B * S * D * F32
-    assert a.layers_saved_bytes == 0
     assert all(r.host for r in a.residuals if r.region == "layers")
+    assert sum(r.nbytes for r in a.residuals if r.host) == L * B * S * D * F32
+    # XLA:CPU lowers the device-to-host copy to nothing: the one host rule counts them as device bytes.
+    assert a.layers_saved_host_bytes == a.saved_host_bytes == 0
+    assert a.layers_saved_bytes == results["full"].layers_saved_bytes == L * B * S * D * F32
+    assert any("no memory moves" in n for n in a.notes)
 
 
 def test_selective_keeps_only_its_tags_and_the_layer_inputs(results):
@@ -57,9 +60,9 @@ def test_selective_keeps_only_its_tags_and_the_layer_inputs(results):
     assert a.layers_saved_bytes == L * B * S * (3 * D + 2 * kv + 2 * F + D) * F32
 
 
-def test_every_n_reports_its_weight_slices(results):
-    weights = [r for r in results["every_n:2"].residuals if r.label.startswith("weight ")]
-    assert weights and all(r.region == "layers" for r in weights)
+def test_every_n_keeps_no_weight_slices(results):
+    # Its non-rematerialized layers run under policies.keep_activations (issue 13): views are recomputed.
+    assert not [r for r in results["every_n:2"].residuals if r.label.startswith("weight ")]
 
 
 def test_saved_bytes_order_policies(results):

@@ -7,7 +7,7 @@ import pytest
 from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 from remat_kit import _jax_internals as internals
-from remat_kit import attention, names
+from remat_kit import attention, flops, names
 from remat_kit.model import Block, Transformer, TransformerConfig, abstract_params, init_params
 
 
@@ -200,10 +200,25 @@ def test_bad_attention_input_is_a_clear_error(make, match):
         make()
 
 
-def test_long_sequences_cap_the_number_of_unrolled_blocks():
-    # 4096 positions at block 128 would be 32 blocks (528 block pairs to trace); the cap keeps 16.
-    assert len(attention._spans(4096, 128)) == attention.MAX_BLOCKS
-    assert len(attention._spans(1000, 128)) == 8 and attention._spans(1000, 128)[-1] == (896, 1000)
+def _grad_jaxpr(s, block):
+    q, k, v, w = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _qkv(1, s, 2, 1, 8))
+    fn = lambda q, k, v, w: jnp.sum(attention.chunked_attention(q, k, v, block=block) * w)
+    return jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(q, k, v, w)
+
+
+def test_chunked_traces_the_same_program_at_any_length():
+    # The block pairs are a lax.scan, not unrolled: 4 blocks or 64, the traced program is the same size.
+    sizes = {s: sum(1 for _ in internals.iter_eqns(_grad_jaxpr(s, 16))) for s in (64, 1024)}
+    assert sizes[64] == sizes[1024], sizes
+
+
+@pytest.mark.parametrize("s", [64, 50], ids=["whole-blocks", "ragged"])
+def test_chunked_computes_only_the_causal_block_pairs(s):
+    # n blocks: n(n+1)/2 pairs, each with two [16, 16] x 8 matmuls forward and five backward (the
+    # scores again, dv, dp, dq, dk); plus the backward's rowsum(dO ∘ O) over the padded sequence.
+    n = -(-s // 16)
+    per_matmul = 2 * 2 * 16 * 16 * 8  # 2 FLOPs × heads × bq × bk × d
+    assert flops.jaxpr_flops(_grad_jaxpr(s, 16)) == n * (n + 1) // 2 * 7 * per_matmul + 2 * n * 16 * 2 * 8
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")

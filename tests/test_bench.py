@@ -125,3 +125,14 @@ def test_bench_over_a_mesh_matches_one_device():
     for a, b in zip(single, sharded, strict=True):
         assert b.loss == pytest.approx(a.loss, rel=1e-5)
         assert b.temp_bytes < a.temp_bytes
+
+
+def test_cli_bench_model_factory(tmp_path, capsys):
+    # A model remat_kit did not write (tests/plan_model_factory.py), its example inputs drawn from the seed.
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", "plan_model_factory:factory", "--policies", "full", "--steps", "1", "--warmup", "0"]
+    assert cli.main([*argv, "--in-process", "--json", str(out)]) == 0
+    assert "XLA peak" in capsys.readouterr().out
+    records = json.loads(out.read_text())["records"]
+    assert [r["policy"] for r in records] == ["none", "full"]
+    assert records[1]["max_grad_rel_diff"] <= 1e-5 and records[1]["xla_peak_bytes"] < records[0]["xla_peak_bytes"]

@@ -109,7 +109,7 @@ def test_candidates_cover_the_policy_families():
     kinds = {P.parse(s).kind for s in specs}
     assert kinds == {"none", "selective", "dots", "every_n", "segments", "sqrt_n", "full", "offload"}
     assert not any(P.parse(s).kind == "offload" for s in A.candidates(cfg, offload=False))
-    assert all(p.n <= 4 for p in A.candidates(CFG) if p.kind == "every_n")  # never deeper than the model
+    assert all(p.period <= 4 for p in A.candidates(CFG) if p.kind == "every_n")  # never deeper than the model
 
 
 @pytest.mark.parametrize(
@@ -158,3 +158,29 @@ def test_pareto_plot_is_a_png(planner, needs, tmp_path):
     path = A.plot_pareto(r, str(tmp_path / "pareto.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("need", "affine"),
+    [
+        (lambda n: 1000 + 37 * n, True),
+        (lambda n: 1000 + 37 * n + (n % 3), False),
+        (lambda n: 5000 if n == 1 else 1000 + 37 * n, True),
+    ],
+    ids=["affine", "wobbles", "odd-at-one"],
+)
+def test_affine_batch_search_is_exact_and_cheap(need, affine):
+    calls = []
+
+    def counted(n):
+        calls.append(n)
+        return need(n)
+
+    target = 1000 + 37 * 50.5
+    answer, lo, hi = A._affine_fit(counted, 2, 2**20, target)
+    if answer is not None:
+        assert need(answer) <= target < need(answer + 1)
+    assert need(lo) <= target < need(hi) and lo < hi  # a missed guess hands the search a true bracket
+    assert len(set(calls)) <= 4  # two points give the line, one or two confirm it
+    if affine:  # affine from the start point on: answered outright
+        assert answer == 50

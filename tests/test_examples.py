@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from remat_kit import units
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -31,7 +33,7 @@ def test_train_lm(tmp_path):
 
 def test_custom_module(tmp_path):
     out = run_example("custom_module.py", "--steps", "3", "--depth", "3", cwd=tmp_path)
-    assert "3 x MyBlock under selective:ffn_up;strict=false" in out
+    assert "3 x MyBlock under selective:ffn_up; params" in out
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 3 and losses[-1] < losses[0]
 
@@ -55,3 +57,25 @@ def test_lora_finetune(tmp_path):
     before, after = (float(x) for x in out.split("validation ")[1].split()[0:3:2])
     assert after < before, out  # the adapters learn the new text
     assert "base weights unchanged: True" in out
+
+
+def test_nnx_module(tmp_path):
+    args = ["--steps", "3", "--depth", "2", "--width", "16", "--seq-len", "16", "--batch-size", "2"]
+    out = run_example("nnx_module.py", *args, cwd=tmp_path)
+    assert "2 x MyBlock under selective:ffn_up" in out and "ffn_up of every layer (tagged, kept)" in out
+    kept = {
+        parts[0]: units.parse_bytes(" ".join(parts[1:3]))
+        for parts in map(str.split, out.splitlines())
+        if parts and parts[0] in ("none", "selective:ffn_up", "full")
+    }
+    assert kept["full"] < kept["selective:ffn_up"] < kept["none"], out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_plan_your_model(tmp_path):
+    out = run_example("plan_your_model.py", "--small", "--budget", "30MB", cwd=tmp_path)
+    assert "inspect, policy full:" in out and "peak" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.split()[:1] in (["none"], ["dots"], ["full"])]
+    assert rows[:3] == ["none", "dots", "full"]  # compare keeps the order asked
+    assert "chosen: dots" in out  # no recompute, and the leaner of the two that recompute nothing

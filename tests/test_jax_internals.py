@@ -1,10 +1,28 @@
-"""The private-JAX wrapper: these tests break first when a JAX upgrade moves those names."""
+"""The private-JAX wrapper: these tests break first when a JAX upgrade moves those names.
+
+Every test that reads a jaxpr or residual list runs with ``jax_remat3`` off and on, so both of
+JAX's representations of checkpoint names stay covered on whatever JAX the suite runs on. Each
+assertion names the JAX version, so a failure after an upgrade says which JAX moved.
+"""
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from remat_kit import _jax_internals as internals
+from remat_kit import policies
 from remat_kit.names import tag
+
+JAX = f"jax {jax.__version__}"
+
+
+@pytest.fixture(params=[False, True], ids=["classic", "remat3"])
+def remat3(request):
+    """Run the test with JAX's remat3 off, then on; restore the setting afterwards."""
+    before = jax.config.jax_remat3
+    jax.config.update("jax_remat3", request.param)
+    yield request.param
+    jax.config.update("jax_remat3", before)
 
 
 def _f(w, x):
@@ -12,15 +30,39 @@ def _f(w, x):
     return jnp.sum(jnp.cos(h) * 2.0)
 
 
-def test_saved_residuals_reports_names_sizes_and_arguments():
+def test_private_names_exist():
+    assert callable(internals._saved_residuals), f"{JAX}: jax._src.ad_checkpoint.saved_residuals is gone"
+    assert internals._REMAT3_NAME_CLASSES, (
+        f"{JAX}: none of jax._src.ad_checkpoint.{internals._REMAT3_NAME_CLASS_NAMES} exists; "
+        "remat3 checkpoint names would go unseen"
+    )
+    assert isinstance(jax.config.jax_remat3, bool), f"{JAX}: the jax_remat3 flag is gone"
+
+
+def test_remat3_enabled_follows_the_flag(remat3):
+    assert internals.remat3_enabled() is remat3, JAX
+
+
+def test_checkpoint_name_representation(remat3):
+    jaxpr = jax.make_jaxpr(lambda x: tag(x, "h"))(jnp.ones(2))
+    (eqn,) = jaxpr.jaxpr.eqns
+    expected = internals._HI_PRIMITIVE if remat3 else internals._NAME_PRIMITIVE
+    assert eqn.primitive.name == expected, f"{JAX} (remat3={remat3}): checkpoint_name binds {eqn.primitive.name!r}"
+    assert internals.checkpoint_name_of(eqn) == "h", f"{JAX} (remat3={remat3}): the tag is no longer readable"
+    (plain,) = jax.make_jaxpr(jnp.sin)(jnp.ones(2)).jaxpr.eqns
+    assert internals.checkpoint_name_of(plain) is None
+
+
+def test_saved_residuals_reports_names_sizes_and_arguments(remat3):
     w, x = jnp.ones((4, 8)), jnp.ones((3, 4))
     f = jax.checkpoint(_f, policy=jax.checkpoint_policies.save_only_these_names("h"))
     res = internals.saved_residuals(f, w, x)
     named = [r for r in res if r.tag == "h"]
-    assert len(named) == 1
+    assert len(named) == 1, f"{JAX} (remat3={remat3}): {[r.source for r in res]}"
     assert named[0].shape == (3, 8) and named[0].dtype == "float32" and named[0].nbytes == 3 * 8 * 4
     assert not named[0].host and not named[0].is_argument
-    assert {r.shape for r in res if r.is_argument} == {(4, 8), (3, 4)}
+    assert {r.shape for r in res if r.is_argument} == {(4, 8), (3, 4)}, f"{JAX}: {[r.source for r in res]}"
+    assert len(res) == 3
 
 
 def test_saved_residuals_marks_host_offload():
@@ -28,28 +70,28 @@ def test_saved_residuals_marks_host_offload():
         names_which_can_be_saved=[], names_which_can_be_offloaded=["h"], offload_src="device", offload_dst="pinned_host"
     )
     res = internals.saved_residuals(jax.checkpoint(_f, policy=policy), jnp.ones((4, 8)), jnp.ones((3, 4)))
-    assert [r.shape for r in res if r.host] == [(3, 8)]
+    assert [r.shape for r in res if r.host] == [(3, 8)], f"{JAX}: {res}"
 
 
 def test_saved_residuals_sizes_prng_keys():
-    def f(key, x):
-        return jnp.sum(x * jax.random.uniform(key, x.shape))
-
+    # Full recompute keeps the function's inputs, the key among them.
+    f = jax.checkpoint(lambda key, x: jnp.sum(jnp.sin(x * jax.random.uniform(key, x.shape))))
     res = internals.saved_residuals(f, jax.random.key(0), jnp.ones(3))
     keys = [r for r in res if "key" in r.dtype]
-    assert all(r.nbytes == 8 for r in keys)  # threefry key data: 2 x uint32
+    assert keys and all(r.nbytes == 8 for r in keys), f"{JAX}: {res}"  # threefry key data: 2 x uint32
 
 
-def test_emitted_tags_finds_names_inside_scan_and_remat():
+def test_emitted_tags_finds_names_inside_scan_and_remat(remat3):
     def f(x):
         g = jax.checkpoint(lambda c: tag(jnp.sin(c), "inner"))
         out, _ = jax.lax.scan(lambda c, _: (g(tag(c, "outer")), None), x, None, length=3)
         return out
 
-    assert internals.emitted_tags(f, jax.ShapeDtypeStruct((2,), jnp.float32)) == {"inner", "outer"}
+    found = internals.emitted_tags(f, jax.ShapeDtypeStruct((2,), jnp.float32))
+    assert found == {"inner", "outer"}, f"{JAX} (remat3={remat3}): {sorted(found)}"
 
 
-def test_count_primitive_top_level_and_recursive():
+def test_count_primitive_top_level_and_recursive(remat3):
     def f(x):
         out, _ = jax.lax.scan(lambda c, _: (jnp.sin(c) @ jnp.eye(2), None), x, None, length=5)
         return out
@@ -57,3 +99,55 @@ def test_count_primitive_top_level_and_recursive():
     jaxpr = jax.make_jaxpr(f)(jnp.ones(2))
     assert internals.count_primitive(jaxpr, "scan", top_level=True) == 1
     assert internals.count_primitive(jaxpr, "dot_general") == 1
+
+
+def test_subjaxprs_walks_into_rematerialized_calls(remat3):
+    # The recompute lives in a remat body (remat2, or remat3's RematTraced; jax 0.10's remat3 inlines
+    # it): a walker that missed it would count the backward pass of a rematerialized step short.
+    def loss(w, x):
+        g = jax.checkpoint(lambda w, c: jnp.sin(c @ w) @ w, policy=jax.checkpoint_policies.nothing_saveable)
+        return jnp.sum(g(w, x))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    # forward 2, recompute 1 (sin's input), backward 3 (both cotangents of the outer dot, d/dw of
+    # the inner one); identical in both representations.
+    assert internals.count_primitive(jaxpr, "dot_general") == 6, f"{JAX} (remat3={remat3}): {jaxpr}"
+
+
+def _block(w, x):
+    up = tag(x @ w, "mlp_up")  # [3, 8], a dot with no batch dims
+    act = tag(jnp.sin(up), "mlp_act")
+    return jnp.sum(jnp.cos(act))
+
+
+def _kept(policy):
+    res = internals.saved_residuals(policy.checkpoint(_block), jnp.ones((4, 8)), jnp.ones((3, 4)))
+    return sorted((r.shape, r.host, r.tag or r.source.split(" from ")[0]) for r in res if not r.is_argument)
+
+
+_ON_DEVICE = ((3, 8), False)
+# What each jax.checkpoint policy that policies.Policy.jax_policy builds keeps of _block.
+POLICY_KEEPS = {
+    "full": [],
+    "selective:mlp_act": [(*_ON_DEVICE, "mlp_act")],
+    "offload:mlp_act": [((3, 8), True, "output of device_put")],
+    # Only "pinned_host" is a host memory kind for JAX's remat: "unpinned_host" stays on the device.
+    "offload:mlp_act;dst=unpinned_host": [(*_ON_DEVICE, "output of device_put")],
+    "offload:mlp_act;save=mlp_up": [(*_ON_DEVICE, "mlp_up"), ((3, 8), True, "output of device_put")],
+    "dots": [(*_ON_DEVICE, "output of dot_general")],
+}
+
+
+@pytest.mark.parametrize("spec", sorted(POLICY_KEEPS))
+def test_policy_keeps_the_same_under_remat3(spec, remat3):
+    expected = POLICY_KEEPS[spec]
+    if remat3 and spec.startswith("offload") and not internals.offload_supported():
+        # jax 0.10's remat3 knows only its own policy classes; it recomputes everything under the
+        # offload policy (a plain function there).
+        expected = []
+    assert _kept(policies.parse(spec)) == expected, f"{JAX} (remat3={remat3})"
+
+
+def test_offload_supported(remat3):
+    old = jax.__version_info__ < (0, 11)
+    assert internals.offload_supported() is not (remat3 and old), f"{JAX} (remat3={remat3})"

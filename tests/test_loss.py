@@ -77,6 +77,28 @@ def test_chunked_keeps_no_full_logits(inputs):
     assert chunked == [], chunked  # each chunk's logits are recomputed in the backward pass
 
 
+def test_chunked_takes_a_vocab_by_d_matrix_in_any_dtype(inputs):
+    # A tied embedding is [vocab, d] and float32 while the hidden states are bfloat16: no transpose or
+    # cast of it is made outside the chunks (tests/test_model.py checks none is kept).
+    hidden, w, targets, masks = inputs
+    m = masks["random"]
+    h16 = hidden.astype(jnp.bfloat16)
+    plain = lambda h, w: loss.cross_entropy(jnp.einsum("bsd,dv->bsv", h, w.astype(h.dtype).T), targets, m)
+    chunked = lambda h, w: loss.chunked_cross_entropy(h, w, targets, m, 3, vocab_axis=0)
+    for h in (hidden, h16):
+        (lp, gp), (lc, gc) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w.T) for f in (plain, chunked))
+        assert gc[1].dtype == jnp.float32 and gc[0].dtype == h.dtype
+        tol = RTOL_F32 if h.dtype == jnp.float32 else 2e-2  # bfloat16 logits
+        assert max_rel_err(lc, lp) <= tol and max_rel_err(gc, gp) <= tol
+
+
+@pytest.mark.parametrize("axis", [2, -1, True], ids=str)
+def test_bad_vocab_axis(inputs, axis):
+    hidden, w, targets, masks = inputs
+    with pytest.raises(ValueError, match=f"vocab_axis must be 0 .* or 1 .*, got {axis!r}"):
+        loss.chunked_cross_entropy(hidden, w, targets, masks["random"], 2, vocab_axis=axis)
+
+
 @pytest.mark.parametrize("chunks", [0, -1, 2.5, True], ids=str)
 def test_bad_chunk_count(inputs, chunks):
     hidden, w, targets, masks = inputs

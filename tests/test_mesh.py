@@ -88,16 +88,30 @@ def _loss_and_grads(cfg, spec, params, tokens, mesh=None):
     return loss, grads
 
 
-@pytest.mark.parametrize("spec", ALL_SPECS)
-def test_every_policy_same_loss_and_grads_sharded(spec):
+# Every policy on one mesh (both meshes covered, offload and the grouped scans under FSDP): sharding
+# and the policy are independent, and each case compiles the step twice instead of three times.
+_MESH_OF = {
+    "none": "data=4",
+    "full": "data=2,fsdp=2",
+    "every_n:2": "data=4",
+    "selective": "data=4",
+    "offload": "data=2,fsdp=2",
+    "segments:2": "data=2,fsdp=2",
+    "sqrt_n": "data=4",
+    "dots": "data=2,fsdp=2",
+}
+assert set(_MESH_OF) == set(ALL_SPECS), "give every policy kind a mesh"
+
+
+@pytest.mark.parametrize(("spec", "mesh_spec"), list(_MESH_OF.items()), ids=str)
+def test_every_policy_same_loss_and_grads_sharded(spec, mesh_spec):
     cfg = TransformerConfig.preset("tiny", num_layers=3)
     params = init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
     loss0, grads0 = _loss_and_grads(cfg, spec, params, tokens)
-    for mesh_spec in ("data=4", "data=2,fsdp=2"):
-        loss, grads = _loss_and_grads(cfg, spec, params, tokens, M.make_mesh(mesh_spec))
-        assert abs(float(loss) - float(loss0)) <= RTOL_F32 * abs(float(loss0)), mesh_spec
-        assert max_rel_err(jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, grads0)) <= RTOL_F32, mesh_spec
+    loss, grads = _loss_and_grads(cfg, spec, params, tokens, M.make_mesh(mesh_spec))
+    assert abs(float(loss) - float(loss0)) <= RTOL_F32 * abs(float(loss0))
+    assert max_rel_err(jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, grads0)) <= RTOL_F32
 
 
 def test_distributed_initialize_only_when_configured(monkeypatch):
@@ -108,3 +122,85 @@ def test_distributed_initialize_only_when_configured(monkeypatch):
     assert M.maybe_initialize_distributed(env) is True
     assert calls == [{"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}]
     assert M.maybe_initialize_distributed({"REMAT_KIT_DISTRIBUTED": "1"}) is True and calls[-1] == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "expected"),
+    [
+        ({}, {}, None),
+        ({}, {"REMAT_KIT_DISTRIBUTED": "1", "REMAT_KIT_DISTRIBUTED_TIMEOUT": "7"}, M.Processes(timeout_s=7)),
+        (
+            {"coordinator": "127.0.0.1:5", "num_processes": 2},
+            {"JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "10.0.0.9:9"},
+            M.Processes("127.0.0.1:5", 2, 1),
+        ),
+        (
+            {},
+            {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"},
+            M.Processes("h:1", 4, 3),
+        ),
+    ],
+    ids=["single", "auto-detect", "flags-over-env", "env"],
+)
+def test_processes_from_flags_then_environment(kwargs, env, expected):
+    assert M.Processes.resolve(**kwargs, env=env) == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"coordinator": "localhost", "num_processes": 2, "process_id": 0},
+            r"coordinator must be HOST:PORT \(e.g. 10.0.0.1:1234\), got 'localhost'",
+        ),
+        ({"coordinator": "h:1", "num_processes": 2}, r"without the process count and this process's id"),
+        ({"num_processes": 2, "process_id": 1}, r"2 processes \(this one 1\) need a coordinator"),
+        ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, r"process_id 2 must be smaller than num_"),
+        ({"coordinator": "h:1", "num_processes": 0, "process_id": 0}, r"num_processes must be an integer >= 1"),
+        ({"timeout_s": 0}, r"timeout_s must be an integer >= 1, got 0"),
+    ],
+    ids=["no-port", "no-id", "no-coordinator", "id-too-big", "zero-processes", "zero-timeout"],
+)
+def test_bad_process_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        M.Processes.resolve(**kwargs, env={"REMAT_KIT_DISTRIBUTED": "1"})
+
+
+def test_bad_process_setting_from_environment():
+    with pytest.raises(ValueError, match=r"JAX_NUM_PROCESSES must be an integer, got 'two'"):
+        M.Processes.resolve(env={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two"})
+
+
+def test_each_process_contributes_an_equal_share_of_the_mesh():
+    assert M.Processes("h:1", 2, 1).local_devices("data=2,fsdp=2") == 2
+    assert M.Processes("h:1", 4, 0).local_devices("data=4") == 1
+    with pytest.raises(ValueError, match=r"mesh data=2,fsdp=3 has 6 devices, which 4 processes cannot share evenly"):
+        M.Processes("h:1", 4, 0).local_devices("data=2,fsdp=3")
+
+
+def test_one_process_feeds_the_whole_batch():
+    mesh = M.make_mesh("data=2,fsdp=2")
+    assert M.local_rows(8, mesh) == slice(0, 8)
+    tokens = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
+    x = M.global_batch(tokens, 8, mesh)
+    assert x.sharding.is_equivalent_to(M.batch_sharding(mesh), 2)
+    np.testing.assert_array_equal(np.asarray(x), tokens)
+
+
+def test_one_process_always_agrees_with_itself_and_differences_are_named():
+    M.check_same_across_processes({"lr": 1})  # no other process: nothing to compare
+    a = {"config": {"lr": 0.1, "model": {"d": 64}}, "mesh": "data=2"}
+    b = {"config": {"lr": 0.2, "model": {"d": 64}}, "mesh": "data=4"}
+    assert M._differing_fields(a, b) == ["config.lr (0.1 vs 0.2)", "mesh ('data=2' vs 'data=4')"]
+
+
+def test_batch_rows_read_only_that_part_of_the_global_batch():
+    from remat_kit import data
+
+    batches = data.Batches(np.arange(4000, dtype=np.int64).astype(np.uint8), batch_size=4, seq_len=16, seed=3)
+    for position in (0, 7, 300):  # 300 is past the first epoch
+        whole = batches.batch(position)
+        for rows in (slice(0, 2), slice(2, 4), slice(1, 3)):
+            np.testing.assert_array_equal(batches.batch(position, rows=rows), whole[rows])
+    with pytest.raises(ValueError, match=r"rows must be a contiguous slice of the batch"):
+        batches.batch(0, rows=slice(0, 4, 2))

@@ -1,5 +1,6 @@
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,9 +8,19 @@ import pytest
 from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 from remat_kit import _jax_internals as internals
-from remat_kit import names
+from remat_kit import analysis, loss, names
 from remat_kit import policies as P
-from remat_kit.model import PRESETS, Block, Transformer, TransformerConfig, abstract_params, init_params
+from remat_kit.model import (
+    PRESETS,
+    Block,
+    Transformer,
+    TransformerConfig,
+    abstract_params,
+    init_params,
+    project,
+    rms_norm,
+    swiglu,
+)
 
 
 def _lm_loss(cfg, policy, tokens, dropout_key=None):
@@ -144,3 +155,83 @@ def test_bad_tokens(tok, error, match):
     model = Transformer(config=TransformerConfig.preset("tiny"))
     with pytest.raises(error, match=match):
         model.init(jax.random.key(0), tok)
+
+
+# ---- the lean block -----------------------------------------------------------------------------------
+
+_F32 = jnp.dtype("float32")
+
+
+def _check_like_autodiff(lean, reference, *args):
+    """Values and gradients (under a random cotangent) of a lean op equal autodiff of the plain one."""
+    out, vjp = jax.vjp(lean, *args)
+    ref, ref_vjp = jax.vjp(reference, *args)
+    ct = jax.random.normal(jax.random.key(9), ref.shape, ref.dtype)
+    assert out.dtype == ref.dtype and max_rel_err(out, ref) <= RTOL_F32
+    assert max_rel_err(vjp(ct), ref_vjp(ct)) <= RTOL_F32
+
+
+def _normal(seed, shape):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+@pytest.mark.parametrize("w_in_axis", [0, 1], ids=["kernel", "tied"])
+def test_project_equals_autodiff_of_the_matmul(w_in_axis):
+    x, w = _normal(0, (2, 5, 8)), _normal(1, (8, 6) if w_in_axis == 0 else (6, 8))
+    spec = "bsi,io->bso" if w_in_axis == 0 else "bsi,oi->bso"
+    _check_like_autodiff(lambda x, w: project(x, w, w_in_axis, _F32), lambda x, w: jnp.einsum(spec, x, w), x, w)
+
+
+def test_rms_norm_equals_flax():
+    x, scale = _normal(2, (2, 5, 8)) * 3.0, 1.0 + _normal(3, (8,))
+    flax_norm = nn.RMSNorm(epsilon=1e-6)
+    _check_like_autodiff(
+        lambda x, s: rms_norm(x, s, 1e-6, _F32), lambda x, s: flax_norm.apply({"params": {"scale": s}}, x), x, scale
+    )
+
+
+def test_swiglu_equals_autodiff_of_silu():
+    _check_like_autodiff(swiglu, lambda g, u: nn.silu(g) * u, _normal(4, (2, 5, 8)) * 3.0, _normal(5, (2, 5, 8)))
+
+
+_MIXED = TransformerConfig.preset("tiny", dtype="bfloat16")  # float32 parameters, bfloat16 compute
+
+
+def _stack_residuals(cfg, spec, b=2, s=16):
+    model = Transformer(config=cfg, policy=spec)
+    x = jax.ShapeDtypeStruct((b, s, cfg.d_model), jnp.dtype(cfg.dtype))
+    fn = lambda p, h: jnp.sum(model.apply({"params": p}, h, method=lambda m, h: m.layers(h)).astype(jnp.float32))
+    return [r for r in internals.saved_residuals(fn, abstract_params(cfg), x) if not r.is_argument]
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_no_policy_keeps_a_compute_dtype_copy_of_a_weight(spec):
+    weight_shapes = {leaf.shape[1:] for leaf in jax.tree.leaves(abstract_params(_MIXED)["layers"])}
+    copies = [r for r in _stack_residuals(_MIXED, spec) if r.dtype == "bfloat16" and r.shape[-2:] in weight_shapes]
+    assert not copies, copies
+
+
+@pytest.mark.parametrize("cfg", [_MIXED, TransformerConfig.preset("tiny")], ids=["bfloat16", "float32"])
+def test_none_keeps_exactly_the_lean_floor(cfg):
+    # Per token and layer: input, both norm outputs, q, context, post-attention residual (6·d), k and v,
+    # gate, up and act (3·d_ff) in the compute dtype, and attention's float32 logsumexp per head.
+    L, b, s, d, f = cfg.num_layers, 2, 16, cfg.d_model, cfg.d_ff
+    kv, item = cfg.num_kv_heads * cfg.head_dim, jnp.dtype(cfg.dtype).itemsize
+    assert analysis.layer_stack_bytes(cfg, "none", b, s) == (
+        L * b * s * ((6 * d + 2 * kv + 3 * f) * item + 4 * cfg.num_heads),
+        0,
+    )
+    assert {r.dtype for r in _stack_residuals(cfg, "none") if r.nbytes > L * b * s * 4 * cfg.num_heads} == {cfg.dtype}
+
+
+@pytest.mark.parametrize("chunks", [0, 4], ids=["plain", "chunked"])
+@pytest.mark.parametrize("tie", [False, True], ids=["lm_head", "tied"])
+def test_head_keeps_no_copy_of_the_output_matrix(chunks, tie, tokens):
+    cfg = TransformerConfig.preset("tiny", dtype="bfloat16", tie_embeddings=tie)
+    model = Transformer(config=cfg, policy="full")
+    fn = lambda p, t: loss.lm_loss(model, p, t, loss_chunks=chunks)
+    res = [r for r in internals.saved_residuals(fn, abstract_params(cfg), tokens) if not r.is_argument]
+    V = cfg.vocab_size
+    assert not [r for r in res if r.shape in ((cfg.d_model, V), (V, cfg.d_model))]
+    if chunks:  # nothing vocabulary-sized at all: each chunk's logits are recomputed
+        assert not [r for r in res if V in r.shape]

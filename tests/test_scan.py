@@ -12,7 +12,9 @@ from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 import remat_kit
 from remat_kit import _jax_internals as internals
+from remat_kit import analysis
 from remat_kit import policies as P
+from remat_kit.model import TransformerConfig
 from remat_kit.names import tag
 
 B, S, D, F = 2, 3, 8, 24
@@ -182,6 +184,12 @@ def test_policy_naming_a_tag_the_block_never_emits_is_an_error():
         layers.apply(params, x)
 
 
+def test_misspelt_tag_suggests_the_nearest_emitted_one():
+    layers, params, x = _setup(4, P.selective(["mlp_upp"]))
+    with pytest.raises(ValueError, match=r"Block never emits: mlp_upp \(did you mean 'mlp_up'\?\)"):
+        layers.apply(params, x)
+
+
 def test_strict_false_opts_out_of_the_tag_check():
     layers, params, x = _setup(4, P.selective(["q_proj", "not_there"], strict=False))
     assert layers.apply(params, x).shape == x.shape
@@ -193,6 +201,126 @@ def test_offload_of_missing_tag_is_an_error():
         layers.apply(params, x)
 
 
+# ---- every collection, every RNG stream, (x, aux) outputs ------------------------------------------
+
+
+class StatefulBlock(nn.Module):
+    """BatchNorm (mutable batch_stats), dropout, a second RNG stream, a positional flag, an aux output."""
+
+    @nn.compact
+    def __call__(self, x, train, scale):  # x: [B, D]; train: Python bool; scale: a broadcast array
+        h = tag(nn.Dense(D, name="q")(x), "q_proj")
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.5)(h)
+        h = nn.Dropout(0.3)(jnp.tanh(h), deterministic=not train)
+        if train:
+            h = h + 0.1 * jax.random.normal(self.make_rng("noise"), h.shape)
+        return x + scale * h, jnp.mean(h**2)
+
+
+SX = jax.random.normal(jax.random.key(4), (B, D))
+SCALE = jnp.full((1, D), 0.5)
+
+
+def _stateful_step(spec, depth=5):
+    layers = remat_kit.stack(StatefulBlock, depth, _policy(spec))
+    variables = remat_kit.stack(StatefulBlock, depth, "none").init(jax.random.key(5), SX, False, SCALE)
+
+    def loss(params, x):
+        (y, aux), updated = layers.apply(
+            {"params": params, "batch_stats": variables["batch_stats"]},
+            x,
+            True,
+            SCALE,
+            rngs={"dropout": jax.random.key(6), "noise": jax.random.key(7)},
+            mutable=["batch_stats"],
+        )
+        return jnp.sum(y**2) + jnp.sum(aux), (updated["batch_stats"], aux)
+
+    grads, (stats, aux) = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(variables["params"], SX)
+    return variables, grads, stats, aux
+
+
+@functools.cache
+def _stateful_reference():
+    return _stateful_step("none")
+
+
+@pytest.mark.parametrize("spec", [s for s in ALL_SPECS if s != "none"])
+def test_collections_rngs_and_aux_equal_none(spec):
+    variables, g0, stats0, aux0 = _stateful_reference()
+    _, g, stats, aux = _stateful_step(spec)
+    assert max_rel_err((g, stats, aux), (g0, stats0, aux0)) <= RTOL_F32
+    assert all(float(jnp.max(jnp.abs(leaf))) > 0 for leaf in jax.tree.leaves(g))
+    assert aux.shape == (5,)
+    # batch_stats are stacked like params and really updated, layer by layer.
+    assert stats["layers"]["BatchNorm_0"]["mean"].shape == (5, D)
+    assert max_rel_err(stats, variables["batch_stats"]) > 0.1
+
+
+def test_stack_updates_collections_exactly_as_a_plain_loop():
+    """No remat, no stack: the same blocks in a Python loop give the same outputs and batch_stats."""
+    variables = remat_kit.stack(StatefulBlock, 3, "none").init(jax.random.key(5), SX, False, SCALE)
+    # train=False reads the running statistics; train=True with no RNG would fail, so use BatchNorm's
+    # training path through a block copy whose dropout and noise are off.
+    (y, aux), updated = remat_kit.stack(StatefulBlock, 3, "full").apply(
+        variables, SX, False, SCALE, mutable=["batch_stats"]
+    )
+    h, auxes = SX, []
+    for i in range(3):
+        layer = {col: jax.tree.map(lambda a, i=i: a[i], tree["layers"]) for col, tree in variables.items()}
+        h, a = StatefulBlock().apply(layer, h, False, SCALE)
+        auxes.append(a)
+    assert max_rel_err((y, aux), (h, jnp.stack(auxes))) <= RTOL_F32
+    assert max_rel_err(updated, {"batch_stats": variables["batch_stats"]}) == 0.0
+
+
+def test_rng_streams_beyond_dropout_reach_every_layer():
+    variables = remat_kit.stack(StatefulBlock, 3, "none").init(jax.random.key(5), SX, False, SCALE)
+    layers = remat_kit.stack(StatefulBlock, 3, "full")
+
+    def run(noise):
+        rngs = {"dropout": jax.random.key(0), "noise": jax.random.key(noise)}
+        return layers.apply(variables, SX, True, SCALE, rngs=rngs, mutable=["batch_stats"])[0][1]
+
+    assert not jnp.allclose(run(1), run(2))
+
+
+def test_stack_keeps_full_lt_selective_lt_every_n_lt_none():
+    kept = {spec: sum(r.nbytes for r in _activations(6, _policy(spec))) for spec in ALL_SPECS}
+    assert kept["full"] < kept["selective"] < kept["none"]
+    assert kept["full"] < kept["every_n:2"] < kept["none"]
+
+
+@pytest.mark.parametrize(("depth", "n"), [(4, 2), (5, 3)], ids=["L4n2", "L5n3-remainder"])
+def test_every_n_keeps_no_weight_slices(depth, n):
+    """Its saved bytes are the ideal mix of none and full layers (within 2 %) on the tiny preset."""
+    cfg = TransformerConfig.preset("tiny", num_layers=depth)
+    none, full, got = (analysis.layer_stack_bytes(cfg, spec, 2, 16)[0] for spec in ("none", "full", f"every_n:{n}"))
+    rematerialized = len(range(0, depth, n))  # the first layer of each group, the remainder's included
+    ideal = ((depth - rematerialized) * none + rematerialized * full) / depth
+    assert ideal <= got <= 1.02 * ideal
+
+
+def test_every_n_with_a_remainder_group_gradients_equal_none():
+    layers, params, x = _setup(5, P.every_n(3), rate=0.3)
+    reference, _, _ = _setup(5, "none", rate=0.3)
+    g = jax.jit(jax.grad(_loss(layers, 0.3), argnums=(0, 1)))(params, x)
+    g0 = jax.jit(jax.grad(_loss(reference, 0.3), argnums=(0, 1)))(params, x)
+    assert max_rel_err(g, g0) <= RTOL_F32
+
+
+class WrongOutput(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(D + 1)(x)
+
+
+def test_block_output_not_shaped_like_its_input_is_a_clear_error():
+    layers = remat_kit.stack(WrongOutput, 3, "full")
+    with pytest.raises(ValueError, match=r"WrongOutput returns float32\[2, 3, 9\] for an input float32\[2, 3, 8\]"):
+        layers.init(jax.random.key(0), jnp.ones((B, S, D)))
+
+
 # ---- bad input to stack ----------------------------------------------------------------------------------
 
 
@@ -201,7 +329,7 @@ def test_offload_of_missing_tag_is_an_error():
     [
         ((Block, 0, "full"), ValueError, r"num_layers must be a positive integer \(>= 1\), got 0"),
         ((Block, 2.0, "full"), TypeError, r"num_layers must be a positive integer, got 2.0"),
-        ((Block, 4, "every_n:5"), ValueError, r"n=5 is greater than the depth \(4 layers\)"),
+        ((Block, 4, "every_n:5"), ValueError, r"period=5 is greater than the depth \(4 layers\)"),
         ((Block, 4, "segments:0"), ValueError, r"got 0"),
         ((Block, 4, "bogus"), ValueError, r"unknown policy spec 'bogus'"),
         (("Block", 4, "full"), TypeError, r"block must be a Flax module class"),

@@ -1,0 +1,479 @@
+"""What the backward pass of *any* scalar loss keeps, needs and costs: compile-only, nothing allocated.
+
+:func:`inspect` (``remat_kit.inspect``) lowers and compiles ``jax.value_and_grad(loss_fn)`` from
+``jax.ShapeDtypeStruct`` inputs (arrays are read for their shapes only) and reports the saved
+residuals (JAX's own residual analysis), XLA's compiled memory, a peak estimate and the matmul
+FLOPs of the gradient with scan bodies counted once per trip. :func:`compare` does the same for one
+loss built per policy, ``make_loss(policy)``, and sets each policy's FLOPs beside ``none``'s.
+
+>>> import jax, jax.numpy as jnp
+>>> w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+>>> x = jax.ShapeDtypeStruct((8, 1024), jnp.float32)
+>>> r = inspect(lambda w, x: jnp.sum(jnp.sin(x @ w)), w, x)
+>>> [(x.label, x.shape) for x in r.residuals]  # cos(x @ w), sin's derivative, computed in the forward pass
+[('cos in <lambda>', (8, 1024))]
+>>> r.flops == 2 * (2 * 8 * 1024 * 1024)  # forward matmul and the weight gradient (x is not differentiated)
+True
+
+One host-memory rule holds for the whole package (:func:`host_offload_enforced`): on a backend that
+does not enforce host offload (XLA:CPU lowers the device→host copy to nothing), offloaded residuals
+are counted as device bytes, and the report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from remat_kit import _jax_internals
+from remat_kit.units import fmt_bytes
+
+#: What a report says when offloaded residuals stay on the device.
+CPU_OFFLOAD_NOTE = (
+    "this backend ({platform}) does not enforce host offload: XLA lowers the device-to-host copy to nothing, "
+    "so offloaded residuals are counted as device bytes (no memory moves; a GPU/TPU separates them)"
+)
+
+
+def host_offload_enforced(device: Any = None) -> bool:
+    """Whether residuals a policy offloads really leave device memory on ``device`` (default: the first).
+
+    False on CPU: XLA:CPU lowers the device→host transfer to nothing, so XLA's temp bytes are those of
+    the policy without offload. The one rule every report of the package applies.
+    """
+    device = device or jax.devices()[0]
+    return device.platform != "cpu"
+
+
+def offload_note(device: Any = None) -> str | None:
+    """The note a table prints when host offload is not enforced (None where it is)."""
+    device = device or jax.devices()[0]
+    return None if host_offload_enforced(device) else CPU_OFFLOAD_NOTE.format(platform=device.platform)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """XLA's buffer assignment for a compiled function (``Compiled.memory_analysis()``), in bytes.
+
+    ``argument`` and ``output`` overlap by ``alias`` (donated inputs reused as outputs).
+    ``temp`` is everything else the function needs at once: activations, gradients, workspace.
+    """
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    host_argument: int
+    host_output: int
+    host_temp: int
+
+    @classmethod
+    def from_compiled(cls, compiled) -> CompiledMemory:
+        """Read ``compiled.memory_analysis()`` (per device for a sharded executable)."""
+        m = compiled.memory_analysis()
+        return cls(
+            argument=int(m.argument_size_in_bytes),
+            output=int(m.output_size_in_bytes),
+            alias=int(m.alias_size_in_bytes),
+            temp=int(m.temp_size_in_bytes),
+            host_argument=int(m.host_argument_size_in_bytes),
+            host_output=int(m.host_output_size_in_bytes),
+            host_temp=int(m.host_temp_size_in_bytes),
+        )
+
+    @property
+    def total(self) -> int:
+        """Device bytes live at the peak, bounded by XLA's buffer assignment: arguments + outputs − aliased + temp."""
+        return self.argument + self.output - self.alias + self.temp
+
+    @property
+    def host(self) -> int:
+        """Bytes XLA placed in host memory (arguments, outputs and temp)."""
+        return self.host_argument + self.host_output + self.host_temp
+
+
+def short_source(source: str) -> str:
+    """JAX's residual description, shortened: ``"output of exp from .../a.py:58:12 (attn)"`` → ``"exp in attn"``.
+
+    >>> short_source("named 'q_proj' from x.py:3")
+    'q_proj'
+    """
+    if source.startswith("named '"):
+        return source[len("named '") :].split("'", 1)[0]
+    head = source.removeprefix("output of ").split(" from ", 1)[0]
+    head = head.removeprefix("jitted function ").strip("'")
+    func = source.rsplit("(", 1)[-1].rstrip(")") if source.endswith(")") else ""
+    return f"{head} in {func}" if func else head
+
+
+def split_saved(residuals: Sequence[Any], enforced: bool | None = None) -> tuple[int, int]:
+    """``(device, host)`` bytes of residuals carrying ``nbytes`` and ``host``, under the one host rule.
+
+    Where host offload is not enforced (:func:`host_offload_enforced`), host residuals count as device bytes.
+    """
+    enforced = host_offload_enforced() if enforced is None else enforced
+    host = sum(r.nbytes for r in residuals if r.host) if enforced else 0
+    return sum(r.nbytes for r in residuals) - host, host
+
+
+def count_flops(jaxpr) -> int:
+    """Matmul FLOPs of a (closed) jaxpr, scans × trip count (:func:`remat_kit.flops.jaxpr_flops`)."""
+    from remat_kit.flops import jaxpr_flops  # remat_kit.flops also holds the transformer's analytic counts
+
+    return jaxpr_flops(jaxpr)
+
+
+# ---- the report ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One value the backward pass keeps.
+
+    Attributes:
+      label: its ``checkpoint_name`` tag, else a short description of what produced it.
+      tag: the tag, when JAX reports one.
+      shape, dtype, nbytes: its shape, dtype name and size in bytes.
+      memory: the memory kind JAX assigns it: ``"device"`` or a host kind (offloaded).
+      source: JAX's full description of what produced it.
+    """
+
+    label: str
+    tag: str | None
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    memory: str
+    source: str
+
+    @property
+    def host(self) -> bool:
+        """Whether JAX places it in a host memory kind (see :func:`host_offload_enforced`)."""
+        return self.memory != "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class Inspection:
+    """The compile-only measurement of ``jax.value_and_grad(loss_fn)`` at one set of input shapes.
+
+    Attributes:
+      residuals: every non-argument value the backward pass keeps, largest first.
+      saved_bytes: their device bytes (offloaded ones included where host offload is not enforced).
+      saved_host_bytes: bytes really offloaded to host memory (0 where offload is not enforced).
+      temp_bytes, argument_bytes, output_bytes, alias_bytes: XLA's compiled memory.
+      peak_bytes: ``argument + output − alias + temp``: the device bytes live at the peak.
+      flops: matmul FLOPs of the forward and backward pass, scan bodies × trip count.
+      forward_flops: the same for the loss alone.
+      xla_flops: XLA's raw ``cost_analysis()["flops"]`` (counts a scan body once).
+      compile_s: seconds to trace, lower and compile.
+      platform: the backend compiled for; host_offload_enforced: the host rule there.
+      notes: caveats a reader needs (e.g. that no memory moves on CPU).
+      policy: the policy spec, for reports made by :func:`compare` (None otherwise).
+    """
+
+    residuals: tuple[Residual, ...]
+    saved_bytes: int
+    saved_host_bytes: int
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    peak_bytes: int
+    flops: int
+    forward_flops: int
+    xla_flops: float
+    compile_s: float
+    platform: str
+    host_offload_enforced: bool
+    notes: tuple[str, ...] = ()
+    policy: str | None = None
+
+    def largest(self, n: int = 5) -> tuple[Residual, ...]:
+        """The ``n`` largest residuals: what to target next."""
+        return self.residuals[:n]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record."""
+        out = dataclasses.asdict(self)
+        out["residuals"] = [dataclasses.asdict(r) for r in self.residuals]
+        out["notes"] = list(self.notes)
+        out["xla_flops"] = None if math.isnan(self.xla_flops) else self.xla_flops
+        return out
+
+    def table(self, top: int = 10) -> str:
+        """A readable summary: the totals, then the ``top`` largest residuals."""
+        lines = [
+            f"saved {fmt_bytes(self.saved_bytes)} (host {fmt_bytes(self.saved_host_bytes)}), "
+            f"XLA temp {fmt_bytes(self.temp_bytes)}, arguments {fmt_bytes(self.argument_bytes)}, "
+            f"outputs {fmt_bytes(self.output_bytes)}, peak {fmt_bytes(self.peak_bytes)}; "
+            f"{self.flops / 1e9:.3g} GFLOP (forward {self.forward_flops / 1e9:.3g}), {len(self.residuals)} residuals",
+            f"{'bytes':>10}  {'memory':12} {'dtype':9} {'shape':24} what",
+        ]
+        for r in self.residuals[:top]:
+            lines.append(f"{fmt_bytes(r.nbytes):>10}  {r.memory:12} {r.dtype:9} {r.shape!s:24} {r.label}")
+        if len(self.residuals) > top:
+            rest = sum(r.nbytes for r in self.residuals[top:])
+            lines.append(f"{fmt_bytes(rest):>10}  ... {len(self.residuals) - top} more")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# ---- validation ------------------------------------------------------------------------------------
+
+
+def check_argnums(argnums, nargs: int) -> tuple[int, ...]:
+    """``argnums`` as a tuple of valid positions, or a ValueError naming what is allowed."""
+    items = argnums if isinstance(argnums, (tuple, list)) else (argnums,)
+    if not items or any(isinstance(i, bool) or not isinstance(i, int) for i in items):
+        raise ValueError(f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}")
+    if any(not -nargs <= i < nargs for i in items) or not nargs:
+        raise ValueError(f"argnums={argnums!r} is out of range for {nargs} positional argument(s)")
+    out = tuple(i % nargs for i in items)
+    if len(set(out)) != len(out):
+        raise ValueError(f"argnums={argnums!r} repeats an argument")
+    return out
+
+
+def abstract(args: Sequence[Any]) -> tuple[Any, ...]:
+    """Every leaf as a ShapeDtypeStruct (arrays are read for shape and dtype only; nothing is copied)."""
+
+    def leaf(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        if isinstance(x, (bool, int, float, complex)):
+            return jax.ShapeDtypeStruct((), jnp.asarray(x).dtype)
+        raise TypeError(f"inputs must be arrays, ShapeDtypeStructs or Python scalars, got {type(x).__name__}")
+
+    return tuple(jax.tree.map(leaf, a) for a in args)
+
+
+def check_loss(loss_fn: Callable, args: Sequence[Any]) -> None:
+    """Raise a clear error (before compiling) unless ``loss_fn(*args)`` is a real floating scalar."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    out = jax.eval_shape(loss_fn, *args)
+    if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != () or not jnp.issubdtype(out.dtype, jnp.floating):
+        got = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
+        dtype = getattr(out, "dtype", "")
+        raise ValueError(f"loss_fn must return a floating-point scalar, got {got} {dtype}".rstrip())
+
+
+def _differentiate_only(loss_fn: Callable, argnums: tuple[int, ...], nargs: int) -> Callable:
+    """``loss_fn`` with every argument outside ``argnums`` behind stop_gradient: JAX's residual analysis
+    differentiates every input, while the gradient wants only ``argnums``."""
+
+    if len(argnums) == nargs:
+        return loss_fn
+
+    def fn(*args):
+        return loss_fn(*(a if i in argnums else jax.tree.map(jax.lax.stop_gradient, a) for i, a in enumerate(args)))
+
+    return fn
+
+
+_STOP = "(_differentiate_only."
+
+
+def residuals(loss_fn: Callable, *args, argnums=0) -> tuple[Residual, ...]:
+    """What the backward pass of ``loss_fn`` w.r.t. ``argnums`` keeps (trace-only), largest first."""
+    nums = check_argnums(argnums, len(args))
+    out = []
+    for r in _jax_internals.saved_residuals(_differentiate_only(loss_fn, nums, len(args)), *args):
+        if r.is_argument or (r.source.startswith("output of stop_gradient") and _STOP in r.source):
+            continue  # the inputs live anyway (those behind the stop_gradient are inputs too)
+        out.append(
+            Residual(
+                label=r.tag or short_source(r.source),
+                tag=r.tag,
+                shape=r.shape,
+                dtype=r.dtype,
+                nbytes=r.nbytes,
+                memory="pinned_host" if r.host else "device",
+                source=r.source,
+            )
+        )
+    out.sort(key=lambda r: -r.nbytes)
+    return tuple(out)
+
+
+# ---- inspect and compare ---------------------------------------------------------------------------
+
+
+def inspect(loss_fn: Callable, *args, argnums: int | Sequence[int] = 0, policy: str | None = None) -> Inspection:
+    """Measure the gradient of any scalar loss, compile-only.
+
+    Args:
+      loss_fn: ``loss_fn(*args) -> scalar``; may use any remat policy (``remat_kit.stack``,
+        ``nn.remat``, ``jax.checkpoint``).
+      *args: its inputs: arrays or ``jax.ShapeDtypeStruct`` pytrees (shapes far beyond this
+        machine's memory are fine: nothing is allocated).
+      argnums: which arguments the gradient is taken with respect to (as ``jax.grad``).
+      policy: a label to carry in the report (used by :func:`compare`).
+
+    Returns:
+      An :class:`Inspection`.
+
+    Raises:
+      TypeError/ValueError: a non-callable or non-scalar loss, bad inputs or bad ``argnums``,
+        before anything is compiled.
+    """
+    nums = check_argnums(argnums, len(args))
+    args = abstract(args)
+    check_loss(loss_fn, args)
+    start = time.perf_counter()
+    rows = residuals(loss_fn, *args, argnums=nums)
+    grad = jax.value_and_grad(loss_fn, argnums=nums if len(nums) > 1 else nums[0])
+    traced = jax.jit(grad).trace(*args)
+    compiled = traced.lower().compile()
+    seconds = time.perf_counter() - start
+    memory = CompiledMemory.from_compiled(compiled)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    device = jax.devices()[0]
+    enforced = host_offload_enforced(device)
+    saved, host = split_saved(rows, enforced)
+    notes = []
+    if any(r.host for r in rows) and not enforced:
+        notes.append(offload_note(device))
+    return Inspection(
+        residuals=rows,
+        saved_bytes=saved,
+        saved_host_bytes=host,
+        temp_bytes=memory.temp,
+        argument_bytes=memory.argument,
+        output_bytes=memory.output,
+        alias_bytes=memory.alias,
+        peak_bytes=memory.total,
+        flops=count_flops(traced.jaxpr),
+        forward_flops=count_flops(jax.make_jaxpr(loss_fn)(*args)),
+        xla_flops=float((cost or {}).get("flops", math.nan)),
+        compile_s=seconds,
+        platform=device.platform,
+        host_offload_enforced=enforced,
+        notes=tuple(notes),
+        policy=policy,
+    )
+
+
+def gradient_flops(loss_fn: Callable, *args, argnums=0) -> int:
+    """Matmul FLOPs of ``value_and_grad(loss_fn)`` (trace only, no compile)."""
+    nums = check_argnums(argnums, len(args))
+    grad = jax.value_and_grad(loss_fn, argnums=nums if len(nums) > 1 else nums[0])
+    return count_flops(jax.make_jaxpr(grad)(*abstract(args)))
+
+
+#: Columns every policy table of the package prints (plan, compare, auto, bench), in this order.
+TABLE_COLUMNS: tuple[str, ...] = ("policy", "saved", "host", "XLA temp", "peak", "GFLOPs", "×none", "compile")
+
+
+def table_header(extra: Sequence[tuple[str, int]] = ()) -> str:
+    """The header of :data:`TABLE_COLUMNS` plus ``extra`` ``(name, width)`` columns."""
+    head = f"{'policy':24} {'saved':>10} {'host':>10} {'XLA temp':>10} {'peak':>10} {'GFLOPs':>9} {'×none':>6}"
+    head += "".join(f" {name:>{width}}" for name, width in extra)
+    return head + f" {'compile':>8}"
+
+
+def table_row(
+    policy: str, saved: int, host: int, temp: int, peak: int, flops: int, base_flops: int | None, compile_s: float,
+    extra: Sequence[tuple[str, int]] = (),
+) -> str:  # fmt: skip
+    """One row under :func:`table_header`; ``extra`` holds ``(text, width)`` cells."""
+    ratio = f"{flops / base_flops:.3f}" if base_flops else "-"
+    row = (
+        f"{policy:24} {fmt_bytes(saved):>10} {fmt_bytes(host):>10} {fmt_bytes(temp):>10} {fmt_bytes(peak):>10} "
+        f"{flops / 1e9:>9.3g} {ratio:>6}"
+    )
+    row += "".join(f" {text:>{width}}" for text, width in extra)
+    return row + f" {compile_s:>7.1f}s"
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One :class:`Inspection` per policy, in the order asked, and their recompute beside ``none``.
+
+    Attributes:
+      policies: the policy specs, in order.
+      reports: one report per policy, in the same order.
+      base_flops: matmul FLOPs of the gradient under ``none`` (traced, not compiled, when ``none``
+        was not among the policies).
+    """
+
+    policies: tuple[str, ...]
+    reports: tuple[Inspection, ...]
+    base_flops: int
+
+    def __getitem__(self, policy) -> Inspection:
+        return self.reports[self.policies.index(str(policy))]
+
+    @property
+    def recompute_flops(self) -> dict[str, int]:
+        """Matmul FLOPs each policy spends beyond ``none``."""
+        return {p: r.flops - self.base_flops for p, r in zip(self.policies, self.reports, strict=True)}
+
+    @property
+    def flops_ratio(self) -> dict[str, float]:
+        """Each policy's FLOPs over ``none``'s."""
+        return {p: r.flops / self.base_flops for p, r in zip(self.policies, self.reports, strict=True)}
+
+    def table(self) -> str:
+        """The comparison table (the columns ``remat-kit plan`` prints), then any notes."""
+        head = table_header()
+        rows = [head, "-" * len(head)]
+        for p, r in zip(self.policies, self.reports, strict=True):
+            rows.append(
+                table_row(p, r.saved_bytes, r.saved_host_bytes, r.temp_bytes, r.peak_bytes, r.flops, self.base_flops,
+                          r.compile_s)
+            )  # fmt: skip
+        notes = dict.fromkeys(n for r in self.reports for n in r.notes)
+        return "\n".join(rows + [f"note: {n}" for n in notes])
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record: one inspection record per policy with its recompute FLOPs."""
+        records = []
+        for p, r in zip(self.policies, self.reports, strict=True):
+            records.append({**r.to_dict(), "policy": p, "recompute_flops": r.flops - self.base_flops})
+        return {"base_flops": self.base_flops, "records": records}
+
+
+def compare(make_loss: Callable, policies: Sequence[Any], *args, argnums: int | Sequence[int] = 0) -> Comparison:
+    """Inspect ``make_loss(policy)`` for each policy, in order, compile-only.
+
+    Args:
+      make_loss: ``make_loss(policy) -> loss_fn``, where ``policy`` is a :class:`remat_kit.Policy`.
+      policies: Policy objects or spec strings (``"none"``, ``"full"``, ``"sqrt_n"`` ...).
+      *args, argnums: as :func:`inspect`.
+
+    Returns:
+      A :class:`Comparison`; recompute FLOPs are measured against ``none`` (traced for the
+      purpose when it is not in ``policies``).
+    """
+    from remat_kit import policies as policies_lib
+
+    if not callable(make_loss):
+        raise TypeError(f"make_loss must be callable (policy -> loss_fn), got {type(make_loss).__name__}")
+    if isinstance(policies, (str, policies_lib.Policy)) or not len(policies):
+        raise ValueError(f"policies must be a non-empty sequence of policies or specs, got {policies!r}")
+    pool = [policies_lib.parse(p) for p in policies]
+    check_argnums(argnums, len(args))
+    args = abstract(args)
+    reports = tuple(inspect(make_loss(p), *args, argnums=argnums, policy=str(p)) for p in pool)
+    specs = tuple(str(p) for p in pool)
+    if "none" in specs:
+        base = reports[specs.index("none")].flops
+    else:
+        base = gradient_flops(make_loss(policies_lib.none()), *args, argnums=argnums)
+    return Comparison(policies=specs, reports=reports, base_flops=base)

@@ -1,0 +1,231 @@
+"""Flax NNX layers under one scan, rematerialized per policy: :func:`stack`.
+
+``stack(make_block, L, policy, rngs=rngs)`` builds ``L`` blocks with ``nnx.split_rngs`` over
+``nnx.vmap`` (Flax's recipe), so every variable is stacked on a leading axis of ``L`` and the values
+depend on ``rngs`` only, never on the policy. The layers then run under one scan, so XLA compiles one
+block whatever the depth. How the scan groups the layers follows :meth:`remat_kit.policies.Policy.plan`:
+
+* ``"layer"`` (none, full, selective, offload, dots): ``nnx.scan`` over the layers, each under
+  ``nnx.remat(policy=...)`` — Flax's own pattern. Both run with ``graph_updates=False``: the scan then
+  returns only the variables a layer changed (BatchNorm statistics, RNG counts), not a second stacked
+  copy of every parameter (the "scan body returns the whole nnx.state" trap).
+* ``"first"`` (every_n) and ``"group"`` (segments, sqrt_n): ``nnx.scan`` slices one layer per step and
+  cannot give a checkpoint the *full* stacked parameters to index, which is what keeps a group's weights
+  out of the saved residuals (a slice taken outside the checkpoint is saved as a copy). These modes
+  therefore ``nnx.split`` the layers into graphdef / parameters / other state and run ``lax.scan`` over
+  group starts, each step under ``jax.checkpoint``, indexing the stacked state inside it and
+  ``nnx.merge``-ing one layer at a time, as :mod:`remat_kit.scan` does for Linen. The other state a layer
+  returns is stacked and written back with ``nnx.update``.
+
+Every variable type is carried (``nnx.Param``, ``nnx.BatchStat``, your own ``nnx.Variable`` subclasses,
+RNG keys and counts): parameters are treated as read-only inside the forward pass, everything else is
+written back after it. RNG streams held by the blocks (e.g. ``nnx.Dropout(rate, rngs=rngs)``) are split
+per layer at construction, so layer ``i`` draws the same numbers under every policy.
+
+A depth not divisible by the group size runs its remainder as one more group. ``offload`` runs in the
+"layer" mode; on CPU, XLA lowers the host transfer to nothing (no memory moves there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from remat_kit import tags as _tags
+from remat_kit import wrap_nnx
+from remat_kit.policies import Policy, parse
+
+
+class Stack(nnx.Module):
+    """``num_layers`` NNX blocks stacked on axis 0, run under one scan. Build it with :func:`stack`.
+
+    Attributes:
+      layers: the blocks, one module whose variables all carry a leading ``num_layers`` axis.
+      num_layers: the depth.
+      policy: the rematerialization policy.
+      block_name: the block's class name (for messages).
+    """
+
+    def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, policy: Policy, *, rngs):
+        names = []
+
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            block = make_block(rngs)
+            if not isinstance(block, nnx.Module):
+                raise TypeError(f"make_block(rngs) must return an nnx.Module instance, got {block!r}")
+            names.append(type(block).__name__)
+            return block
+
+        self.layers = create(rngs)
+        self.num_layers = num_layers
+        self.policy = policy
+        self.block_name = names[0]
+
+    def __call__(self, x, *args, **kwargs):
+        """Apply the layers in order; ``args``/``kwargs`` reach every layer unchanged.
+
+        Arrays among ``args``/``kwargs`` are traced and broadcast to every layer; other values
+        (``train=True``) are static.
+
+        Returns:
+          The last layer's output, shaped like ``x``.
+
+        Raises:
+          TypeError: an NNX object among ``args``/``kwargs``, or a block whose output is not shaped like ``x``.
+          ValueError: the policy names a tag the block never emits (checked once per input signature).
+        """
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
+        for leaf in leaves:
+            if nnx.graph.is_graph_node(leaf):
+                raise TypeError(
+                    f"stack's extra call arguments must be arrays or Python values, got {type(leaf).__name__}; "
+                    f"give the blocks their modules and RNG streams in make_block(rngs)"
+                )
+        dynamic = [leaf if not wrap_nnx.is_static(leaf) else None for leaf in leaves]
+        static = [None if not wrap_nnx.is_static(leaf) else leaf for leaf in leaves]
+
+        def call(layer, h, dyn):
+            merged = [d if s is None else s for d, s in zip(dyn, static, strict=True)]
+            a, kw = jax.tree.unflatten(treedef, merged)
+            return layer(h, *a, **kw)
+
+        self._check_once(call, x, dynamic, static)
+        plan = self.policy.plan(self.num_layers)
+        if plan.mode == "layer":
+            return self._scan_layers(call, x, dynamic)
+        return self._scan_groups(call, plan.size, plan.mode, x, dynamic)
+
+    # ---- "layer": nnx.scan + nnx.remat -----------------------------------------------------------
+
+    def _scan_layers(self, call, x, dynamic):
+        step = call
+        if self.policy.remat:
+            # prevent_cse is not needed under a scan (XLA does not CSE across loop iterations).
+            step = nnx.remat(call, policy=self.policy.jax_policy, prevent_cse=False, graph_updates=False)
+
+        @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry, graph_updates=False)
+        def body(layer, h, dyn):
+            return step(layer, h, dyn)
+
+        return body(self.layers, x, dynamic)
+
+    # ---- "first" / "group": lax.scan over group starts, split/merge inside the checkpoint ------------
+
+    def _scan_groups(self, call, size: int, mode: str, x, dynamic):
+        graphdef, params, other = nnx.split(self.layers, nnx.Param, ...)
+
+        def run_layer(params, other, h, i, dyn):
+            layer = nnx.merge(graphdef, _layer_at(params, i), _layer_at(other, i))
+            h = call(layer, h, dyn)
+            return h, nnx.split(layer, nnx.Param, ...)[2]
+
+        def run_plain(params, other, h, first, count, dyn):
+            def body(c, i):
+                return run_layer(params, other, c, i, dyn)
+
+            return jax.lax.scan(body, h, first + jnp.arange(count, dtype=jnp.int32))
+
+        ckpt = jax.checkpoint(run_plain, policy=self.policy.jax_policy, prevent_cse=False, static_argnums=(4,))
+
+        def group(count, h, start):
+            if mode == "group":
+                return ckpt(params, other, h, start, count, dynamic)
+            # "first": the group's first layer rematerialized, the others keep everything. JAX cannot
+            # forward a slice of the stacked weights through the scan, so those layers keep their
+            # weight slices as residuals ((n-1)/n of the weights), as in remat_kit.scan.
+            h, first = ckpt(params, other, h, start, 1, dynamic)
+            if count == 1:
+                return h, first
+            h, rest = run_plain(params, other, h, start + 1, count - 1, dynamic)
+            return h, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, rest)
+
+        full_groups, remainder = divmod(self.num_layers, size)
+        starts = jnp.arange(full_groups, dtype=jnp.int32) * size
+        h, updated = jax.lax.scan(lambda c, s: group(size, c, s), x, starts)  # updated: [groups, size, ...]
+        updated = jax.tree.map(lambda a: a.reshape((full_groups * size, *a.shape[2:])), updated)
+        if remainder:
+            tail = jnp.full((1,), full_groups * size, dtype=jnp.int32)
+            h, more = jax.lax.scan(lambda c, s: group(remainder, c, s), h, tail)
+            updated = jax.tree.map(lambda a, b: jnp.concatenate([a, b[0]]), updated, more)
+        nnx.update(self.layers, updated)
+        return h
+
+    # ---- the tag rule and the output shape, once per input signature -----------------------------
+
+    def _check_once(self, call, x, dynamic, static) -> None:
+        graphdef, state = nnx.split(self.layers)
+        one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
+        abstract_x, abstract_dyn = wrap_nnx.abstract((x, dynamic))
+        key = ("stack", self.policy, graphdef, abstract_x, tuple(jax.tree.leaves(abstract_dyn)), tuple(static))
+        if not wrap_nnx.remember(key):
+            return
+        shapes = []
+
+        def traced(state, h, dyn):
+            out = call(nnx.merge(graphdef, state), h, dyn)
+            shapes.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out))
+            return out
+
+        try:
+            emitted = _tags.emitted_tags(traced, one_layer, abstract_x, abstract_dyn)
+            expected = jax.ShapeDtypeStruct(abstract_x.shape, abstract_x.dtype)
+            if shapes[0] != expected:
+                raise TypeError(
+                    f"{self.block_name} must return one array shaped like its input ({expected.shape}, "
+                    f"{expected.dtype}) to be stacked; it returns {shapes[0]}"
+                )
+            if self.policy.tags:
+                _tags.check(self.policy, emitted, self.block_name)
+        except Exception:
+            wrap_nnx.forget(key)
+            raise
+
+
+def _layer_at(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def stack(
+    make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, policy: Policy | str, *, rngs: nnx.Rngs
+) -> Stack:
+    """Stack ``num_layers`` NNX blocks under one scan, rematerialized per ``policy``.
+
+    Args:
+      make_block: ``make_block(rngs) -> nnx.Module``; called once under ``nnx.vmap`` with per-layer
+        RNG streams. The block's ``__call__(x, *args, **kwargs)`` returns an array shaped like ``x``.
+      num_layers: the depth, a positive integer.
+      policy: a :class:`~remat_kit.policies.Policy` or a spec string such as ``"every_n:2"``.
+      rngs: the ``nnx.Rngs`` the blocks are initialized from (same values under every policy).
+
+    Returns:
+      A :class:`Stack`; ``stack.layers`` holds the blocks' variables stacked on axis 0.
+
+    Raises:
+      TypeError/ValueError: a bad ``make_block``, depth, policy or ``rngs``, before anything is traced.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> class Block(nnx.Module):
+    ...     def __init__(self, rngs):
+    ...         self.lin = nnx.Linear(8, 8, rngs=rngs)
+    ...     def __call__(self, x):
+    ...         return x + self.lin(jnp.tanh(x))
+    >>> layers = stack(Block, 6, "every_n:2", rngs=nnx.Rngs(0))
+    >>> layers.layers.lin.kernel.shape
+    (6, 8, 8)
+    >>> grads = nnx.grad(lambda m: m(jnp.ones((2, 8))).sum())(layers)
+    >>> grads["layers"]["lin"]["kernel"].shape
+    (6, 8, 8)
+    """
+    if not callable(make_block) or isinstance(make_block, nnx.Module):
+        raise TypeError(f"make_block must be a callable make_block(rngs) -> nnx.Module, got {make_block!r}")
+    policy = parse(policy)
+    policy.validate_depth(num_layers)
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs must be an nnx.Rngs, e.g. rngs=nnx.Rngs(0), got {rngs!r}")
+    return Stack(make_block, num_layers, policy, rngs=rngs)

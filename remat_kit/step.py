@@ -1,0 +1,116 @@
+"""The one training step that ``plan``, ``auto``, ``bench`` and ``train`` compile: what is planned is what is trained.
+
+:func:`make_optimizer` builds the optimizer (global-norm clipping, AdamW with decoupled weight decay,
+``optax.MultiSteps`` gradient accumulation, whose buffers are part of the optimizer state and so of
+every planned figure); :func:`make_step` the update ``(params, opt_state, *batch) -> (params,
+opt_state, loss, grad_norm, params_finite)``; :func:`init_optimizer` its optimizer state; :func:`jit_kwargs`
+its donation and mesh shardings.
+
+With LoRA adapters in the parameters (:mod:`remat_kit.lora`), the step differentiates and updates only
+the adapters, and the optimizer state covers only them: the frozen base gets neither a gradient nor
+optimizer state, in every caller (plan, auto, bench, train) alike. Without adapters nothing changes.
+
+>>> import jax, jax.numpy as jnp
+>>> opt = make_optimizer(0.1)
+>>> step = make_step(lambda w, x: jnp.sum((x @ w) ** 2), opt)
+>>> w, x = jnp.ones((2, 2)), jnp.ones((1, 2))
+>>> w, state, loss, norm, finite = step(w, opt.init(w), x)
+>>> float(loss), bool(finite)
+(8.0, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from remat_kit import lora
+from remat_kit import mesh as mesh_lib
+
+#: What :func:`make_optimizer` clips the global gradient norm to unless told otherwise (``train``'s default).
+DEFAULT_CLIP_NORM = 1.0
+
+
+def make_optimizer(
+    learning_rate: float | optax.Schedule = 1e-3,
+    *,
+    clip_norm: float | None = DEFAULT_CLIP_NORM,
+    weight_decay: float = 1e-4,
+    mask: Any = None,
+    grad_accum: int = 1,
+) -> optax.GradientTransformation:
+    """Clipped AdamW, wrapped in ``optax.MultiSteps`` when ``grad_accum > 1``.
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      clip_norm: global-norm clip (None: no clipping).
+      weight_decay: AdamW's decoupled weight decay (``mask`` selects the decayed leaves).
+      grad_accum: micro-batches averaged per update; MultiSteps keeps a gradient-sized buffer.
+    """
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be a positive integer, got {grad_accum!r}")
+    adamw = optax.adamw(learning_rate, weight_decay=weight_decay, mask=mask)
+    inner = adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+    return inner if grad_accum == 1 else optax.MultiSteps(inner, every_k_schedule=grad_accum)
+
+
+def make_step(
+    loss_fn: Callable[..., jax.Array], optimizer: optax.GradientTransformation, *, on_trace: Callable | None = None
+) -> Callable:
+    """One optimizer update of ``loss_fn(params, *batch)`` (not jitted; see :func:`jit_kwargs`).
+
+    Args:
+      loss_fn: the scalar loss; its gradient is taken with respect to the first argument.
+      optimizer: an optax transformation (e.g. :func:`make_optimizer`).
+      on_trace: called each time the step is traced (a retrace check).
+
+    Returns:
+      ``step(params, opt_state, *batch) -> (params, opt_state, loss, grad_norm, params_finite)``, with
+      ``opt_state`` from :func:`init_optimizer`; with adapters only they are differentiated and updated.
+    """
+
+    def step(params, opt_state, *batch):
+        if on_trace is not None:
+            on_trace()
+        # LoRA: the frozen base is a constant of the differentiated function, so it has no gradient
+        # at all (not zeros); without adapters ``trainable`` is the whole tree and ``frozen`` empty.
+        trainable, frozen = lora.partition(params)
+        loss, grads = jax.value_and_grad(lambda t, *b: loss_fn(lora.combine(t, frozen), *b))(trainable, *batch)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        # A finite loss does not prove finite new parameters; check them so none is ever saved (the
+        # frozen part is passed through unchanged).
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(trainable)]))
+        return lora.combine(trainable, frozen), opt_state, loss, optax.tree.norm(grads), finite
+
+    return step
+
+
+def jit_kwargs(params, opt_state, mesh=None, *, batch_args: int = 1) -> dict[str, Any]:
+    """``jax.jit`` keyword arguments for a :func:`make_step` step: donated state, and with a ``mesh``
+    FSDP shardings for the state (in and out, so donation aliases) and the first batch argument
+    split over ``data`` × ``fsdp`` (any further batch arguments, such as a key, replicated)."""
+    kwargs: dict[str, Any] = {"donate_argnums": (0, 1)}
+    if mesh is None:
+        return kwargs
+    state = (mesh_lib.tree_shardings(params, mesh), mesh_lib.tree_shardings(opt_state, mesh))
+    extra = (None,) * (batch_args - 1)
+    kwargs["in_shardings"] = (*state, mesh_lib.batch_sharding(mesh), *extra)
+    kwargs["out_shardings"] = (*state, None, None, None)
+    return kwargs
+
+
+def init_optimizer(optimizer: optax.GradientTransformation, params):
+    """The optimizer state :func:`make_step` expects: of the trainable part of ``params`` only
+    (the LoRA adapters when there are any, see :func:`remat_kit.lora.partition`; else all of it)."""
+    return lora.init_optimizer(optimizer, params)
+
+
+def abstract_state(params, optimizer: optax.GradientTransformation):
+    """``(params, opt_state)`` as ShapeDtypeStructs (opt_state as :func:`init_optimizer`'s): nothing is allocated."""
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    return params, jax.eval_shape(lambda p: init_optimizer(optimizer, p), params)

@@ -76,16 +76,14 @@ def make_step(
     def step(params, opt_state, *batch):
         if on_trace is not None:
             on_trace()
-        # LoRA: the frozen base is a constant of the differentiated function, so it has no gradient
-        # at all (not zeros); without adapters ``trainable`` is the whole tree and ``frozen`` empty.
-        trainable, frozen = lora.partition(params)
-        loss, grads = jax.value_and_grad(lambda t, *b: loss_fn(lora.combine(t, frozen), *b))(trainable, *batch)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
+        # LoRA: only the trainable part is differentiated and updated; the frozen base has no gradient
+        # at all (not zeros). Without adapters the whole tree is trainable: a plain update.
+        loss, grads, params, opt_state = lora.update(lambda p: loss_fn(p, *batch), optimizer, params, opt_state)
         # A finite loss does not prove finite new parameters; check them so none is ever saved (the
         # frozen part is passed through unchanged).
+        trainable = lora.partition(params)[0]
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(trainable)]))
-        return lora.combine(trainable, frozen), opt_state, loss, optax.tree.norm(grads), finite
+        return params, opt_state, loss, optax.tree.norm(grads), finite
 
     return step
 

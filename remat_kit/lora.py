@@ -15,9 +15,9 @@ state at all (not zeros). A tree without adapters is all trainable, so full fine
 
 ``quantize="int8"`` (QLoRA-style) stores every Block kernel as int8 with a per-output-channel
 absmax scale (``{"qvalue": int8 [d_in, d_out], "scale": float32 [1, d_out]}``) and computes
-``(x @ qvalue) · scale`` in the compute dtype inside the block, so under any rematerializing policy
-the dequantized product is recomputed, never saved. (Under ``none`` nothing is rematerialized and
-the backward pass keeps the compute-dtype cast of each kernel, as for any frozen weight.)
+``(x @ qvalue) · scale`` in the compute dtype inside the block (:func:`int8_project`): under every
+policy, ``none`` included, the backward pass keeps the int8 kernel and casts it again, never a
+dequantized or compute-dtype copy.
 
 Why not a library: qwix 0.1.8 (Google's JAX quantization library) installs and imports on jax
 0.10.2 and quantizes a plain Linen ``nn.Dense`` weight-only to int8 per channel
@@ -44,6 +44,7 @@ not offered.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -134,6 +135,42 @@ def dequantize(q: Mapping[str, jax.Array], dtype=jnp.float32) -> jax.Array:
     return (q["qvalue"].astype(jnp.float32) * q["scale"]).astype(dtype)
 
 
+def _int8_matmul(x, qvalue, scale, dtype):
+    return (x @ qvalue.astype(dtype)) * scale.astype(dtype).reshape((1,) * (x.ndim - 1) + scale.shape[-1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def int8_project(x, qvalue, scale, dtype):
+    """``(x @ qvalue) · scale`` in ``dtype`` whose backward pass keeps ``x`` and the int8 ``qvalue``.
+
+    Autodiff would keep the compute-dtype cast of the kernel (2 or 4 bytes per entry, under ``none``);
+    this casts it again in the backward pass, as :func:`remat_kit.model.project` does for float weights.
+
+    >>> q = quantize_int8(jnp.array([[1.0, -0.5], [-2.0, 0.25]]))
+    >>> x = jnp.ones((1, 2))
+    >>> bool(jnp.allclose(int8_project(x, q["qvalue"], q["scale"], jnp.dtype("float32")), x @ dequantize(q)))
+    True
+    """
+    return _int8_matmul(x, qvalue, scale, dtype)
+
+
+def _int8_project_fwd(x, qvalue, scale, dtype):
+    return _int8_matmul(x, qvalue, scale, dtype), (x, qvalue, scale)
+
+
+def _int8_project_bwd(dtype, residuals, g):
+    x, qvalue, scale = residuals
+    qc = qvalue.astype(dtype)
+    s = scale.astype(dtype).reshape((1,) * (x.ndim - 1) + scale.shape[-1:])
+    dx = ((g * s) @ qc.T).astype(x.dtype)
+    # The scale is frozen in LoRA training (XLA drops this then); computed anyway so the rule is right.
+    dscale = jnp.sum((g * (x @ qc)).astype(jnp.float32).reshape(-1, scale.shape[-1]), axis=0)
+    return dx, None, dscale.reshape(scale.shape).astype(scale.dtype)  # None: an integer input has no cotangent
+
+
+int8_project.defvjp(_int8_project_fwd, _int8_project_bwd)
+
+
 # ---- the layer ------------------------------------------------------------------------------------------
 
 
@@ -182,9 +219,8 @@ class LoRADense(nn.Module):
         if self.quantize == "int8":
             q = self.param("kernel", lambda key: quantize_int8(self.kernel_init(key, shape, jnp.float32)))
             # Scale after the matmul (it is per output channel), so no dequantized kernel is ever
-            # materialized; inside the block, this is recomputed under any rematerializing policy.
-            scale = q["scale"].astype(dtype).reshape((1,) * (x.ndim - 1) + (self.features,))
-            y = (x @ q["qvalue"].astype(dtype)) * scale
+            # materialized; the backward pass keeps the int8 kernel, not its compute-dtype cast.
+            y = int8_project(x, q["qvalue"], q["scale"], dtype)
         elif self.quantize == "none":
             y = project(x, self.param("kernel", self.kernel_init, shape, self.param_dtype), 0, dtype)
         else:

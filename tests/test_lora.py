@@ -96,7 +96,7 @@ def test_int8_round_trip_is_within_half_a_step():
     assert np.all(np.abs(np.asarray(lora.dequantize(q)) - np.asarray(w)) <= step / 2 + 1e-7)
 
 
-@pytest.mark.parametrize("spec", ["full", "selective", "dots"], ids=str)
+@pytest.mark.parametrize("spec", ["none", "full", "selective", "dots"], ids=str)
 def test_no_dequantized_kernel_is_saved_under_remat(tokens_m, spec):
     params = init_params(QLORA, jax.random.key(0))
     trainable, frozen = lora.partition(params)

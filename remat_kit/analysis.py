@@ -238,7 +238,7 @@ def abstract_inputs(
     else:
         sample = jnp.zeros((1, min(8, seq)), jnp.int32)
         params = jax.eval_shape(lambda k: model.init(k, sample)["params"], jax.random.key(0))
-    return params, jax.eval_shape(opt.init, params), tokens
+    return params, jax.eval_shape(lambda p: step_lib.init_optimizer(opt, p), params), tokens
 
 
 def compile_step(

@@ -199,6 +199,8 @@ def measure(
     import jax
     import numpy as np
 
+    from remat_kit import lora
+    from remat_kit import step as step_lib
     from remat_kit.loss import lm_loss
     from remat_kit.model import Transformer
 
@@ -211,7 +213,7 @@ def measure(
     key_params, key_tokens = jax.random.split(jax.random.key(seed))
     tokens = jax.random.randint(key_tokens, (batch, seq), 0, config.vocab_size, dtype=jax.numpy.int32)
     params = jax.jit(lambda k: model.init(k, tokens[:1])["params"])(key_params)
-    opt_state = jax.jit(analysis.optimizer(learning_rate).init)(params)
+    opt_state = jax.jit(lambda p: step_lib.init_optimizer(analysis.optimizer(learning_rate), p))(params)
     if mesh_obj is not None:  # the compiled step takes its inputs laid out as it was compiled for
         params = jax.device_put(params, mesh_lib.tree_shardings(params, mesh_obj))
         opt_state = jax.device_put(opt_state, mesh_lib.tree_shardings(opt_state, mesh_obj))
@@ -237,8 +239,9 @@ def measure(
 
     if grads_path:
         log("gradient check")
-        grad_fn = jax.value_and_grad(lambda p: lm_loss(model, p, tokens, loss_chunks=loss_chunks))
-        grads = jax.jit(grad_fn)(initial)[1]
+        trainable, frozen = lora.partition(initial)  # LoRA: the adapters' gradients (an int8 base has none)
+        grad_fn = jax.value_and_grad(lambda t: lm_loss(model, lora.combine(t, frozen), tokens, loss_chunks=loss_chunks))
+        grads = jax.jit(grad_fn)(trainable)[1]
         np.savez(grads_path, *[np.asarray(g, np.float32) for g in jax.tree.leaves(grads)])
         del grads
     return {
@@ -295,7 +298,7 @@ def measure_model(
 
     params, *batch = jax.tree.map(real, tuple(example))
     opt = step_lib.make_optimizer(learning_rate)
-    opt_state = jax.jit(opt.init)(params)
+    opt_state = jax.jit(lambda p: step_lib.init_optimizer(opt, p))(params)
     start = time.perf_counter()
     compiled = jax.jit(step_lib.make_step(loss_fn, opt), **step_lib.jit_kwargs(params, opt_state)).trace(
         params, opt_state, *batch).lower().compile()  # fmt: skip

@@ -40,7 +40,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from remat_kit import attention, names, policies
+from remat_kit import attention, lora, names, policies
 from remat_kit.scan import stack
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -68,6 +68,7 @@ class TransformerConfig:
         ``auto`` (default) is cuDNN flash attention on a GPU, ``chunked`` elsewhere.
       attention_block: block size of ``chunked`` attention in positions; None for the backend's
         default (:func:`remat_kit.attention.default_block`).
+      lora_rank, lora_alpha, lora_targets, quantize: LoRA adapters / int8 base (see :mod:`remat_kit.lora`).
     """
 
     vocab_size: int = 256
@@ -85,6 +86,10 @@ class TransformerConfig:
     tie_embeddings: bool = False
     attention: str = "auto"
     attention_block: int | None = None
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    quantize: str = "none"
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_seq_len"):
@@ -106,6 +111,7 @@ class TransformerConfig:
         block = self.attention_block
         if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
             raise ValueError(f"attention_block must be a positive integer or None, got {block!r}")
+        lora.check_config(self)
 
     @property
     def head_dim(self) -> int:
@@ -321,7 +327,9 @@ class RMSNorm(nn.Module):
         return rms_norm(x, scale, self.epsilon, jnp.dtype(self.dtype))
 
 
-def _dense(features: int, cfg: TransformerConfig, name: str) -> Dense:
+def _dense(features: int, cfg: TransformerConfig, name: str) -> nn.Module:
+    if lora.enabled(cfg):  # adapters and/or an int8 base: same parameter names, see remat_kit.lora
+        return lora.dense(features, cfg, name)
     return Dense(features, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), name=name)
 
 

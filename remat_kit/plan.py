@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from remat_kit import analysis, budget, inspection, policies
+from remat_kit import analysis, budget, inspection, lora, policies
 from remat_kit import mesh as mesh_lib
 from remat_kit.attention import ATTENTION_KINDS
 from remat_kit.model import DTYPES, PRESET_SHAPES, PRESETS, TransformerConfig
@@ -101,6 +101,7 @@ def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None
     parser.add_argument(
         "--loss-chunks", type=int, default=0, help="0: plain loss over full logits; K: chunked cross-entropy"
     )
+    lora.add_cli_args(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[TransformerConfig, int, int]:
@@ -114,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TransformerConfig, int, 
         overrides["attention"] = args.attention
     if args.layers is not None:
         overrides["num_layers"] = args.layers
+    overrides.update(lora.overrides_from_args(args))
     config = TransformerConfig.preset(args.preset, **overrides)
     default_batch, default_seq = PRESET_SHAPES.get(args.preset, (1, min(128, config.max_seq_len)))
     batch = default_batch if args.batch is None else args.batch

@@ -3,7 +3,12 @@
 :func:`make_optimizer` builds the optimizer (global-norm clipping, AdamW with decoupled weight decay,
 ``optax.MultiSteps`` gradient accumulation, whose buffers are part of the optimizer state and so of
 every planned figure); :func:`make_step` the update ``(params, opt_state, *batch) -> (params,
-opt_state, loss, grad_norm, params_finite)``; :func:`jit_kwargs` its donation and mesh shardings.
+opt_state, loss, grad_norm, params_finite)``; :func:`init_optimizer` its optimizer state; :func:`jit_kwargs`
+its donation and mesh shardings.
+
+With LoRA adapters in the parameters (:mod:`remat_kit.lora`), the step differentiates and updates only
+the adapters, and the optimizer state covers only them: the frozen base gets neither a gradient nor
+optimizer state, in every caller (plan, auto, bench, train) alike. Without adapters nothing changes.
 
 >>> import jax, jax.numpy as jnp
 >>> opt = make_optimizer(0.1)
@@ -23,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from remat_kit import lora
 from remat_kit import mesh as mesh_lib
 
 #: What :func:`make_optimizer` clips the global gradient norm to unless told otherwise (``train``'s default).
@@ -63,17 +69,20 @@ def make_step(
       on_trace: called each time the step is traced (a retrace check).
 
     Returns:
-      ``step(params, opt_state, *batch) -> (params, opt_state, loss, grad_norm, params_finite)``.
+      ``step(params, opt_state, *batch) -> (params, opt_state, loss, grad_norm, params_finite)``, with
+      ``opt_state`` from :func:`init_optimizer`; with adapters only they are differentiated and updated.
     """
 
     def step(params, opt_state, *batch):
         if on_trace is not None:
             on_trace()
-        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        # A finite loss does not prove finite new parameters; check them so none is ever saved.
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
+        # LoRA: only the trainable part is differentiated and updated; the frozen base has no gradient
+        # at all (not zeros). Without adapters the whole tree is trainable: a plain update.
+        loss, grads, params, opt_state = lora.update(lambda p: loss_fn(p, *batch), optimizer, params, opt_state)
+        # A finite loss does not prove finite new parameters; check them so none is ever saved (the
+        # frozen part is passed through unchanged).
+        trainable = lora.partition(params)[0]
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(trainable)]))
         return params, opt_state, loss, optax.tree.norm(grads), finite
 
     return step
@@ -93,7 +102,13 @@ def jit_kwargs(params, opt_state, mesh=None, *, batch_args: int = 1) -> dict[str
     return kwargs
 
 
+def init_optimizer(optimizer: optax.GradientTransformation, params):
+    """The optimizer state :func:`make_step` expects: of the trainable part of ``params`` only
+    (the LoRA adapters when there are any, see :func:`remat_kit.lora.partition`; else all of it)."""
+    return lora.init_optimizer(optimizer, params)
+
+
 def abstract_state(params, optimizer: optax.GradientTransformation):
-    """``(params, opt_state)`` as ShapeDtypeStructs: nothing is allocated."""
+    """``(params, opt_state)`` as ShapeDtypeStructs (opt_state as :func:`init_optimizer`'s): nothing is allocated."""
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    return params, jax.eval_shape(optimizer.init, params)
+    return params, jax.eval_shape(lambda p: init_optimizer(optimizer, p), params)

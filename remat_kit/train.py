@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from remat_kit import __version__, data, policies
+from remat_kit import __version__, data, lora, policies
 from remat_kit import mesh as mesh_lib
 from remat_kit import step as step_lib
 from remat_kit.checkpoint import Checkpoints
@@ -340,7 +340,7 @@ class Trainer:
         params = _init_params(self.config.model, jax.random.fold_in(key, 0))
         return TrainState(
             params=params,
-            opt_state=self.optimizer.init(params),
+            opt_state=step_lib.init_optimizer(self.optimizer, params),
             step=jnp.asarray(0, jnp.int32),
             data_position=jnp.asarray(0, jnp.int32),
             rng=jax.random.key_data(jax.random.fold_in(key, 1)),
@@ -758,6 +758,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="global gradient-norm clip")
     p.add_argument("--dropout", type=float, default=None, help="override the preset's dropout rate")
+    lora.add_cli_args(p)
     p.add_argument("--loss-chunks", type=int, default=0, help="compute logits/loss in K chunks (0: plain)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders (default: Python stdlib)")
@@ -796,6 +797,7 @@ def add_cli(subparsers) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` of parsed ``remat-kit train`` arguments."""
     overrides = {} if args.dropout is None else {"dropout": args.dropout}
+    overrides.update(lora.overrides_from_args(args))
     return TrainConfig(
         model=TransformerConfig.preset(args.preset, **overrides),
         policy=args.policy,

@@ -50,6 +50,15 @@ def test_compare_policies(tmp_path, policies):
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_lora_finetune(tmp_path):
+    args = ["--preset", "tiny", "--base-steps", "2", "--steps", "6", "--batch-size", "2", "--seq-len", "32"]
+    out = run_example("lora_finetune.py", *args, "--out", "run", cwd=tmp_path)
+    assert "base: tiny trained 2 steps" in out and "base int8" in out
+    before, after = (float(x) for x in out.split("validation ")[1].split()[0:3:2])
+    assert after < before, out  # the adapters learn the new text
+    assert "base weights unchanged: True" in out
+
+
 def test_nnx_module(tmp_path):
     args = ["--steps", "3", "--depth", "2", "--width", "16", "--seq-len", "16", "--batch-size", "2"]
     out = run_example("nnx_module.py", *args, cwd=tmp_path)

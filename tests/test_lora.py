@@ -1,0 +1,177 @@
+"""LoRA adapters and the int8 base: equal gradients under every policy, a frozen base, exact resume."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import ALL_SPECS, RTOL_F32, max_rel_err
+
+from remat_kit import _jax_internals, data, lora, train
+from remat_kit import step as step_lib
+from remat_kit.checkpoint import Checkpoints
+from remat_kit.loss import lm_loss
+from remat_kit.model import Transformer, TransformerConfig, init_params
+
+LORA = TransformerConfig.preset("tiny", lora_rank=4, lora_targets=("q_proj", "v_proj", "mlp_out"))
+QLORA = TransformerConfig.preset("tiny", lora_rank=4, lora_targets=lora.TARGETS, quantize="int8")
+
+#: Relative error of the int8 model's logits against the float model's (per-channel absmax int8
+#: rounds each weight by at most half a step, 1/254 of its channel's largest entry).
+QUANT_LOGITS_RTOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def lora_params():
+    # Adapters made non-zero, so gradients reach A as well as B.
+    params = init_params(LORA, jax.random.key(0))
+    t, f = lora.partition(params)
+    t = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape), t)
+    return t, f
+
+
+@pytest.fixture(scope="module")
+def reference_grads(lora_params, tokens_m):
+    return _adapter_grads("none", *lora_params, tokens_m)
+
+
+@pytest.fixture(scope="module")
+def tokens_m():
+    return jax.random.randint(jax.random.key(1), (2, 16), 0, 256, dtype=jnp.int32)
+
+
+def _adapter_grads(spec, trainable, frozen, tokens):
+    model = Transformer(config=LORA, policy=spec)
+    return jax.jit(jax.grad(lambda t: lm_loss(model, lora.combine(t, frozen), tokens)))(trainable)
+
+
+@pytest.mark.parametrize("spec", [s for s in ALL_SPECS if s != "none"], ids=str)
+def test_adapter_gradients_equal_under_every_policy(lora_params, reference_grads, tokens_m, spec):
+    grads = _adapter_grads(spec, *lora_params, tokens_m)
+    assert max_rel_err(grads, reference_grads) < RTOL_F32
+
+
+def test_partition_holds_only_adapters(lora_params, reference_grads):
+    trainable, frozen = lora_params
+    names = {path[-1] for path in _paths(trainable)}
+    assert names == {"lora_a", "lora_b"}
+    assert {path[-2] for path in _paths(trainable)} == {"q_proj", "v_proj", "mlp_out"}
+    assert all(path[-1] not in lora.ADAPTER_NAMES for path in _paths(frozen))
+    assert sum(x.size for x in jax.tree.leaves(trainable)) == lora.num_trainable(LORA)
+    # Every adapter leaf gets a non-zero gradient (A through B != 0, B through x A).
+    assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(reference_grads))
+
+
+def _paths(tree):
+    return [tuple(k.key for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def test_adapted_model_starts_equal_to_the_base(tokens_m):
+    base_cfg = TransformerConfig.preset("tiny")
+    base = init_params(base_cfg, jax.random.key(0))
+    params = lora.from_base(base, LORA, jax.random.key(5))
+    ref = Transformer(config=base_cfg).apply({"params": base}, tokens_m)
+    out = Transformer(config=LORA, policy="full").apply({"params": params}, tokens_m)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_int8_forward_is_close_to_the_float_one(tokens_m):
+    base_cfg = TransformerConfig.preset("tiny")
+    base = init_params(base_cfg, jax.random.key(0))
+    params = lora.from_base(base, QLORA, jax.random.key(5))
+    kernel = params["layers"]["layers"]["q_proj"]["kernel"]
+    assert kernel["qvalue"].dtype == jnp.int8 and kernel["scale"].shape == (4, 1, 64)
+    ref = np.asarray(Transformer(config=base_cfg).apply({"params": base}, tokens_m))
+    out = np.asarray(Transformer(config=QLORA, policy="selective").apply({"params": params}, tokens_m))
+    err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
+    assert 0 < err < QUANT_LOGITS_RTOL, err
+
+
+def test_int8_round_trip_is_within_half_a_step():
+    w = jax.random.normal(jax.random.key(0), (3, 32, 8))
+    q = lora.quantize_int8(w)
+    step = np.asarray(q["scale"])
+    assert np.all(np.abs(np.asarray(lora.dequantize(q)) - np.asarray(w)) <= step / 2 + 1e-7)
+
+
+@pytest.mark.parametrize("spec", ["none", "full", "selective", "dots"], ids=str)
+def test_no_dequantized_kernel_is_saved_under_remat(tokens_m, spec):
+    params = init_params(QLORA, jax.random.key(0))
+    trainable, frozen = lora.partition(params)
+    model = Transformer(config=QLORA, policy=spec)
+    res = _jax_internals.saved_residuals(lambda t, x: lm_loss(model, lora.combine(t, frozen), x), trainable, tokens_m)
+    kernel_shapes = {x.shape for x in jax.tree.leaves(frozen) if x.dtype == jnp.int8}
+    floats = [r for r in res if r.shape in kernel_shapes and r.dtype != "int8"]
+    assert kernel_shapes and not floats, floats
+
+
+def test_frozen_base_gets_no_update_and_no_optimizer_state(tokens_m):
+    params = init_params(QLORA, jax.random.key(0))
+    trainable, frozen = lora.partition(params)
+    # The one step that plan, auto, bench and train compile (remat_kit.step).
+    opt = step_lib.make_optimizer(1e-2)
+    state = step_lib.init_optimizer(opt, params)
+    # Adam's moments cover exactly the adapters: no entry (not even zeros) for the base, also in
+    # the abstract state the planner counts.
+    moments = optax.tree_utils.tree_get(state, "mu")
+    assert jax.tree.structure(moments) == jax.tree.structure(trainable)
+    abstract_moments = optax.tree_utils.tree_get(step_lib.abstract_state(params, opt)[1], "mu")
+    assert jax.tree.structure(abstract_moments) == jax.tree.structure(trainable)
+    model = Transformer(config=QLORA, policy="full")
+    step = jax.jit(step_lib.make_step(lambda q, x: lm_loss(model, q, x), opt))
+    new, _, loss, grad_norm, finite = step(params, state, tokens_m)
+    assert bool(finite) and float(grad_norm) > 0 and np.isfinite(float(loss))
+    new_trainable, new_frozen = lora.partition(new)
+    for a, b in zip(jax.tree.leaves(new_frozen), jax.tree.leaves(frozen), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert max_rel_err(new_trainable, trainable) > 0  # the adapters did move
+
+
+def test_lora_run_resumes_bit_exact(tmp_path):
+    corpus = data.corpus_from_bytes(b"the quick brown fox jumps over the lazy dog. " * 200)
+    config = train.TrainConfig(model=QLORA, steps=4, batch_size=2, seq_len=16, eval_every=0, policy="selective")
+    full = train.train(config, corpus, checkpoint_dir=tmp_path / "run", checkpoint_every=2, keep=5)
+    with Checkpoints(tmp_path / "run") as ckpts:
+        assert ckpts.steps() == [2, 4]
+    shutil.rmtree(tmp_path / "run" / "4")  # as if killed after step 3
+    resumed = train.train(config, corpus, checkpoint_dir=tmp_path / "run", resume=True)
+    assert resumed.resumed_from == 2
+    assert [r["step"] for r in resumed.history] == [3, 4]
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in full.history[2:]]
+    for a, b in zip(jax.tree.leaves(resumed.state.to_dict()), jax.tree.leaves(full.state.to_dict()), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"lora_rank": -1}, "lora_rank must be an integer >= 0"),
+        ({"lora_rank": 2.5}, "lora_rank must be an integer >= 0"),
+        ({"lora_rank": 65}, "exceeds d_model=64"),
+        ({"lora_rank": 4, "lora_targets": ("q_proj", "wq")}, "unknown lora_targets ['wq']"),
+        ({"lora_rank": 4, "lora_targets": "q_proj"}, "lora_targets must be a tuple"),
+        ({"lora_rank": 4, "lora_alpha": 0}, "lora_alpha must be a number > 0"),
+        ({"lora_rank": 4, "quantize": "nf4"}, "quantize='nf4'; allowed: none, int8"),
+        ({"quantize": "int8"}, "needs lora_rank > 0"),
+        ({"lora_rank": 4, "quantize": "int8", "dtype": "float16"}, "does not support compute dtype 'float16'"),
+    ],
+    ids=["negative-rank", "float-rank", "rank-too-big", "unknown-target", "target-string", "alpha", "nf4",
+         "quantize-without-lora", "float16"],
+)  # fmt: skip
+def test_bad_lora_config_is_one_line_error(overrides, message):
+    with pytest.raises(ValueError) as err:
+        TransformerConfig.preset("tiny", **overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_flags_reach_the_config():
+    from remat_kit import cli
+
+    args = cli.build_parser().parse_args(
+        ["train", "--lora-rank", "8", "--lora-alpha", "32", "--lora-targets", "all", "--quantize", "int8"]
+    )
+    model = train.config_from_args(args).model
+    assert (model.lora_rank, model.lora_alpha, model.lora_targets, model.quantize) == (8, 32.0, lora.TARGETS, "int8")

@@ -53,7 +53,7 @@ def test_records_carry_measurements(records):
 
 def test_pareto_front():
     def rec(policy, t, mem):
-        return bench.BenchRecord(policy, 0, 0, 0, 0, mem, 0, "rss", 0, 0.0, t, (t,), 1.0, 0.0, 0.0, 0.0, 0.0)
+        return bench.BenchRecord(policy, 0, 0, 0, 0, 0, mem, 0, "rss", 0, 0.0, t, (t,), 1.0, 0.0, 0.0, 0.0, 0.0)
 
     rs = [rec("a", 1.0, 10), rec("b", 2.0, 5), rec("c", 2.5, 8), rec("d", 3.0, 1)]
     assert bench.pareto_front(rs) == ["a", "b", "d"]

@@ -174,7 +174,7 @@ def test_instance_residuals_shrink_full_selective_none():
 
 
 def test_instance_misspelt_tag_raises_with_nearest_name():
-    wrapped = policies.selective(["mlp_upp"], strict=False)(TinyBlock(nnx.Rngs(0)))
+    wrapped = policies.selective(["mlp_upp"])(TinyBlock(nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"TinyBlock never emits: mlp_upp \(did you mean 'mlp_up'\?\)"):
         nnx.grad(loss_fn)(wrapped)
 
@@ -183,7 +183,7 @@ def test_stack_missing_or_misspelt_tag_raises():
     layers = rk_nnx.stack(Tagged, 2, "selective", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"Tagged never emits: q_proj, k_proj.*; it emits: mlp_up$"):
         layers(X)
-    layers = rk_nnx.stack(Tagged, 2, policies.selective(["mlp_upp"], strict=False), rngs=nnx.Rngs(0))
+    layers = rk_nnx.stack(Tagged, 2, policies.selective(["mlp_upp"]), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"mlp_upp \(did you mean 'mlp_up'\?\)"):
         nnx.grad(loss_fn)(layers)
 
@@ -192,8 +192,8 @@ def test_tag_check_runs_once_per_signature(monkeypatch):
     calls = []
     real = tags.emitted_tags
     monkeypatch.setattr(tags, "emitted_tags", lambda *a: calls.append(1) or real(*a))
-    wrapped = policies.selective(["mlp_up"], strict=False)(Tagged(nnx.Rngs(0)))
-    layers = rk_nnx.stack(Tagged, 2, policies.selective(["mlp_up"], strict=False), rngs=nnx.Rngs(0))
+    wrapped = policies.selective(["mlp_up"])(Tagged(nnx.Rngs(0)))
+    layers = rk_nnx.stack(Tagged, 2, policies.selective(["mlp_up"]), rngs=nnx.Rngs(0))
     for model in (wrapped, layers, wrapped, layers):
         model(X)
     assert len(calls) == 2

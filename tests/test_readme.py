@@ -46,11 +46,20 @@ def _nnx(ns):
     assert max_rel_err(ns["block_grads"]["module"], bare) <= 1e-5
 
 
+def _plan_own(ns):
+    """inspect/compare/auto on a user's stack: full keeps less than none, and the choice fits the budget."""
+    assert ns["report"].saved_bytes > 0
+    saved = [r.saved_bytes for r in ns["table"].reports]
+    assert saved[2] < saved[1] < saved[0]  # full < selective:mlp_up < none
+    assert ns["choice"].chosen is not None
+
+
 #: A marker found in a block → what to assert after running it.
 KNOWN = {
     "RematBlock = policy(MyBlock": _linen_loop,
     "remat_kit.stack(NormBlock": _stack,
-    "remat_kit.auto(": _budget,
+    "remat_kit.auto(cfg": _budget,
+    "remat_kit.inspect(make_loss": _plan_own,
     "remat_kit.nnx.stack(Block": _nnx,
 }
 

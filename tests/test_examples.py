@@ -9,6 +9,9 @@ import pytest
 
 from remat_kit import units
 
+# Process orchestration around JAX, not JAX itself: CI runs these once, on the default JAX (.ci/run).
+pytestmark = pytest.mark.integration
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

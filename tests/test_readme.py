@@ -54,12 +54,22 @@ def _plan_own(ns):
     assert ns["choice"].chosen is not None
 
 
+def _lora(ns):
+    """LoRA: only the adapters have optimizer state, and the frozen int8 base is untouched by the update."""
+    trainable, frozen = ns["lora"].partition(ns["params"])
+    mu = ns["opt_state"][0].mu
+    assert jax.tree.structure(mu) == jax.tree.structure(trainable) and jax.tree.leaves(frozen)
+    before = ns["lora"].partition(ns["lora"].from_base(ns["full_params"], ns["cfg"], jax.random.key(1)))[1]
+    assert max_rel_err(frozen, before) == 0.0
+
+
 #: A marker found in a block → what to assert after running it.
 KNOWN = {
     "RematBlock = policy(MyBlock": _linen_loop,
     "remat_kit.stack(NormBlock": _stack,
     "remat_kit.auto(cfg": _budget,
     "remat_kit.inspect(make_loss": _plan_own,
+    "lora.update(loss_fn": _lora,
     "remat_kit.nnx.stack(Block": _nnx,
 }
 

@@ -612,6 +612,11 @@ def _bench_command(args: argparse.Namespace) -> int:
     setting += f", device {device.platform}:{device.device_kind}"
     if args.mesh:
         setting += f", mesh {args.mesh} (XLA temp per device)"
+    return _report(args, command, setting, records, f"{args.preset}, batch {batch} × seq {seq} ({device.platform})")
+
+
+def _report(args: argparse.Namespace, command: str, setting: str, records: list[BenchRecord], title: str) -> int:
+    """Print the table and write the ``--json``/``--markdown``/``--plot`` files both bench forms offer."""
     print(setting)
     print("\n".join(format_table(records)))
     print(f"Pareto front (time vs measured memory): {', '.join(pareto_front(records))}")
@@ -626,7 +631,7 @@ def _bench_command(args: argparse.Namespace) -> int:
             f.write(format_markdown(records, f"# remat-kit bench\n\n`{command}`\n\n{setting}"))
         print(f"wrote {args.markdown}")
     if args.plot:
-        plot(records, args.plot, f"{args.preset}, batch {batch} × seq {seq} ({device.platform})")
+        plot(records, args.plot, title)
         print(f"wrote {args.plot}")
     return 0
 
@@ -656,21 +661,7 @@ def _bench_model_command(args: argparse.Namespace) -> int:
         f"model {args.model}, clipped AdamW step, {args.steps} timed steps after {args.warmup} warm-up, "
         f"device {device.platform}:{device.device_kind}"
     )
-    print(setting)
-    print("\n".join(format_table(records)))
-    print(f"Pareto front (time vs measured memory): {', '.join(pareto_front(records))}")
-    if args.json:
-        write_json(args.json, {"command": command, "setting": setting,
-                               "records": [dataclasses.asdict(r) for r in records]})  # fmt: skip
-        print(f"wrote {args.json}")
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(format_markdown(records, f"# remat-kit bench\n\n`{command}`\n\n{setting}"))
-        print(f"wrote {args.markdown}")
-    if args.plot:
-        plot(records, args.plot, f"{args.model} ({device.platform})")
-        print(f"wrote {args.plot}")
-    return 0
+    return _report(args, command, setting, records, f"{args.model} ({device.platform})")
 
 
 def add_cli(subparsers) -> None:

@@ -111,6 +111,9 @@ class TransformerConfig:
         block = self.attention_block
         if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
             raise ValueError(f"attention_block must be a positive integer or None, got {block!r}")
+        if isinstance(self.lora_targets, list):
+            # A config that went through JSON (a bench worker's job, checkpoint metadata) has a list here.
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         lora.check_config(self)
 
     @property

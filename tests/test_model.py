@@ -235,3 +235,13 @@ def test_head_keeps_no_copy_of_the_output_matrix(chunks, tie, tokens):
     assert not [r for r in res if r.shape in ((cfg.d_model, V), (V, cfg.d_model))]
     if chunks:  # nothing vocabulary-sized at all: each chunk's logits are recomputed
         assert not [r for r in res if V in r.shape]
+
+
+def test_config_survives_a_json_round_trip():
+    # Bench workers and checkpoint metadata rebuild the config from JSON, where tuples become lists.
+    import dataclasses
+    import json
+
+    cfg = TransformerConfig.preset("tiny", lora_rank=4, lora_targets=("q_proj", "v_proj"))
+    again = TransformerConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
+    assert again == cfg and again.lora_targets == ("q_proj", "v_proj")

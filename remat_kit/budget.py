@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit import analysis, flops, inspection, policies
+from remat_kit import _jax_internals, analysis, flops, inspection, policies
 from remat_kit import mesh as mesh_lib
 from remat_kit import step as step_lib
 from remat_kit.model import Transformer, TransformerConfig
@@ -61,8 +61,11 @@ def get_optimizer(optimizer: str | optax.GradientTransformation) -> optax.Gradie
 
 
 def host_offload_available() -> bool:
-    """Whether the default device has a memory kind JAX's remat offloads to (``pinned_host``)."""
-    return any(m.kind in policies.OFFLOAD_DESTINATIONS for m in jax.devices()[0].addressable_memories())
+    """Whether offload candidates make sense: the default device has a memory kind JAX's remat offloads to
+    (``pinned_host``), and the running JAX's remat can offload at all (not jax 0.10's remat3)."""
+    memories = jax.devices()[0].addressable_memories()
+    has_kind = any(m.kind in policies.OFFLOAD_DESTINATIONS for m in memories)
+    return has_kind and _jax_internals.offload_supported()
 
 
 def candidates(config: TransformerConfig, *, offload: bool | None = None) -> tuple[policies.Policy, ...]:

@@ -112,6 +112,14 @@ def test_candidates_cover_the_policy_families():
     assert all(p.period <= 4 for p in A.candidates(CFG) if p.kind == "every_n")  # never deeper than the model
 
 
+def test_offload_candidates_follow_what_jax_can_offload(monkeypatch):
+    # A JAX whose remat cannot offload (jax 0.10's remat3) gets no offload candidates by default.
+    cfg = TransformerConfig.preset("tiny")
+    monkeypatch.setattr(A._jax_internals, "offload_supported", lambda: False)
+    assert not A.host_offload_available()
+    assert not any(p.kind == "offload" for p in A.candidates(cfg))
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("80GB", 80 * 10**9), ("24 GiB", 24 * 2**30), ("1.5e9", 1_500_000_000), ("512MiB", 512 * 2**20), (4096, 4096)],

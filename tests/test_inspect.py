@@ -198,3 +198,51 @@ def test_plan_model_bad_inputs_exit_2(model, extra, match, capsys):
 
 def test_host_rule_is_one_function():
     assert inspection.host_offload_enforced(jax.devices("cpu")[0]) is False
+
+
+def _nnx_loss_and_args(policy, layers=3, batch=4, seq=8, d=16):
+    """An NNX model of the test's own (an MLP block stacked by ``remat_kit.nnx.stack``) as a pure loss of its
+    state: ``(loss(params, rest, x), (params, rest, x))``, every input abstract."""
+    from flax import nnx
+
+    import remat_kit.nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(d, 4 * d, use_bias=False, rngs=rngs)
+            self.down = nnx.Linear(4 * d, d, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jnp.tanh(self.up(x)))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = remat_kit.nnx.stack(Block, layers, policy, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.mean(self.blocks(x) ** 2)
+
+    model = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))  # nothing allocated
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, rest, x):
+        return nnx.merge(graphdef, params, rest)(x)
+
+    return loss, (params, rest, jax.ShapeDtypeStruct((batch, seq, d), jnp.float32))
+
+
+@pytest.mark.parametrize("spec", ["none", "full"])
+def test_an_nnx_model_is_inspected_like_any_function(spec):
+    layers, batch, seq, d = 3, 4, 8, 16
+    loss, args = _nnx_loss_and_args(policies.parse(spec), layers, batch, seq, d)
+    r = remat_kit.inspect(loss, *args)
+    own = [x for x in _jax_internals.saved_residuals(loss, *args) if not x.is_argument]
+    assert r.saved_bytes == sum(x.nbytes for x in own) > 0
+    matmul = 2 * batch * seq * d * 4 * d  # one [d, 4d] matmul
+    assert r.forward_flops == layers * 2 * matmul
+    if spec == "none":
+        assert r.flops == 3 * r.forward_flops
+    else:
+        # Each layer's input is kept, plus the stack's output that the loss squares; the first matmul recomputed.
+        assert r.saved_bytes == (layers + 1) * batch * seq * d * F32
+        assert r.flops == 3 * r.forward_flops + layers * matmul

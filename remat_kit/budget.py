@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import math
 import threading
 import time
@@ -173,9 +172,8 @@ CPU_PLAN_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0
 class StepPlanner:
     """Traces and compiles the shared training step (:mod:`remat_kit.step`) of one model, memoized.
 
-    Each shape is traced and lowered once; shapes whose lowered programs are the same text (policies
-    that save the same values, such as ``dots`` and the selective list of every matmul) share one compile.
-    ``compiles`` counts the XLA compiles done: the planner's cost.
+    Each shape is traced, lowered and compiled once; ``compiles`` counts the XLA compiles done, the
+    planner's cost (on CPU they run at LLVM -O0: see :data:`CPU_PLAN_COMPILER_OPTIONS`).
 
     Args:
       build: ``build(policy, batch, seq) -> (loss_fn, params, batch_args)``: the loss
@@ -197,10 +195,9 @@ class StepPlanner:
         platform = self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
         self.compiler_options = CPU_PLAN_COMPILER_OPTIONS if platform == "cpu" else None
         self._traced: dict[tuple, Any] = {}
-        self._lowered: dict[tuple, tuple[Any, str]] = {}  # key -> (lowered step, sha256 of its text)
+        self._lowered: dict[tuple, Any] = {}
         self._flops: dict[tuple, int] = {}
         self._memory: dict[tuple, inspection.CompiledMemory] = {}
-        self._by_text: dict[str, inspection.CompiledMemory] = {}  # sha256 of the lowered program -> figures
         self._lock = threading.Lock()
         self.compiles = 0
         self.planned = 0  # compiles known to be ahead (precompile, expect), for progress
@@ -218,12 +215,10 @@ class StepPlanner:
             self._traced[key] = jax.jit(step, **kwargs).trace(params, opt_state, *batch_args)
         return self._traced[key]
 
-    def _lower(self, policy: policies.Policy, batch: int | None, seq: int | None) -> tuple[Any, str]:
-        """The lowered step and the digest of its text (what decides the compile)."""
+    def _lower(self, policy: policies.Policy, batch: int | None, seq: int | None):
         key = self._key(policy, batch, seq)
         if key not in self._lowered:
-            lowered = self._trace(policy, batch, seq).lower()
-            self._lowered[key] = (lowered, hashlib.sha256(lowered.as_text().encode()).hexdigest())
+            self._lowered[key] = self._trace(policy, batch, seq).lower()
             self._traced.pop(key, None)  # keep memory flat over long searches
         return self._lowered[key]
 
@@ -238,22 +233,16 @@ class StepPlanner:
         """XLA's memory figures of the compiled step (per device under a mesh)."""
         key = self._key(policy, batch, seq)
         if key not in self._memory:
-            lowered, digest = self._lower(policy, batch, seq)
+            lowered = self._lower(policy, batch, seq)
+            compiled = lowered.compile(self.compiler_options) if self.compiler_options else lowered.compile()
+            memory = inspection.CompiledMemory.from_compiled(compiled)
             with self._lock:
-                memory = self._by_text.get(digest)
-            if memory is None:
-                compiled = lowered.compile(self.compiler_options) if self.compiler_options else lowered.compile()
-                memory = inspection.CompiledMemory.from_compiled(compiled)
-            with self._lock:
-                new = digest not in self._by_text
-                self._by_text.setdefault(digest, memory)
                 self._memory[key] = memory
                 self._lowered.pop(key, None)  # no longer needed: keep memory flat over long searches
-                if new:
-                    self.compiles += 1
-                    self.planned = max(self.planned - 1, 0)
+                self.compiles += 1
+                self.planned = max(self.planned - 1, 0)
                 done, total = self.compiles, self.compiles + self.planned
-            if self.progress and new:
+            if self.progress:
                 self.progress(done, total, f"{key[0]}" + ("" if batch is None else f" @ batch {batch} × seq {seq}"))
         return self._memory[key]
 
@@ -264,27 +253,20 @@ class StepPlanner:
 
     def precompile(self, shapes: Sequence[tuple], jobs: int = 1) -> None:
         """Compile ``(policy, batch, seq)`` shapes not yet known, ``jobs`` at a time (XLA compiles on
-        one core per job, outside the GIL). Traces and lowerings run first, one at a time, so shapes
-        with the same program are compiled once."""
+        one core per job, outside the GIL). Traces and lowerings run first, one at a time (Python)."""
         todo = [s for s in dict.fromkeys((str(p), b, q) for p, b, q in shapes) if s not in self._memory]
         todo_policies = {str(p): p for p, _, _ in shapes}
-        unique: dict[str, tuple] = {}
         for spec, b, q in todo:
-            digest = self._lower(todo_policies[spec], b, q)[1]
-            if digest not in self._by_text:
-                unique.setdefault(digest, (spec, b, q))
+            self._lower(todo_policies[spec], b, q)
         with self._lock:
-            self.planned += len(unique)
+            self.planned += len(todo)
         run = lambda s: self.compiled_memory(todo_policies[s[0]], s[1], s[2])
-        first = list(unique.values())
-        if jobs <= 1 or len(first) <= 1:
-            for s in first:
+        if jobs <= 1 or len(todo) <= 1:
+            for s in todo:
                 run(s)
-        else:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-                list(pool.map(run, first))
-        for s in todo:  # the rest share a compile done above
-            run(s)
+            return
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(run, todo))
 
     def memory(self, policy: policies.Policy, batch=None, seq=None) -> tuple[int, int]:
         """``(device bytes, host bytes)`` at the step's peak (per device under a mesh), under the one

@@ -198,3 +198,11 @@ def test_boundary_search_is_exact_and_cheap(need, degree, most):
     assert answer == 50
     assert 50 in calls and 51 in calls  # the answer and one more were measured, not inferred
     assert len(calls) == len(set(calls)) <= most  # the line (or parabola) names the answer; two compiles confirm
+
+
+def test_cpu_plan_compiles_give_the_same_bytes_as_default_compiles(planner):
+    # The planner compiles at LLVM -O0 on CPU to halve the time; the figures must be XLA's default ones.
+    assert planner.compiler_options == A.CPU_PLAN_COMPILER_OPTIONS
+    fast = planner.compiled_memory(P.full(), BATCH, SEQ)
+    default = planner._trace(P.full(), BATCH, SEQ).lower().compile()
+    assert fast == A.inspection.CompiledMemory.from_compiled(default)

@@ -253,11 +253,10 @@ class StepPlanner:
 
     def precompile(self, shapes: Sequence[tuple], jobs: int = 1) -> None:
         """Compile ``(policy, batch, seq)`` shapes not yet known, ``jobs`` at a time (XLA compiles on
-        one core per job, outside the GIL). Traces and lowerings run first, one at a time (Python)."""
+        one core per job, outside the GIL). Each shape is traced and lowered here (Python, one at a
+        time) and handed to the pool at once, so lowering the next overlaps compiling the last."""
         todo = [s for s in dict.fromkeys((str(p), b, q) for p, b, q in shapes) if s not in self._memory]
         todo_policies = {str(p): p for p, _, _ in shapes}
-        for spec, b, q in todo:
-            self._lower(todo_policies[spec], b, q)
         with self._lock:
             self.planned += len(todo)
         run = lambda s: self.compiled_memory(todo_policies[s[0]], s[1], s[2])
@@ -266,7 +265,12 @@ class StepPlanner:
                 run(s)
             return
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            list(pool.map(run, todo))
+            futures = []
+            for s in todo:
+                self._lower(todo_policies[s[0]], s[1], s[2])
+                futures.append(pool.submit(run, s))
+            for f in futures:
+                f.result()
 
     def memory(self, policy: policies.Policy, batch=None, seq=None) -> tuple[int, int]:
         """``(device bytes, host bytes)`` at the step's peak (per device under a mesh), under the one

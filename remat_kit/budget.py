@@ -162,8 +162,20 @@ class AutoResult:
         }
 
 
+#: XLA options for the planner's CPU compiles. The planner only reads the buffer assignment
+#: (``memory_analysis()``) and never runs the executable; buffer assignment is done on the optimized HLO,
+#: before LLVM, so LLVM's optimization level changes the machine code but not one byte of the figures
+#: (checked: every tiny candidate at two shapes, the 2B preset's ``full``; tested in test_budget.py)
+#: while it halves the compile time. (``xla_cpu_use_fusion_emitters=False`` would be 4x faster still,
+#: but it changes fusion and so the bytes: not used.)
+CPU_PLAN_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
+
+
 class StepPlanner:
     """Traces and compiles the shared training step (:mod:`remat_kit.step`) of one model, memoized.
+
+    Each shape is traced, lowered and compiled once; ``compiles`` counts the XLA compiles done, the
+    planner's cost (on CPU they run at LLVM -O0: see :data:`CPU_PLAN_COMPILER_OPTIONS`).
 
     Args:
       build: ``build(policy, batch, seq) -> (loss_fn, params, batch_args)``: the loss
@@ -171,7 +183,8 @@ class StepPlanner:
         shape; ``batch`` and ``seq`` are None for a model planned at one fixed shape.
       optimizer: a name in :data:`OPTIMIZERS` or an optax transformation; its state is part of the step.
       mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``); bytes are then per device.
-      progress: ``progress(done, total, what)`` after each compile (``total`` counts known work).
+      progress: ``progress(done, total, what)`` after each compile (``total``: compiles done plus those
+        known to be ahead, see :meth:`expect`).
     """
 
     def __init__(self, build: Callable, optimizer: str | optax.GradientTransformation = "adamw", mesh=None,
@@ -181,12 +194,15 @@ class StepPlanner:
         self.optimizer_name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
         self.opt = get_optimizer(optimizer)
         self.progress = progress
+        platform = self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
+        self.compiler_options = CPU_PLAN_COMPILER_OPTIONS if platform == "cpu" else None
         self._traced: dict[tuple, Any] = {}
+        self._lowered: dict[tuple, Any] = {}
         self._flops: dict[tuple, int] = {}
         self._memory: dict[tuple, inspection.CompiledMemory] = {}
         self._lock = threading.Lock()
         self.compiles = 0
-        self.planned = 0  # compiles announced by precompile, for progress
+        self.planned = 0  # compiles known to be ahead (precompile, expect), for progress
 
     def _key(self, policy, batch, seq) -> tuple:
         return (str(policy), batch, seq)
@@ -201,6 +217,13 @@ class StepPlanner:
             self._traced[key] = jax.jit(step, **kwargs).trace(params, opt_state, *batch_args)
         return self._traced[key]
 
+    def _lower(self, policy: policies.Policy, batch: int | None, seq: int | None):
+        key = self._key(policy, batch, seq)
+        if key not in self._lowered:
+            self._lowered[key] = self._trace(policy, batch, seq).lower()
+            self._traced.pop(key, None)  # keep memory flat over long searches
+        return self._lowered[key]
+
     def flops(self, policy: policies.Policy, batch: int | None = None, seq: int | None = None) -> int:
         """Matmul FLOPs of one step (trace only; no compile)."""
         key = self._key(policy, batch, seq)
@@ -212,32 +235,44 @@ class StepPlanner:
         """XLA's memory figures of the compiled step (per device under a mesh)."""
         key = self._key(policy, batch, seq)
         if key not in self._memory:
-            traced = self._trace(policy, batch, seq)
-            memory = inspection.CompiledMemory.from_compiled(traced.lower().compile())
+            lowered = self._lower(policy, batch, seq)
+            compiled = lowered.compile(self.compiler_options) if self.compiler_options else lowered.compile()
+            memory = inspection.CompiledMemory.from_compiled(compiled)
             with self._lock:
                 self._memory[key] = memory
-                self._traced.pop(key, None)  # the trace is no longer needed: keep memory flat over long searches
+                self._lowered.pop(key, None)  # no longer needed: keep memory flat over long searches
                 self.compiles += 1
-                done, total = self.compiles, max(self.planned, self.compiles)
+                self.planned = max(self.planned - 1, 0)
+                done, total = self.compiles, self.compiles + self.planned
             if self.progress:
                 self.progress(done, total, f"{key[0]}" + ("" if batch is None else f" @ batch {batch} × seq {seq}"))
         return self._memory[key]
 
+    def expect(self, n: int) -> None:
+        """Announce ``n`` more compiles ahead (an estimate), so progress shows how many are left."""
+        with self._lock:
+            self.planned += n
+
     def precompile(self, shapes: Sequence[tuple], jobs: int = 1) -> None:
         """Compile ``(policy, batch, seq)`` shapes not yet known, ``jobs`` at a time (XLA compiles on
-        one core per job, outside the GIL). Traces run first, one at a time."""
+        one core per job, outside the GIL). Each shape is traced and lowered here (Python, one at a
+        time) and handed to the pool at once, so lowering the next overlaps compiling the last."""
         todo = [s for s in dict.fromkeys((str(p), b, q) for p, b, q in shapes) if s not in self._memory]
         todo_policies = {str(p): p for p, _, _ in shapes}
-        self.planned += len(todo)
-        for spec, b, q in todo:
-            self._trace(todo_policies[spec], b, q)
+        with self._lock:
+            self.planned += len(todo)
         run = lambda s: self.compiled_memory(todo_policies[s[0]], s[1], s[2])
         if jobs <= 1 or len(todo) <= 1:
             for s in todo:
                 run(s)
             return
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            list(pool.map(run, todo))
+            futures = []
+            for s in todo:
+                self._lower(todo_policies[s[0]], s[1], s[2])
+                futures.append(pool.submit(run, s))
+            for f in futures:
+                f.result()
 
     def memory(self, policy: policies.Policy, batch=None, seq=None) -> tuple[int, int]:
         """``(device bytes, host bytes)`` at the step's peak (per device under a mesh), under the one
@@ -496,11 +531,11 @@ def max_fit(
     """The largest batch (``dim="batch"``, at fixed ``seq``) or the longest sequence (``dim="seq"``,
     at fixed ``batch``) whose step fits the budget under ``policy``; 0 if even 1 does not fit.
 
-    Exact: the answer fits and the answer + 1 does not (or the answer is the limit: the model's
-    ``max_seq_len`` for ``seq``, ``limit`` or 2**20 for ``batch``). Compile-only; the search gallops
-    from the given shape, then narrows by interpolation on the measured bytes, bisecting when that
-    stalls. Bytes are affine in the batch: two compiles give the line, and one more verifies its
-    answer (the search takes over when it does not); a sequence limit that fits is checked first.
+    Exact: the answer fits and the answer + 1 does not, both by real compile (or the answer is the
+    limit: the model's ``max_seq_len`` for ``seq``, ``limit`` or 2**20 for ``batch``). Compile-only,
+    and few compiles: the step's bytes are affine in the batch (a quadratic at most in the sequence,
+    through attention), so two compiles give the line, the line names the answer and two more confirm
+    it (:func:`_boundary`); a sequence limit that fits is checked first (one compile).
     """
     if dim not in ("batch", "seq"):
         raise ValueError(f"dim must be 'batch' or 'seq', got {dim!r}")
@@ -514,89 +549,106 @@ def max_fit(
     if planner.loss_chunks:  # the chunk count may not exceed the token count
         first = -(-planner.loss_chunks // (seq if dim == "batch" else batch))
     start = max(first, min(batch if dim == "batch" else seq, cap))
+    if dim == "seq":
+        if need(cap) <= target:
+            return cap
+        # The parabola through the given length, twice it and the limit names the answer.
+        return _boundary(need, target, first, cap, probes=(start, 2 * start), degree=2, known={cap: need(cap)})
+    # Bytes at batch 1 may not lie on the line (XLA's layout differs there): the line starts at 2 or more.
+    p0 = max(start, 2 * first, 2) if cap >= 2 else start
+    return _boundary(need, target, first, cap, probes=(p0, 2 * p0), degree=1)
+
+
+def _boundary(need, target: float, first: int, cap: int, probes=(), degree: int = 1, known=None) -> int:
+    """The largest n in [first, cap] with ``need(n) <= target`` (``need`` increasing), or 0 if none.
+
+    ``probes`` are compiled first (where they lie inside the bracket). Then each next probe is where a
+    model of the measured points meets the target — a line (``degree=1``) through the bracket's ends
+    (or, before an upper end is known, through the highest fitting point and the farthest one below),
+    or (``degree=2``) a parabola through the bracket's ends and the nearest other point — just above the last
+    fitting point when the model says that point is the answer, so the next compile confirms it. After
+    three model probes in a row on the same side, one bisects (or doubles, with no upper end yet), so a
+    poor model costs a few compiles, never a scan.
+
+    Returns:
+      The answer: ``need(answer) <= target < need(answer + 1)`` (or the answer is ``cap``), both measured.
+    """
+    seen: dict[int, float] = dict(known or {})
     lo, hi = first - 1, cap + 1  # lo: largest known to fit (first - 1: none yet); hi: smallest known not to
-    probe = start
-    if dim == "batch":
-        found, known_lo, hi = _affine_fit(need, start, cap, target)
-        if found is not None:
-            return found
-        lo = max(lo, known_lo)
-        if hi - lo <= 1:
-            return max(lo, 0) if lo >= first else 0
-        if lo >= first:
-            probe = _next_probe(lo, hi, cap, need, target, first)
-    elif need(cap) <= target:
-        return cap
+    for n, v in seen.items():
+        if v <= target:
+            lo = max(lo, n)
+        else:
+            hi = min(hi, n)
+    queue = list(probes)
+    streak: list[bool] = []  # sides of the model's probes since it last changed side
     while hi - lo > 1:
-        if need(probe) <= target:
+        probe = None
+        while queue and probe is None:
+            q = queue.pop(0)
+            probe = q if lo < q < hi and q not in seen else None
+        modelled = probe is None
+        if modelled:
+            probe = _model_probe(seen, lo, hi, cap, target, first, degree)
+            # The model keeps missing on one side: halve the bracket instead (never instead of a confirmation).
+            if len(streak) >= 3 and probe > lo + 1:
+                probe, streak = ((lo + hi) // 2 if hi <= cap else min(cap, 2 * max(lo, 1))), []
+        probe = min(max(probe, lo + 1), hi - 1)
+        seen[probe] = need(probe)
+        fits = seen[probe] <= target
+        if modelled:
+            streak = [*streak, fits] if streak and streak[-1] == fits else [fits]
+        if fits:
             lo = probe
         else:
             hi = probe
-        if hi - lo <= 1:
-            break
-        probe = _next_probe(lo, hi, cap, need, target, first)
-    return max(lo, 0) if lo >= first else 0
+    return lo if lo >= first else 0
 
 
-def _affine_fit(need, start: int, cap: int, target: float) -> tuple[int | None, int, int]:
-    """The largest n <= cap with ``need(n) <= target``, read off the line through ``need`` at ``start``
-    and twice it (XLA's layout at n = 1 may differ), then confirmed by one compile where the line is
-    exact there, else by compiling n + 1 too.
-
-    Returns:
-      ``(answer, lo, hi)``: the answer (None when the line's guess failed) and the tightest bracket
-      known, ``lo`` fitting and ``hi`` not (``0`` and ``cap + 1`` when unknown), for the search to go on from.
-    """
-    p0 = max(start, 2)
-    p1 = 2 * p0
-    lo, hi = 0, cap + 1
-    if p1 > cap:
-        return None, lo, hi
-    if need(p0) > target:
-        return None, lo, p0
-    lo = p0
-    if need(p1) > target:
-        hi = p1
-    else:
-        lo = p1
-    rise = need(p1) - need(p0)
-    if rise <= 0:
-        return None, lo, hi
-    line = lambda m: need(p0) + rise * (m - p0) / (p1 - p0)
-    n = min(cap, p0 + int((target - need(p0)) * (p1 - p0) // rise), hi - 1)
-    n = max(n, lo)
-    if need(n) > target:
-        return None, lo, n
-    lo = n
-    if n == cap:
-        return n, lo, hi
-    if n not in (p0, p1) and need(n) == line(n):  # a third point exactly on the line confirms it
-        return n, lo, hi
-    if n + 1 >= hi or need(n + 1) > target:
-        return n, lo, n + 1
-    return None, n + 1, hi
-
-
-def _next_probe(lo: int, hi: int, cap: int, need, target: float, first: int) -> int:
-    """Where to compile next: the secant through the bracket's ends (memory is close to affine in
-    batch and smooth in sequence length, so this usually lands on the answer), else double or bisect."""
-    if lo < first:  # nothing fits yet: try the smallest shape, then bisect down
+def _model_probe(seen: dict[int, float], lo: int, hi: int, cap: int, target: float, first: int, degree: int) -> int:
+    """Where the measured points' line (or parabola) reaches ``target``, rounded down; lo + 1 when that
+    is lo (to confirm it), the smallest shape when nothing fits yet."""
+    if lo < first:
         return first
-    if hi > cap:  # no upper end yet: extrapolate from lo and one point below it, at most 16x
-        below = max(first, lo // 2)
-        if below < lo:
-            slope = (need(lo) - need(below)) / (lo - below)
-            guess = lo + (target - need(lo)) / slope if slope > 0 else 2 * lo
-        else:
-            guess = 2 * lo
-        return int(min(max(guess, lo + 1), 16 * lo, cap))
-    slope = (need(hi) - need(lo)) / (hi - lo)
-    guess = lo + (target - need(lo)) / slope if slope > 0 else (lo + hi) / 2
-    mid = (lo + hi) // 2
-    probe = int(guess) if math.isfinite(guess) else mid
-    # Probe just above the secant's answer so one more compile can confirm it; never stall at the ends.
-    probe = min(max(probe + (1 if probe == lo else 0), lo + 1), hi - 1)
-    return probe
+    xs = sorted(seen)
+    if hi <= cap:  # a bracket: its ends, plus the nearest other point for a parabola
+        pts = [lo, hi]
+        others = sorted((x for x in xs if x not in pts), key=lambda x: min(abs(x - lo), abs(x - hi)))
+        pts += others[: degree - 1]
+    else:  # no upper end yet: the highest fitting point and the farthest below it (the longest baseline)
+        below = [x for x in xs if x < lo]
+        if not below:
+            return min(cap, 2 * lo)
+        pts = [lo, below[0]] + ([below[len(below) // 2]] if degree == 2 and len(below) > 1 else [])
+    guess = _solve(sorted(set(pts)), seen, target, lo)
+    if guess is None or not math.isfinite(guess):
+        return (lo + hi) // 2 if hi <= cap else min(cap, 2 * lo)
+    n = math.floor(guess)
+    return n if n > lo else lo + 1
+
+
+def _solve(pts: list[int], seen: dict[int, float], target: float, lo: int) -> float | None:
+    """The x >= lo where the interpolant through ``pts`` equals ``target`` (line for two points,
+    parabola for three; the line through the outer two when the parabola has no such root)."""
+    if len(pts) == 3:
+        (x0, x1, x2), (y0, y1, y2) = pts, [seen[x] for x in pts]
+        d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+        a = (d12 - d01) / (x2 - x0)  # y = y0 + d01 (x - x0) + a (x - x0)(x - x1)
+        b = d01 - a * (x0 + x1)
+        c = y0 - d01 * x0 + a * x0 * x1 - target
+        if a != 0:
+            disc = b * b - 4 * a * c
+            if disc >= 0:
+                roots = [(-b + sgn * math.sqrt(disc)) / (2 * a) for sgn in (1, -1)]
+                roots = [r for r in roots if r >= lo - 1e-9]
+                if roots:
+                    return min(roots)
+        pts = [x0, x2]
+    x0, x1 = pts[0], pts[-1]
+    slope = (seen[x1] - seen[x0]) / (x1 - x0)
+    if slope <= 0:
+        return None
+    return x0 + (target - seen[x0]) / slope
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:

@@ -503,8 +503,8 @@ def format_budget_table(result: budget.AutoResult, fit: dict[str, tuple[int, int
 
 
 def compile_progress(done: int, total: int, what: str) -> None:
-    """Progress on stderr: compiles done out of those known so far."""
-    print(f"[plan] compiled {done}/{total}: {what}", file=sys.stderr, flush=True)
+    """Progress on stderr: compiles done, out of those done and expected, and how many are left."""
+    print(f"[plan] compiled {done}/{total} ({total - done} left): {what}", file=sys.stderr, flush=True)
 
 
 def _budget_command(args: argparse.Namespace, config: TransformerConfig, batch: int, seq: int, mesh) -> int:
@@ -533,7 +533,8 @@ def _budget_command(args: argparse.Namespace, config: TransformerConfig, batch: 
     fit = {}
     if wanted and mesh is None:
         # The searches' first compiles are known in advance (the batch line's two points, the sequence
-        # limit): compile them together, args.jobs at a time; each search then needs about one more.
+        # limit): compile them together, args.jobs at a time; each search then needs about two more.
+        planner.expect(2 * len(wanted))
         first = max(batch, 2)
         shapes = [(policies.parse(s), b, q) for s in wanted for b, q in ((first, seq), (2 * first, seq),
                                                                        (batch, config.max_seq_len))]  # fmt: skip

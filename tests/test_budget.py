@@ -85,7 +85,11 @@ def test_max_fit_is_exact(planner, dim):
         if dim == "seq"
         else int(planner.memory(policy, 6, SEQ)[0] * 1.1)
     )
+    before = planner.compiles
     n = A.max_fit(CFG, policy, dim=dim, batch=BATCH, seq=SEQ, budget_bytes=budget, planner=planner)
+    # The speed of plan --budget, guarded by a count: the line (or the limit and a parabola) names the
+    # answer, and the answer and one more are compiled to confirm it.
+    assert planner.compiles - before <= (3 if dim == "batch" else 5)
     shape = (lambda k: (BATCH, k)) if dim == "seq" else (lambda k: (k, SEQ))
     assert n >= 1
     assert planner.fits(policy, *shape(n), budget, A.DEFAULT_MARGIN)
@@ -169,26 +173,36 @@ def test_pareto_plot_is_a_png(planner, needs, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("need", "affine"),
+    ("need", "degree", "most"),
     [
-        (lambda n: 1000 + 37 * n, True),
-        (lambda n: 1000 + 37 * n + (n % 3), False),
-        (lambda n: 5000 if n == 1 else 1000 + 37 * n, True),
+        (lambda n: 1000 + 37 * n, 1, 4),
+        (lambda n: 1000 + 37 * n + (n % 3), 1, 4),
+        (lambda n: 5000 if n == 1 else 1000 + 37 * n, 1, 4),
+        (lambda n: 1000 + 37 * n + 64 * (n // 16), 1, 5),  # steps, like XLA's padding
+        (lambda n: 1000 + 3 * n + n * n // 40, 2, 5),  # attention's quadratic term in the sequence length
     ],
-    ids=["affine", "wobbles", "odd-at-one"],
+    ids=["affine", "wobbles", "odd-at-one", "steps", "quadratic"],
 )
-def test_affine_batch_search_is_exact_and_cheap(need, affine):
+def test_boundary_search_is_exact_and_cheap(need, degree, most):
     calls = []
 
     def counted(n):
         calls.append(n)
         return need(n)
 
-    target = 1000 + 37 * 50.5
-    answer, lo, hi = A._affine_fit(counted, 2, 2**20, target)
-    if answer is not None:
-        assert need(answer) <= target < need(answer + 1)
-    assert need(lo) <= target < need(hi) and lo < hi  # a missed guess hands the search a true bracket
-    assert len(set(calls)) <= 4  # two points give the line, one or two confirm it
-    if affine:  # affine from the start point on: answered outright
-        assert answer == 50
+    target = need(50) + 0.5
+    cap = 2**20 if degree == 1 else 4096
+    known = {} if degree == 1 else {cap: need(cap)}
+    probes = (2, 4) if degree == 1 else (32, 64)
+    answer = A._boundary(counted, target, 1, cap, probes=probes, degree=degree, known=known)
+    assert answer == 50
+    assert 50 in calls and 51 in calls  # the answer and one more were measured, not inferred
+    assert len(calls) == len(set(calls)) <= most  # the line (or parabola) names the answer; two compiles confirm
+
+
+def test_cpu_plan_compiles_give_the_same_bytes_as_default_compiles(planner):
+    # The planner compiles at LLVM -O0 on CPU to halve the time; the figures must be XLA's default ones.
+    assert planner.compiler_options == A.CPU_PLAN_COMPILER_OPTIONS
+    fast = planner.compiled_memory(P.full(), BATCH, SEQ)
+    default = planner._trace(P.full(), BATCH, SEQ).lower().compile()
+    assert fast == A.inspection.CompiledMemory.from_compiled(default)

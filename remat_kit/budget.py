@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import math
 import threading
 import time
@@ -514,7 +515,7 @@ def best_mix(
     ordered = sorted(front, key=lambda c: (c.recompute_flops, -c.need_bytes))
     lines = tuple(
         (a.policy, b.policy, a.need_bytes, b.need_bytes, a.recompute_flops, b.recompute_flops)
-        for a, b in zip(ordered, ordered[1:])
+        for a, b in itertools.pairwise(ordered)
         if a.recompute_flops < b.recompute_flops and a.need_bytes > b.need_bytes
     )
     options = []

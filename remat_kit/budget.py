@@ -748,7 +748,8 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 def plot_pareto(result: AutoResult, path: str) -> str:
     """Write a PNG of device memory against recompute FLOPs, the Pareto front drawn, the choice marked.
 
-    Only compiled candidates have a memory figure; the budget is drawn as a horizontal line.
+    Only compiled candidates have a memory figure; the budget is drawn as a horizontal line. The front's
+    segments are the mixed front (mixes of two neighbours, :func:`best_mix`); mixes compiled are diamonds.
 
     Returns:
       ``path``.
@@ -762,7 +763,9 @@ def plot_pareto(result: AutoResult, path: str) -> str:
     xs = [c.recompute_flops / 1e9 for c in rows]
     ys = [c.need_bytes / 1e9 for c in rows]
     fig, ax = plt.subplots(figsize=(8, 5))
-    ax.scatter(xs, ys, c=["tab:green" if c.fits else "tab:red" for c in rows], zorder=3)
+    one = [i for i, c in enumerate(rows) if "*" not in c.policy]  # single policies; mixes are drawn below
+    colors = ["tab:green" if rows[i].fits else "tab:red" for i in one]
+    ax.scatter([xs[i] for i in one], [ys[i] for i in one], c=colors, zorder=3)
     for c, x, y in zip(rows, xs, ys, strict=True):
         ax.annotate(
             c.policy if len(c.policy) < 28 else c.policy[:25] + "…",
@@ -771,8 +774,15 @@ def plot_pareto(result: AutoResult, path: str) -> str:
             xytext=(4, 3),
             textcoords="offset points",
         )
-    front = sorted(pareto_front(list(zip(xs, ys, strict=True))), key=lambda i: xs[i])
-    ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="gray", label="Pareto front", zorder=2)
+    front = sorted((one[j] for j in pareto_front([(xs[i], ys[i]) for i in one])), key=lambda i: xs[i])
+    # Mixes of neighbours on the front lie (very nearly) on the segments between them: the mixed front.
+    label = "mixed front (mixes of neighbouring policies)" if result.mixed_front else "Pareto front"
+    ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="gray", label=label, zorder=2)
+    mixed = [i for i, c in enumerate(rows) if "*" in c.policy]
+    if mixed:
+        ax.scatter([xs[i] for i in mixed], [ys[i] for i in mixed], marker="D", s=40, facecolors="none",
+                   edgecolors=["tab:green" if rows[i].fits else "tab:red" for i in mixed], label="mixes compiled",
+                   zorder=3)  # fmt: skip
     ax.axhline(
         result.budget_bytes / (1 + result.margin) / 1e9,
         color="tab:orange",

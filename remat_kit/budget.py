@@ -558,7 +558,9 @@ def best_mix(
         # Step down along the line through b (k = 0) and the measured point: the mix's own slope.
         slope = (c.need_bytes - b.need_bytes) / k
         guess = int((target - b.need_bytes) // slope) if slope > 0 else k - 1
-        k = max(ks.start, min(k - 1, guess))
+        if guess < ks.start:  # the measured line leaves no count that fits: the preset stays
+            break
+        k = min(k - 1, guess)
     tried = tuple(measured[i] for i in sorted(measured))
     if winner is None:
         return None, tried, lines

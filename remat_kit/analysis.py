@@ -354,10 +354,16 @@ def _residuals(config, policy, batch, seq, loss_chunks):
     layers = _stack_residuals(model, params, batch, seq)
     param_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
 
-    plan = policy.plan(config.num_layers)
-    groups, rest = divmod(config.num_layers, plan.size)
-    stack_axes = {config.num_layers, groups, rest, plan.size, plan.size - 1} - {0}
-    candidates = _block_candidates(config, policy, batch, seq)
+    # A mix's residuals are its parts' (stacked over each part's layers): label them by every part.
+    parts = policy.parts if isinstance(policy, policies.Mix) else ((policy, config.num_layers),)
+    stack_axes: set[int] = set()
+    candidates: dict = collections.defaultdict(list)
+    for part, count in parts:
+        plan = part.plan(count)
+        groups, rest = divmod(count, plan.size)
+        stack_axes |= {count, groups, rest, plan.size, plan.size - 1} - {0}
+        for key, labels in _block_candidates(config, part, batch, seq).items():
+            candidates[key] += [label for label in labels if label not in candidates[key]]
     pool = collections.Counter((r.shape, r.dtype, r.host) for r in layers)
     out = []
     for r in step:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import math
 import threading
 import time
@@ -128,12 +129,13 @@ class AutoResult:
       budget_bytes, margin: the budget and the safety margin applied to each need.
       batch, seq, loss_chunks, optimizer: the step that was planned (batch and seq None for a
         model given as ``make_loss``).
-      candidates: every candidate, in the order considered (least recompute first).
+      candidates: every candidate, in the order considered (least recompute first), then the mixes
+        compiled to verify the mixed front (:func:`best_mix`), if any.
       reason: one paragraph: why the winner won, or what is needed and the levers if nothing fits.
       compiled: how many candidates were compiled; seconds: wall time of the search.
     """
 
-    chosen: policies.Policy | None
+    chosen: policies.Policy | policies.Mix | None
     budget_bytes: int
     margin: float
     batch: int | None
@@ -144,6 +146,9 @@ class AutoResult:
     reason: str
     compiled: int
     seconds: float
+    #: The mixed front: ``(a, b, need_a, need_b, recompute_a, recompute_b)`` for each Pareto-optimal pair a mix
+    #: was interpolated on (a recomputes less, b needs less); what a plot draws between presets.
+    mixed_front: tuple[tuple[str, str, int, int, int, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready record; ``chosen`` is the winner's spec string (or None)."""
@@ -159,6 +164,7 @@ class AutoResult:
             "compiled": self.compiled,
             "seconds": self.seconds,
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
+            "mixed_front": [list(pair) for pair in self.mixed_front],
         }
 
 
@@ -350,6 +356,7 @@ def auto(
     seq: int | None = None,
     loss_chunks: int = 0,
     candidate_policies: Sequence[policies.Policy | str] | None = None,
+    mixes: bool = True,
 ) -> AutoResult:
     """Choose the policy with the least recompute whose training step fits ``budget_bytes``.
 
@@ -374,9 +381,12 @@ def auto(
         (same answer; for checking the search and for full tables).
       planner: reuse a :class:`StepPlanner`'s memoized compiles.
       jobs: candidates compiled at once when ``exhaustive``.
+      mixes: for a config, also consider mixes (:func:`remat_kit.policies.mix`) of two Pareto-optimal
+        candidates on either side of the budget (see :func:`best_mix`): between two presets' needs the
+        answer is then the mix with the least recompute that fits, measured by one more compile or a few.
 
     Returns:
-      An :class:`AutoResult`; ``chosen`` is None when nothing fits, and ``reason`` then says what is
+      An :class:`AutoResult`; ``chosen`` (a Policy or a Mix) is None when nothing fits, and ``reason`` then says what is
       needed, what was given and which levers remain.
 
     Raises:
@@ -397,7 +407,8 @@ def auto(
         for p in pool:
             p.validate_depth(model.num_layers)
         return search(planner, pool, budget_bytes, margin, exhaustive=exhaustive, batch=batch, seq=seq,
-                      loss_chunks=loss_chunks, jobs=jobs)  # fmt: skip
+                      loss_chunks=loss_chunks, jobs=jobs,
+                      num_layers=model.num_layers if mixes else None)  # fmt: skip
     if not callable(model):
         raise TypeError(f"auto's first argument must be a TransformerConfig or make_loss(policy), got {model!r}")
     if batch is not None or seq is not None or loss_chunks:
@@ -430,9 +441,11 @@ def search(
     seq: int | None = None,
     loss_chunks: int = 0,
     jobs: int = 1,
+    num_layers: int | None = None,
 ) -> AutoResult:
     """:func:`auto`'s search over ``pool`` with ``planner`` at one shape: candidates in order of
-    recompute (traced, cheap), compiled group by group until the cheapest group that fits."""
+    recompute (traced, cheap), compiled group by group until the cheapest group that fits; then, given
+    the stack's ``num_layers``, the best mix of two compiled Pareto-optimal candidates (:func:`best_mix`)."""
     start = time.perf_counter()
     base = planner.flops(policies.none(), batch, seq)
     compiles_before = planner.compiles
@@ -462,6 +475,14 @@ def search(
             f = planner.flops(p, batch, seq)
             rows[str(p)] = Candidate(str(p), f, f - base)
     table = tuple(rows[str(p)] for p in order)
+    front: tuple = ()
+    if num_layers is not None and chosen is not None:
+        found, tried, front = best_mix(
+            planner, table, rows[str(chosen)], num_layers, budget_bytes, margin, batch=batch, seq=seq
+        )
+        table += tuple(c for c in tried if c.policy not in rows)
+        if found is not None:
+            chosen = found
     return AutoResult(
         chosen=chosen,
         budget_bytes=budget_bytes,
@@ -474,7 +495,111 @@ def search(
         reason=_reason(chosen, table, budget_bytes, margin, loss_chunks, transformer=batch is not None),
         compiled=planner.compiles - compiles_before,
         seconds=time.perf_counter() - start,
+        mixed_front=front,
     )
+
+
+def _mix_range(a: policies.Policy, b: policies.Policy, num_layers: int) -> range:
+    """The counts k for which ``mix([(a, k), (b, L - k)])`` is valid (each part fits its layers)."""
+    ok = []
+    for k in range(1, num_layers):
+        try:
+            policies.mix([(a, k), (b, num_layers - k)]).validate_depth(num_layers)
+        except ValueError:
+            continue
+        ok.append(k)
+    return range(ok[0], ok[-1] + 1) if ok else range(0)
+
+
+def best_mix(
+    planner: StepPlanner,
+    table: Sequence[Candidate],
+    best: Candidate,
+    num_layers: int,
+    budget_bytes: int,
+    margin: float,
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    max_compiles: int = 6,
+) -> tuple[policies.Mix | None, tuple[Candidate, ...], tuple]:
+    """The mix with the least recompute that fits, when it recomputes strictly less than ``best``.
+
+    The compiled candidates' Pareto front (need vs recompute) is cut by the budget: every pair of a
+    front point over it (``a``, less recompute) and one under it (``b``) is a line of mixes
+    ``a*k+b*(L-k)``, whose need and recompute are very nearly linear in k. The k with the least
+    recompute whose interpolated need fits is then compiled (the answer is measured, never
+    interpolated); if it does not fit, k steps down (along the line through the measured point),
+    and if it fits, k + 1 is compiled to show that one more layer of ``a`` does not.
+
+    Args:
+      planner: the planner whose compiles ``table`` holds (the mixes are compiled with it).
+      table: the single candidates, compiled or not; ``best``: the fitting one with least recompute.
+      num_layers: the depth of the stack the mixes apply to.
+      max_compiles: at most this many mixes are compiled.
+
+    Returns:
+      ``(mix or None, the mixes compiled as Candidates, the mixed front)``: see :attr:`AutoResult.mixed_front`.
+    """
+    target = budget_bytes / (1 + margin)
+    base = best.flops - best.recompute_flops
+    compiled = [c for c in table if c.need_bytes is not None]
+    front = [compiled[i] for i in pareto_front([(c.recompute_flops, c.need_bytes) for c in compiled])]
+    over = [c for c in front if not c.fits and c.recompute_flops < best.recompute_flops]
+    under = [c for c in front if c.fits]
+    ordered = sorted(front, key=lambda c: (c.recompute_flops, -c.need_bytes))
+    lines = tuple(
+        (a.policy, b.policy, a.need_bytes, b.need_bytes, a.recompute_flops, b.recompute_flops)
+        for a, b in itertools.pairwise(ordered)
+        if a.recompute_flops < b.recompute_flops and a.need_bytes > b.need_bytes
+    )
+    options = []
+    for a in over:
+        for b in under:
+            if a.recompute_flops >= b.recompute_flops or a.need_bytes <= b.need_bytes:
+                continue
+            ks = _mix_range(policies.parse(a.policy), policies.parse(b.policy), num_layers)
+            # need(k) = need_b + k / L · (need_a − need_b): the largest k that fits the target.
+            k = min(int((target - b.need_bytes) * num_layers // (a.need_bytes - b.need_bytes)), ks.stop - 1)
+            flops_k = b.recompute_flops + k * (a.recompute_flops - b.recompute_flops) / num_layers
+            if k >= ks.start and flops_k < best.recompute_flops:
+                options.append((flops_k, b.need_bytes + k * (a.need_bytes - b.need_bytes) / num_layers, a, b, k, ks))
+    if not options:
+        return None, (), lines
+    _, _, a, b, k, ks = min(options, key=lambda o: (o[0], o[1]))
+    pa, pb = policies.parse(a.policy), policies.parse(b.policy)
+    measured: dict[int, Candidate] = {}
+
+    def measure(k: int) -> Candidate:
+        if k not in measured:
+            m = policies.mix([(pa, k), (pb, num_layers - k)])
+            f = planner.flops(m, batch, seq)
+            device, host = planner.memory(m, batch, seq)
+            measured[k] = Candidate(str(m), f, f - base, device, host, device * (1 + margin) <= budget_bytes)
+        return measured[k]
+
+    winner = None
+    while ks.start <= k < ks.stop and len(measured) < max_compiles:
+        c = measure(k)
+        if c.fits:
+            if c.recompute_flops < best.recompute_flops and (winner is None or k > winner):
+                winner = k
+            if k + 1 >= ks.stop or (k + 1) in measured:
+                break
+            k += 1
+            continue
+        if winner is not None or k - 1 < ks.start:
+            break
+        # Step down along the line through b (k = 0) and the measured point: the mix's own slope.
+        slope = (c.need_bytes - b.need_bytes) / k
+        guess = int((target - b.need_bytes) // slope) if slope > 0 else k - 1
+        if guess < ks.start:  # the measured line leaves no count that fits: the preset stays
+            break
+        k = min(k - 1, guess)
+    tried = tuple(measured[i] for i in sorted(measured))
+    if winner is None:
+        return None, tried, lines
+    return policies.mix([(pa, winner), (pb, num_layers - winner)]), tried, lines
 
 
 def _reason(
@@ -493,6 +618,15 @@ def _reason(
                 f"; every candidate that recomputes less ({', '.join(c.policy for c in cheaper)}) "
                 f"needs more than the budget"
             )
+        if isinstance(chosen, policies.Mix):
+            single = [c for c in table if c.fits and "*" not in c.policy]
+            if single:
+                alone = min(single, key=lambda c: (c.recompute_flops, c.need_bytes))
+                text += (
+                    f"; as a mix of {' and '.join(str(p) for p in chosen.policies)} it recomputes less than "
+                    f"{alone.policy}, the best single policy that fits ({alone.recompute_flops / 1e9:.3g} GFLOP)"
+                )
+            return text + "."
         ties = [c for c in table if c.recompute_flops == win.recompute_flops and c.policy != win.policy and c.fits]
         if ties:
             text += f"; among equal recompute it needs the least memory (vs {', '.join(c.policy for c in ties)})"
@@ -668,7 +802,8 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 def plot_pareto(result: AutoResult, path: str) -> str:
     """Write a PNG of device memory against recompute FLOPs, the Pareto front drawn, the choice marked.
 
-    Only compiled candidates have a memory figure; the budget is drawn as a horizontal line.
+    Only compiled candidates have a memory figure; the budget is drawn as a horizontal line. The front's
+    segments are the mixed front (mixes of two neighbours, :func:`best_mix`); mixes compiled are diamonds.
 
     Returns:
       ``path``.
@@ -682,7 +817,9 @@ def plot_pareto(result: AutoResult, path: str) -> str:
     xs = [c.recompute_flops / 1e9 for c in rows]
     ys = [c.need_bytes / 1e9 for c in rows]
     fig, ax = plt.subplots(figsize=(8, 5))
-    ax.scatter(xs, ys, c=["tab:green" if c.fits else "tab:red" for c in rows], zorder=3)
+    one = [i for i, c in enumerate(rows) if "*" not in c.policy]  # single policies; mixes are drawn below
+    colors = ["tab:green" if rows[i].fits else "tab:red" for i in one]
+    ax.scatter([xs[i] for i in one], [ys[i] for i in one], c=colors, zorder=3)
     for c, x, y in zip(rows, xs, ys, strict=True):
         ax.annotate(
             c.policy if len(c.policy) < 28 else c.policy[:25] + "…",
@@ -691,8 +828,15 @@ def plot_pareto(result: AutoResult, path: str) -> str:
             xytext=(4, 3),
             textcoords="offset points",
         )
-    front = sorted(pareto_front(list(zip(xs, ys, strict=True))), key=lambda i: xs[i])
-    ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="gray", label="Pareto front", zorder=2)
+    front = sorted((one[j] for j in pareto_front([(xs[i], ys[i]) for i in one])), key=lambda i: xs[i])
+    # Mixes of neighbours on the front lie (very nearly) on the segments between them: the mixed front.
+    label = "mixed front (mixes of neighbouring policies)" if result.mixed_front else "Pareto front"
+    ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="gray", label=label, zorder=2)
+    mixed = [i for i, c in enumerate(rows) if "*" in c.policy]
+    if mixed:
+        ax.scatter([xs[i] for i in mixed], [ys[i] for i in mixed], marker="D", s=40, facecolors="none",
+                   edgecolors=["tab:green" if rows[i].fits else "tab:red" for i in mixed], label="mixes compiled",
+                   zorder=3)  # fmt: skip
     ax.axhline(
         result.budget_bytes / (1 + result.margin) / 1e9,
         color="tab:orange",

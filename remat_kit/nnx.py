@@ -36,7 +36,7 @@ from flax import nnx
 
 from remat_kit import tags as _tags
 from remat_kit import wrap_nnx
-from remat_kit.policies import Policy, keep_all, parse
+from remat_kit.policies import Mix, Policy, keep_all, parse
 
 
 class Stack(nnx.Module):
@@ -225,6 +225,11 @@ def stack(
     if not callable(make_block) or isinstance(make_block, nnx.Module):
         raise TypeError(f"make_block must be a callable make_block(rngs) -> nnx.Module, got {make_block!r}")
     policy = parse(policy)
+    if isinstance(policy, Mix):
+        raise ValueError(
+            f"mix {policy}: the NNX stack runs one policy; mixes run in remat_kit.stack (Linen) and the "
+            f"Transformer; for NNX pick one of its parts' policies"
+        )
     policy.validate_depth(num_layers)
     if not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs, e.g. rngs=nnx.Rngs(0), got {rngs!r}")

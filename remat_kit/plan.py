@@ -496,6 +496,9 @@ def format_budget_table(result: budget.AutoResult, fit: dict[str, tuple[int, int
         if fit:
             row += "".join(f" {fit[c.policy][k] if c.policy in fit else '-':>18}" for k in (0, 1))
         rows.append(row)
+    if result.mixed_front:
+        pairs = ", ".join(f"{a} → {b}" for a, b, *_ in result.mixed_front)
+        rows.append(f"mixed front (mixes of neighbours, policies.mix): {pairs}; rows with '*COUNT' are mixes compiled.")
     note = inspection.offload_note()
     if note and any(policies.parse(c.policy).kind == "offload" for c in result.candidates):
         rows.append(f"note: {note}.")

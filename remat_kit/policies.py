@@ -107,9 +107,10 @@ class Policy:
             if not isinstance(value, tuple) or not all(isinstance(t, str) for t in value):
                 raise TypeError(f"Policy.{field} must be a tuple of tag strings, got {value!r}")
             for t in value:
-                # The spec string separates tags with "," and options with ";" and "=".
-                if not t or t != t.strip() or any(c in t for c in ",;="):
-                    raise ValueError(f"tag {t!r}: a tag is a non-empty name without spaces around it or ',;='")
+                # The spec string separates tags with "," and options with ";" and "="; a mix's parts
+                # with "+" and "*" (see mix).
+                if not t or t != t.strip() or any(c in t for c in ",;=+*"):
+                    raise ValueError(f"tag {t!r}: a tag is a non-empty name without spaces around it or ',;=+*'")
         if not isinstance(self.strict, bool):
             raise TypeError(f"Policy.strict must be True or False, got {self.strict!r}")
         both = sorted(set(self.save) & set(self.offload))
@@ -408,6 +409,139 @@ def dots() -> Policy:
     return Policy("dots")
 
 
+@dataclasses.dataclass(frozen=True)
+class Mix:
+    """Consecutive runs of layers under different policies: a point between two presets.
+
+    A stack runs each part as its own scan (or the grouping its policy needs) over its slice of the
+    layers, in order, so XLA still compiles one block per part. The parameters stay one tree stacked
+    over all the layers, as under any policy. Build it with :func:`mix` or :func:`parse`.
+
+    Attributes:
+      parts: ``((policy, count), ...)``: the first ``count`` layers under the first policy, the next
+        ones under the second, ...; at least two parts, every count >= 1, no part itself a mix.
+    """
+
+    parts: tuple[tuple[Policy, int], ...]
+
+    def __post_init__(self):
+        if not isinstance(self.parts, tuple) or len(self.parts) < 2:
+            raise ValueError(f"a mix needs at least two (policy, count) parts, got {self.parts!r}")
+        for part in self.parts:
+            if not isinstance(part, tuple) or len(part) != 2:
+                raise TypeError(f"a mix part is a (policy, count) pair, got {part!r}")
+            policy, count = part
+            if isinstance(policy, Mix):
+                raise ValueError(f"mixes do not nest: part {policy} is itself a mix; list its parts instead")
+            if not isinstance(policy, Policy):
+                raise TypeError(f"a mix part's policy must be a Policy, got {policy!r}")
+            check_positive_int(f"mix count of {policy}", count)
+
+    @property
+    def kind(self) -> str:
+        """Always ``"mix"`` (not one of :data:`KINDS`: a mix is made of policies of those kinds)."""
+        return "mix"
+
+    @property
+    def num_layers(self) -> int:
+        """The depth the mix is for: the sum of its counts."""
+        return sum(count for _, count in self.parts)
+
+    @property
+    def policies(self) -> tuple[Policy, ...]:
+        """The parts' policies, in order."""
+        return tuple(p for p, _ in self.parts)
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """Every tag some part refers to, in order of first mention."""
+        return tuple(dict.fromkeys(t for p in self.policies for t in p.tags))
+
+    @property
+    def strict(self) -> bool:
+        """Whether every part checks its tags (a stack checks each part on its own)."""
+        return all(p.strict for p in self.policies)
+
+    @property
+    def remat(self) -> bool:
+        """Whether some part rematerializes anything."""
+        return any(p.remat for p in self.policies)
+
+    def __str__(self) -> str:
+        return "+".join(f"{p}*{count}" for p, count in self.parts)
+
+    def validate_depth(self, num_layers: int) -> None:
+        """Raise ValueError unless the counts sum to ``num_layers`` and every part fits its own count."""
+        check_positive_int("num_layers", num_layers)
+        if self.num_layers != num_layers:
+            raise ValueError(
+                f"mix {self}: the counts sum to {self.num_layers} layers but the stack has {num_layers}; "
+                f"the counts must sum to the depth"
+            )
+        for policy, count in self.parts:
+            try:
+                policy.validate_depth(count)
+            except ValueError as e:
+                raise ValueError(f"mix {self}: part {policy}*{count} does not fit its {count} layers: {e}") from None
+
+    def segments(self, num_layers: int) -> tuple[tuple[Policy, int, int], ...]:
+        """``((policy, first layer, count), ...)`` after :meth:`validate_depth`: what a stack runs.
+
+        >>> [(str(p), first, count) for p, first, count in mix([(full(), 2), (none(), 3)]).segments(5)]
+        [('full', 0, 2), ('none', 2, 3)]
+        """
+        self.validate_depth(num_layers)
+        out, first = [], 0
+        for policy, count in self.parts:
+            out.append((policy, first, count))
+            first += count
+        return tuple(out)
+
+    def __call__(self, target, **_):
+        raise ValueError(
+            f"mix {self} runs the layers of a stack under several policies; apply it with remat_kit.stack or "
+            f"the Transformer's policy, not to one function or module; for one function or module use full, "
+            f"selective, offload, dots or none"
+        )
+
+
+def mix(parts) -> Mix:
+    """Run the first layers of a stack under one policy and the rest under another (or more).
+
+    A budget between two presets' needs fits a mix of the two: ``k`` layers under the cheaper-to-run
+    policy and the rest under the leaner one trade memory for recompute about linearly in ``k``.
+
+    Args:
+      parts: ``[(policy, count), ...]``, in layer order; policies as :class:`Policy` or spec strings,
+        counts positive integers summing to the depth of the stack the mix is applied to.
+
+    Returns:
+      A :class:`Mix`; its spec string is ``"POLICY*COUNT+POLICY*COUNT..."`` (see :func:`parse`).
+
+    Raises:
+      ValueError/TypeError: fewer than two parts, a count below 1, a part that is itself a mix.
+
+    >>> m = mix([("selective", 20), (full(), 8)])
+    >>> str(m), parse(str(m)) == m, m.num_layers
+    ('selective*20+full*8', True, 28)
+    >>> str(mix([(every_n(2), 4), ("offload:q_proj;save=mlp_up", 4)]))
+    'every_n:2*4+offload:q_proj;save=mlp_up*4'
+    """
+    try:
+        items = list(parts)
+    except TypeError:
+        raise TypeError(f"mix takes a list of (policy, count) pairs, got {parts!r}") from None
+    out = []
+    for part in items:
+        if not isinstance(part, (tuple, list)) or len(part) != 2:
+            raise TypeError(f"a mix part is a (policy, count) pair, got {part!r}")
+        policy, count = part
+        if isinstance(policy, Mix) or (isinstance(policy, str) and "*" in policy):
+            raise ValueError(f"mixes do not nest: part {policy} is itself a mix; list its parts instead")
+        out.append((parse(policy), count))
+    return Mix(tuple(out))
+
+
 #: MaxText's ``remat_policy`` presets, accepted by :func:`parse`.
 MAXTEXT_ALIASES: dict[str, Callable[[], Policy]] = {
     "full": full,
@@ -424,17 +558,22 @@ _SPEC_HELP = (
     "none, full, dots, sqrt_n, every_n:N, segments:K, selective[:TAG,...][;strict=false], "
     "offload[:TAG,...[;save=TAG,...][;dst=KIND][;strict=false]], or a MaxText preset ("
     + ", ".join(MAXTEXT_ALIASES)
-    + ")"
+    + "); or a mix SPEC*COUNT+SPEC*COUNT..."
 )
 
 
-def parse(spec: str | Policy) -> Policy:
+def parse(spec: str | Policy | Mix, num_layers: int | None = None) -> Policy | Mix:
     """Build a policy from its spec string; the inverse of ``str(policy)``.
 
     Args:
       spec: e.g. ``"full"``, ``"every_n:2"``, ``"selective:q_proj,k_proj"``, ``"offload"``,
         ``"offload:q_proj;save=mlp_up;dst=pinned_host"``, ``"selective:my_tag;strict=false"``,
-        ``"segments:4"``, ``"sqrt_n"``, or a MaxText preset name such as ``"minimal"``. A Policy is returned unchanged.
+        ``"segments:4"``, ``"sqrt_n"``, or a MaxText preset name such as ``"minimal"``; or a mix
+        (:func:`mix`), ``"SPEC*COUNT+SPEC*COUNT..."``: parts split at ``+``, each part's count after
+        its last ``*`` (tags may contain neither), e.g. ``"selective*20+full*8"`` or
+        ``"every_n:2*4+offload:q_proj;save=mlp_up*4"``. A Policy or Mix is returned unchanged.
+      num_layers: when given, the result is also checked against this depth
+        (:meth:`Policy.validate_depth`: a mix's counts must sum to it).
 
     Raises:
       ValueError: an unknown or malformed spec, naming it and the allowed forms.
@@ -443,12 +582,20 @@ def parse(spec: str | Policy) -> Policy:
     True
     >>> str(parse("every_n:3"))
     'every_n:3'
+    >>> parse("selective*20+full*8", num_layers=28).num_layers
+    28
     """
-    if isinstance(spec, Policy):
+    if num_layers is not None:
+        policy = parse(spec)
+        policy.validate_depth(num_layers)
+        return policy
+    if isinstance(spec, (Policy, Mix)):
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"a policy spec must be a string, got {spec!r}")
     text = spec.strip()
+    if "*" in text or "+" in text:
+        return _parse_mix(spec)
     kind, sep, rest = text.partition(":")
     if not sep and kind in MAXTEXT_ALIASES:
         return MAXTEXT_ALIASES[kind]()
@@ -476,6 +623,24 @@ def parse(spec: str | Policy) -> Policy:
             strict=opts.get("strict", "true") != "false",
         )
     raise ValueError(f"unknown policy spec {spec!r}; allowed: {_SPEC_HELP}")
+
+
+def _parse_mix(spec: str) -> Mix:
+    parts = []
+    for piece in spec.split("+"):
+        head, star, count = piece.strip().rpartition("*")
+        if not star:
+            raise ValueError(f"mix spec {spec!r}: part {piece!r} has no *COUNT; a mix is POLICY*COUNT+POLICY*COUNT...")
+        if "*" in head:
+            raise ValueError(f"mix spec {spec!r}: part {piece!r} has two counts; mixes do not nest")
+        try:
+            n = int(count)
+        except ValueError:
+            raise ValueError(f"mix spec {spec!r}: part {piece!r}: the count {count!r} is not an integer") from None
+        parts.append((parse(head), n))
+    if len(parts) < 2:
+        raise ValueError(f"mix spec {spec!r}: a mix needs at least two parts joined by '+'")
+    return Mix(tuple(parts))
 
 
 def _tag_list(text: str) -> tuple[str, ...]:

@@ -16,6 +16,15 @@ Every RNG stream reaches every layer. The policy only decides how the scan group
 
 A depth not divisible by the group size runs its remainder as one more (length-1) scan.
 
+A :class:`~remat_kit.policies.Mix` runs its parts one after the other, each over its slice of the
+layers as above (one scan, or one per group size, per part). The parameters stay the one ``layers``
+tree: every part indexes the full stacked variables inside its (checkpointed) step, so no slice of
+the weights is kept for the backward pass; a ``none`` part therefore runs under
+:func:`remat_kit.policies.keep_all` (every activation kept, views of the weights recomputed). The
+price: each part's backward scan accumulates a gradient buffer as large as the whole stack's
+weights, so a compiled step holds one more such buffer per extra part while the earlier parts run
+backward (``auto`` compiles every mix it answers, so this is measured, never assumed away).
+
 Because the layers run under a scan, XLA compiles one block whatever the depth, and the recompute
 survives XLA:CPU's CSE (which strips it from unrolled code).
 """
@@ -32,7 +41,7 @@ import jax.numpy as jnp
 from flax.core.scope import subtract_filters
 
 from remat_kit import tags
-from remat_kit.policies import Policy, keep_all, parse
+from remat_kit.policies import Mix, Policy, keep_all, parse
 
 
 class Stack(nn.Module):
@@ -52,7 +61,7 @@ class Stack(nn.Module):
 
     block: Callable[..., nn.Module]
     num_layers: int
-    policy: Policy
+    policy: Policy | Mix
 
     @nn.compact
     def __call__(self, x, *args, **kwargs):
@@ -94,16 +103,18 @@ class Stack(nn.Module):
             h, aux = _split_output(y, h, type(layer).__name__)
             return h, (aux, mutated)
 
-        if tags.needs_check(self.policy):
-            one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
-            tags.check_traced(
-                self.policy,
-                type(layer).__name__,
-                lambda v, h: run_layer(v, h, jnp.int32(0)),
-                one,
-                jax.ShapeDtypeStruct(x.shape, x.dtype),
-                key=_block_key(self.block, streams, args, kwargs),
-            )
+        # A mix checks each part by its own rule (one part may be strict=False).
+        for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
+            if tags.needs_check(policy):
+                one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
+                tags.check_traced(
+                    policy,
+                    type(layer).__name__,
+                    lambda v, h: run_layer(v, h, jnp.int32(0)),
+                    one,
+                    jax.ShapeDtypeStruct(x.shape, x.dtype),
+                    key=_block_key(self.block, streams, args, kwargs),
+                )
 
         out, (aux, mutated) = _run_layers(self.policy, num_layers, run_layer, variables, x)
         if not self.is_initializing():  # flax's init does not update statistics either
@@ -112,27 +123,52 @@ class Stack(nn.Module):
         return out if aux is None else (out, aux)
 
 
-def _run_layers(policy: Policy, num_layers: int, run_layer, variables, x):
+def _run_layers(policy: Policy | Mix, num_layers: int, run_layer, variables, x):
     """Run the layers per ``policy.plan``; return (output, per-layer outputs stacked on axis 0)."""
+    if isinstance(policy, Mix):
+        out, pieces = x, []
+        for part, first, count in policy.segments(num_layers):
+            out, ys = _run_segment(part, first, count, run_layer, variables, out)
+            pieces.append(ys)
+        return out, jax.tree.map(lambda *a: jnp.concatenate(a), *pieces)
     plan = policy.plan(num_layers)
-    index = jnp.arange(num_layers, dtype=jnp.int32)
     if plan.mode == "layer":
+        index = jnp.arange(num_layers, dtype=jnp.int32)
         step = policy.checkpoint(run_layer, prevent_cse=False)
         return jax.lax.scan(lambda h, xs: step(xs[0], h, xs[1]), x, (variables, index))
+    return _run_grouped(policy, plan.size, plan.mode, 0, num_layers, run_layer, variables, x)
 
+
+def _run_grouped(policy: Policy, size: int, mode: str, first: int, count: int, run_layer, variables, x):
+    """Layers ``first .. first+count-1`` in groups of ``size`` (a remainder group after); (output, ys)."""
     # Grouped plans index the full stacked variables inside each step instead of scanning over
     # reshaped slices: a slice taken outside a checkpoint would be saved as a residual (a copy
     # of the weights), while the stacked parameters themselves are forwarded for free.
-    group = functools.partial(_run_group, policy, plan.mode, run_layer, variables)
-    full_groups, rest = divmod(num_layers, plan.size)
-    starts = jnp.arange(full_groups, dtype=jnp.int32) * plan.size
-    out, ys = jax.lax.scan(lambda h, start: group(plan.size, h, start), x, starts)
-    ys = jax.tree.map(lambda a: a.reshape(full_groups * plan.size, *a.shape[2:]), ys)
+    group = functools.partial(_run_group, policy, mode, run_layer, variables)
+    full_groups, rest = divmod(count, size)
+    starts = jnp.arange(full_groups, dtype=jnp.int32) * size
+    if first:
+        starts = starts + first
+    out, ys = jax.lax.scan(lambda h, start: group(size, h, start), x, starts)
+    ys = jax.tree.map(lambda a: a.reshape(full_groups * size, *a.shape[2:]), ys)
     if rest:
-        tail = jnp.full((1,), full_groups * plan.size, dtype=jnp.int32)
+        tail = jnp.full((1,), first + full_groups * size, dtype=jnp.int32)
         out, tail_ys = jax.lax.scan(lambda h, start: group(rest, h, start), out, tail)
         ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[0]]), ys, tail_ys)
     return out, ys
+
+
+def _run_segment(policy: Policy, first: int, count: int, run_layer, variables, x):
+    """One part of a mix: layers ``first .. first+count-1`` under ``policy``; (output, ys)."""
+    plan = policy.plan(count)
+    if plan.mode != "layer":
+        return _run_grouped(policy, plan.size, plan.mode, first, count, run_layer, variables, x)
+    # Scanning over a slice of the stacked variables would keep that slice (a copy of the part's
+    # weights) for the backward pass; index the full stack inside the checkpoint instead. Without
+    # remat (none) the step keeps every activation but the weight views (policies.keep_all).
+    body = lambda v, h, i: run_layer(_layer_at(v, i), h, i)
+    step = policy.checkpoint(body, prevent_cse=False) if policy.remat else keep_all(body)
+    return jax.lax.scan(lambda h, i: step(variables, h, i), x, first + jnp.arange(count, dtype=jnp.int32))
 
 
 def _split_output(y, h, block_name: str):
@@ -213,7 +249,8 @@ def stack(
       block: a Flax module class, or ``functools.partial(BlockClass, **fields)``; its ``__call__``
         takes ``(x, *args, **kwargs)`` and returns a value shaped like ``x``.
       num_layers: the depth (a positive integer).
-      policy: a :class:`~remat_kit.policies.Policy` or a spec string (default ``none``).
+      policy: a :class:`~remat_kit.policies.Policy`, a :class:`~remat_kit.policies.Mix` (its counts
+        summing to ``num_layers``) or a spec string (default ``none``).
       **module_kwargs: passed to the :class:`Stack` module (e.g. ``name=``).
 
     Returns:

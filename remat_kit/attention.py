@@ -53,11 +53,13 @@ def _rotate(x, base: float, sign: float):
     half = head_dim // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [half]
     angle = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq[None, :]  # [seq, half]
-    sin = sign * jnp.sin(angle)[None, :, None, :]
-    cos = jnp.cos(angle)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    # The angles in float32, the rotation in x's dtype (as Transformers does): the last op is then a
+    # multiply-add, not a cast, so a layer run under a keep-everything checkpoint (every_n's plain layers)
+    # keeps the rotated q and k in the compute dtype rather than their float32 pre-cast values.
+    sin = (sign * jnp.sin(angle)[None, :, None, :]).astype(x.dtype)
+    cos = jnp.cos(angle)[None, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -16,6 +16,7 @@ from conftest import ALL_SPECS
 
 from remat_kit import cli, data, train
 from remat_kit.checkpoint import Checkpoints
+from remat_kit.cli.train import config_from_args
 from remat_kit.model import TransformerConfig
 
 #: Per-step losses of one seed under two policies agree to this relative error (float32; the
@@ -194,7 +195,7 @@ def test_killed_run_resumes_exactly(tmp_path):
     # Exact: the same compiled step on the same inputs is deterministic on CPU.
     assert [r["loss"] for r in run] == [r["loss"] for r in ref]
     assert [r.get("val_loss") for r in run] == [r.get("val_loss") for r in ref]
-    abstract = jax.eval_shape(lambda: train.Trainer(train.config_from_args(_parse(_ARGS))).init_state().to_dict())
+    abstract = jax.eval_shape(lambda: train.Trainer(config_from_args(_parse(_ARGS))).init_state().to_dict())
     with Checkpoints(ref_dir) as ref_ckpts, Checkpoints(run_dir) as run_ckpts:
         ref_state, run_state = ref_ckpts.restore_latest(abstract), run_ckpts.restore_latest(abstract)
     assert ref_state[0] == run_state[0] == 12

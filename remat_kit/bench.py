@@ -24,13 +24,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from remat_kit import analysis
+from remat_kit import analysis, constants
 from remat_kit import mesh as mesh_lib
 from remat_kit.model import TransformerConfig
 from remat_kit.units import fmt_bytes
 
 #: The policies ``bench`` compares by default.
-DEFAULT_POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "selective", "offload", "sqrt_n")
+DEFAULT_POLICIES: tuple[str, ...] = constants.BENCH_POLICIES
 
 #: Keys every JSON record carries (the schema tests and downstream scripts rely on).
 RECORD_KEYS: tuple[str, ...] = (

@@ -38,6 +38,8 @@ def prepare_directory(directory: str | os.PathLike) -> Path:
       OSError: naming the directory and why it cannot hold checkpoints.
     """
     path = Path(directory).absolute()
+    if path.exists() and not path.is_dir():
+        raise OSError(f"checkpoint directory {str(path)!r} is a file, not a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):

@@ -128,9 +128,11 @@ def load_corpus(paths: Sequence[str | os.PathLike] | None = None, *, max_bytes: 
         files = stdlib_files()
         source = f"Python standard library sources ({sysconfig.get_paths()['stdlib']})"
         max_bytes = max_bytes or DEFAULT_MAX_BYTES
-    chunks, total, used = [], 0, 0
+    chunks, total, used, binary = [], 0, 0, []
     for f in files:
         raw = f.read_bytes()
+        if raw and b"\0" in raw[:_SNIFF_BYTES]:
+            binary.append(f)
         if not raw or b"\0" in raw[:_SNIFF_BYTES]:
             continue
         if max_bytes is not None:
@@ -140,6 +142,9 @@ def load_corpus(paths: Sequence[str | os.PathLike] | None = None, *, max_bytes: 
         used += 1
         if max_bytes is not None and total >= max_bytes:
             break
+    if not chunks and binary and len(binary) == len(files):
+        which = str(binary[0]) if len(binary) == 1 else f"all {len(binary)} files"
+        raise ValueError(f"data {which} at {source} is not text (binary: it holds NUL bytes); give text files")
     if not chunks:
         raise ValueError(f"the corpus at {source} is empty: no text in {len(files)} file(s)")
     return Corpus(encode(b"\n".join(chunks)), source=f"{source}: {used} file(s), {total:,} bytes", num_files=used)

@@ -56,11 +56,13 @@ import optax
 from flax import traverse_util
 from flax.core import FrozenDict
 
+from remat_kit import constants
+
 #: The Dense layers of :class:`remat_kit.model.Block` an adapter may target.
-TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out")
+TARGETS: tuple[str, ...] = constants.LORA_TARGETS
 
 #: Base-weight storage: ``none`` (param dtype) or ``int8`` (per-output-channel absmax scale).
-QUANTIZE_MODES: tuple[str, ...] = ("none", "int8")
+QUANTIZE_MODES: tuple[str, ...] = constants.QUANTIZE_MODES
 
 #: Compute dtypes the int8 path supports: the matmul runs on unscaled int8 values (up to 127x the
 #: real output) before the scale, which float16's range (65504) cannot hold at d_model in the thousands.

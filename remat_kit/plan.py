@@ -15,21 +15,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from remat_kit import analysis, budget, inspection, policies
+from remat_kit import analysis, budget, constants, inspection, policies
 from remat_kit.model import TransformerConfig
 from remat_kit.units import fmt_bytes, fmt_flops
 
 #: The policies ``plan`` compares by default: one of each kind.
-DEFAULT_POLICIES: tuple[str, ...] = (
-    "none",
-    "full",
-    "every_n:2",
-    "selective",
-    "offload",
-    "segments:4",
-    "sqrt_n",
-    "dots",
-)
+DEFAULT_POLICIES: tuple[str, ...] = constants.PLAN_POLICIES
 
 
 # ---- shared by plan and bench ----------------------------------------------------------------------

@@ -6,15 +6,37 @@ import argparse
 import dataclasses
 import sys
 
-from remat_kit import mesh as mesh_lib
-from remat_kit.bench import DEFAULT_POLICIES, BenchRecord, format_markdown, format_table, pareto_front, plot, run_bench
-from remat_kit.cli.common import add_model_args, check_writable, command_line, config_from_args, write_json
-from remat_kit.plan import parse_policies
+from remat_kit import constants
+from remat_kit.cli.common import (
+    add_json_arg,
+    add_model_args,
+    add_parser,
+    check_writable,
+    command_line,
+    config_from_args,
+    positive_int,
+    write_json,
+)
+
+DESCRIPTION = (
+    "Run real AdamW training steps under each policy and measure them side by side: the compile-only figures "
+    "of `plan`, the measured peak memory (device memory_stats, or on CPU a fresh process's peak RSS), the "
+    "min/median/max step time and its ratio to `none`, and the loss and gradient differences against `none`. "
+    "Each policy runs in its own process unless --in-process."
+)
+
+
+def _progress(args: argparse.Namespace):
+    return (lambda line: None) if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _bench_command(args: argparse.Namespace) -> int:
     if args.model:
         return _bench_model_command(args)
+    from remat_kit import mesh as mesh_lib
+    from remat_kit.bench import DEFAULT_POLICIES, run_bench
+    from remat_kit.plan import parse_policies
+
     config, batch, seq = config_from_args(args)
     specs = [str(p) for p in parse_policies(args.policies or ",".join(DEFAULT_POLICIES), config.num_layers)]
     if args.mesh:
@@ -24,7 +46,7 @@ def _bench_command(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     command = command_line("bench", args)
-    print(f"{command}\n", file=sys.stderr, flush=True)
+    _progress(args)(f"{command}\n")
     records = run_bench(
         config,
         batch,
@@ -36,7 +58,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         subprocesses=not args.in_process,
         grad_check=not args.no_grad_check,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
+        progress=_progress(args),
         mesh=args.mesh,
     )
     setting = (
@@ -53,17 +75,22 @@ def _bench_command(args: argparse.Namespace) -> int:
     return _report(args, command, setting, records, f"{args.preset}, batch {batch} × seq {seq} ({device.platform})")
 
 
-def _report(args: argparse.Namespace, command: str, setting: str, records: list[BenchRecord], title: str) -> int:
+def _report(args: argparse.Namespace, command: str, setting: str, records: list, title: str) -> int:
     """Print the table and write the ``--json``/``--markdown``/``--plot`` files both bench forms offer."""
+    from remat_kit.bench import format_markdown, format_table, noise_warnings, pareto_front, plot
+
     print(setting)
     print("\n".join(format_table(records)))
     print(f"Pareto front (time vs measured memory): {', '.join(pareto_front(records))}")
+    for line in noise_warnings(records):
+        print(f"warning: {line}")
     if args.json:
         write_json(
             args.json,
             {"command": command, "setting": setting, "records": [dataclasses.asdict(r) for r in records]},
         )
-        print(f"wrote {args.json}")
+        if args.json != "-":
+            print(f"wrote {args.json}")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(format_markdown(records, f"# remat-kit bench\n\n`{command}`\n\n{setting}"))
@@ -76,6 +103,7 @@ def _report(args: argparse.Namespace, command: str, setting: str, records: list[
 
 def _bench_model_command(args: argparse.Namespace) -> int:
     """``bench --model MODULE:FACTORY``: the same table and JSON for the factory's model."""
+    from remat_kit.bench import run_bench
     from remat_kit.cli.plan import PRESET_ONLY
     from remat_kit.plan import load_factory, model_from_factory, parse_model_policies
 
@@ -89,10 +117,10 @@ def _bench_model_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     model_from_factory(load_factory(args.model), args.model)  # a bad factory fails here, before any compile
     command = command_line("bench", args)
-    print(f"{command}\n", file=sys.stderr, flush=True)
+    _progress(args)(f"{command}\n")
     records = run_bench(None, 0, 0, specs, steps=args.steps, warmup=args.warmup, seed=args.seed,
                         subprocesses=not args.in_process, grad_check=not args.no_grad_check,
-                        progress=lambda line: print(line, file=sys.stderr, flush=True), model=args.model)  # fmt: skip
+                        progress=_progress(args), model=args.model)  # fmt: skip
     import jax
 
     device = jax.devices()[0]
@@ -105,14 +133,20 @@ def _bench_model_command(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers) -> None:
     """Register ``remat-kit bench``."""
-    p = subparsers.add_parser("bench", help="run real training steps under each policy: memory, time, exactness")
+    p = add_parser(
+        subparsers,
+        "bench",
+        help="run real training steps under each policy: memory, time, exactness",
+        description=DESCRIPTION,
+    )
     add_model_args(p, default_preset="small")
     p.add_argument(
         "--policies",
         default=None,
-        help=f"comma-separated policy specs (default: {','.join(DEFAULT_POLICIES)}; with --model: none,dots,full)",
+        help=f"comma-separated policy specs (default: {','.join(constants.BENCH_POLICIES)}; with --model: "
+        f"{','.join(constants.GENERIC_CANDIDATES)})",
     )
-    p.add_argument("--steps", type=int, default=5, help="timed steps per policy (median reported)")
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps per policy (min/median/max reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     p.add_argument("--seed", type=int, default=0, help="parameters and tokens seed")
     p.add_argument(
@@ -124,8 +158,8 @@ def add_cli(subparsers) -> None:
         "--no-grad-check", action="store_true", help="skip the gradient comparison with none (saves a compile)"
     )
     p.add_argument("--mesh", default=None, help="run sharded over a device mesh, e.g. data=4 or data=2,fsdp=2")
-    p.add_argument("--json", default=None, metavar="PATH", help="write one record per policy as JSON")
+    add_json_arg(p, "one record per policy")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write a Markdown report")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of memory against step time")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_bench_command)
-

@@ -1,4 +1,8 @@
-"""Command-line helpers shared by the subcommands: model/shape options, output files, the command line."""
+"""Command-line helpers shared by the subcommands: model/shape options, output files, the command line.
+
+Nothing here imports jax, flax or optax at module level: building the parser (``--help``) must be
+instant, so the library is imported inside the functions that run a command.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,67 @@ import json
 import os
 from typing import Any
 
-from remat_kit import analysis, lora
-from remat_kit.attention import ATTENTION_KINDS
-from remat_kit.model import DTYPES, PRESET_SHAPES, PRESETS, TransformerConfig
+from remat_kit import constants
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except where there is none to show (None, off) or the help says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return text
+        if "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a positive integer, with a message that names what was given."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_parser(subparsers, name: str, *, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand parser with the shared help formatter (defaults shown)."""
+    return subparsers.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
+                                 formatter_class=HelpFormatter)  # fmt: skip
+
+
+def add_shape_args(parser: argparse.ArgumentParser, *, batch_size: int | None, seq_len: int | None,
+                   batch_help: str, seq_help: str) -> None:  # fmt: skip
+    """``--batch-size``/``--seq-len`` (every command's spelling), with ``--batch``/``--seq`` as hidden aliases."""
+    parser.add_argument("--batch-size", type=int, default=batch_size, metavar="B", help=batch_help)
+    parser.add_argument("--seq-len", type=int, default=seq_len, metavar="S", help=seq_help)
+    # Older spellings (plan and bench used them): still accepted, no longer shown.
+    parser.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    parser.add_argument("--seq", dest="seq_len", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+#: Where ``--json -`` writes: the real stdout, while the command's text goes to stderr (set by ``main``).
+JSON_STDOUT = None
+
+
+def add_json_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--json PATH`` writes ``what`` as JSON; ``--json`` alone (or ``-``) prints it on stdout, the text on stderr."""
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help=f"write {what} as JSON to PATH; without PATH, print it on stdout (and the text on stderr)",
+    )
 
 
 def check_writable(path: str | None, what: str) -> None:
-    """Raise OSError now (before minutes of compiling) if ``path`` cannot be written."""
-    if not path:
+    """Raise OSError now (before minutes of compiling) if ``path`` cannot be written (``-``: stdout)."""
+    if not path or path == "-":
         return
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
@@ -29,7 +86,7 @@ def check_writable(path: str | None, what: str) -> None:
 
 def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None:
     """The model and shape options plan and bench share."""
-    parser.add_argument("--preset", default=default_preset, help=f"model preset: {', '.join(PRESETS)}")
+    parser.add_argument("--preset", default=default_preset, choices=constants.PRESET_NAMES, help="model preset")
     parser.add_argument(
         "--model",
         default=None,
@@ -37,13 +94,20 @@ def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None
         help="your own model instead of a preset: FACTORY(policy) returns (loss_fn, example_args), "
         "loss_fn(params, *batch) -> scalar, example_args arrays or jax.ShapeDtypeStructs",
     )
-    parser.add_argument("--batch", type=int, default=None, help="batch size (default: the preset's)")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
+    shapes = ", ".join(f"{k} {b}" for k, (b, _) in constants.PRESET_SHAPES.items())
+    add_shape_args(parser, batch_size=None, seq_len=None, batch_help=f"batch size (default: the preset's: {shapes})",
+                   seq_help="sequence length (default: the preset's: "
+                   + ", ".join(f"{k} {s}" for k, (_, s) in constants.PRESET_SHAPES.items()) + ")")  # fmt: skip
     parser.add_argument("--layers", type=int, default=None, help="override the preset's depth")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="compute dtype (default: the preset's)")
-    parser.add_argument("--param-dtype", choices=DTYPES, default=None, help="parameter dtype (default: the preset's)")
+    parser.add_argument("--dtype", choices=constants.DTYPES, default=None, help="compute dtype (default: the preset's)")
     parser.add_argument(
-        "--attention", choices=ATTENTION_KINDS, default=None, help="attention implementation (default: the preset's)"
+        "--param-dtype", choices=constants.DTYPES, default=None, help="parameter dtype (default: the preset's)"
+    )
+    parser.add_argument(
+        "--attention",
+        choices=constants.ATTENTION_KINDS,
+        default=None,
+        help="attention implementation (default: the preset's)",
     )
     parser.add_argument(
         "--loss-chunks", type=int, default=0, help="0: plain loss over full logits; K: chunked cross-entropy"
@@ -51,8 +115,11 @@ def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None
     add_lora_args(parser)
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[TransformerConfig, int, int]:
-    """The config and ``(batch, seq)`` the options ask for, validated before anything is traced."""
+def config_from_args(args: argparse.Namespace):
+    """The ``(TransformerConfig, batch, seq)`` the options ask for, validated before anything is traced."""
+    from remat_kit import analysis
+    from remat_kit.model import TransformerConfig
+
     overrides: dict[str, Any] = {}
     if args.dtype:
         overrides["dtype"] = args.dtype
@@ -64,16 +131,16 @@ def config_from_args(args: argparse.Namespace) -> tuple[TransformerConfig, int, 
         overrides["num_layers"] = args.layers
     overrides.update(lora_overrides(args))
     config = TransformerConfig.preset(args.preset, **overrides)
-    default_batch, default_seq = PRESET_SHAPES.get(args.preset, (1, min(128, config.max_seq_len)))
-    batch = default_batch if args.batch is None else args.batch
-    seq = default_seq if args.seq is None else args.seq
+    default_batch, default_seq = constants.PRESET_SHAPES.get(args.preset, (1, min(128, config.max_seq_len)))
+    batch = default_batch if args.batch_size is None else args.batch_size
+    seq = default_seq if args.seq_len is None else args.seq_len
     analysis.check_shape(config, batch, seq, args.loss_chunks)
     return config, batch, seq
 
 
 def command_line(name: str, args: argparse.Namespace) -> str:
     """The canonical command that reproduces a run (every option spelled out), for results files."""
-    skip = {"func", "command", "json", "markdown", "plot"}
+    skip = {"func", "command", "json", "markdown", "plot", "no_progress"}
     parts = [f"remat-kit {name}"]
     for key, value in sorted(vars(args).items()):
         if key in skip or value is None or value is False:
@@ -84,10 +151,17 @@ def command_line(name: str, args: argparse.Namespace) -> str:
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
+    """``payload`` as indented JSON at ``path`` (``-``: the real stdout, see :data:`JSON_STDOUT`)."""
+    if path == "-":
+        import sys
+
+        out = JSON_STDOUT or sys.stdout
+        json.dump(payload, out, indent=1)
+        out.write("\n")
+        return
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
         f.write("\n")
-
 
 
 def add_lora_args(parser) -> None:
@@ -97,9 +171,13 @@ def add_lora_args(parser) -> None:
     parser.add_argument(
         "--lora-targets",
         default=None,
-        help=f"LoRA: comma-separated layers, or all (default q_proj,v_proj; allowed: {','.join(lora.TARGETS)})",
+        help="LoRA: comma-separated layers, or all (default q_proj,v_proj; allowed: "
+        + ",".join(constants.LORA_TARGETS)
+        + ")",
     )
-    parser.add_argument("--quantize", choices=lora.QUANTIZE_MODES, default=None, help="store the frozen base as int8")
+    parser.add_argument(
+        "--quantize", choices=constants.QUANTIZE_MODES, default=None, help="store the frozen base as int8"
+    )
 
 
 def lora_overrides(args) -> dict[str, Any]:
@@ -110,8 +188,9 @@ def lora_overrides(args) -> dict[str, Any]:
     if getattr(args, "lora_alpha", None) is not None:
         out["lora_alpha"] = args.lora_alpha
     if getattr(args, "lora_targets", None) is not None:
+        from remat_kit import lora
+
         out["lora_targets"] = lora.parse_targets(args.lora_targets)
     if getattr(args, "quantize", None) is not None:
         out["quantize"] = args.quantize
     return out
-

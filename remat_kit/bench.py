@@ -32,27 +32,9 @@ from remat_kit.units import fmt_bytes
 #: The policies ``bench`` compares by default.
 DEFAULT_POLICIES: tuple[str, ...] = constants.BENCH_POLICIES
 
-#: Keys every JSON record carries (the schema tests and downstream scripts rely on).
-RECORD_KEYS: tuple[str, ...] = (
-    "policy",
-    "saved_bytes",
-    "saved_host_bytes",
-    "layers_saved_bytes",
-    "temp_bytes",
-    "xla_peak_bytes",
-    "peak_bytes",
-    "baseline_bytes",
-    "peak_source",
-    "flops",
-    "compile_s",
-    "step_time_s",
-    "step_times_s",
-    "step_time_ratio",
-    "loss",
-    "loss_diff",
-    "max_grad_diff",
-    "max_grad_rel_diff",
-)
+#: Step-time spread, (max − min) / median, above which a policy's timing is too noisy for its ratio
+#: to ``none`` to mean anything: ``bench`` then says so (run more --steps on a quieter machine).
+NOISY_SPREAD = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +83,25 @@ class BenchRecord:
     def step_bytes(self) -> int:
         """Measured memory the step needs above the baseline."""
         return self.peak_bytes - self.baseline_bytes
+
+    @property
+    def step_time_min_s(self) -> float:
+        """The fastest timed step."""
+        return min(self.step_times_s)
+
+    @property
+    def step_time_max_s(self) -> float:
+        """The slowest timed step."""
+        return max(self.step_times_s)
+
+    @property
+    def step_time_spread(self) -> float:
+        """(max − min) / median of the timed steps: 0 for perfectly steady timings."""
+        return (self.step_time_max_s - self.step_time_min_s) / self.step_time_s
+
+
+#: Keys every JSON record carries (the schema tests and downstream scripts rely on): the record's fields.
+RECORD_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BenchRecord))
 
 
 # ---- memory probes -----------------------------------------------------------------------------------
@@ -500,6 +501,7 @@ _COLUMNS = (
     ("peak−base", lambda r: fmt_bytes(r.step_bytes)),
     ("GFLOPs", lambda r: f"{r.flops / 1e9:.2f}"),
     ("step", lambda r: f"{r.step_time_s * 1e3:.0f} ms"),
+    ("min–max", lambda r: f"{r.step_time_min_s * 1e3:.0f}–{r.step_time_max_s * 1e3:.0f}"),
     ("×none", lambda r: f"{r.step_time_ratio:.2f}"),
     ("loss", lambda r: f"{r.loss:.5f}"),
     ("max|Δgrad|", lambda r: "-" if r.max_grad_diff is None else f"{r.max_grad_diff:.1e}"),
@@ -518,6 +520,22 @@ def format_table(records: list[BenchRecord]) -> list[str]:
     return lines
 
 
+def noise_warnings(records: list[BenchRecord], threshold: float = NOISY_SPREAD) -> list[str]:
+    """One line per policy whose step times spread more than ``threshold`` of their median.
+
+    >>> r = BenchRecord("none", *[0] * 7, "rss", 0, 0.0, 1.0, (0.8, 1.0, 1.5), 1.0, 0.0, 0.0, None, None)
+    >>> [line.split(";")[0] for line in noise_warnings([r])]
+    ['none: step times 800–1500 ms spread 70% of the median']
+    """
+    return [
+        f"{r.policy}: step times {r.step_time_min_s * 1e3:.0f}–{r.step_time_max_s * 1e3:.0f} ms spread "
+        f"{r.step_time_spread:.0%} of the median; its ×none ratio is within the noise (try more --steps on an "
+        "idle machine)"
+        for r in records
+        if len(r.step_times_s) > 1 and r.step_time_spread > threshold
+    ]
+
+
 def format_markdown(records: list[BenchRecord], header: str) -> str:
     """A Markdown report: the command and setting, then the table."""
     rows = [[name for name, _ in _COLUMNS]] + [[fn(r) for _, fn in _COLUMNS] for r in records]
@@ -532,7 +550,7 @@ def format_markdown(records: list[BenchRecord], header: str) -> str:
         "XLA peak: the compiled step's arguments + outputs − aliased + temp (what plan and auto hold to a budget);",
         f"peak: measured ({'device memory_stats peak_bytes_in_use' if source == 'device' else 'process peak RSS'}); "
         "peak−base: above the same measure just before the first (warm-up) step;",
-        "GFLOPs: matmul FLOPs per step counted from the jaxpr (scan trip counts applied); step: median;",
+        "GFLOPs: matmul FLOPs per step counted from the jaxpr (scan trip counts applied); step: median; min–max: ms;",
         "loss and gradients at the same initial parameters and tokens, compared with `none`.",
     ]
     return "\n".join([header, "", *table, *notes]) + "\n"

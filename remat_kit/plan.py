@@ -1,7 +1,7 @@
 """``remat-kit plan``: every policy's saved residuals, compiled memory and FLOPs, compile-only.
 
-``remat-kit plan --preset 2b --batch 2 --seq 1024`` compares the policies on the seed's 2B-class
-model without allocating it, checks the seed's figures (full remat's checkpointed layer inputs,
+``remat-kit plan --preset 2b --batch-size 2 --seq-len 1024`` compares the policies on a 2B-class
+model without allocating it, checks the textbook estimates (full remat's checkpointed layer inputs,
 the float32 logits, Korthikanti's "everything kept") against the exact ones, and lists the largest
 residuals of each policy: what to target next.
 """
@@ -63,7 +63,7 @@ def plan_record(a: analysis.Analysis, top: int) -> dict[str, Any]:
 
 
 def seed_check(results: dict[str, analysis.Analysis]) -> list[str]:
-    """Lines setting the exact figures beside the seed's estimates, and why they differ."""
+    """Lines setting the exact figures beside the textbook estimates ("against the theory"), and why they differ."""
     any_a = next(iter(results.values()))
     cfg, b, s, e = any_a.config, any_a.batch, any_a.seq, any_a.estimates
     L, d, item = cfg.num_layers, cfg.d_model, _itemsize(cfg.dtype)
@@ -74,18 +74,19 @@ def seed_check(results: dict[str, analysis.Analysis]) -> list[str]:
         lines.append(
             f"full remat keeps the layer inputs: {fmt_bytes(exact)} measured; L·b·s·d·{item} B = {fmt_bytes(formula)} "
             f"({'equal to the byte' if exact == formula else f'differs by {exact - formula:+,} B'}); "
-            f"seed's 2·b·s·h·L = {fmt_bytes(e.layer_inputs)}"
+            f"the usual estimate 2·b·s·h·L = {fmt_bytes(e.layer_inputs)}"
         )
     logits = [r for r in any_a.residuals if r.region == "head" and r.shape == (b, s, cfg.vocab_size)]
     if logits:
         lines.append(
             f"the loss keeps [b, s, V] logits-sized tensors: {fmt_bytes(sum(r.nbytes for r in logits))} "
-            f"({', '.join(f'{r.label} {r.dtype}' for r in logits)}); seed's b·s·V·4 = {fmt_bytes(e.logits)} "
+            f"({', '.join(f'{r.label} {r.dtype}' for r in logits)}); the usual b·s·V·4 = {fmt_bytes(e.logits)} "
             f"(--loss-chunks K removes them; their gradient needs as much again in temp)"
         )
     elif any_a.loss_chunks:
         lines.append(
-            f"--loss-chunks {any_a.loss_chunks}: no [b, s, V] logits are kept (seed's b·s·V·4 = {fmt_bytes(e.logits)})"
+            f"--loss-chunks {any_a.loss_chunks}: no [b, s, V] logits are kept "
+            f"(the usual b·s·V·4 = {fmt_bytes(e.logits)})"
         )
     if "none" in results:
         none = results["none"]

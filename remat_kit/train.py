@@ -573,7 +573,7 @@ def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, m
     metrics_file = open(metrics_path, "a") if metrics_path is not None else None  # noqa: SIM115
     bar = _progress(progress, config.steps, first - 1, log)
     try:
-        with _StopOnSignal() as stop, bar:
+        with _StopOnSignal(log) as stop, bar:
             for step in range(first, config.steps + 1):
                 t0 = time.perf_counter()
                 pos = int(state.data_position)
@@ -618,7 +618,8 @@ def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, m
                 if ckpts is not None and (step % checkpoint_every == 0 or step == config.steps or stopping):
                     ckpts.save(step, trainer.place(state).to_dict(), meta)
                 if stopping:
-                    log(f"interrupted after step {step}; saved" if ckpts else f"interrupted after step {step}")
+                    saved = f"; saved step {step} in {ckpts.directory / str(step)}" if ckpts is not None else ""
+                    log(f"interrupted after step {step}{saved}")
                     raise KeyboardInterrupt
     finally:
         if metrics_file is not None:
@@ -636,26 +637,63 @@ def _any_process(flag: bool) -> bool:
 
 
 class _StopOnSignal:
-    """First Ctrl-C (SIGINT) or SIGTERM: finish and save the current step, then stop; second: stop now."""
+    """First Ctrl-C (SIGINT) or SIGTERM: finish and save the current step, then stop; second: stop now.
 
-    def __init__(self):
+    The first signal is acknowledged at once ("stopping after this step…"), even while the main thread
+    is inside XLA's compiler, where Python runs no signal handler until the compile returns: the C-level
+    handler writes the signal to a wake-up socket (``signal.set_wakeup_fd``) that a thread watches.
+    """
+
+    MESSAGE = "stopping after this step… (press Ctrl-C again to stop at once, without saving)"
+
+    def __init__(self, log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)):
         self.requested = False
-        self._old = {}
+        self._log = log
+        self._acknowledged = threading.Event()
+        self._old: dict[int, Any] = {}
+        self._old_wakeup = None
+        self._sockets = None
+
+    def _acknowledge(self) -> None:
+        if not self._acknowledged.is_set():
+            self._acknowledged.set()
+            self._log(self.MESSAGE)
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        self._acknowledge()
+
+    def _watch(self, sock) -> None:
+        with contextlib.suppress(OSError):
+            while byte := sock.recv(1):  # b"" once the writing end is closed on exit
+                if byte[0] in (signal.SIGINT, signal.SIGTERM):
+                    self._acknowledge()
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
+            import socket
+
+            read, write = socket.socketpair()
+            write.setblocking(False)
+            self._sockets = (read, write)
+            self._old_wakeup = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+            self._watcher = threading.Thread(target=self._watch, args=(read,), daemon=True, name="remat-kit-signal")
+            self._watcher.start()
         return self
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if self._sockets is not None:
+            signal.set_wakeup_fd(self._old_wakeup if self._old_wakeup is not None else -1)
+            read, write = self._sockets
+            write.close()  # the watcher reads EOF and returns; only then is its socket closed
+            self._watcher.join(timeout=5)
+            read.close()
         return False
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from remat_kit import cli, plan
 
-TINY = ["--preset", "tiny", "--attention", "xla", "--batch", "2", "--seq", "32"]
+TINY = ["--preset", "tiny", "--attention", "xla", "--batch-size", "2", "--seq-len", "32"]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,9 @@ def test_plan_budget_nothing_fits_is_a_message_and_exit_1(capsys):
     code = cli.main(["plan", "--preset", "tiny", "--policies", "full", "--budget", "1MB", "--limits", "none"])
     assert code == 1
     captured = capsys.readouterr()
-    assert "nothing fits" in captured.err and "budget is 1.0 MB" in captured.err and "Traceback" not in captured.err
+    # Said once (not also as "chosen: (nothing fits)" and again on stderr), with what is needed.
+    assert captured.out.count("nothing fits") == 1 and "budget is 1.0 MB" in captured.out
+    assert "nothing fits" not in captured.err and "Traceback" not in captured.err
 
 
 @pytest.mark.parametrize(
@@ -130,8 +132,10 @@ def test_plan_budget_nothing_fits_is_a_message_and_exit_1(capsys):
         (["--margin", "0.2"], "--margin goes with --budget"),
         (["--budget", "1GB", "--margin", "2"], r"margin must be in \[0, 1\)"),
         (["--mesh", "data=3"], "needs 3 devices but 4 are available"),
+        (["--mesh", "data"], "axis 'data' needs a size; the '=N' is missing"),
+        (["--budget", "-5GB"], "a memory budget must be positive, got '-5GB'"),
     ],
-    ids=["unit", "margin-alone", "margin-range", "mesh"],
+    ids=["unit", "margin-alone", "margin-range", "mesh", "mesh-without-size", "negative-budget"],
 )
 def test_plan_budget_bad_arguments(argv, match, capsys):
     assert cli.main(["plan", "--preset", "tiny", "--policies", "full", *argv]) == 2

@@ -325,6 +325,26 @@ def test_ctrl_c_saves_the_current_step_and_exits_130(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     last = max(_metric_steps(metrics))
-    assert last < 12 and f"interrupted after step {last}; saved" in err
+    assert last < 12 and f"interrupted after step {last}; saved step {last} in {ckpt / str(last)}" in err
+    assert err.count(train._StopOnSignal.MESSAGE) == 1  # acknowledged once, before the step finished
+    assert err.index(train._StopOnSignal.MESSAGE) < err.index("interrupted after step")
     with Checkpoints(ckpt) as ckpts:
         assert ckpts.steps()[-1] == last  # saved although it is not a multiple of --checkpoint-every
+
+
+def test_stop_on_signal_acknowledges_from_the_wakeup_fd_and_restores_handlers():
+    # A compile holds the main thread in C, where no Python handler runs; the acknowledgement must come
+    # from the watcher thread reading the C-level wake-up write. A do-nothing Python handler stands in.
+    messages = []
+    before = signal.getsignal(signal.SIGINT), signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before[1])
+    stop = train._StopOnSignal(messages.append)
+    with stop:
+        stop._handle = lambda *_: None  # the Python-level handler does nothing: only the watcher can answer
+        signal.signal(signal.SIGINT, stop._handle)
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 5
+        while not messages and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert messages == [train._StopOnSignal.MESSAGE]
+    assert signal.getsignal(signal.SIGINT) is before[0] and signal.set_wakeup_fd(before[1]) == before[1]

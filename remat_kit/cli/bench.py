@@ -14,7 +14,6 @@ from remat_kit.cli.common import (
     check_writable,
     command_line,
     config_from_args,
-    positive_int,
     write_json,
 )
 
@@ -146,7 +145,7 @@ def add_cli(subparsers) -> None:
         help=f"comma-separated policy specs (default: {','.join(constants.BENCH_POLICIES)}; with --model: "
         f"{','.join(constants.GENERIC_CANDIDATES)})",
     )
-    p.add_argument("--steps", type=positive_int, default=5, help="timed steps per policy (min/median/max reported)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per policy (min/median/max reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     p.add_argument("--seed", type=int, default=0, help="parameters and tokens seed")
     p.add_argument(

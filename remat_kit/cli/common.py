@@ -26,17 +26,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a positive integer, with a message that names what was given."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def add_parser(subparsers, name: str, *, help: str, description: str | None = None) -> argparse.ArgumentParser:
     """A subcommand parser with the shared help formatter (defaults shown)."""
     return subparsers.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
@@ -86,7 +75,7 @@ def check_writable(path: str | None, what: str) -> None:
 
 def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None:
     """The model and shape options plan and bench share."""
-    parser.add_argument("--preset", default=default_preset, choices=constants.PRESET_NAMES, help="model preset")
+    parser.add_argument("--preset", default=default_preset, help=f"model preset: {', '.join(constants.PRESET_NAMES)}")
     parser.add_argument(
         "--model",
         default=None,

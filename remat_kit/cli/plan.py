@@ -15,7 +15,6 @@ from remat_kit.cli.common import (
     check_writable,
     command_line,
     config_from_args,
-    positive_int,
     write_json,
 )
 from remat_kit.units import fmt_bytes, fmt_count
@@ -202,7 +201,7 @@ def add_cli(subparsers) -> None:
         "every policy, or none",
     )
     p.add_argument("--plot", default=None, metavar="PNG", help="with --budget: Pareto plot of memory vs recompute")
-    p.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1), help="policies compiled at once")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="policies compiled at once")
     add_json_arg(p, "the figures")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_plan_command)

@@ -39,7 +39,7 @@ def add_cli(subparsers) -> None:
         description="Train the transformer LM on byte-level text (default: the Python standard library's "
         "sources; nothing is downloaded) under any rematerialization policy.",
     )
-    p.add_argument("--preset", default="tiny", choices=constants.PRESET_NAMES, help="model preset")
+    p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(constants.PRESET_NAMES)}")
     p.add_argument("--policy", default="none", help="rematerialization policy spec (see `remat-kit policies`)")
     p.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
     add_shape_args(p, batch_size=d["batch_size"], seq_len=d["seq_len"], batch_help="sequences per micro-batch",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import ALL_SPECS
 
-from remat_kit import cli, data, train
+from remat_kit import cli, data, train, train_progress
 from remat_kit.checkpoint import Checkpoints
 from remat_kit.cli.train import config_from_args
 from remat_kit.model import TransformerConfig
@@ -326,8 +326,8 @@ def test_ctrl_c_saves_the_current_step_and_exits_130(tmp_path):
     assert proc.returncode == 130, err
     last = max(_metric_steps(metrics))
     assert last < 12 and f"interrupted after step {last}; saved step {last} in {ckpt / str(last)}" in err
-    assert err.count(train._StopOnSignal.MESSAGE) == 1  # acknowledged once, before the step finished
-    assert err.index(train._StopOnSignal.MESSAGE) < err.index("interrupted after step")
+    assert err.count(train_progress._StopOnSignal.MESSAGE) == 1  # acknowledged once, before the step finished
+    assert err.index(train_progress._StopOnSignal.MESSAGE) < err.index("interrupted after step")
     with Checkpoints(ckpt) as ckpts:
         assert ckpts.steps()[-1] == last  # saved although it is not a multiple of --checkpoint-every
 
@@ -338,7 +338,7 @@ def test_stop_on_signal_acknowledges_from_the_wakeup_fd_and_restores_handlers():
     messages = []
     before = signal.getsignal(signal.SIGINT), signal.set_wakeup_fd(-1)
     signal.set_wakeup_fd(before[1])
-    stop = train._StopOnSignal(messages.append)
+    stop = train_progress._StopOnSignal(messages.append)
     with stop:
         stop._handle = lambda *_: None  # the Python-level handler does nothing: only the watcher can answer
         signal.signal(signal.SIGINT, stop._handle)
@@ -346,5 +346,5 @@ def test_stop_on_signal_acknowledges_from_the_wakeup_fd_and_restores_handlers():
         deadline = time.monotonic() + 5
         while not messages and time.monotonic() < deadline:
             time.sleep(0.01)
-    assert messages == [train._StopOnSignal.MESSAGE]
+    assert messages == [train_progress._StopOnSignal.MESSAGE]
     assert signal.getsignal(signal.SIGINT) is before[0] and signal.set_wakeup_fd(before[1]) == before[1]

@@ -35,6 +35,7 @@ from remat_kit.bench_report import (
     plot,
 )
 from remat_kit.model import TransformerConfig
+from remat_kit.units import check_int
 
 __all__ = [
     "DEFAULT_POLICIES",
@@ -143,9 +144,8 @@ def run_bench(
     """
     if model is None:
         analysis.check_shape(config, batch, seq, loss_chunks)
-    for what, value, low in (("steps", steps, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
+    check_int("steps", steps)
+    check_int("warmup", warmup, 0)
     specs = [str(s) for s in specs]
     if "none" not in specs:
         specs = ["none", *specs]

@@ -28,6 +28,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from remat_kit.units import check_int
+
 #: Prefix of the folder a corrupt step is moved to (orbax does not list it as a step).
 CORRUPT_PREFIX = "corrupt-step-"
 
@@ -153,8 +155,7 @@ class Checkpoints:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3):
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be a positive integer, got {keep!r}")
+        check_int("keep", keep)
         self.directory = prepare_directory(directory)
         self.keep = keep
         self._manager = self._open()

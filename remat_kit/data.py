@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from remat_kit.units import check_int
+
 #: Byte-level vocabulary size: token ids are the bytes 0..255.
 BYTE_VOCAB = 256
 
@@ -171,9 +173,7 @@ class Batches:
 
     def __post_init__(self):
         for field in ("batch_size", "seq_len"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+            check_int(field, getattr(self, field))
         if self.tokens.size < self.seq_len:
             raise ValueError(
                 f"sequence length {self.seq_len} is longer than the text it is cut from "

@@ -33,6 +33,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from remat_kit import constants
+from remat_kit.units import check_int
 
 AXES: tuple[str, ...] = ("data", "fsdp")
 
@@ -49,9 +50,7 @@ class MeshSpec:
 
     def __post_init__(self):
         for axis in AXES:
-            size = getattr(self, axis)
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"mesh axis {axis} must be a positive integer, got {size!r}")
+            check_int(f"mesh axis {axis}", getattr(self, axis))
 
     def __str__(self) -> str:
         return f"data={self.data},fsdp={self.fsdp}"

@@ -17,7 +17,7 @@ from typing import Any
 
 from remat_kit import analysis, budget, constants, inspection, policies
 from remat_kit.model import TransformerConfig
-from remat_kit.units import fmt_bytes, fmt_flops
+from remat_kit.units import check_int, fmt_bytes, fmt_flops
 
 #: The policies ``plan`` compares by default: one of each kind.
 DEFAULT_POLICIES: tuple[str, ...] = constants.PLAN_POLICIES
@@ -168,8 +168,7 @@ def run_plan(
     XLA compiles mostly on one core, so two jobs nearly halve the wall time on two cores; results
     do not depend on ``jobs`` (only each policy's ``compile_s`` does).
     """
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    check_int("jobs", jobs)
 
     def one(i: int, p: policies.Policy) -> analysis.Analysis:
         if progress:

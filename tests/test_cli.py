@@ -3,6 +3,7 @@ errors a user meets in the first minutes (each checked before anything is compil
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -196,3 +197,17 @@ def test_checkpoint_dir_that_is_a_file(tmp_path):
 def test_negative_budget_reaches_its_own_check(capsys):
     err = _error(["plan", "--preset", "tiny", "--budget", "-5GB"], capsys)
     assert "a memory budget must be positive, got '-5GB'" in err
+
+
+@pytest.mark.parametrize(
+    ("value", "low", "message"),
+    [(0, 1, "n must be a positive integer, got 0"), (True, 1, "got True"), (2.0, 1, "got 2.0"),
+     (-1, 0, "n must be an integer >= 0, got -1")],
+    ids=["zero", "bool", "float", "below-low"],
+)  # fmt: skip
+def test_one_integer_check(value, low, message):
+    from remat_kit.units import check_int
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_int("n", value, low)
+    assert check_int("n", low, low) == low

@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from remat_kit import cli, plan
+from remat_kit.model import TransformerConfig
+from remat_kit.units import fmt_count
 
 TINY = ["--preset", "tiny", "--attention", "xla", "--batch-size", "2", "--seq-len", "32"]
 
@@ -49,6 +51,10 @@ def test_plan_prints_table_and_largest(capsys):
     out = capsys.readouterr().out
     assert "policy" in out and "XLA temp" in out and "full" in out
     assert "largest residuals per policy" in out and "layer_input" in out
+    params = fmt_count(TransformerConfig.preset("tiny").num_params())
+    assert params == "218 k" and f"preset tiny ({params} params" in out  # with its unit, not "0.00 B params"
+    assert "against the theory" in out and "seed check" not in out
+    assert "default shape" not in out  # the shape was given
 
 
 @pytest.mark.parametrize(
@@ -109,6 +115,9 @@ def test_plan_budget_chooses_and_writes_json(tmp_path, capsys):
     assert code == 0
     text = capsys.readouterr().out
     assert "chosen: none" in text and "max batch" in text
+    assert "batch 2 × seq 32 (preset tiny's default shape; --batch-size/--seq-len to plan yours)" in text
+    cap = TransformerConfig.preset("tiny").max_seq_len
+    assert f"{cap} (cap)" in text and f"(cap): the preset's max_seq_len ({cap})" in text
     payload = json.loads(out.read_text())
     assert payload["chosen"] == "none" and payload["budget_bytes"] == 10**9
     rows = {r["policy"]: r for r in payload["candidates"]}

@@ -150,3 +150,11 @@ def test_plan_budget_bad_arguments(argv, match, capsys):
     assert cli.main(["plan", "--preset", "tiny", "--policies", "full", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(match, err)
+
+
+def test_plan_json_without_path_goes_to_stdout_and_the_text_to_stderr(capsys):
+    assert cli.main(["plan", *TINY, "--policies", "full", "--top", "0", "--json", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    payload = json.loads(captured.out)  # stdout is the JSON alone
+    assert [r["policy"] for r in payload["records"]] == ["full"]
+    assert "against the theory" in captured.err and "tracing and compiling" not in captured.err  # --no-progress

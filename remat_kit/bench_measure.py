@@ -13,9 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from remat_kit import analysis
+from remat_kit import analysis, inspection, lora, policies
 from remat_kit import mesh as mesh_lib
-from remat_kit.model import TransformerConfig
+from remat_kit import step as step_lib
+from remat_kit.loss import lm_loss
+from remat_kit.model import Transformer, TransformerConfig
+from remat_kit.plan import load_factory, model_from_factory
 
 
 def _proc_status(field: str) -> int | None:
@@ -99,10 +102,6 @@ def measure(
     import jax
     import numpy as np
 
-    from remat_kit import lora
-    from remat_kit import step as step_lib
-    from remat_kit.loss import lm_loss
-    from remat_kit.model import Transformer
 
     log("compiling")
     mesh_obj = mesh_lib.make_mesh(mesh) if mesh else None
@@ -179,9 +178,6 @@ def measure_model(
     import jax
     import numpy as np
 
-    from remat_kit import inspection, policies
-    from remat_kit import step as step_lib
-    from remat_kit.plan import load_factory, model_from_factory
 
     make_loss, example = model_from_factory(load_factory(model), model)
     loss_fn = make_loss(policies.parse(policy))

@@ -1,13 +1,21 @@
-"""remat_kit: choose, apply and measure activation rematerialization in JAX/Flax."""
+"""remat_kit: choose, apply and measure activation rematerialization in JAX/Flax.
+
+The public names load on first use (a module ``__getattr__``), so ``import remat_kit`` (and the
+command line's ``--help``) imports neither jax nor the model, optax or the planner.
+"""
 
 import importlib
 
-from remat_kit import names, policies
-from remat_kit.policies import Policy, parse
-from remat_kit.scan import Stack, stack
+__version__ = "0.1.0"
 
-# Loaded on first use, so that ``import remat_kit`` does not pull in optax, the model or the planner.
+#: Public name -> (module, attribute); an attribute of None means the module itself.
 _LAZY = {
+    "names": ("remat_kit.names", None),
+    "policies": ("remat_kit.policies", None),
+    "Policy": ("remat_kit.policies", "Policy"),
+    "parse": ("remat_kit.policies", "parse"),
+    "Stack": ("remat_kit.scan", "Stack"),
+    "stack": ("remat_kit.scan", "stack"),
     "inspect": ("remat_kit.inspection", "inspect"),
     "compare": ("remat_kit.inspection", "compare"),
     "auto": ("remat_kit.budget", "auto"),
@@ -16,8 +24,9 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
+        module_name, attr = _LAZY[name]
+        module = importlib.import_module(module_name)
+        value = module if attr is None else getattr(module, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'remat_kit' has no attribute {name!r}")
@@ -28,4 +37,3 @@ def __dir__():
 
 
 __all__ = ["Policy", "Stack", "auto", "compare", "inspect", "names", "parse", "policies", "stack"]
-__version__ = "0.1.0"

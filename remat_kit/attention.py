@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from remat_kit import names
-
-ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "chunked", "cudnn")
+from remat_kit.constants import ATTENTION_KINDS
 
 #: Block size (positions) of ``chunked`` attention per backend when the config leaves it unset.
 #: CPU: 128 measured fastest (fwd+bwd, b=4, s=1024, h=8, d=64 on 2 cores: 64 → 0.52 s, 128 → 0.35 s,

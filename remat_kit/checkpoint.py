@@ -10,9 +10,14 @@ deleted) and the previous good step is used.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
+import logging
 import os
+import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -23,12 +28,57 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from remat_kit.units import check_int
+
 #: Prefix of the folder a corrupt step is moved to (orbax does not list it as a step).
 CORRUPT_PREFIX = "corrupt-step-"
 
 
 class CheckpointWarning(UserWarning):
     """A checkpoint step could not be used and was skipped."""
+
+
+#: What a failed orbax read echoes besides its own error: asyncio's report of each per-array future
+#: whose failure nobody awaited (one traceback per array: 100-200 lines for a small model), and
+#: tensorstore callbacks that reach the already closed event loop.
+_ECHOES = ("exception was never retrieved", "Event loop is closed")
+
+
+def _is_echo(text: str) -> bool:
+    return any(e in text for e in _ECHOES)
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads():
+    """Drop the echoes of a failed read while a restore runs; the failure is reported once (CheckpointWarning).
+
+    The unretrieved futures report when garbage-collected, so they are collected before the filters go.
+    """
+    logger = logging.getLogger("asyncio")
+    drop = logging.Filter()
+    drop.filter = lambda record: not _is_echo(record.getMessage())
+    hooks = sys.excepthook, sys.unraisablehook, threading.excepthook
+
+    def excepthook(kind, value, tb):
+        if not _is_echo(str(value)):
+            hooks[0](kind, value, tb)
+
+    def unraisablehook(unraisable):
+        if not _is_echo(str(unraisable.exc_value)):
+            hooks[1](unraisable)
+
+    def thread_excepthook(args):
+        if not _is_echo(str(args.exc_value)):
+            hooks[2](args)
+
+    logger.addFilter(drop)
+    sys.excepthook, sys.unraisablehook, threading.excepthook = excepthook, unraisablehook, thread_excepthook
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.excepthook, sys.unraisablehook, threading.excepthook = hooks
+        logger.removeFilter(drop)
 
 
 def prepare_directory(directory: str | os.PathLike) -> Path:
@@ -38,6 +88,8 @@ def prepare_directory(directory: str | os.PathLike) -> Path:
       OSError: naming the directory and why it cannot hold checkpoints.
     """
     path = Path(directory).absolute()
+    if path.exists() and not path.is_dir():
+        raise OSError(f"checkpoint directory {str(path)!r} is a file, not a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
@@ -103,8 +155,7 @@ class Checkpoints:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3):
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be a positive integer, got {keep!r}")
+        check_int("keep", keep)
         self.directory = prepare_directory(directory)
         self.keep = keep
         self._manager = self._open()
@@ -168,6 +219,10 @@ class Checkpoints:
         steps = self.steps()
         if not steps:
             return None
+        with _quiet_failed_reads():
+            return self._restore_latest(steps, abstract_state, check_meta)
+
+    def _restore_latest(self, steps, abstract_state, check_meta):
         bad: list[tuple[int, str]] = []
         found = None
         for step in reversed(steps):

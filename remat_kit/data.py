@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from remat_kit.units import check_int
+
 #: Byte-level vocabulary size: token ids are the bytes 0..255.
 BYTE_VOCAB = 256
 
@@ -128,9 +130,11 @@ def load_corpus(paths: Sequence[str | os.PathLike] | None = None, *, max_bytes: 
         files = stdlib_files()
         source = f"Python standard library sources ({sysconfig.get_paths()['stdlib']})"
         max_bytes = max_bytes or DEFAULT_MAX_BYTES
-    chunks, total, used = [], 0, 0
+    chunks, total, used, binary = [], 0, 0, []
     for f in files:
         raw = f.read_bytes()
+        if raw and b"\0" in raw[:_SNIFF_BYTES]:
+            binary.append(f)
         if not raw or b"\0" in raw[:_SNIFF_BYTES]:
             continue
         if max_bytes is not None:
@@ -140,6 +144,9 @@ def load_corpus(paths: Sequence[str | os.PathLike] | None = None, *, max_bytes: 
         used += 1
         if max_bytes is not None and total >= max_bytes:
             break
+    if not chunks and binary and len(binary) == len(files):
+        which = str(binary[0]) if len(binary) == 1 else f"all {len(binary)} files"
+        raise ValueError(f"data {which} at {source} is not text (binary: it holds NUL bytes); give text files")
     if not chunks:
         raise ValueError(f"the corpus at {source} is empty: no text in {len(files)} file(s)")
     return Corpus(encode(b"\n".join(chunks)), source=f"{source}: {used} file(s), {total:,} bytes", num_files=used)
@@ -166,9 +173,7 @@ class Batches:
 
     def __post_init__(self):
         for field in ("batch_size", "seq_len"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+            check_int(field, getattr(self, field))
         if self.tokens.size < self.seq_len:
             raise ValueError(
                 f"sequence length {self.seq_len} is longer than the text it is cut from "

@@ -56,11 +56,13 @@ import optax
 from flax import traverse_util
 from flax.core import FrozenDict
 
+from remat_kit import constants
+
 #: The Dense layers of :class:`remat_kit.model.Block` an adapter may target.
-TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out")
+TARGETS: tuple[str, ...] = constants.LORA_TARGETS
 
 #: Base-weight storage: ``none`` (param dtype) or ``int8`` (per-output-channel absmax scale).
-QUANTIZE_MODES: tuple[str, ...] = ("none", "int8")
+QUANTIZE_MODES: tuple[str, ...] = constants.QUANTIZE_MODES
 
 #: Compute dtypes the int8 path supports: the matmul runs on unscaled int8 values (up to 127x the
 #: real output) before the scale, which float16's range (65504) cannot hold at d_model in the thousands.
@@ -387,32 +389,3 @@ def param_bytes(config: Any) -> ParamBytes:
     trainable, frozen = partition(abstract_params(config))
     count = lambda tree: int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
     return ParamBytes(trainable=count(trainable), frozen=count(frozen))
-
-
-# ---- command line ----------------------------------------------------------------------------------------
-
-
-def add_cli_args(parser) -> None:
-    """Add ``--lora-rank/--lora-alpha/--lora-targets/--quantize`` to an argparse parser (train, plan, bench)."""
-    parser.add_argument("--lora-rank", type=int, default=None, help="LoRA: train rank-R adapters on a frozen base")
-    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA: adapter scale alpha/R (default 16)")
-    parser.add_argument(
-        "--lora-targets",
-        default=None,
-        help=f"LoRA: comma-separated layers, or all (default q_proj,v_proj; allowed: {','.join(TARGETS)})",
-    )
-    parser.add_argument("--quantize", choices=QUANTIZE_MODES, default=None, help="store the frozen base as int8")
-
-
-def overrides_from_args(args) -> dict[str, Any]:
-    """TransformerConfig overrides of the flags :func:`add_cli_args` adds (only those given)."""
-    out: dict[str, Any] = {}
-    if getattr(args, "lora_rank", None) is not None:
-        out["lora_rank"] = args.lora_rank
-    if getattr(args, "lora_alpha", None) is not None:
-        out["lora_alpha"] = args.lora_alpha
-    if getattr(args, "lora_targets", None) is not None:
-        out["lora_targets"] = parse_targets(args.lora_targets)
-    if getattr(args, "quantize", None) is not None:
-        out["quantize"] = args.quantize
-    return out

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from remat_kit.units import check_int
+
 
 def shift_targets(tokens):
     """Targets and mask for next-token prediction: position t predicts token t+1; the last is masked.
@@ -62,8 +64,7 @@ def chunked_cross_entropy(hidden, w_out, targets, mask, chunks: int, *, vocab_ax
     >>> bool(jnp.allclose(chunked_cross_entropy(h, w.T, t, m, 5, vocab_axis=0), cross_entropy(h @ w, t, m)))
     True
     """
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"loss chunks must be a positive integer, got {chunks!r}")
+    check_int("loss chunks", chunks)
     if vocab_axis not in (0, 1) or isinstance(vocab_axis, bool):
         raise ValueError(f"vocab_axis must be 0 ([vocab, d]) or 1 ([d, vocab]), got {vocab_axis!r}")
     b, s, d = hidden.shape

@@ -32,6 +32,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from remat_kit import constants
+from remat_kit.units import check_int
+
 AXES: tuple[str, ...] = ("data", "fsdp")
 
 #: The key under which the scan core stores stacked layer parameters (see remat_kit.scan.Stack).
@@ -47,9 +50,7 @@ class MeshSpec:
 
     def __post_init__(self):
         for axis in AXES:
-            size = getattr(self, axis)
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"mesh axis {axis} must be a positive integer, got {size!r}")
+            check_int(f"mesh axis {axis}", getattr(self, axis))
 
     def __str__(self) -> str:
         return f"data={self.data},fsdp={self.fsdp}"
@@ -74,6 +75,10 @@ class MeshSpec:
         for part in filter(None, (p.strip() for p in spec.split(","))):
             axis, eq, value = part.partition("=")
             axis = axis.strip()
+            if not eq and axis in AXES:
+                raise ValueError(
+                    f"mesh spec {spec!r}: axis {axis!r} needs a size; the '=N' is missing (e.g. '{axis}=2')"
+                )
             if not eq or axis not in AXES:
                 raise ValueError(
                     f"mesh spec {spec!r}: unknown axis in {part!r}; allowed axes: {', '.join(AXES)} "
@@ -158,8 +163,8 @@ def tree_shardings(tree, mesh: Mesh):
 
 #: JAX's defaults, used unless ``--distributed-timeout`` / ``REMAT_KIT_DISTRIBUTED_TIMEOUT`` sets both:
 #: seconds to wait for all processes to join, and for a process that stopped sending heartbeats.
-JAX_JOIN_TIMEOUT_S = 300
-JAX_HEARTBEAT_TIMEOUT_S = 100
+JAX_JOIN_TIMEOUT_S = constants.JAX_JOIN_TIMEOUT_S
+JAX_HEARTBEAT_TIMEOUT_S = constants.JAX_HEARTBEAT_TIMEOUT_S
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ import optax
 
 from remat_kit import lora
 from remat_kit import mesh as mesh_lib
+from remat_kit.units import check_int
 
 #: What :func:`make_optimizer` clips the global gradient norm to unless told otherwise (``train``'s default).
 DEFAULT_CLIP_NORM = 1.0
@@ -51,8 +52,7 @@ def make_optimizer(
       weight_decay: AdamW's decoupled weight decay (``mask`` selects the decayed leaves).
       grad_accum: micro-batches averaged per update; MultiSteps keeps a gradient-sized buffer.
     """
-    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
-        raise ValueError(f"grad_accum must be a positive integer, got {grad_accum!r}")
+    check_int("grad_accum", grad_accum)
     adamw = optax.adamw(learning_rate, weight_decay=weight_decay, mask=mask)
     inner = adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
     return inner if grad_accum == 1 else optax.MultiSteps(inner, every_k_schedule=grad_accum)

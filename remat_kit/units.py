@@ -28,7 +28,8 @@ def parse_bytes(text: str | int) -> int:
     if isinstance(text, int):
         value = text
     else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        # A sign is read (so that "-5GB" is refused as not positive, below, rather than as unreadable).
+        match = re.fullmatch(r"\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
         unit = match.group(2).lower() if match else None
         if not match or unit not in _UNITS:
             raise ValueError(
@@ -64,3 +65,30 @@ def fmt_flops(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{int(n)}"
+
+
+def fmt_count(n: float) -> str:
+    """A count (parameters, tokens) with k, M, B (billions) or T, three significant digits.
+
+    >>> fmt_count(1_234_567), fmt_count(2.6e9), fmt_count(512), fmt_count(45_000)
+    ('1.23 M', '2.6 B', '512', '45 k')
+    """
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)}"
+
+
+def check_int(what: str, value, low: int = 1) -> int:
+    """The one integer check of the package: ``value`` must be an int (not a bool) >= ``low``.
+
+    Raises:
+      ValueError: naming ``what``, the bound and the value.
+
+    >>> check_int("steps", 3)
+    3
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        allowed = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise ValueError(f"{what} must be {allowed}, got {value!r}")
+    return value

@@ -168,3 +168,24 @@ def test_training_resumes_exactly_past_a_corrupt_latest(tmp_path):
     assert [r["loss"] for r in again.history] == [r["loss"] for r in full.history[2:]]
     for a, b in zip(jax.tree.leaves(again.state.params), jax.tree.leaves(full.state.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_failed_read_echoes_are_dropped_while_restoring(caplog, capsys):
+    # A failed orbax read leaves per-array futures failing unobserved (asyncio logs a traceback for
+    # each) and late callbacks into the closed loop; the user sees the one CheckpointWarning instead.
+    import logging
+    import sys
+    import types
+
+    from remat_kit import checkpoint
+
+    hooks = sys.excepthook, sys.unraisablehook
+    unraisable = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), exc_type=RuntimeError,
+                                       exc_traceback=None, err_msg=None, object=None)  # fmt: skip
+    with caplog.at_level(logging.ERROR, logger="asyncio"), checkpoint._quiet_failed_reads():
+        logging.getLogger("asyncio").error("Future exception was never retrieved")
+        sys.unraisablehook(unraisable)
+        logging.getLogger("asyncio").error("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
+    assert "Event loop is closed" not in capsys.readouterr().err
+    assert (sys.excepthook, sys.unraisablehook) == hooks

@@ -1,13 +1,130 @@
+"""The command line itself: help without jax, --version, one flag vocabulary, `policies`, and the
+errors a user meets in the first minutes (each checked before anything is compiled)."""
+
+import dataclasses
+import json
+import re
 import subprocess
 import sys
 
+import pytest
+
+from remat_kit import cli, constants
+
+COMMANDS = ("policies", "train", "plan", "bench")
+
+# Builds the parser and prints every command's help, then lists the heavy modules that got imported.
+_HELP_PROBE = f"""
+import contextlib, io, json, sys
 from remat_kit import cli
+texts = {{}}
+for argv in ([], *[[c] for c in {COMMANDS!r}]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        cli.main([*argv, "--help"])
+    texts[" ".join(argv) or "remat-kit"] = out.getvalue()
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "orbax", "numpy"))
+print(json.dumps({{"heavy": heavy, "texts": texts}}))
+"""
 
 
-def test_policies_command_lists_policies_and_tags(capsys):
-    assert cli.main(["policies", "minimal"]) == 0
+@pytest.fixture(scope="module")
+def help_probe():
+    proc = subprocess.run([sys.executable, "-c", _HELP_PROBE], capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout)
+
+
+def test_help_of_every_command_imports_no_jax(help_probe):
+    assert help_probe["heavy"] == []
+    assert set(help_probe["texts"]) == {"remat-kit", *COMMANDS}
+    assert all(text.startswith("usage: remat-kit") for text in help_probe["texts"].values())
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        ("train", ["--policy POLICY", "(default: none)", "(default: 8)", "(default: 0.003)", "(default: 50)"]),
+        ("plan", ["(default: 2b)", "Compare rematerialization policies without running anything"]),
+        ("bench", ["(default: small)", "(default: 5)", "min/median/max"]),
+        ("policies", ["--json"]),
+    ],
+    ids=[*COMMANDS[1:], "policies"],
+)
+def test_help_shows_defaults_and_descriptions(help_probe, command, shown):
+    text = " ".join(help_probe["texts"][command].split())  # argparse wraps lines
+    for piece in shown:
+        assert piece in text, piece
+    assert "--batch-size" in text or command == "policies"
+    assert "--batch " not in text and "--seq " not in text  # the old spellings are hidden aliases
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"remat-kit {cli.version()}"
+    assert cli.version().count(".") >= 2
+
+
+def test_constants_match_the_library():
+    # --help reads these from the jax-free constants module; here they meet the modules that own them.
+    from remat_kit import attention, budget, lora, mesh, model
+    from remat_kit.cli.train import TRAIN_DEFAULTS
+    from remat_kit.train import TrainConfig
+
+    assert tuple(model.PRESETS) == constants.PRESET_NAMES
+    assert constants.PRESET_SHAPES == model.PRESET_SHAPES
+    assert constants.DTYPES == model.DTYPES
+    assert constants.ATTENTION_KINDS is attention.ATTENTION_KINDS
+    assert (lora.TARGETS, lora.QUANTIZE_MODES) == (constants.LORA_TARGETS, constants.QUANTIZE_MODES)
+    assert constants.GENERIC_CANDIDATES == budget.GENERIC_CANDIDATES
+    assert constants.DEFAULT_MARGIN == budget.DEFAULT_MARGIN
+    assert mesh.JAX_JOIN_TIMEOUT_S == constants.JAX_JOIN_TIMEOUT_S
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    assert {k: defaults[k] for k in TRAIN_DEFAULTS} == TRAIN_DEFAULTS
+
+
+@pytest.mark.parametrize("command", ["plan", "bench", "train"])
+def test_one_shape_vocabulary_with_hidden_aliases(command):
+    parser = cli.build_parser()
+    new = parser.parse_args([command, "--batch-size", "3", "--seq-len", "64"])
+    old = parser.parse_args([command, "--batch", "3", "--seq", "64"])
+    assert (new.batch_size, new.seq_len) == (old.batch_size, old.seq_len) == (3, 64)
+    assert parser.parse_args([command]).no_progress is False and "json" in vars(new)
+
+
+def test_policies_card_is_generated_from_the_policies_module(capsys):
+    from remat_kit import policies
+
+    assert cli.main(["policies", "--json"]) == 0
+    card = json.loads(capsys.readouterr().out)
+    assert list(card["policies"]) == list(policies.KINDS)
+    assert card["policies"]["full"] == policies.full.__doc__.strip().splitlines()[0]
+    assert card["maxtext_presets"]["minimal"] == str(policies.parse("minimal"))
+    assert "qkv_proj" in card["aliases"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "lines"),
+    [
+        ("every_n:2", ["every_n:2 (every_n)", "layers 0, 2, 4, …"]),
+        ("minimal", ["minimal = selective:q_proj,k_proj,v_proj,attn_out,mlp_gate,mlp_up,mlp_out (selective)"]),
+        ("offload", ["offloads:   layer_input to pinned_host"]),
+    ],
+    ids=["every_n", "alias", "offload"],
+)
+def test_policies_spec_explains_the_spec(spec, lines, capsys):
+    assert cli.main(["policies", spec]) == 0
     out = capsys.readouterr().out
-    assert "every_n:N" in out and "layer_input" in out and "'minimal' -> selective:q_proj" in out
+    for line in lines:
+        assert line in out
+    assert "MaxText presets" not in out  # the spec is explained, not the whole card reprinted
+
+
+def test_policies_spec_json(capsys):
+    assert cli.main(["policies", "segments:4", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["policy"], info["kind"], info["offloads"]) == ("segments:4", "segments", [])
+    assert "4 layers at a time" in info["recomputes"]
 
 
 def test_bad_spec_is_one_line_and_exit_2(capsys):
@@ -22,3 +139,75 @@ def test_console_entry_point_runs_as_module():
     )
     assert proc.returncode == 0, proc.stderr
     assert "sqrt_n" in proc.stdout
+
+
+# ---- train: refusals before anything is compiled ----------------------------------------------------------
+
+
+def _error(argv, capsys):
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_train_refuses_to_overwrite_metrics(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 1}\n')
+    err = _error(["train", "--metrics", str(metrics)], capsys)
+    assert "m.jsonl already exists" in err and "--resume" in err and "--overwrite" in err
+    assert metrics.read_text() == '{"step": 1}\n'
+    (tmp_path / "m.png").write_bytes(b"png")
+    metrics.unlink()
+    assert "m.png already exists" in _error(["train", "--metrics", str(metrics)], capsys)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--resume", "--checkpoint-dir", "{tmp}/missing"], "checkpoint directory '{tmp}/missing' does not exist"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--checkpoint-dir", "{tmp}/a_file"], "is a file, not a directory"),
+        (["--resume", "--overwrite", "--checkpoint-dir", "{tmp}"], "give one of them"),
+    ],
+    ids=["resume-missing-dir", "resume-without-dir", "dir-is-a-file", "resume-and-overwrite"],
+)
+def test_train_checkpoint_dir_errors(extra, message, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    err = _error(["train", *[e.format(tmp=tmp_path) for e in extra]], capsys)
+    assert message.format(tmp=tmp_path) in err
+
+
+def test_binary_data_says_it_is_not_text(tmp_path):
+    from remat_kit import data
+
+    (tmp_path / "weights.bin").write_bytes(b"\x00\x01\x02" * 100)
+    with pytest.raises(ValueError, match=r"weights\.bin .* is not text \(binary"):
+        data.load_corpus([tmp_path / "weights.bin"])
+
+
+def test_checkpoint_dir_that_is_a_file(tmp_path):
+    from remat_kit.checkpoint import prepare_directory
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OSError, match="is a file, not a directory"):
+        prepare_directory(tmp_path / "f")
+
+
+def test_negative_budget_reaches_its_own_check(capsys):
+    err = _error(["plan", "--preset", "tiny", "--budget", "-5GB"], capsys)
+    assert "a memory budget must be positive, got '-5GB'" in err
+
+
+@pytest.mark.parametrize(
+    ("value", "low", "message"),
+    [(0, 1, "n must be a positive integer, got 0"), (True, 1, "got True"), (2.0, 1, "got 2.0"),
+     (-1, 0, "n must be an integer >= 0, got -1")],
+    ids=["zero", "bool", "float", "below-low"],
+)  # fmt: skip
+def test_one_integer_check(value, low, message):
+    from remat_kit.units import check_int
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_int("n", value, low)
+    assert check_int("n", low, low) == low

@@ -169,9 +169,10 @@ def test_bad_lora_config_is_one_line_error(overrides, message):
 
 def test_cli_flags_reach_the_config():
     from remat_kit import cli
+    from remat_kit.cli.train import config_from_args
 
     args = cli.build_parser().parse_args(
         ["train", "--lora-rank", "8", "--lora-alpha", "32", "--lora-targets", "all", "--quantize", "int8"]
     )
-    model = train.config_from_args(args).model
+    model = config_from_args(args).model
     assert (model.lora_rank, model.lora_alpha, model.lora_targets, model.quantize) == (8, 32.0, lora.TARGETS, "int8")

@@ -38,7 +38,7 @@ def test_parse_mesh(spec, expected):
         ("data=2,data=2", r"axis 'data' given twice"),
         ("data=two", r"size of 'data' must be an integer, got 'two'"),
         ("data=0", r"mesh axis data must be a positive integer, got 0"),
-        ("data", r"unknown axis in 'data'"),
+        ("data", r"axis 'data' needs a size; the '=N' is missing"),
     ],
     ids=["unknown-axis", "repeated", "non-int", "zero", "no-size"],
 )

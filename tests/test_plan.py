@@ -8,8 +8,10 @@ import sys
 import pytest
 
 from remat_kit import cli, plan
+from remat_kit.model import TransformerConfig
+from remat_kit.units import fmt_count
 
-TINY = ["--preset", "tiny", "--attention", "xla", "--batch", "2", "--seq", "32"]
+TINY = ["--preset", "tiny", "--attention", "xla", "--batch-size", "2", "--seq-len", "32"]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,10 @@ def test_plan_prints_table_and_largest(capsys):
     out = capsys.readouterr().out
     assert "policy" in out and "XLA temp" in out and "full" in out
     assert "largest residuals per policy" in out and "layer_input" in out
+    params = fmt_count(TransformerConfig.preset("tiny").num_params())
+    assert params == "218 k" and f"preset tiny ({params} params" in out  # with its unit, not "0.00 B params"
+    assert "against the theory" in out and "seed check" not in out
+    assert "default shape" not in out  # the shape was given
 
 
 @pytest.mark.parametrize(
@@ -109,6 +115,9 @@ def test_plan_budget_chooses_and_writes_json(tmp_path, capsys):
     assert code == 0
     text = capsys.readouterr().out
     assert "chosen: none" in text and "max batch" in text
+    assert "batch 2 × seq 32 (preset tiny's default shape; --batch-size/--seq-len to plan yours)" in text
+    cap = TransformerConfig.preset("tiny").max_seq_len
+    assert f"{cap} (cap)" in text and f"(cap): the preset's max_seq_len ({cap})" in text
     payload = json.loads(out.read_text())
     assert payload["chosen"] == "none" and payload["budget_bytes"] == 10**9
     rows = {r["policy"]: r for r in payload["candidates"]}
@@ -120,7 +129,9 @@ def test_plan_budget_nothing_fits_is_a_message_and_exit_1(capsys):
     code = cli.main(["plan", "--preset", "tiny", "--policies", "full", "--budget", "1MB", "--limits", "none"])
     assert code == 1
     captured = capsys.readouterr()
-    assert "nothing fits" in captured.err and "budget is 1.0 MB" in captured.err and "Traceback" not in captured.err
+    # Said once (not also as "chosen: (nothing fits)" and again on stderr), with what is needed.
+    assert captured.out.count("nothing fits") == 1 and "budget is 1.0 MB" in captured.out
+    assert "nothing fits" not in captured.err and "Traceback" not in captured.err
 
 
 @pytest.mark.parametrize(
@@ -130,10 +141,20 @@ def test_plan_budget_nothing_fits_is_a_message_and_exit_1(capsys):
         (["--margin", "0.2"], "--margin goes with --budget"),
         (["--budget", "1GB", "--margin", "2"], r"margin must be in \[0, 1\)"),
         (["--mesh", "data=3"], "needs 3 devices but 4 are available"),
+        (["--mesh", "data"], "axis 'data' needs a size; the '=N' is missing"),
+        (["--budget", "-5GB"], "a memory budget must be positive, got '-5GB'"),
     ],
-    ids=["unit", "margin-alone", "margin-range", "mesh"],
+    ids=["unit", "margin-alone", "margin-range", "mesh", "mesh-without-size", "negative-budget"],
 )
 def test_plan_budget_bad_arguments(argv, match, capsys):
     assert cli.main(["plan", "--preset", "tiny", "--policies", "full", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(match, err)
+
+
+def test_plan_json_without_path_goes_to_stdout_and_the_text_to_stderr(capsys):
+    assert cli.main(["plan", *TINY, "--policies", "full", "--top", "0", "--json", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    payload = json.loads(captured.out)  # stdout is the JSON alone
+    assert [r["policy"] for r in payload["records"]] == ["full"]
+    assert "against the theory" in captured.err and "tracing and compiling" not in captured.err  # --no-progress

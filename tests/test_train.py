@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from conftest import ALL_SPECS
 
-from remat_kit import cli, data, train
+from remat_kit import cli, data, train, train_progress
 from remat_kit.checkpoint import Checkpoints
+from remat_kit.cli.train import config_from_args
 from remat_kit.model import TransformerConfig
 
 #: Per-step losses of one seed under two policies agree to this relative error (float32; the
@@ -194,7 +195,7 @@ def test_killed_run_resumes_exactly(tmp_path):
     # Exact: the same compiled step on the same inputs is deterministic on CPU.
     assert [r["loss"] for r in run] == [r["loss"] for r in ref]
     assert [r.get("val_loss") for r in run] == [r.get("val_loss") for r in ref]
-    abstract = jax.eval_shape(lambda: train.Trainer(train.config_from_args(_parse(_ARGS))).init_state().to_dict())
+    abstract = jax.eval_shape(lambda: train.Trainer(config_from_args(_parse(_ARGS))).init_state().to_dict())
     with Checkpoints(ref_dir) as ref_ckpts, Checkpoints(run_dir) as run_ckpts:
         ref_state, run_state = ref_ckpts.restore_latest(abstract), run_ckpts.restore_latest(abstract)
     assert ref_state[0] == run_state[0] == 12
@@ -324,6 +325,26 @@ def test_ctrl_c_saves_the_current_step_and_exits_130(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     last = max(_metric_steps(metrics))
-    assert last < 12 and f"interrupted after step {last}; saved" in err
+    assert last < 12 and f"interrupted after step {last}; saved step {last} in {ckpt / str(last)}" in err
+    assert err.count(train_progress._StopOnSignal.MESSAGE) == 1  # acknowledged once, before the step finished
+    assert err.index(train_progress._StopOnSignal.MESSAGE) < err.index("interrupted after step")
     with Checkpoints(ckpt) as ckpts:
         assert ckpts.steps()[-1] == last  # saved although it is not a multiple of --checkpoint-every
+
+
+def test_stop_on_signal_acknowledges_from_the_wakeup_fd_and_restores_handlers():
+    # A compile holds the main thread in C, where no Python handler runs; the acknowledgement must come
+    # from the watcher thread reading the C-level wake-up write. A do-nothing Python handler stands in.
+    messages = []
+    before = signal.getsignal(signal.SIGINT), signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before[1])
+    stop = train_progress._StopOnSignal(messages.append)
+    with stop:
+        stop._handle = lambda *_: None  # the Python-level handler does nothing: only the watcher can answer
+        signal.signal(signal.SIGINT, stop._handle)
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 5
+        while not messages and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert messages == [train_progress._StopOnSignal.MESSAGE]
+    assert signal.getsignal(signal.SIGINT) is before[0] and signal.set_wakeup_fd(before[1]) == before[1]

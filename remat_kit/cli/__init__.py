@@ -1,0 +1,114 @@
+"""The ``remat-kit`` command line: one module per subcommand (``remat_kit/cli/<command>.py``).
+
+Each module listed in :data:`COMMAND_MODULES` defines ``add_cli(subparsers)``, which registers its
+subparser and sets ``func`` (``args -> exit code``). Only ``func`` imports the library (jax, flax,
+optax), so building the parser, and so ``--help``, is instant. Bad input surfaces as one line on stderr and
+exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: Modules that contribute subcommands, in the order ``--help`` lists them.
+COMMAND_MODULES: tuple[str, ...] = (
+    "remat_kit.cli.policies",
+    "remat_kit.cli.train",
+    "remat_kit.cli.plan",
+    "remat_kit.cli.bench",
+)
+
+
+def version() -> str:
+    """The installed distribution's version (the package's own when it runs from a source tree)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("remat-kit")
+    except metadata.PackageNotFoundError:
+        from remat_kit import __version__
+
+        return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole parser. Imports no jax, flax or optax: ``--help`` answers at once (tests/test_cli.py)."""
+    parser = argparse.ArgumentParser(
+        prog="remat-kit",
+        description="Choose, apply and measure activation rematerialization (gradient checkpointing) in JAX/Flax.",
+        epilog="`remat-kit COMMAND --help` describes each command and its options.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).add_cli(subparsers)
+    return parser
+
+
+#: Options whose value may start with "-" (argparse would read "-5GB" as an option and say only
+#: "expected one argument"); ``main`` joins them as ``--budget=-5GB`` so the value's own check speaks.
+_SIGNED_VALUES = ("--budget", "--margin")
+
+
+def _join_signed(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in _SIGNED_VALUES and i + 1 < len(argv) and argv[i + 1][:2].lstrip("-")[:1].isdigit():
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    # A warning a user should read (a damaged checkpoint moved aside), without the source line under it.
+    print(f"warning: {message}", file=file or sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 success, 1 nothing fits, 2 bad input, 130 interrupted)."""
+    import contextlib
+    import warnings
+
+    from remat_kit.cli import common
+
+    parser = build_parser()
+    args = parser.parse_args(_join_signed(list(sys.argv[1:] if argv is None else argv)))
+    # --json without a path: the JSON is the only thing on stdout; the text report goes to stderr.
+    to_stderr = getattr(args, "json", None) == "-" and args.command in ("plan", "bench")
+    common.JSON_STDOUT = sys.stdout if to_stderr else None
+    try:
+        redirect = contextlib.redirect_stdout(sys.stderr) if to_stderr else contextlib.nullcontext()
+        with redirect, warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning
+            if hasattr(args, "mesh"):
+                from remat_kit.mesh import Processes, initialize_processes
+
+                # Before any device query: joins a multi-process run when flags or the environment
+                # configure one, and simulates the mesh's CPU devices (so a laptop can plan a mesh).
+                processes = Processes.resolve(
+                    getattr(args, "coordinator", None),
+                    getattr(args, "num_processes", None),
+                    getattr(args, "process_id", None),
+                    getattr(args, "distributed_timeout", None),
+                )
+                initialize_processes(args.mesh, processes)
+            return int(args.func(args) or 0)
+    except (ValueError, TypeError, OSError) as err:
+        # Bad input is reported as one line; anything else is a bug and keeps its traceback.
+        print(f"remat-kit {args.command}: error: {err}".splitlines()[0], file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"remat-kit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        common.JSON_STDOUT = None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Command-line helpers shared by the subcommands: model/shape options, output files, the command line.
+
+Nothing here imports jax, flax or optax at module level: building the parser (``--help``) must be
+instant, so the library is imported inside the functions that run a command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from remat_kit import constants
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except where there is none to show (None, off) or the help says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return text
+        if "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def add_parser(subparsers, name: str, *, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand parser with the shared help formatter (defaults shown)."""
+    return subparsers.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
+                                 formatter_class=HelpFormatter)  # fmt: skip
+
+
+def add_shape_args(parser: argparse.ArgumentParser, *, batch_size: int | None, seq_len: int | None,
+                   batch_help: str, seq_help: str) -> None:  # fmt: skip
+    """``--batch-size``/``--seq-len`` (every command's spelling), with ``--batch``/``--seq`` as hidden aliases."""
+    parser.add_argument("--batch-size", type=int, default=batch_size, metavar="B", help=batch_help)
+    parser.add_argument("--seq-len", type=int, default=seq_len, metavar="S", help=seq_help)
+    # Older spellings (plan and bench used them): still accepted, no longer shown.
+    parser.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    parser.add_argument("--seq", dest="seq_len", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+#: Where ``--json -`` writes: the real stdout, while the command's text goes to stderr (set by ``main``).
+JSON_STDOUT = None
+
+
+def add_json_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--json PATH`` writes ``what`` as JSON; ``--json`` alone (or ``-``) prints it on stdout, the text on stderr."""
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help=f"write {what} as JSON to PATH; without PATH, print it on stdout (and the text on stderr)",
+    )
+
+
+def check_writable(path: str | None, what: str) -> None:
+    """Raise OSError now (before minutes of compiling) if ``path`` cannot be written (``-``: stdout)."""
+    if not path or path == "-":
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise OSError(f"{what} {path!r} is a directory; give a file path")
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise OSError(f"{what} {path!r}: {parent!r} is not a directory")
+    if not os.path.isdir(parent):
+        raise OSError(f"{what} {path!r}: directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise OSError(f"{what} {path!r} is not writable")
+
+
+def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None:
+    """The model and shape options plan and bench share."""
+    parser.add_argument("--preset", default=default_preset, help=f"model preset: {', '.join(constants.PRESET_NAMES)}")
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="MODULE:FACTORY",
+        help="your own model instead of a preset: FACTORY(policy) returns (loss_fn, example_args), "
+        "loss_fn(params, *batch) -> scalar, example_args arrays or jax.ShapeDtypeStructs",
+    )
+    shapes = ", ".join(f"{k} {b}" for k, (b, _) in constants.PRESET_SHAPES.items())
+    add_shape_args(parser, batch_size=None, seq_len=None, batch_help=f"batch size (default: the preset's: {shapes})",
+                   seq_help="sequence length (default: the preset's: "
+                   + ", ".join(f"{k} {s}" for k, (_, s) in constants.PRESET_SHAPES.items()) + ")")  # fmt: skip
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's depth")
+    parser.add_argument("--dtype", choices=constants.DTYPES, default=None, help="compute dtype (default: the preset's)")
+    parser.add_argument(
+        "--param-dtype", choices=constants.DTYPES, default=None, help="parameter dtype (default: the preset's)"
+    )
+    parser.add_argument(
+        "--attention",
+        choices=constants.ATTENTION_KINDS,
+        default=None,
+        help="attention implementation (default: the preset's)",
+    )
+    parser.add_argument(
+        "--loss-chunks", type=int, default=0, help="0: plain loss over full logits; K: chunked cross-entropy"
+    )
+    add_lora_args(parser)
+
+
+def config_from_args(args: argparse.Namespace):
+    """The ``(TransformerConfig, batch, seq)`` the options ask for, validated before anything is traced."""
+    from remat_kit import analysis
+    from remat_kit.model import TransformerConfig
+
+    overrides: dict[str, Any] = {}
+    if args.dtype:
+        overrides["dtype"] = args.dtype
+    if args.param_dtype:
+        overrides["param_dtype"] = args.param_dtype
+    if args.attention:
+        overrides["attention"] = args.attention
+    if args.layers is not None:
+        overrides["num_layers"] = args.layers
+    overrides.update(lora_overrides(args))
+    config = TransformerConfig.preset(args.preset, **overrides)
+    default_batch, default_seq = constants.PRESET_SHAPES.get(args.preset, (1, min(128, config.max_seq_len)))
+    batch = default_batch if args.batch_size is None else args.batch_size
+    seq = default_seq if args.seq_len is None else args.seq_len
+    analysis.check_shape(config, batch, seq, args.loss_chunks)
+    return config, batch, seq
+
+
+def command_line(name: str, args: argparse.Namespace) -> str:
+    """The canonical command that reproduces a run (every option spelled out), for results files."""
+    skip = {"func", "command", "json", "markdown", "plot", "no_progress"}
+    parts = [f"remat-kit {name}"]
+    for key, value in sorted(vars(args).items()):
+        if key in skip or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        parts.append(flag if value is True else f"{flag} {value}")
+    return " ".join(parts)
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """``payload`` as indented JSON at ``path`` (``-``: the real stdout, see :data:`JSON_STDOUT`)."""
+    if path == "-":
+        import sys
+
+        out = JSON_STDOUT or sys.stdout
+        json.dump(payload, out, indent=1)
+        out.write("\n")
+        return
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+        f.write("\n")
+
+
+def add_lora_args(parser) -> None:
+    """Add ``--lora-rank/--lora-alpha/--lora-targets/--quantize`` to an argparse parser (train, plan, bench)."""
+    parser.add_argument("--lora-rank", type=int, default=None, help="LoRA: train rank-R adapters on a frozen base")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA: adapter scale alpha/R (default 16)")
+    parser.add_argument(
+        "--lora-targets",
+        default=None,
+        help="LoRA: comma-separated layers, or all (default q_proj,v_proj; allowed: "
+        + ",".join(constants.LORA_TARGETS)
+        + ")",
+    )
+    parser.add_argument(
+        "--quantize", choices=constants.QUANTIZE_MODES, default=None, help="store the frozen base as int8"
+    )
+
+
+def lora_overrides(args) -> dict[str, Any]:
+    """TransformerConfig overrides of the flags :func:`add_lora_args` adds (only those given)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "lora_rank", None) is not None:
+        out["lora_rank"] = args.lora_rank
+    if getattr(args, "lora_alpha", None) is not None:
+        out["lora_alpha"] = args.lora_alpha
+    if getattr(args, "lora_targets", None) is not None:
+        from remat_kit import lora
+
+        out["lora_targets"] = lora.parse_targets(args.lora_targets)
+    if getattr(args, "quantize", None) is not None:
+        out["quantize"] = args.quantize
+    return out

@@ -1,0 +1,281 @@
+"""``remat-kit plan``: the command line of :mod:`remat_kit.plan` (compile-only policy comparison and ``--budget``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from remat_kit import constants
+from remat_kit.cli.common import (
+    add_json_arg,
+    add_model_args,
+    add_parser,
+    check_writable,
+    command_line,
+    config_from_args,
+    write_json,
+)
+from remat_kit.units import fmt_bytes, fmt_count
+
+#: Options that shape the built-in model, meaningless with ``--model`` (whose factory gives the shapes).
+PRESET_ONLY: tuple[str, ...] = (
+    "batch_size", "seq_len", "layers", "dtype", "param_dtype", "attention", "loss_chunks", "mesh"
+)  # fmt: skip
+
+DESCRIPTION = (
+    "Compare rematerialization policies without running anything: for each policy, trace and compile one "
+    "training step and report what its backward pass keeps (saved residuals), XLA's compiled memory and the "
+    "matmul FLOPs. With --budget, choose the policy with the least recompute that fits that much device memory, "
+    "and find the largest batch and sequence that fit. Shapes default to the preset's (tiny 2 x 32, small "
+    "4 x 256, 2b 2 x 1024); pass --batch-size/--seq-len to plan the shape you will train."
+)
+
+
+def _model_command(args: argparse.Namespace) -> int:
+    """``plan --model``: compare the policies on the factory's model, or (``--budget``) choose one."""
+    from remat_kit import budget, inspection
+    from remat_kit.plan import (
+        BUDGET_LEGEND,
+        format_budget_table,
+        load_factory,
+        model_from_factory,
+        parse_model_policies,
+    )
+
+    given = [f"--{k.replace('_', '-')}" for k in PRESET_ONLY if getattr(args, k, None) not in (None, 0)]
+    if given:
+        raise ValueError(f"{', '.join(given)} shape the built-in model; with --model the factory gives the shapes")
+    for flag in ("limits", "plot"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} is not available with --model (its shapes are fixed by the factory)")
+    if args.margin is not None and args.budget is None:
+        raise ValueError("--margin goes with --budget")
+    check_writable(args.json, "--json")
+    specs = parse_model_policies(args.policies)
+    budget_bytes = budget.parse_bytes(args.budget) if args.budget is not None else None
+    margin = budget.DEFAULT_MARGIN if args.margin is None else args.margin
+    if budget_bytes is not None:
+        budget.check_budget(budget_bytes, margin)
+    make_loss, example = model_from_factory(load_factory(args.model), args.model)
+    if not args.no_progress:
+        print(f"[plan] {args.model}: {len(specs)} policies ...", file=sys.stderr, flush=True)
+    if budget_bytes is None:
+        comparison = inspection.compare(make_loss, specs, *example)
+        print(f"remat-kit plan --model {args.model}: value_and_grad of the loss (first argument)")
+        print(
+            "saved = values the backward pass keeps; peak = arguments + outputs − aliased + temp; GFLOPs = matmul "
+            "FLOPs of the gradient with scans × trip count; ×none = over `none`.\n"
+        )
+        print(comparison.table())
+        payload = {"command": command_line("plan", args), "model": args.model, **comparison.to_dict()}
+    else:
+        result = budget.auto(make_loss, *example, budget_bytes=budget_bytes, margin=margin, candidates=specs,
+                             exhaustive=True, jobs=args.jobs)  # fmt: skip
+        print(f"remat-kit plan --model {args.model} --budget {fmt_bytes(budget_bytes)}: clipped AdamW step, "
+              f"margin {margin:.0%}")  # fmt: skip
+        print(BUDGET_LEGEND)
+        print("\n".join(format_budget_table(result)))
+        print(f"\nchosen: {result.chosen}" if result.chosen is not None else "")
+        print(result.reason)  # when nothing fits, it says so (once)
+        payload = {"command": command_line("plan", args), "model": args.model, **result.to_dict()}
+    if args.json:
+        write_json(args.json, payload)
+        if args.json != "-":
+            print(f"\nwrote {args.json}")
+    if budget_bytes is not None and payload["chosen"] is None:
+        return 1
+    return 0
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    from remat_kit import mesh as mesh_lib
+    from remat_kit.plan import DEFAULT_POLICIES, format_table, parse_policies, plan_record, run_plan, seed_check
+
+    if args.model:
+        return _model_command(args)
+    config, batch, seq = config_from_args(args)
+    mesh = mesh_lib.make_mesh(args.mesh) if args.mesh else None
+    if mesh is not None:
+        mesh_lib.check_batch(batch, mesh)
+    if args.budget is not None:
+        return _budget_command(args, config, batch, seq, mesh)
+    for flag in ("margin", "limits", "plot"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} goes with --budget")
+    specs = parse_policies(args.policies or ",".join(DEFAULT_POLICIES), config.num_layers)
+    if args.top < 0:
+        raise ValueError(f"--top must be >= 0, got {args.top}")
+    check_writable(args.json, "--json")
+
+    def progress(i, n, spec):
+        if not args.no_progress:
+            print(f"[{i + 1}/{n}] {spec}: tracing and compiling ...", file=sys.stderr, flush=True)
+
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    results = run_plan(
+        config, batch, seq, specs, loss_chunks=args.loss_chunks, jobs=args.jobs, progress=progress, mesh=mesh
+    )
+    a0 = next(iter(results.values()))
+    print(
+        f"remat-kit plan: preset {args.preset} ({fmt_count(config.num_params())} params, L={config.num_layers}, "
+        f"d={config.d_model}, V={config.vocab_size}, {config.dtype} compute / {config.param_dtype} params), "
+        f"batch {batch} × seq {seq}{_shape_note(args)}, AdamW step, loss_chunks={args.loss_chunks}"
+        + (f", mesh {a0.mesh}: XLA figures per device" if a0.mesh else "")
+    )
+    print(
+        "saved = activations the backward pass keeps (device; host = offloaded); XLA temp = compiled scratch "
+        "(activations + gradients + workspace); peak = arguments + outputs − aliased + temp, the step's device "
+        "bytes (what must fit); GFLOPs = matmul FLOPs counted from the jaxpr with scans × trip count; "
+        "XLA raw = cost_analysis(), which counts a scan body once.\n"
+    )
+    print("\n".join(format_table(results)))
+    print(
+        f"\nanalytic FLOPs: none = 6·params·tokens + attention = {a0.analytic.none / 1e9:.1f} G; "
+        f"+ one forward of the layers = {a0.analytic.full / 1e9:.1f} G"
+    )
+    print("\nagainst the theory (full remat keeps L·b·s·h; the loss b·s·V·4; none Korthikanti's 34·b·s·h·L):")
+    for line in seed_check(results):
+        print("  " + line)
+    if args.top:
+        print(f"\nlargest residuals per policy (top {args.top}):")
+        for name, a in results.items():
+            print(f"  {name}:")
+            for r in a.largest(args.top):
+                where = "host" if r.host else r.region
+                print(f"    {fmt_bytes(r.nbytes):>10}  {where:6} {r.dtype:9} {r.shape!s:28} {r.label}")
+    if args.json:
+        payload = {
+            "command": command_line("plan", args),
+            "preset": args.preset,
+            "config": dataclasses.asdict(config),
+            "batch": batch,
+            "seq": seq,
+            "loss_chunks": args.loss_chunks,
+            "estimates": dataclasses.asdict(a0.estimates),
+            "seed_check": seed_check(results),
+            "records": [plan_record(a, args.top) for a in results.values()],
+        }
+        write_json(args.json, payload)
+        if args.json != "-":
+            print(f"\nwrote {args.json}")
+    return 0
+
+
+def _shape_note(args: argparse.Namespace) -> str:
+    """Says where the shape came from when the user did not give it (train's default shape differs)."""
+    if args.batch_size is not None and args.seq_len is not None:
+        return ""
+    return f" (preset {args.preset}'s default shape; --batch-size/--seq-len to plan yours)"
+
+
+def add_cli(subparsers) -> None:
+    """Register ``remat-kit plan``."""
+    p = add_parser(
+        subparsers,
+        "plan",
+        help="compare every policy's saved residuals, compiled memory and FLOPs (compile-only)",
+        description=DESCRIPTION,
+    )
+    add_model_args(p, default_preset="2b")
+    p.add_argument(
+        "--policies",
+        default=None,
+        help=f"comma-separated policy specs (default: {','.join(constants.PLAN_POLICIES)}; with --budget: every "
+        "candidate)",
+    )
+    p.add_argument("--top", type=int, default=3, help="largest residuals listed per policy")
+    p.add_argument("--mesh", default=None, help="plan per device over a mesh, e.g. data=4 or data=2,fsdp=2")
+    p.add_argument("--budget", default=None, help="device memory budget (any unit: 80GB, 24GiB): choose a policy")
+    p.add_argument(
+        "--margin", type=float, default=None, help=f"with --budget: safety margin (default {constants.DEFAULT_MARGIN})"
+    )
+    p.add_argument(
+        "--limits",
+        choices=("pareto", "all", "chosen", "none"),
+        default=None,
+        help="with --budget: find the largest batch and longest sequence that fit for the chosen policy "
+        "(default: chosen), the Pareto-optimal policies (pareto; a dominated one is never the best choice), "
+        "every policy, or none",
+    )
+    p.add_argument("--plot", default=None, metavar="PNG", help="with --budget: Pareto plot of memory vs recompute")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="policies compiled at once")
+    add_json_arg(p, "the figures")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_plan_command)
+
+
+def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh) -> int:
+    """``plan --budget``: every candidate's need against the budget, the choice, and the limits that fit."""
+    from remat_kit import budget, policies
+    from remat_kit.plan import BUDGET_LEGEND, compile_progress, format_budget_table, parse_policies
+
+    budget_bytes = budget.parse_bytes(args.budget)
+    margin = budget.DEFAULT_MARGIN if args.margin is None else args.margin
+    budget.check_budget(budget_bytes, margin)
+    # Only the chosen policy's limits by default: each policy's search costs a few compiles, and the
+    # chosen one answers "how far can I push this run"; the others are one flag away.
+    limits = args.limits or "chosen"
+    check_writable(args.json, "--json")
+    check_writable(args.plot, "--plot")
+    pool = parse_policies(args.policies, config.num_layers) if args.policies else list(budget.candidates(config))
+    planner = budget.Planner(config, loss_chunks=args.loss_chunks, mesh=mesh,
+                             progress=None if args.no_progress else compile_progress)  # fmt: skip
+    if not args.no_progress:
+        print(f"[plan] compiling {len(pool)} candidates, {args.jobs} at a time ...", file=sys.stderr, flush=True)
+    result = budget.auto(
+        config, batch=batch, seq=seq, budget_bytes=budget_bytes, margin=margin, candidates=pool,
+        exhaustive=True, planner=planner, jobs=args.jobs,
+    )  # fmt: skip
+    wanted = [c.policy for c in result.candidates] if limits == "all" else []
+    if limits == "pareto":  # a dominated policy is never the best answer at any budget: skip its searches
+        points = [(c.recompute_flops, c.need_bytes) for c in result.candidates]
+        wanted = [result.candidates[i].policy for i in budget.pareto_front(points)]
+    if limits == "chosen" and result.chosen is not None:
+        wanted = [str(result.chosen)]
+    fit = {}
+    if wanted and mesh is None:
+        # The searches' first compiles are known in advance (the batch line's two points, the sequence
+        # limit): compile them together, args.jobs at a time; each search then needs about two more.
+        planner.expect(2 * len(wanted))
+        first = max(batch, 2)
+        shapes = [(policies.parse(s), b, q) for s in wanted for b, q in ((first, seq), (2 * first, seq),
+                                                                       (batch, config.max_seq_len))]  # fmt: skip
+        if not args.no_progress:
+            print(f"[plan] largest batch and sequence that fit for {len(wanted)} policies ...", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        planner.precompile(shapes, jobs=args.jobs)
+    for spec in wanted:
+        kw = {"batch": batch, "seq": seq, "budget_bytes": budget_bytes, "margin": margin, "planner": planner}
+        fit[spec] = (budget.max_fit(config, spec, dim="batch", **kw), budget.max_fit(config, spec, dim="seq", **kw))
+
+    where = f", mesh {args.mesh} (bytes per device)" if mesh is not None else ""
+    print(
+        f"remat-kit plan --budget {fmt_bytes(budget_bytes)}: preset {args.preset} ({fmt_count(config.num_params())} "
+        f"params), batch {batch} × seq {seq}{_shape_note(args)}, clipped AdamW step, loss_chunks={args.loss_chunks}, "
+        f"margin {margin:.0%}{where}"
+    )
+    print(BUDGET_LEGEND)
+    # A sequence limit equal to the preset's max_seq_len is the model's cap, not what memory allows.
+    shown = {k: (b, f"{s} (cap)" if s == config.max_seq_len else s) for k, (b, s) in fit.items()}
+    print("\n".join(format_budget_table(result, shown)))
+    if any(s == config.max_seq_len for _, s in fit.values()):
+        print(f"(cap): the preset's max_seq_len ({config.max_seq_len}); memory would allow more")
+    print(f"\nchosen: {result.chosen}" if result.chosen is not None else "")
+    print(result.reason)  # when nothing fits, it says so (once)
+    if args.plot:
+        budget.plot_pareto(result, args.plot)
+        print(f"wrote {args.plot}")
+    if args.json:
+        payload = {"command": command_line("plan", args), "preset": args.preset, "config": dataclasses.asdict(config),
+                   "mesh": args.mesh, **result.to_dict()}  # fmt: skip
+        for row in payload["candidates"]:
+            row["max_batch"], row["max_seq"] = fit.get(row["policy"], (None, None))
+        write_json(args.json, payload)
+        if args.json != "-":
+            print(f"wrote {args.json}")
+    if result.chosen is None:
+        return 1
+    return 0

@@ -1,0 +1,189 @@
+"""``remat-kit train``: the command line of :mod:`remat_kit.train`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from remat_kit import constants
+from remat_kit.cli.common import add_lora_args, add_parser, add_shape_args, lora_overrides
+
+#: ``TrainConfig``'s defaults, spelled out so that ``--help`` needs no jax (tests/test_cli.py checks they agree).
+TRAIN_DEFAULTS = {
+    "steps": 100,
+    "batch_size": 8,
+    "seq_len": 0,
+    "grad_accum": 1,
+    "learning_rate": 3e-3,
+    "warmup_steps": -1,
+    "weight_decay": 0.01,
+    "clip_norm": 1.0,
+    "loss_chunks": 0,
+    "seed": 0,
+    "val_fraction": 0.05,
+    "eval_every": 50,
+    "eval_batches": 4,
+}
+
+
+def add_cli(subparsers) -> None:
+    """Register ``remat-kit train``."""
+    d = TRAIN_DEFAULTS
+    p = add_parser(
+        subparsers,
+        "train",
+        help="train the LM on local text under a policy, with resumable checkpoints",
+        description="Train the transformer LM on byte-level text (default: the Python standard library's "
+        "sources; nothing is downloaded) under any rematerialization policy.",
+    )
+    p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(constants.PRESET_NAMES)}")
+    p.add_argument("--policy", default="none", help="rematerialization policy spec (see `remat-kit policies`)")
+    p.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
+    add_shape_args(p, batch_size=d["batch_size"], seq_len=d["seq_len"], batch_help="sequences per micro-batch",
+                   seq_help="tokens per sequence (0: the preset's max_seq_len, at most 256)")  # fmt: skip
+    p.add_argument("--grad-accum", type=int, default=d["grad_accum"], help="micro-batches per update")
+    p.add_argument("--lr", type=float, default=d["learning_rate"], help="peak learning rate")
+    p.add_argument(
+        "--warmup-steps", type=int, default=d["warmup_steps"], help="warm-up steps (-1: 10%% of steps, <= 100)"
+    )
+    p.add_argument("--weight-decay", type=float, default=d["weight_decay"], help="AdamW weight decay")
+    p.add_argument("--clip-norm", type=float, default=d["clip_norm"], help="global gradient-norm clip")
+    p.add_argument("--dropout", type=float, default=None, help="override the preset's dropout rate")
+    add_lora_args(p)
+    p.add_argument(
+        "--loss-chunks", type=int, default=d["loss_chunks"], help="compute logits/loss in K chunks (0: plain)"
+    )
+    p.add_argument("--seed", type=int, default=d["seed"], help="initialization, dropout and data-order seed")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders (default: Python stdlib)")
+    p.add_argument("--max-corpus-bytes", type=int, default=None, help="read at most this many bytes of text")
+    p.add_argument("--val-fraction", type=float, default=d["val_fraction"], help="held-out tail of the corpus")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"], help="steps between validation losses (0: never)")
+    p.add_argument("--eval-batches", type=int, default=d["eval_batches"], help="validation batches per evaluation")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save orbax checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--keep", type=int, default=3, help="newest checkpoints to keep")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest good checkpoint in --checkpoint-dir (which must exist), appending to --metrics",
+    )
+    p.add_argument("--metrics", metavar="FILE.jsonl", help="write one JSON line of metrics per step")
+    p.add_argument("--plot", metavar="FILE.png", help="loss-curve PNG (default: beside --metrics)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --metrics file and its plot (a fresh run)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the final summary as one JSON object on stdout")
+    p.add_argument("--mesh", default=None, help="train over a device mesh, e.g. data=4 or data=2,fsdp=2")
+    g = p.add_argument_group(
+        "many processes (one per host)",
+        "Start one process per host with the same flags and its own --process-id; default: JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES, JAX_PROCESS_ID, or REMAT_KIT_DISTRIBUTED=1 to let JAX detect SLURM / Open MPI.",
+    )
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
+    g.add_argument("--num-processes", type=int, default=None, help="processes taking part")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index (0 writes metrics)")
+    g.add_argument(
+        "--distributed-timeout",
+        type=int,
+        default=None,
+        metavar="S",
+        help="seconds to wait for all processes to join, and for a process that stopped sending heartbeats "
+        "(JAX's heartbeat timeout: then every other process aborts), before exiting with an error "
+        f"(default: JAX's {constants.JAX_JOIN_TIMEOUT_S} s to join, {constants.JAX_HEARTBEAT_TIMEOUT_S} s heartbeat)",
+    )
+    p.set_defaults(func=_train_command)
+
+
+def config_from_args(args: argparse.Namespace):
+    """The :class:`remat_kit.train.TrainConfig` of parsed ``remat-kit train`` arguments."""
+    from remat_kit.model import TransformerConfig
+    from remat_kit.train import TrainConfig
+
+    overrides = {} if args.dropout is None else {"dropout": args.dropout}
+    overrides.update(lora_overrides(args))
+    return TrainConfig(
+        model=TransformerConfig.preset(args.preset, **overrides),
+        policy=args.policy,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        grad_accum=args.grad_accum,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        clip_norm=args.clip_norm,
+        loss_chunks=args.loss_chunks,
+        seed=args.seed,
+        val_fraction=args.val_fraction,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+    )
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before anything is compiled, to clobber an earlier run's metrics or resume from nowhere."""
+    if args.resume and args.checkpoint_dir is None:
+        raise ValueError("--resume needs --checkpoint-dir DIR (the run to continue)")
+    if args.resume and not os.path.exists(args.checkpoint_dir):
+        raise ValueError(f"--resume: checkpoint directory {args.checkpoint_dir!r} does not exist (nothing to resume)")
+    if (
+        args.checkpoint_dir is not None
+        and os.path.exists(args.checkpoint_dir)
+        and not os.path.isdir(args.checkpoint_dir)
+    ):
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file, not a directory")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume appends to --metrics and --overwrite replaces it; give one of them")
+    if args.metrics is None or args.resume or args.overwrite:
+        return
+    outputs = [args.metrics, args.plot or str(Path(args.metrics).with_suffix(".png"))]
+    existing = [p for p in outputs if os.path.exists(p)]
+    if existing:
+        raise ValueError(
+            f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; pass --resume to continue "
+            "that run (appending), --overwrite to replace, or choose another --metrics"
+        )
+
+
+def _train_command(args: argparse.Namespace) -> int:
+    check_outputs(args)
+    import numpy as np
+
+    from remat_kit import mesh as mesh_lib
+    from remat_kit.train import train
+
+    config = config_from_args(args)
+    result = train(
+        config,
+        data_paths=args.data,
+        max_corpus_bytes=args.max_corpus_bytes,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+        checkpoint_every=args.checkpoint_every,
+        keep=args.keep,
+        metrics_path=args.metrics,
+        plot_path=args.plot,
+        progress=not args.no_progress and sys.stderr.isatty(),
+        mesh=args.mesh,
+    )
+    last = result.history[-1] if result.history else {}
+    val = f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else ""
+    # The first step of a process includes compilation; leave it out of the throughput.
+    speeds = [r["tokens_per_s"] for r in result.history[1:]]
+    speed = f", {np.median(speeds):,.0f} tokens/s" if speeds else ""
+    if args.json:
+        summary = {"preset": args.preset, "policy": config.policy, "step": int(result.state.step),
+                   "loss": last.get("loss"), "val_loss": last.get("val_loss"),
+                   "tokens_per_s": float(np.median(speeds)) if speeds else None,
+                   "resumed_from": result.resumed_from, "checkpoint_dir": args.checkpoint_dir,
+                   "metrics": args.metrics}  # fmt: skip
+        if mesh_lib.is_main_process():
+            print(json.dumps(summary))
+        return 0
+    print(f"{mesh_lib.process_prefix()}trained {args.preset} under {config.policy} to step {int(result.state.step)}: "
+          f"loss {last.get('loss', float('nan')):.4f}{val}{speed}")  # fmt: skip
+    return 0

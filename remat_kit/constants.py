@@ -1,0 +1,40 @@
+"""Names and defaults the command line shows in ``--help``, in a module that imports nothing heavy.
+
+``remat-kit --help`` must answer at once, so the parser cannot import jax, flax or optax; the
+library modules take these values from here (or, where another module owns the value, a test
+checks that the two agree: ``tests/test_cli.py``).
+"""
+
+from __future__ import annotations
+
+#: Model presets (:data:`remat_kit.model.PRESETS` holds their configs).
+PRESET_NAMES: tuple[str, ...] = ("tiny", "small", "2b")
+
+#: (batch, seq) each preset is measured at by default (:data:`remat_kit.model.PRESET_SHAPES`).
+PRESET_SHAPES: dict[str, tuple[int, int]] = {"tiny": (2, 32), "small": (4, 256), "2b": (2, 1024)}
+
+#: Compute and parameter dtypes a model accepts (:data:`remat_kit.model.DTYPES`).
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+#: Attention implementations (:mod:`remat_kit.attention`).
+ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "chunked", "cudnn")
+
+#: Layers a LoRA adapter can target, and the frozen base's storage modes (:mod:`remat_kit.lora`).
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out")
+QUANTIZE_MODES: tuple[str, ...] = ("none", "int8")
+
+#: The policies ``plan`` compares by default: one of each kind.
+PLAN_POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "selective", "offload", "segments:4", "sqrt_n", "dots")
+
+#: The policies ``bench`` compares by default.
+BENCH_POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "selective", "offload", "sqrt_n")
+
+#: Candidates for a model given as ``--model MODULE:FACTORY`` (:data:`remat_kit.budget.GENERIC_CANDIDATES`).
+GENERIC_CANDIDATES: tuple[str, ...] = ("none", "dots", "full")
+
+#: ``plan --budget``'s default safety margin (:data:`remat_kit.budget.DEFAULT_MARGIN`).
+DEFAULT_MARGIN = 0.10
+
+#: JAX's own defaults for joining a multi-process run and for its heartbeat, in seconds.
+JAX_JOIN_TIMEOUT_S = 300
+JAX_HEARTBEAT_TIMEOUT_S = 100

@@ -109,8 +109,9 @@ def test_policies_card_is_generated_from_the_policies_module(capsys):
         ("every_n:2", ["every_n:2 (every_n)", "layers 0, 2, 4, …"]),
         ("minimal", ["minimal = selective:q_proj,k_proj,v_proj,attn_out,mlp_gate,mlp_up,mlp_out (selective)"]),
         ("offload", ["offloads:   layer_input to pinned_host"]),
+        ("full*2+every_n:2*4", ["(mix)", "layers 0–1 (full): each layer's input", "layers 2–5 (every_n:2): every"]),
     ],
-    ids=["every_n", "alias", "offload"],
+    ids=["every_n", "alias", "offload", "mix"],
 )
 def test_policies_spec_explains_the_spec(spec, lines, capsys):
     assert cli.main(["policies", spec]) == 0

@@ -29,44 +29,59 @@ def card() -> dict:
     }
 
 
+def _keeps(p) -> tuple[str, str]:
+    """``(keeps, recomputes)`` in words for one (non-mix) policy."""
+    if p.kind == "every_n":
+        n = p.period
+        return (f"everything in layers not divisible by {n}; only the input of layers 0, {n}, {2 * n}, …",
+                f"layers 0, {n}, {2 * n}, …")  # fmt: skip
+    if p.kind == "selective":
+        return "each layer's input and the tagged values " + ",".join(p.save), "every other value in each layer"
+    if p.kind == "offload":
+        saved = ",".join(p.save) if p.save else "no tagged value"
+        offloaded = ",".join(p.offload)
+        return f"on the device: {saved}; in host memory: {offloaded}", "every value neither saved nor offloaded"
+    if p.kind == "segments":
+        return f"the input of every group of {p.group_size} layers", f"{p.group_size} layers at a time"
+    return {
+        "none": ("every activation", "nothing"),
+        "full": ("each layer's input", "each whole layer"),
+        "sqrt_n": ("every k-th layer boundary, k ≈ √L (e.g. L=16: k=4)", "k layers at a time"),
+        "dots": ("matmul outputs without batch dimensions", "everything else"),
+    }.get(p.kind, ("see the policy's docstring", "-"))
+
+
 def describe(spec: str) -> dict:
-    """What one policy spec means: its canonical form, what the backward pass keeps, recomputes and offloads."""
+    """What one policy spec means: its canonical form, what the backward pass keeps, recomputes and offloads.
+
+    A mix (``"selective*20+full*8"``) is described part by part, with the layers each part covers.
+    """
     from remat_kit import policies
 
     p = policies.parse(spec)
-    every = {
-        "none": ("every activation", "nothing"),
-        "full": ("each layer's input", "each whole layer"),
-        "every_n": (
-            f"everything in layers not divisible by {p.period}; only the input of layers 0, {p.period}, "
-            f"{2 * p.period}, …",
-            f"layers 0, {p.period}, {2 * p.period}, …",
-        ),
-        "selective": (
-            "each layer's input and the tagged values " + ",".join(p.save),
-            "every other value in each layer",
-        ),
-        "offload": (
-            "on the device: "
-            + (",".join(p.save) if p.save else "no tagged value")
-            + "; in host memory: "
-            + ",".join(p.offload),
-            "every value that is neither saved nor offloaded",
-        ),
-        "segments": (f"every {p.group_size}th layer boundary", f"{p.group_size} layers at a time"),
-        "sqrt_n": ("every k-th layer boundary, k ≈ √L (e.g. L=16: k=4)", "k layers at a time"),
-        "dots": ("matmul outputs without batch dimensions", "everything else"),
-    }
-    keeps, recomputes = every.get(p.kind, ("see the policy's docstring", "-"))
+    if isinstance(p, policies.Mix):
+        first, keeps, recomputes, offloads = 0, [], [], []
+        for part, count in p.parts:
+            k, r = _keeps(part)
+            where = f"layers {first}–{first + count - 1} ({part})"
+            keeps.append(f"{where}: {k}")
+            recomputes.append(f"{where}: {r}")
+            offloads += [t for t in part.offload if t not in offloads]
+            first += count
+        dst = next((q.dst for q in p.policies if q.offload), None)
+        keeps_text, recomputes_text, strict = "; ".join(keeps), "; ".join(recomputes), all(q.strict for q in p.policies)
+    else:
+        (keeps_text, recomputes_text), offloads, strict = _keeps(p), list(p.offload), p.strict
+        dst = p.dst if p.offload else None
     return {
         "spec": spec,
         "policy": str(p),
         "kind": p.kind,
-        "keeps": keeps,
-        "recomputes": recomputes,
-        "offloads": list(p.offload),
-        "offload_to": p.dst if p.offload else None,
-        "strict": p.strict,
+        "keeps": keeps_text,
+        "recomputes": recomputes_text,
+        "offloads": offloads,
+        "offload_to": dst,
+        "strict": strict,
         "repr": repr(p),
     }
 

@@ -1,7 +1,8 @@
 """Where one training step's time goes: a ``jax.profiler`` trace of the project's own step, per policy.
 
 Compiles :func:`remat_kit.step.make_step` (clipped AdamW, donated state, as ``bench`` and ``train``)
-for the ``small`` preset at its default shape under each policy, runs it a few times, traces
+for the ``small`` preset at its default shape (or ``--shape peer1k``: benchmarks/peer_hf.py's model at
+batch 1 × 1,024) under each policy, runs it a few times, traces
 ``--steps`` steps and sums the XLA:CPU thunk events of the trace (each carries its HLO op name).
 Each op is put in a class from the compiled HLO text: what it computes (a ``dot`` inside it, data
 movement only) and where it comes from (its ``op_name`` scope and source frames: attention.py,
@@ -11,7 +12,8 @@ Thunks may overlap on the two threads of a 2-core machine, so the op times sum t
 the wall time of the step; shares are of that sum (the wall time is printed beside it). Loops
 (``while``) are containers and count only through the ops inside them.
 
-    PYTHONPATH=. python benchmarks/profile_step.py --out benchmarks/results/profile_small.md
+    PYTHONPATH=. python benchmarks/profile_step.py --out benchmarks/results/profile_small.md \
+        [--torch-python /path/to/venv-with-torch/bin/python]   # the peer too, under torch.profiler
 """
 
 from __future__ import annotations
@@ -171,16 +173,22 @@ def op_times(trace_dir: str) -> tuple[dict[str, float], float]:
     return dict(times), wall
 
 
+def _shape(name: str):
+    """``(config, (batch, seq))`` of a shape of :data:`ab_step.SHAPES` (the ``small`` preset, or ``peer1k``)."""
+    from ab_step import SHAPES  # beside this script; imports JAX, so never in the peer's worker
+
+    return SHAPES[name]
+
+
 def profile_policy(policy: str, steps: int, warmup: int, preset: str = "small"):
     """Compile the step for ``policy``, time ``warmup`` steps, trace ``steps``; per-op times and HLO ops."""
     import jax
 
     from remat_kit import step as step_lib
     from remat_kit.loss import lm_loss
-    from remat_kit.model import PRESET_SHAPES, Transformer, TransformerConfig
+    from remat_kit.model import Transformer
 
-    cfg = TransformerConfig.preset(preset)
-    b, s = PRESET_SHAPES[preset]
+    cfg, (b, s) = _shape(preset)
     model = Transformer(config=cfg, policy=policy)
     tokens = jax.random.randint(jax.random.key(1), (b, s), 0, cfg.vocab_size)
     params = jax.jit(lambda k: model.init(k, tokens[:1, :8])["params"])(jax.random.key(0))
@@ -297,12 +305,9 @@ def profile_peer(policy: str, python: str, steps: int, warmup: int, preset: str 
     """Run :func:`_peer_worker` under ``python``; ``(rows, wall, untraced, torch version)`` or an error string."""
     import subprocess
 
-    from remat_kit.model import PRESET_SHAPES, TransformerConfig
-
     threads = len(os.sched_getaffinity(0))
-    cfg = TransformerConfig.preset(preset)
+    cfg, (b, s) = _shape(preset)
     fields = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_seq_len")
-    b, s = PRESET_SHAPES[preset]
     job = dict(policy=policy, model={f: getattr(cfg, f) for f in fields}, batch=b, seq=s, threads=threads)
     job.update(steps=steps, warmup=warmup)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -315,6 +320,14 @@ def profile_peer(policy: str, python: str, steps: int, warmup: int, preset: str 
         return (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
     out = json.loads(lines[-1])
     return [tuple(r) for r in out["rows"]], out["wall"], out["untraced"], out["torch"]
+
+
+def _describe(shape: str) -> str:
+    cfg, (b, s) = _shape(shape)
+    return (
+        f"vocabulary {cfg.vocab_size:,}, hidden {cfg.d_model}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
+        f"d_ff {cfg.d_ff}, batch {b} × {s}, float32, clipped AdamW"
+    )
 
 
 def machine() -> str:
@@ -360,11 +373,11 @@ def _peer_section(policy: str, peer, top: int) -> tuple[str, list[str]]:
     return row + " |", detail
 
 
-def report(results, command: str, top: int, peers=None) -> list[str]:
+def report(results, command: str, top: int, peers=None, shape: str = "small") -> list[str]:
     import jax
 
     lines = [
-        "# One training step, profiled: where the time goes (`small` preset)",
+        f"# One training step, profiled: where the time goes (`{shape}`: {_describe(shape)})",
         "",
         f"`{command}`",
         "",
@@ -417,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", help="write the markdown report here (else stdout)")
+    parser.add_argument("--shape", default="small", choices=("small", "peer1k"), help="the model and batch")
     parser.add_argument("--torch-python", help="an interpreter with torch + transformers: profile the peer too")
     parser.add_argument("--peer-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -427,15 +441,15 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
         print(f"profiling {policy} ...", file=sys.stderr, flush=True)
-        results[policy] = profile_policy(policy, args.steps, args.warmup)
+        results[policy] = profile_policy(policy, args.steps, args.warmup, args.shape)
         print(f"  median untraced step {statistics.median(results[policy][3] or [0]):.3f} s", file=sys.stderr)
     peers = {}
     if args.torch_python:
         for policy in [p for p in results if p in ("none", "full", "every_n:2")]:  # the peer has no selective
             print(f"profiling the peer, {policy} ...", file=sys.stderr, flush=True)
-            peers[policy] = profile_peer(policy, args.torch_python, args.steps, args.warmup)
+            peers[policy] = profile_peer(policy, args.torch_python, args.steps, args.warmup, args.shape)
     command = "PYTHONPATH=. python benchmarks/profile_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = "\n".join(report(results, command.strip(), args.top, peers)) + "\n"
+    text = "\n".join(report(results, command.strip(), args.top, peers, args.shape)) + "\n"
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

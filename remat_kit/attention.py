@@ -36,8 +36,9 @@ ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "chunked", "cudnn")
 #: Block size (positions) of ``chunked`` attention per backend when the config leaves it unset.
 #: CPU: 128 measured fastest (fwd+bwd, b=4, s=1024, h=8, d=64 on 2 cores: 64 → 0.52 s, 128 → 0.35 s,
 #: 256 → 0.37 s, 512 → 0.52 s; ``xla`` 1.3 s), measured when the blocks were unrolled; the scan over
-#: block pairs that replaced them ran as fast or faster side by side (on a loaded machine); accelerators
-#: want larger tiles.
+#: block pairs that replaced them ran as fast or faster side by side (on a loaded machine); re-measured
+#: interleaved after the head-major layout (s=1024, CPU time: 64 → 0.53 s, 128 → 0.49 s, 256 → 0.50 s;
+#: ``benchmarks/results/profile_small.md``); accelerators want larger tiles.
 DEFAULT_BLOCKS: dict[str, int] = {"cpu": 128}
 DEFAULT_BLOCK = 512
 

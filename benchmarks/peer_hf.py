@@ -166,13 +166,21 @@ def _jax_worker(job: dict[str, Any]) -> dict[str, Any]:
     return dict(step_times_s=times, loss=loss, baseline_rss=baseline, step_peak_rss=step_peak)
 
 
-def _torch_worker(job: dict[str, Any]) -> dict[str, Any]:
+def build_peer(model: dict[str, Any], policy: str):
+    """The peer's ``LlamaForCausalLM`` (random init, in training mode, checkpointing per ``policy``) and its AdamW.
+
+    Args:
+      model: the :data:`MODEL`-shaped dict (vocab_size, d_model, num_layers, num_heads, num_kv_heads, d_ff,
+        max_seq_len).
+      policy: one of :data:`POLICIES`.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.set_num_threads(job["threads"])
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
     torch.manual_seed(0)
-    m = job["model"]
+    m = model
     config = LlamaConfig(
         vocab_size=m["vocab_size"],
         hidden_size=m["d_model"],
@@ -191,21 +199,27 @@ def _torch_worker(job: dict[str, Any]) -> dict[str, Any]:
         use_cache=False,
         attn_implementation="sdpa",
     )
-    model = LlamaForCausalLM(config).float()
-    model.train()
-    policy = job["policy"]
+    net = LlamaForCausalLM(config).float()
+    net.train()
     if policy == "full":
-        model.activation_checkpointing_enable()
+        net.activation_checkpointing_enable()
     elif policy == "every_n:2":
-        model.activation_checkpointing_enable(every_n_layers=2)
+        net.activation_checkpointing_enable(every_n_layers=2)
     elif policy == "offload":
-        model.activation_checkpointing_enable(offload=True)
-    elif policy != "none":
-        raise ValueError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
+        net.activation_checkpointing_enable(offload=True)
     a = ADAMW
     opt = torch.optim.AdamW(
-        model.parameters(), lr=a["lr"], betas=(a["b1"], a["b2"]), eps=a["eps"], weight_decay=a["weight_decay"]
+        net.parameters(), lr=a["lr"], betas=(a["b1"], a["b2"]), eps=a["eps"], weight_decay=a["weight_decay"]
     )
+    return net, opt
+
+
+def _torch_worker(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    m = job["model"]
+    model, opt = build_peer(m, job["policy"])
     tokens = torch.from_numpy(_tokens_numpy(job["batch"], job["seq"], m["vocab_size"]).astype("int64"))
 
     def step():
@@ -274,6 +288,31 @@ def run_one(job: dict[str, Any], python: str, threads: int) -> Result:
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    """The machine the figures come from: CPU model (``/proc/cpuinfo``), its core count, the threads each
+    worker used, and the load average when asked (the step-time ratio depends on all of them)."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return dict(
+        cpu_model=model,
+        cores=os.cpu_count(),
+        threads_per_worker=threads,
+        load_average=[round(x, 2) for x in os.getloadavg()],
+    )
+
+
+def _machine_line(info: dict[str, Any]) -> str:
+    load = ", ".join(f"{x:.2f}" for x in info["load_average"])
+    return (
+        f"machine: {info['cpu_model']}, {info['cores']} cores, {info['threads_per_worker']} threads per worker "
+        f"(load average {load})"
+    )
 
 
 def _gb(n: int) -> str:
@@ -359,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"model: {model}")
     print(f"run: {run}, threads per worker: {args.threads}, AdamW {ADAMW}, float32")
+    print(_machine_line(machine_info(args.threads)))
     results = []
     for policy in policies:
         for framework in FRAMEWORKS:
@@ -369,8 +409,10 @@ def main(argv: list[str] | None = None) -> int:
             status = f"{_gb(r.peak_rss)}, {r.step_time_s:.2f} s/step" if r.ok else r.error
             print(f"  {framework} {policy}: {status}", file=sys.stderr, flush=True)
             results.append(r)
+    info = machine_info(args.threads)  # the load average again, after the runs
     print()
     print("\n".join(format_table(results)))
+    print(_machine_line(info) + " (after the runs)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -379,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                     "run": run,
                     "threads": args.threads,
                     "adamw": ADAMW,
+                    "machine": info,
                     "results": [dataclasses.asdict(r) for r in results],
                 },
                 f,

@@ -35,8 +35,9 @@ from remat_kit.constants import ATTENTION_KINDS
 #: Block size (positions) of ``chunked`` attention per backend when the config leaves it unset.
 #: CPU: 128 measured fastest (fwd+bwd, b=4, s=1024, h=8, d=64 on 2 cores: 64 → 0.52 s, 128 → 0.35 s,
 #: 256 → 0.37 s, 512 → 0.52 s; ``xla`` 1.3 s), measured when the blocks were unrolled; the scan over
-#: block pairs that replaced them ran as fast or faster side by side (on a loaded machine); accelerators
-#: want larger tiles.
+#: block pairs that replaced them ran as fast or faster side by side (on a loaded machine); re-measured
+#: interleaved after the head-major layout (s=1024, CPU time: 64 → 0.53 s, 128 → 0.49 s, 256 → 0.50 s;
+#: ``benchmarks/results/profile_small.md``); accelerators want larger tiles.
 DEFAULT_BLOCKS: dict[str, int] = {"cpu": 128}
 DEFAULT_BLOCK = 512
 
@@ -329,9 +330,13 @@ def _pad_seq(x, size: int, value: float = 0.0):
 
 
 def _block_scores(q_blk, k_blk, q0, k0, scale: float):
-    """Scaled, causally masked scores ``[b, kv, g, bq, bk]`` (float32) of one block pair at offsets q0, k0."""
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
-    bq, bk = q_blk.shape[1], k_blk.shape[1]
+    """Scaled, causally masked scores ``[b, kv, g, bq, bk]`` (float32) of one block pair at offsets q0, k0.
+
+    Head-major blocks (``q_blk [b, kv, g, bq, d]``, ``k_blk [b, kv, bk, d]``): a batched matmul whose
+    operands need no transpose inside the loop.
+    """
+    scores = jnp.einsum("bkgqd,bksd->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
+    bq, bk = q_blk.shape[3], k_blk.shape[2]
     allowed = (q0 + jnp.arange(bq))[:, None] >= (k0 + jnp.arange(bk))[None, :]
     return jnp.where(allowed, scores, _MASKED)
 
@@ -345,6 +350,19 @@ def _add_at(buf, start, update, axis: int):
     return jax.lax.dynamic_update_slice_in_dim(buf, _at(buf, start, update.shape[axis], axis) + update, start, axis)
 
 
+def _head_major(q, k, v, sp: int):
+    """``q [b, s, h, d]`` → ``[b, kv, g, sp, d]``; ``k``, ``v [b, s, kv, d]`` → ``[b, kv, sp, d]`` (padded to sp).
+
+    Transposed once here rather than in every block pair: on CPU the per-pair transposes of the
+    sequence-major blocks cost as much as a block's matmul (``benchmarks/results/profile_small.md``).
+    """
+    b, _, h, d = q.shape
+    kv = k.shape[2]
+    qh = jnp.transpose(_pad_seq(q, sp).reshape(b, sp, kv, h // kv, d), (0, 2, 3, 1, 4))
+    kh, vh = (jnp.transpose(_pad_seq(x, sp), (0, 2, 1, 3)) for x in (k, v))
+    return qh, kh, vh
+
+
 def _forward(q, k, v, block: int):
     """Returns ``(out [b, s, h * d], lse [b, kv, g, s] float32)``."""
     b, s, h, d = q.shape
@@ -353,20 +371,19 @@ def _forward(q, k, v, block: int):
     n = -(-s // block)
     sp = n * block
     scale = 1.0 / float(d) ** 0.5
-    qg = _pad_seq(q, sp).reshape(b, sp, kv, g, d)
-    k, v = _pad_seq(k, sp), _pad_seq(v, sp)
+    qh, kh, vh = _head_major(q, k, v, sp)
 
     def step(state, ij):
         # The online softmax state of every query row lives in full-length buffers; each block pair
         # reads and updates its query block's rows. Pairs come in (i, then j) order, as FlashAttention.
         m_all, total_all, acc_all = state  # [b, kv, g, sp], same, [b, kv, g, sp, d]
         q0, k0 = ij[0] * block, ij[1] * block
-        scores = _block_scores(_at(qg, q0, block, 1), _at(k, k0, block, 1), q0, k0, scale)
+        scores = _block_scores(_at(qh, q0, block, 3), _at(kh, k0, block, 2), q0, k0, scale)
         m, total, acc = _at(m_all, q0, block, 3), _at(total_all, q0, block, 3), _at(acc_all, q0, block, 3)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[..., None])
         pv = jnp.einsum(
-            "bkgqs,bskd->bkgqd", p.astype(v.dtype), _at(v, k0, block, 1), preferred_element_type=jnp.float32
+            "bkgqs,bksd->bkgqd", p.astype(v.dtype), _at(vh, k0, block, 2), preferred_element_type=jnp.float32
         )
         corr = jnp.exp(m - m_new)  # 0 on a row's first block: its state starts at (_MASKED, 0, 0)
         total = total * corr + jnp.sum(p, axis=-1)
@@ -408,42 +425,42 @@ def _flash_bwd(block: int, residuals, d_out):
     n = -(-s // block)
     sp = n * block
     scale = 1.0 / float(d) ** 0.5
-    qg = _pad_seq(q, sp).reshape(b, sp, kv, g, d)
-    dog = _pad_seq(d_out.reshape(b, s, kv, g, d), sp)
-    k, v = _pad_seq(k, sp), _pad_seq(v, sp)
+    qh, kh, vh = _head_major(q, k, v, sp)
+    doh = jnp.transpose(_pad_seq(d_out.reshape(b, s, kv, g, d), sp), (0, 2, 3, 1, 4))  # [b, kv, g, sp, d]
     # D_i = rowsum(dO ∘ O): the softmax backward's correction term, [b, kv, g, sp].
     delta = jnp.einsum(
-        "bqkgd,bqkgd->bkgq", dog.astype(jnp.float32), _pad_seq(out.reshape(b, s, kv, g, d), sp).astype(jnp.float32)
+        "bqkgd,bqkgd->bkgq",
+        d_out.reshape(b, s, kv, g, d).astype(jnp.float32),
+        out.reshape(b, s, kv, g, d).astype(jnp.float32),
     )
+    delta = _pad_seq(jnp.swapaxes(delta, 1, 3), sp).swapaxes(1, 3)
     # Padded query rows get an infinite logsumexp, so their probabilities are exactly 0.
     lse = jnp.swapaxes(_pad_seq(jnp.swapaxes(lse, 1, 3), sp, jnp.inf), 1, 3)
 
     def step(grads, ij):
-        dq_all, dk_all, dv_all = grads  # float32 [b, sp, kv, g, d], [b, sp, kv, d], [b, sp, kv, d]
+        # Head-major float32 accumulators: dq [b, kv, g, sp, d], dk and dv [b, kv, sp, d].
+        dq_all, dk_all, dv_all = grads
         q0, k0 = ij[0] * block, ij[1] * block
-        q_blk, do_blk, k_blk, v_blk = (
-            _at(qg, q0, block, 1),
-            _at(dog, q0, block, 1),
-            _at(k, k0, block, 1),
-            _at(v, k0, block, 1),
-        )
+        q_blk, do_blk = _at(qh, q0, block, 3), _at(doh, q0, block, 3)
+        k_blk, v_blk = _at(kh, k0, block, 2), _at(vh, k0, block, 2)
         lse_blk, delta_blk = _at(lse, q0, block, 3)[..., None], _at(delta, q0, block, 3)[..., None]
         p = jnp.exp(_block_scores(q_blk, k_blk, q0, k0, scale) - lse_blk)  # [b, kv, g, bq, bk]
-        dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), do_blk, preferred_element_type=jnp.float32)
-        dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
+        dv = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(v.dtype), do_blk, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bkgqd,bksd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta_blk) * scale).astype(q.dtype)
-        dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k_blk, preferred_element_type=jnp.float32)
-        dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q_blk, preferred_element_type=jnp.float32)
-        return _add_at(dq_all, q0, dq, 1), _add_at(dk_all, k0, dk, 1), _add_at(dv_all, k0, dv, 1)
+        dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, k_blk, preferred_element_type=jnp.float32)
+        dk = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_blk, preferred_element_type=jnp.float32)
+        return _add_at(dq_all, q0, dq, 3), _add_at(dk_all, k0, dk, 2), _add_at(dv_all, k0, dv, 2)
 
     init = (
-        jnp.zeros((b, sp, kv, g, d), jnp.float32),
-        jnp.zeros((b, sp, kv, d), jnp.float32),
-        jnp.zeros((b, sp, kv, d), jnp.float32),
+        jnp.zeros((b, kv, g, sp, d), jnp.float32),
+        jnp.zeros((b, kv, sp, d), jnp.float32),
+        jnp.zeros((b, kv, sp, d), jnp.float32),
     )
     dq, dk, dv = _pair_scan(step, init, n)
-    dq = dq[:, :s].reshape(b, s, h, d).astype(q.dtype)
-    return dq, dk[:, :s].astype(k.dtype), dv[:, :s].astype(v.dtype)
+    dq = jnp.transpose(dq[:, :, :, :s], (0, 3, 1, 2, 4)).reshape(b, s, h, d).astype(q.dtype)
+    dk, dv = (jnp.transpose(x[:, :, :s], (0, 2, 1, 3)) for x in (dk, dv))
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -87,3 +87,31 @@ def test_readme_python_block_runs(index):
 def test_every_known_block_is_in_the_readme():
     text = "\n".join(BLOCKS)
     assert [marker for marker in KNOWN if marker not in text] == []
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every ``remat-kit`` command line of the README's shell blocks, as argv (continuations joined)."""
+    import shlex
+
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if "remat-kit" in " ".join(words) and "..." not in words:  # "train ... --resume" elides its flags
+                start = next(i for i, w in enumerate(words) if w.endswith("remat-kit"))
+                commands.append(words[start + 1 :])
+    return commands
+
+
+def test_every_readme_command_line_parses():
+    """The shell blocks' remat-kit commands use flags and choices the CLI has (parsed, not run: they train)."""
+    from remat_kit import cli
+
+    commands = _readme_commands()
+    assert len(commands) >= 8 and {c[0] for c in commands} >= {"bench", "plan", "train"}
+    parser = cli.build_parser()
+    for argv in commands:
+        try:
+            parser.parse_args(argv)
+        except SystemExit as e:  # argparse's way of saying "no such flag / bad choice"
+            raise AssertionError(f"README command does not parse: remat-kit {' '.join(argv)}") from e

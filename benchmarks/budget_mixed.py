@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="small,2b")
     ap.add_argument("--out", default=None, help="write the report here too")
+    ap.add_argument("--every-n-only", action="store_true", help="only the every_n bound sections (trace-only, fast)")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     buf = io.StringIO()
@@ -122,7 +123,8 @@ def main(argv=None) -> int:
 
     out = Tee()
     for name in args.presets.split(","):
-        run_preset(name, out)
+        if not args.every_n_only:
+            run_preset(name, out)
         every_n_bound(name, out)
     wall = time.perf_counter() - start
     if args.out:

@@ -136,11 +136,14 @@ def test_mix_saved_bytes_interpolate_its_parts(k):
 
 
 @pytest.mark.parametrize(
-    ("preset", "n"), [("tiny", 3), ("small", 2), ("small", 3)], ids=["tiny-n3", "small-n2", "small-n3"]
+    ("preset", "n", "dtype"),
+    [("tiny", 3, "float32"), ("small", 2, "float32"), ("small", 3, "float32"), ("tiny", 2, "bfloat16")],
+    ids=["tiny-n3", "small-n2", "small-n3", "tiny-n2-bf16"],
 )
-def test_every_n_saved_bytes_within_2_percent_of_ideal(preset, n):
-    """((n−1)·none + full)/n per group, the remainder group counted as such (trace-only)."""
-    cfg = TransformerConfig.preset(preset)
+def test_every_n_saved_bytes_within_2_percent_of_ideal(preset, n, dtype):
+    """((n−1)·none + full)/n per group, the remainder group counted as such (trace-only). In bfloat16
+    (the 2B preset's compute dtype) too, where a float32 value ending in a cast would be kept at 2x."""
+    cfg = TransformerConfig.preset(preset, dtype=dtype)
     batch, seq = 2, 64
     none, full, got = (analysis.layer_stack_bytes(cfg, s, batch, seq)[0] for s in ("none", "full", f"every_n:{n}"))
     L = cfg.num_layers

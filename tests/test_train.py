@@ -285,7 +285,7 @@ def test_existing_checkpoints_need_resume(capsys, saved_run):
     ("kwargs", "message"),
     [
         ({"policy": "fulll"}, "unknown policy spec"),
-        ({"steps": 0}, "steps must be an integer >= 1"),
+        ({"steps": 0}, "steps must be a positive integer, got 0"),
         ({"seq_len": 129}, "exceeds the model's max_seq_len=128"),
         ({"warmup_steps": 6}, "warmup_steps=6 must be smaller than steps=6"),
         ({"learning_rate": -1.0}, "learning_rate must be a number > 0"),

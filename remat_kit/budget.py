@@ -34,8 +34,9 @@ import optax
 from remat_kit import _jax_internals, analysis, flops, inspection, policies
 from remat_kit import mesh as mesh_lib
 from remat_kit import step as step_lib
+from remat_kit.loss import lm_loss
 from remat_kit.model import Transformer, TransformerConfig
-from remat_kit.units import fmt_bytes
+from remat_kit.units import check_int, fmt_bytes
 from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.budget.parse_bytes
 
 #: Optimizers by name (their state is part of what must fit).
@@ -311,8 +312,6 @@ class Planner(StepPlanner):
         grad_accum: int = 1,
         progress: Callable | None = None,
     ):
-        from remat_kit.loss import lm_loss
-
         self.config = config
         self.loss_chunks = loss_chunks
         params = analysis.abstract_params(config)
@@ -331,8 +330,10 @@ class Planner(StepPlanner):
 
 
 def check_budget(budget_bytes, margin) -> None:
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be a positive integer (use parse_bytes('80GB')), got {budget_bytes!r}")
+    try:
+        check_int("budget_bytes", budget_bytes)
+    except ValueError as err:  # NotAnIntegerError stays one (it is a TypeError too)
+        raise type(err)(f"{err} (use parse_bytes('80GB') for a size string)") from None
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from remat_kit import attention, lora_layer, names, policies
 from remat_kit.ops import project, rms_norm, swiglu
 from remat_kit.scan import stack
+from remat_kit.units import check_int
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
@@ -95,9 +96,7 @@ class TransformerConfig:
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_seq_len"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TransformerConfig.{field} must be a positive integer, got {value!r}")
+            check_int(f"TransformerConfig.{field}", getattr(self, field))
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if (self.d_model // self.num_heads) % 2:
@@ -110,9 +109,7 @@ class TransformerConfig:
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field}={getattr(self, field)!r}; allowed: {', '.join(DTYPES)}")
         attention.check_kind(self.attention, self.dtype, self.head_dim)
-        block = self.attention_block
-        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
-            raise ValueError(f"attention_block must be a positive integer or None, got {block!r}")
+        check_int("attention_block", self.attention_block, none_ok=True)
         if isinstance(self.lora_targets, list):
             # A config that went through JSON (a bench worker's job, checkpoint metadata) has a list here.
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))

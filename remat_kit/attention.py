@@ -1,5 +1,8 @@
 """Causal attention with grouped key/value heads, three implementations, and rotary embeddings.
 
+One job, over 400 lines: causal attention. The three implementations share their checks and
+the backend choice (``auto``); chunked attention's forward/backward ``custom_vjp`` is most of it.
+
 ``TransformerConfig.attention`` picks one of :data:`ATTENTION_KINDS`:
 
 * ``"xla"`` materializes the ``[b, h, s, s]`` probabilities (tagged ``attn_probs``): simple, and what

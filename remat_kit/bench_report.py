@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from remat_kit.budget import pareto_front as _budget_front
+from remat_kit.pareto import pareto_front as _budget_front
 from remat_kit.units import fmt_bytes
 
 #: Step-time spread, (max − min) / median, above which a policy's timing is too noisy for its ratio

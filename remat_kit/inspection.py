@@ -1,5 +1,9 @@
 """What the backward pass of *any* scalar loss keeps, needs and costs: compile-only, nothing allocated.
 
+One job, over 400 lines: the compile-only report of any loss's backward pass (residuals,
+compiled memory, FLOPs, the host-memory rule, :func:`compare`); the records and their
+formatting share its fields.
+
 :func:`inspect` (``remat_kit.inspect``) lowers and compiles ``jax.value_and_grad(loss_fn)`` from
 ``jax.ShapeDtypeStruct`` inputs (arrays are read for their shapes only) and reports the saved
 residuals (JAX's own residual analysis), XLA's compiled memory, a peak estimate and the matmul

@@ -1,5 +1,9 @@
 """Rematerialization policies: small frozen, hashable values that say what a layer keeps.
 
+One job, over 400 lines: what a policy is. The Policy value, its spec parser, the constructors,
+the layer grouping the scan reads and the per-layer-range mix all read the same fields; split
+apart, each would re-derive them.
+
 A :class:`Policy` is data. The scan core (:mod:`remat_kit.scan`) reads its :meth:`Policy.plan` to
 decide how layers are grouped, and :meth:`Policy.checkpoint` to wrap one layer or group; applied to a
 plain function, a Flax Linen module class or a Flax NNX module instance it wraps that directly

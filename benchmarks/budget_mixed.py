@@ -23,6 +23,7 @@ from remat_kit import analysis
 from remat_kit import budget as A
 from remat_kit import policies as P
 from remat_kit.model import PRESET_SHAPES, TransformerConfig
+from remat_kit.pareto import pareto_front
 from remat_kit.units import fmt_bytes
 
 #: The 2b pool: the policies on (or next to) its Pareto front in benchmarks/results/auto_budgets_2b.txt;
@@ -53,7 +54,7 @@ def run_preset(name: str, out) -> None:
     base = rows["none"][1]
     specs = list(rows)
     front = sorted(
-        (specs[i] for i in A.pareto_front([(rows[s][1], rows[s][0]) for s in specs])), key=lambda s: rows[s][1]
+        (specs[i] for i in pareto_front([(rows[s][1], rows[s][0]) for s in specs])), key=lambda s: rows[s][1]
     )
     print(f"\n## preset {name}: {cfg.num_layers} layers, batch {batch} x seq {seq}, AdamW, margin "
           f"{A.DEFAULT_MARGIN:.0%}", file=out)  # fmt: skip

@@ -1,5 +1,9 @@
 """What a training step under a policy keeps, needs and costs: compile-only, nothing allocated.
 
+One job, over 400 lines: the compile-only report of one transformer training step. Tracing the
+step, labelling residuals with the block's tags, the memory and FLOP figures and the analytic
+estimates all fill one :class:`Analysis` record.
+
 :func:`analyze` traces one AdamW training step of :class:`remat_kit.model.Transformer` from
 ``jax.ShapeDtypeStruct`` inputs (``jax.eval_shape`` for the parameters), compiles it, and reports:
 
@@ -35,6 +39,7 @@ from remat_kit import step as step_lib
 from remat_kit.inspection import CompiledMemory as CompiledMemory  # re-exported: analysis.CompiledMemory
 from remat_kit.loss import lm_loss
 from remat_kit.model import Block, Transformer, TransformerConfig, abstract_params
+from remat_kit.units import check_int
 
 #: Regions of the step a residual belongs to.
 REGIONS: tuple[str, ...] = ("layers", "head")
@@ -199,8 +204,8 @@ def check_shape(config: TransformerConfig, batch: int, seq: int, loss_chunks: in
     """Raise a clear error for a token shape or chunk count the model cannot take."""
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
-    policies.check_positive_int("batch", batch)
-    policies.check_positive_int("seq", seq)
+    check_int("batch", batch)
+    check_int("seq", seq)
     if seq > config.max_seq_len:
         raise ValueError(
             f"seq={seq} exceeds the model's max_seq_len={config.max_seq_len}; allowed: 1..{config.max_seq_len}"

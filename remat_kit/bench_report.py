@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from remat_kit.budget import pareto_front as _budget_front
+from remat_kit.pareto import pareto_front as _front_of_points
 from remat_kit.units import fmt_bytes
 
 #: Step-time spread, (max − min) / median, above which a policy's timing is too noisy for its ratio
@@ -82,7 +82,7 @@ RECORD_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BenchRec
 
 def pareto_front(records: list[BenchRecord]) -> list[str]:
     """Policies no other policy beats on both step time and measured step memory."""
-    return [records[i].policy for i in _budget_front([(r.step_time_s, r.step_bytes) for r in records])]
+    return [records[i].policy for i in _front_of_points([(r.step_time_s, r.step_bytes) for r in records])]
 
 
 _COLUMNS = (

@@ -7,8 +7,12 @@ ShapeDtypeStructs, until the cheapest group that fits is found. "Fits" means the
 device bytes — weights, gradients, optimizer state and activations (arguments + outputs − aliased
 + temp of ``Compiled.memory_analysis()``) — times ``1 + margin`` are at most the budget. The
 winner is the fitting candidate with the least recompute FLOPs, ties going to less memory.
-:func:`max_fit` finds the largest batch or the longest sequence a policy fits, exactly (the
-answer fits, one more does not).
+:func:`remat_kit.fit.max_fit` finds the largest batch or the longest sequence a policy fits;
+:mod:`remat_kit.pareto` draws the candidates.
+
+One job, over 400 lines: choosing a policy for a budget. The planner (trace + compile from shapes,
+cached, in parallel), the candidate search and the mix between two neighbours on the front share the
+Candidate/AutoResult records and the planner's caches, so they stay together.
 
 >>> from remat_kit.model import TransformerConfig
 >>> r = auto(TransformerConfig.preset("tiny"), batch=2, seq=32, budget_bytes=parse_bytes("1GB"))
@@ -21,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,8 +37,10 @@ import optax
 from remat_kit import _jax_internals, analysis, flops, inspection, policies
 from remat_kit import mesh as mesh_lib
 from remat_kit import step as step_lib
+from remat_kit.loss import lm_loss
 from remat_kit.model import Transformer, TransformerConfig
-from remat_kit.units import fmt_bytes
+from remat_kit.pareto import pareto_front
+from remat_kit.units import check_int, fmt_bytes
 from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.budget.parse_bytes
 
 #: Optimizers by name (their state is part of what must fit).
@@ -311,8 +316,6 @@ class Planner(StepPlanner):
         grad_accum: int = 1,
         progress: Callable | None = None,
     ):
-        from remat_kit.loss import lm_loss
-
         self.config = config
         self.loss_chunks = loss_chunks
         params = analysis.abstract_params(config)
@@ -331,8 +334,10 @@ class Planner(StepPlanner):
 
 
 def check_budget(budget_bytes, margin) -> None:
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be a positive integer (use parse_bytes('80GB')), got {budget_bytes!r}")
+    try:
+        check_int("budget_bytes", budget_bytes)
+    except ValueError as err:  # NotAnIntegerError stays one (it is a TypeError too)
+        raise type(err)(f"{err} (use parse_bytes('80GB') for a size string)") from None
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
 
@@ -646,219 +651,3 @@ def _reason(
         f"(+{margin:.0%} margin: {fmt_bytes(least.need_bytes * (1 + margin))}) but the budget is {fmt_bytes(budget)}. "
         f"Next levers: {'; '.join(levers)}."
     )
-
-
-def max_fit(
-    config: TransformerConfig,
-    policy: policies.Policy | str,
-    *,
-    dim: str,
-    batch: int,
-    seq: int,
-    budget_bytes: int,
-    margin: float = DEFAULT_MARGIN,
-    planner: Planner | None = None,
-    optimizer: str | optax.GradientTransformation = "adamw",
-    loss_chunks: int = 0,
-    limit: int | None = None,
-) -> int:
-    """The largest batch (``dim="batch"``, at fixed ``seq``) or the longest sequence (``dim="seq"``,
-    at fixed ``batch``) whose step fits the budget under ``policy``; 0 if even 1 does not fit.
-
-    Exact: the answer fits and the answer + 1 does not, both by real compile (or the answer is the
-    limit: the model's ``max_seq_len`` for ``seq``, ``limit`` or 2**20 for ``batch``). Compile-only,
-    and few compiles: the step's bytes are affine in the batch (a quadratic at most in the sequence,
-    through attention), so two compiles give the line, the line names the answer and two more confirm
-    it (:func:`_boundary`); a sequence limit that fits is checked first (one compile).
-    """
-    if dim not in ("batch", "seq"):
-        raise ValueError(f"dim must be 'batch' or 'seq', got {dim!r}")
-    check_budget(budget_bytes, margin)
-    policy = policies.parse(policy)
-    planner = planner or Planner(config, optimizer, loss_chunks)
-    cap = limit or (config.max_seq_len if dim == "seq" else 2**20)
-    need = lambda n: planner.memory(policy, *((n, seq) if dim == "batch" else (batch, n)))[0]
-    target = budget_bytes / (1 + margin)
-    first = 1
-    if planner.loss_chunks:  # the chunk count may not exceed the token count
-        first = -(-planner.loss_chunks // (seq if dim == "batch" else batch))
-    start = max(first, min(batch if dim == "batch" else seq, cap))
-    if dim == "seq":
-        if need(cap) <= target:
-            return cap
-        # The parabola through the given length, twice it and the limit names the answer.
-        return _boundary(need, target, first, cap, probes=(start, 2 * start), degree=2, known={cap: need(cap)})
-    # Bytes at batch 1 may not lie on the line (XLA's layout differs there): the line starts at 2 or more.
-    p0 = max(start, 2 * first, 2) if cap >= 2 else start
-    return _boundary(need, target, first, cap, probes=(p0, 2 * p0), degree=1)
-
-
-def _boundary(need, target: float, first: int, cap: int, probes=(), degree: int = 1, known=None) -> int:
-    """The largest n in [first, cap] with ``need(n) <= target`` (``need`` increasing), or 0 if none.
-
-    ``probes`` are compiled first (where they lie inside the bracket). Then each next probe is where a
-    model of the measured points meets the target — a line (``degree=1``) through the bracket's ends
-    (or, before an upper end is known, through the highest fitting point and the farthest one below),
-    or (``degree=2``) a parabola through the bracket's ends and the nearest other point — just above the last
-    fitting point when the model says that point is the answer, so the next compile confirms it. After
-    three model probes in a row on the same side, one bisects (or doubles, with no upper end yet), so a
-    poor model costs a few compiles, never a scan.
-
-    Returns:
-      The answer: ``need(answer) <= target < need(answer + 1)`` (or the answer is ``cap``), both measured.
-    """
-    seen: dict[int, float] = dict(known or {})
-    lo, hi = first - 1, cap + 1  # lo: largest known to fit (first - 1: none yet); hi: smallest known not to
-    for n, v in seen.items():
-        if v <= target:
-            lo = max(lo, n)
-        else:
-            hi = min(hi, n)
-    queue = list(probes)
-    streak: list[bool] = []  # sides of the model's probes since it last changed side
-    while hi - lo > 1:
-        probe = None
-        while queue and probe is None:
-            q = queue.pop(0)
-            probe = q if lo < q < hi and q not in seen else None
-        modelled = probe is None
-        if modelled:
-            probe = _model_probe(seen, lo, hi, cap, target, first, degree)
-            # The model keeps missing on one side: halve the bracket instead (never instead of a confirmation).
-            if len(streak) >= 3 and probe > lo + 1:
-                probe, streak = ((lo + hi) // 2 if hi <= cap else min(cap, 2 * max(lo, 1))), []
-        probe = min(max(probe, lo + 1), hi - 1)
-        seen[probe] = need(probe)
-        fits = seen[probe] <= target
-        if modelled:
-            streak = [*streak, fits] if streak and streak[-1] == fits else [fits]
-        if fits:
-            lo = probe
-        else:
-            hi = probe
-    return lo if lo >= first else 0
-
-
-def _model_probe(seen: dict[int, float], lo: int, hi: int, cap: int, target: float, first: int, degree: int) -> int:
-    """Where the measured points' line (or parabola) reaches ``target``, rounded down; lo + 1 when that
-    is lo (to confirm it), the smallest shape when nothing fits yet."""
-    if lo < first:
-        return first
-    xs = sorted(seen)
-    if hi <= cap:  # a bracket: its ends, plus the nearest other point for a parabola
-        pts = [lo, hi]
-        others = sorted((x for x in xs if x not in pts), key=lambda x: min(abs(x - lo), abs(x - hi)))
-        pts += others[: degree - 1]
-    else:  # no upper end yet: the highest fitting point and the farthest below it (the longest baseline)
-        below = [x for x in xs if x < lo]
-        if not below:
-            return min(cap, 2 * lo)
-        pts = [lo, below[0]] + ([below[len(below) // 2]] if degree == 2 and len(below) > 1 else [])
-    guess = _solve(sorted(set(pts)), seen, target, lo)
-    if guess is None or not math.isfinite(guess):
-        return (lo + hi) // 2 if hi <= cap else min(cap, 2 * lo)
-    n = math.floor(guess)
-    return n if n > lo else lo + 1
-
-
-def _solve(pts: list[int], seen: dict[int, float], target: float, lo: int) -> float | None:
-    """The x >= lo where the interpolant through ``pts`` equals ``target`` (line for two points,
-    parabola for three; the line through the outer two when the parabola has no such root)."""
-    if len(pts) == 3:
-        (x0, x1, x2), (y0, y1, y2) = pts, [seen[x] for x in pts]
-        d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
-        a = (d12 - d01) / (x2 - x0)  # y = y0 + d01 (x - x0) + a (x - x0)(x - x1)
-        b = d01 - a * (x0 + x1)
-        c = y0 - d01 * x0 + a * x0 * x1 - target
-        if a != 0:
-            disc = b * b - 4 * a * c
-            if disc >= 0:
-                roots = [(-b + sgn * math.sqrt(disc)) / (2 * a) for sgn in (1, -1)]
-                roots = [r for r in roots if r >= lo - 1e-9]
-                if roots:
-                    return min(roots)
-        pts = [x0, x2]
-    x0, x1 = pts[0], pts[-1]
-    slope = (seen[x1] - seen[x0]) / (x1 - x0)
-    if slope <= 0:
-        return None
-    return x0 + (target - seen[x0]) / slope
-
-
-def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of the points no other point beats on both coordinates (lower is better on both).
-
-    >>> pareto_front([(1, 5), (2, 2), (3, 3), (5, 1)])
-    [0, 1, 3]
-    """
-    front = []
-    for i, (x, y) in enumerate(points):
-        dominated = any((a <= x and b <= y) and (a, b) != (x, y) for a, b in points)
-        if not dominated:
-            front.append(i)
-    return front
-
-
-def plot_pareto(result: AutoResult, path: str) -> str:
-    """Write a PNG of device memory against recompute FLOPs, the Pareto front drawn, the choice marked.
-
-    Only compiled candidates have a memory figure; the budget is drawn as a horizontal line. The front's
-    segments are the mixed front (mixes of two neighbours, :func:`best_mix`); mixes compiled are diamonds.
-
-    Returns:
-      ``path``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [c for c in result.candidates if c.need_bytes is not None]
-    xs = [c.recompute_flops / 1e9 for c in rows]
-    ys = [c.need_bytes / 1e9 for c in rows]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    one = [i for i, c in enumerate(rows) if "*" not in c.policy]  # single policies; mixes are drawn below
-    colors = ["tab:green" if rows[i].fits else "tab:red" for i in one]
-    ax.scatter([xs[i] for i in one], [ys[i] for i in one], c=colors, zorder=3)
-    for c, x, y in zip(rows, xs, ys, strict=True):
-        ax.annotate(
-            c.policy if len(c.policy) < 28 else c.policy[:25] + "…",
-            (x, y),
-            fontsize=7,
-            xytext=(4, 3),
-            textcoords="offset points",
-        )
-    front = sorted((one[j] for j in pareto_front([(xs[i], ys[i]) for i in one])), key=lambda i: xs[i])
-    # Mixes of neighbours on the front lie (very nearly) on the segments between them: the mixed front.
-    label = "mixed front (mixes of neighbouring policies)" if result.mixed_front else "Pareto front"
-    ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="gray", label=label, zorder=2)
-    mixed = [i for i, c in enumerate(rows) if "*" in c.policy]
-    if mixed:
-        ax.scatter([xs[i] for i in mixed], [ys[i] for i in mixed], marker="D", s=40, facecolors="none",
-                   edgecolors=["tab:green" if rows[i].fits else "tab:red" for i in mixed], label="mixes compiled",
-                   zorder=3)  # fmt: skip
-    ax.axhline(
-        result.budget_bytes / (1 + result.margin) / 1e9,
-        color="tab:orange",
-        label=f"budget / (1 + {result.margin:.0%} margin)",
-    )
-    if result.chosen is not None:
-        win = next(i for i, c in enumerate(rows) if c.policy == str(result.chosen))
-        ax.scatter(
-            [xs[win]],
-            [ys[win]],
-            s=250,
-            facecolors="none",
-            edgecolors="black",
-            linewidths=2,
-            label=f"chosen: {result.chosen}",
-            zorder=4,
-        )
-    ax.set_xlabel("recompute per step (GFLOP, matmuls beyond `none`)")
-    ax.set_ylabel("compiled peak of the step (GB): arguments + outputs − aliased + temp")
-    ax.set_title(f"policies at batch {result.batch} x seq {result.seq} (green fits, red does not)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

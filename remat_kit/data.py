@@ -115,8 +115,7 @@ def load_corpus(paths: Sequence[str | os.PathLike] | None = None, *, max_bytes: 
       FileNotFoundError: a path that does not exist.
       ValueError: no text at all in the given paths, or a bad ``max_bytes``.
     """
-    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
-        raise ValueError(f"max_bytes must be a positive integer or None, got {max_bytes!r}")
+    check_int("max_bytes", max_bytes, none_ok=True)
     if paths:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]

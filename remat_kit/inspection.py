@@ -1,5 +1,9 @@
 """What the backward pass of *any* scalar loss keeps, needs and costs: compile-only, nothing allocated.
 
+One job, over 400 lines: the compile-only report of any loss's backward pass (residuals,
+compiled memory, FLOPs, the host-memory rule, :func:`compare`); the records and their
+formatting share its fields.
+
 :func:`inspect` (``remat_kit.inspect``) lowers and compiles ``jax.value_and_grad(loss_fn)`` from
 ``jax.ShapeDtypeStruct`` inputs (arrays are read for their shapes only) and reports the saved
 residuals (JAX's own residual analysis), XLA's compiled memory, a peak estimate and the matmul
@@ -32,6 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from remat_kit import _jax_internals
+from remat_kit import policies as policies_lib
+from remat_kit.flops import jaxpr_flops
 from remat_kit.units import fmt_bytes
 
 #: What a report says when offloaded residuals stay on the device.
@@ -124,8 +130,6 @@ def split_saved(residuals: Sequence[Any], enforced: bool | None = None) -> tuple
 
 def count_flops(jaxpr) -> int:
     """Matmul FLOPs of a (closed) jaxpr, scans × trip count (:func:`remat_kit.flops.jaxpr_flops`)."""
-    from remat_kit.flops import jaxpr_flops  # remat_kit.flops also holds the transformer's analytic counts
-
     return jaxpr_flops(jaxpr)
 
 
@@ -461,8 +465,6 @@ def compare(make_loss: Callable, policies: Sequence[Any], *args, argnums: int | 
       A :class:`Comparison`; recompute FLOPs are measured against ``none`` (traced for the
       purpose when it is not in ``policies``).
     """
-    from remat_kit import policies as policies_lib
-
     if not callable(make_loss):
         raise TypeError(f"make_loss must be callable (policy -> loss_fn), got {type(make_loss).__name__}")
     if isinstance(policies, (str, policies_lib.Policy)) or not len(policies):

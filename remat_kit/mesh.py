@@ -1,5 +1,8 @@
 """Device meshes for data parallelism and FSDP, built on ``jax.sharding``.
 
+One job, over 400 lines: where arrays live across devices and processes. The mesh spec, the
+parameter and batch shardings and the multi-process helpers that feed them all share :class:`MeshSpec`.
+
 A mesh always has the two axes ``("data", "fsdp")``; ``--mesh data=2,fsdp=2`` sets their sizes. The
 batch is split over both axes (every device sees different examples); parameters, gradients and
 optimizer state are split over ``fsdp`` along their largest divisible dimension. The scanned layer

@@ -9,13 +9,14 @@ policy (``none``) a layer keeps what its backward pass needs and nothing else: i
 norm outputs, the rotated q and k, v, the context (and attention's float32 per-query logsumexp), the
 post-attention residual stream, gate, up and their product, all in the compute dtype (on the 2B
 preset 0.94 × Korthikanti's 34·b·s·h per layer; ``benchmarks/results/plan_2b.txt``). Three small
-``jax.custom_vjp`` functions make it so, with :func:`remat_kit.attention.rope` (which keeps nothing):
+``jax.custom_vjp`` functions of :mod:`remat_kit.ops` make it so, with :func:`remat_kit.attention.rope`
+(which keeps nothing):
 
-* :func:`project` (every weight matmul, the output head too) keeps the *stored* weight, which the
+* :func:`~remat_kit.ops.project` (every weight matmul, the output head too) keeps the *stored* weight, which the
   scan forwards for free, and casts it to the compute dtype again in the backward pass: no
   compute-dtype copy of a weight is ever a residual;
-* :func:`rms_norm` keeps its input and recomputes its float32 statistics in the backward pass;
-* :func:`swiglu` keeps gate and up (not silu's three intermediates).
+* :func:`~remat_kit.ops.rms_norm` keeps its input and recomputes its float32 statistics in the backward pass;
+* :func:`~remat_kit.ops.swiglu` keeps gate and up (not silu's three intermediates).
 
 Each backward pass is exactly autodiff's up to float rounding (``tests/test_model.py`` compares
 them with Flax's ``Dense``/``RMSNorm`` and ``silu``). Being ``custom_vjp`` functions, they are
@@ -40,8 +41,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from remat_kit import attention, lora, names, policies
+from remat_kit import attention, lora_layer, names, policies
+from remat_kit.ops import project, rms_norm, swiglu
 from remat_kit.scan import stack
+from remat_kit.units import check_int
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
@@ -93,9 +96,7 @@ class TransformerConfig:
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_seq_len"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TransformerConfig.{field} must be a positive integer, got {value!r}")
+            check_int(f"TransformerConfig.{field}", getattr(self, field))
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if (self.d_model // self.num_heads) % 2:
@@ -108,13 +109,11 @@ class TransformerConfig:
             if getattr(self, field) not in DTYPES:
                 raise ValueError(f"{field}={getattr(self, field)!r}; allowed: {', '.join(DTYPES)}")
         attention.check_kind(self.attention, self.dtype, self.head_dim)
-        block = self.attention_block
-        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
-            raise ValueError(f"attention_block must be a positive integer or None, got {block!r}")
+        check_int("attention_block", self.attention_block, none_ok=True)
         if isinstance(self.lora_targets, list):
             # A config that went through JSON (a bench worker's job, checkpoint metadata) has a list here.
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
-        lora.check_config(self)
+        lora_layer.check_config(self)
 
     @property
     def head_dim(self) -> int:
@@ -176,129 +175,6 @@ PRESETS: dict[str, TransformerConfig] = {
 PRESET_SHAPES: dict[str, tuple[int, int]] = {"tiny": (2, 32), "small": (4, 256), "2b": (2, 1024)}
 
 
-# ---- lean building blocks: what the backward pass keeps is chosen here, not by autodiff ----------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def project(x, w, w_in_axis: int, dtype, out_dtype=None):
-    """``x @ w.astype(dtype)`` (over ``x``'s last axis) whose backward pass keeps ``x`` and the stored ``w``.
-
-    Autodiff of a mixed-precision matmul keeps the compute-dtype cast of the weight (a copy per
-    layer, and 1 GB for the 2B preset's output matrix); this keeps the weight as stored, which the
-    layer scan forwards for free, and casts it again in the backward pass. The forward is one
-    ``dot_general``, which an enclosing ``jax.checkpoint`` policy sees as such (``dots`` keeps its
-    output), and the backward is autodiff's own: the transposes of that ``dot_general``.
-
-    Args:
-      x: the activation ``[..., k]`` (already in ``dtype``).
-      w: the 2-D weight in its parameter dtype, ``k`` long on axis ``w_in_axis``.
-      w_in_axis: 0 for ``[k, out]`` (a Dense kernel), 1 for ``[out, k]`` (a tied embedding).
-      dtype: the compute dtype the weight is cast to.
-      out_dtype: ``preferred_element_type`` of the matmul (None: ``dtype``).
-
-    >>> x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4))
-    >>> project(x, w, 0, jnp.dtype("bfloat16")).shape, project(x, w.T, 1, jnp.dtype("bfloat16")).dtype
-    ((2, 4), dtype(bfloat16))
-    """
-    return _matmul(x, w.astype(dtype), w_in_axis, out_dtype)
-
-
-def _matmul(x, wc, w_in_axis: int, out_dtype):
-    dims = (((x.ndim - 1,), (w_in_axis,)), ((), ()))
-    return jax.lax.dot_general(x, wc, dims, preferred_element_type=out_dtype)
-
-
-def _project_fwd(x, w, w_in_axis, dtype, out_dtype):
-    # The implementation itself, not project(): a nested custom_vjp call would hide the dot from policies.
-    return _matmul(x, w.astype(dtype), w_in_axis, out_dtype), (x, w)
-
-
-def _project_bwd(w_in_axis, dtype, out_dtype, residuals, g):
-    x, w = residuals
-    wc = w.astype(dtype)
-    # The matmul is linear in each operand: its transposes are autodiff's own backward matmuls.
-    (dx,) = jax.linear_transpose(lambda x_: _matmul(x_, wc, w_in_axis, out_dtype), x)(g)
-    (dw,) = jax.linear_transpose(lambda w_: _matmul(x, w_, w_in_axis, out_dtype), wc)(g)
-    return dx, dw.astype(w.dtype)
-
-
-project.defvjp(_project_fwd, _project_bwd)
-
-
-def _rms(x, eps: float):
-    """``(x in float32, 1 / rms(x) [..., 1])``: the statistics in float32, as Flax's ``RMSNorm``."""
-    xf = x.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)  # [..., 1]
-    return xf, r
-
-
-def _broadcast(scale, x):
-    """``scale [d]`` in float32, shaped ``[1, ..., d]`` like ``x`` (no implicit rank promotion)."""
-    return scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def rms_norm(x, scale, eps: float, dtype):
-    """RMSNorm over the last axis whose backward pass keeps only ``x`` and ``scale``.
-
-    Computed as Flax's ``nn.RMSNorm`` (float32 statistics, output cast to ``dtype``); its float32
-    intermediates are recomputed in the backward pass instead of kept.
-
-    >>> float(rms_norm(jnp.full((1, 4), 3.0), jnp.ones(4), 0.0, jnp.dtype("float32"))[0, 0])
-    1.0
-    """
-    return _rms_norm(x, scale, eps, dtype)
-
-
-def _rms_norm(x, scale, eps: float, dtype):
-    xf, r = _rms(x, eps)
-    return (xf * (r * _broadcast(scale, x))).astype(dtype)
-
-
-def _rms_norm_fwd(x, scale, eps, dtype):
-    return _rms_norm(x, scale, eps, dtype), (x, scale)
-
-
-def _rms_norm_bwd(eps, dtype, residuals, g):
-    x, scale = residuals
-    xf, r = _rms(x, eps)
-    gf = g.astype(jnp.float32)
-    gs = gf * _broadcast(scale, x)
-    # d/dx of x·r(x): r·g − x·r³·mean(g·x), r = (mean(x²) + eps)^(-1/2).
-    dx = r * gs - xf * (r**3) * jnp.mean(gs * xf, axis=-1, keepdims=True)
-    dscale = jnp.sum((gf * xf * r).reshape(-1, x.shape[-1]), axis=0)
-    return dx.astype(x.dtype), dscale.astype(scale.dtype)
-
-
-rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
-
-
-@jax.custom_vjp
-def swiglu(gate, up):
-    """``silu(gate) * up`` whose backward pass keeps gate and up, not silu's intermediates.
-
-    >>> float(swiglu(jnp.zeros(()), jnp.ones(())))
-    0.0
-    """
-    return nn.silu(gate) * up
-
-
-def _swiglu_fwd(gate, up):
-    return nn.silu(gate) * up, (gate, up)
-
-
-def _swiglu_bwd(residuals, g):
-    gate, up = residuals
-    x, gf = gate.astype(jnp.float32), g.astype(jnp.float32)
-    sig = jax.nn.sigmoid(x)
-    d_up = gf * x * sig
-    d_gate = gf * up.astype(jnp.float32) * sig * (1.0 + x * (1.0 - sig))  # silu'(x) = σ(x)(1 + x(1 − σ(x)))
-    return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
 class Dense(nn.Module):
     """A bias-free dense layer over :func:`project`; its parameter tree is ``nn.Dense``'s (``kernel``).
 
@@ -331,8 +207,8 @@ class RMSNorm(nn.Module):
 
 
 def _dense(features: int, cfg: TransformerConfig, name: str) -> nn.Module:
-    if lora.enabled(cfg):  # adapters and/or an int8 base: same parameter names, see remat_kit.lora
-        return lora.dense(features, cfg, name)
+    if lora_layer.enabled(cfg):  # adapters and/or an int8 base: same parameter names, see remat_kit.lora
+        return lora_layer.dense(features, cfg, name)
     return Dense(features, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), name=name)
 
 

@@ -1,5 +1,9 @@
 """Rematerialization policies: small frozen, hashable values that say what a layer keeps.
 
+One job, over 400 lines: what a policy is. The Policy value, its spec parser, the constructors,
+the layer grouping the scan reads and the per-layer-range mix all read the same fields; split
+apart, each would re-derive them.
+
 A :class:`Policy` is data. The scan core (:mod:`remat_kit.scan`) reads its :meth:`Policy.plan` to
 decide how layers are grouped, and :meth:`Policy.checkpoint` to wrap one layer or group; applied to a
 plain function, a Flax Linen module class or a Flax NNX module instance it wraps that directly
@@ -25,6 +29,7 @@ from typing import Any, Literal
 import jax
 
 from remat_kit import names as _names
+from remat_kit.units import check_int
 
 Kind = Literal["none", "full", "every_n", "selective", "offload", "segments", "sqrt_n", "dots"]
 KINDS: tuple[str, ...] = ("none", "full", "every_n", "selective", "offload", "segments", "sqrt_n", "dots")
@@ -97,7 +102,7 @@ class Policy:
         for field, owner in (("period", "every_n"), ("group_size", "segments")):
             value = getattr(self, field)
             if self.kind == owner:
-                check_positive_int(f"{owner}({field})", value)
+                check_int(f"{owner}({field})", value)
             elif value != 0:
                 raise ValueError(f"policy {self.kind!r} takes no {field}, got {field}={value!r}")
         if (self.save or self.offload) and self.kind not in ("selective", "offload"):
@@ -211,7 +216,8 @@ class Policy:
           ValueError: a grouping policy (``every_n``, ``segments``, ``sqrt_n``): it applies to a stack.
           TypeError: a target of another kind (a Linen instance, an NNX class, a non-callable).
         """
-        # Imported here, not at the top: a policy is data and must not need Flax to be built.
+        # Imported here, not at the top, and not a cycle (wrap never imports policies): a policy is data and
+        # must not need Flax to be built (Flax adds ~0.35 s to `import remat_kit.policies`).
         from remat_kit import wrap
 
         kind = wrap.target_kind(target)
@@ -222,7 +228,7 @@ class Policy:
                 f"module use full, selective, offload, dots or none"
             )
         if kind == "nnx_instance":
-            from remat_kit import wrap_nnx
+            from remat_kit import wrap_nnx  # late for the same reason as wrap
 
             return wrap_nnx.remat(self, target, static_argnums=_argnums(static_argnums), prevent_cse=prevent_cse)
         if methods is not None and kind != "linen_class":
@@ -235,7 +241,7 @@ class Policy:
 
     def validate_depth(self, num_layers: int) -> None:
         """Raise ValueError if the policy cannot apply to a stack of ``num_layers`` layers."""
-        check_positive_int("num_layers", num_layers)
+        check_int("num_layers", num_layers)
         for field in ("period", "group_size"):
             value = getattr(self, field)
             if value > num_layers:
@@ -435,7 +441,7 @@ class Mix:
                 raise ValueError(f"mixes do not nest: part {policy} is itself a mix; list its parts instead")
             if not isinstance(policy, Policy):
                 raise TypeError(f"a mix part's policy must be a Policy, got {policy!r}")
-            check_positive_int(f"mix count of {policy}", count)
+            check_int(f"mix count of {policy}", count)
 
     @property
     def kind(self) -> str:
@@ -472,7 +478,7 @@ class Mix:
 
     def validate_depth(self, num_layers: int) -> None:
         """Raise ValueError unless the counts sum to ``num_layers`` and every part fits its own count."""
-        check_positive_int("num_layers", num_layers)
+        check_int("num_layers", num_layers)
         if self.num_layers != num_layers:
             raise ValueError(
                 f"mix {self}: the counts sum to {self.num_layers} layers but the stack has {num_layers}; "
@@ -661,14 +667,6 @@ def _split_options(spec: str, rest: str, allowed: tuple[str, ...]) -> tuple[tupl
     if opts.get("strict", "true") not in ("true", "false"):
         raise ValueError(f"policy spec {spec!r}: strict must be true or false")
     return _tag_list(head), opts
-
-
-def check_positive_int(what: str, value) -> None:
-    """Raise TypeError for a non-integer (or bool) and ValueError for one below 1, naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be a positive integer, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{what} must be a positive integer (>= 1), got {value}")
 
 
 def _check_offload_dst(dst: str) -> None:

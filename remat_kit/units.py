@@ -79,16 +79,39 @@ def fmt_count(n: float) -> str:
     return f"{int(n)}"
 
 
-def check_int(what: str, value, low: int = 1) -> int:
+class NotAnIntegerError(TypeError, ValueError):
+    """A value that should be an integer is of another type (a bool, a float, a string...).
+
+    Both a TypeError (its type is wrong) and a ValueError (what callers of a config check catch).
+    """
+
+
+def check_int(what: str, value, low: int = 1, *, none_ok: bool = False) -> int | None:
     """The one integer check of the package: ``value`` must be an int (not a bool) >= ``low``.
 
+    Args:
+      what: the name the message gives the value.
+      value: the value to check.
+      low: the smallest allowed value.
+      none_ok: None is allowed too (and returned).
+
     Raises:
-      ValueError: naming ``what``, the bound and the value.
+      NotAnIntegerError: ``value`` is not an int (a TypeError and a ValueError).
+      ValueError: ``value`` is below ``low``. Both messages name ``what``, what is allowed and the value.
 
     >>> check_int("steps", 3)
     3
+    >>> check_int("steps", 2.0)
+    Traceback (most recent call last):
+    ...
+    remat_kit.units.NotAnIntegerError: steps must be a positive integer, got 2.0
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        allowed = "a positive integer" if low == 1 else f"an integer >= {low}"
+    if none_ok and value is None:
+        return None
+    allowed = "a positive integer" if low == 1 else f"an integer >= {low}"
+    allowed += " or None" if none_ok else ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise NotAnIntegerError(f"{what} must be {allowed}, got {value!r}")
+    if value < low:
         raise ValueError(f"{what} must be {allowed}, got {value!r}")
     return value

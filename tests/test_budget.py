@@ -3,6 +3,7 @@
 import pytest
 
 from remat_kit import budget as A
+from remat_kit import fit, pareto
 from remat_kit import policies as P
 from remat_kit.model import TransformerConfig
 from remat_kit.plan import fmt_bytes
@@ -86,7 +87,7 @@ def test_max_fit_is_exact(planner, dim):
         else int(planner.memory(policy, 6, SEQ)[0] * 1.1)
     )
     before = planner.compiles
-    n = A.max_fit(CFG, policy, dim=dim, batch=BATCH, seq=SEQ, budget_bytes=budget, planner=planner)
+    n = fit.max_fit(CFG, policy, dim=dim, batch=BATCH, seq=SEQ, budget_bytes=budget, planner=planner)
     # The speed of plan --budget, guarded by a count: the line (or the limit and a parabola) names the
     # answer, and the answer and one more are compiled to confirm it.
     assert planner.compiles - before <= (3 if dim == "batch" else 5)
@@ -98,11 +99,11 @@ def test_max_fit_is_exact(planner, dim):
 
 
 def test_max_fit_returns_zero_when_even_one_does_not_fit(planner):
-    assert A.max_fit(CFG, "full", dim="batch", batch=BATCH, seq=SEQ, budget_bytes=1000, planner=planner) == 0
+    assert fit.max_fit(CFG, "full", dim="batch", batch=BATCH, seq=SEQ, budget_bytes=1000, planner=planner) == 0
 
 
 def test_max_fit_stops_at_the_models_maximum(planner):
-    n = A.max_fit(CFG, "full", dim="seq", batch=1, seq=64, budget_bytes=10**10, planner=planner)
+    n = fit.max_fit(CFG, "full", dim="seq", batch=1, seq=64, budget_bytes=10**10, planner=planner)
     assert n == CFG.max_seq_len
 
 
@@ -143,7 +144,7 @@ def test_parse_bytes(text, expected):
         (lambda: A.auto(CFG, batch=2, seq=32, budget_bytes=10, margin=1.5), ValueError, r"margin must be in \[0, 1\)"),
         (lambda: A.auto(CFG, batch=0, seq=32, budget_bytes=10), ValueError, r"batch must be a positive integer"),
         (lambda: A.auto(CFG, batch=2, seq=999, budget_bytes=10), ValueError, r"seq=999 exceeds"),
-        (lambda: A.max_fit(CFG, "full", dim="depth", batch=2, seq=32, budget_bytes=10), ValueError, r"dim must be"),
+        (lambda: fit.max_fit(CFG, "full", dim="depth", batch=2, seq=32, budget_bytes=10), ValueError, r"dim must be"),
     ],
     ids=["unit", "zero", "bool", "optimizer", "budget", "margin", "batch", "seq", "dim"],
 )
@@ -162,12 +163,12 @@ def test_mesh_bytes_are_per_device():
 
 
 def test_pareto_front():
-    assert A.pareto_front([(0, 5), (1, 4), (1, 6), (2, 4), (3, 1)]) == [0, 1, 4]
+    assert pareto.pareto_front([(0, 5), (1, 4), (1, 6), (2, 4), (3, 1)]) == [0, 1, 4]
 
 
 def test_pareto_plot_is_a_png(planner, needs, tmp_path):
     r = _auto(planner, sorted(needs.values())[2] * 1.2, exhaustive=True)
-    path = A.plot_pareto(r, str(tmp_path / "pareto.png"))
+    path = pareto.plot_pareto(r, str(tmp_path / "pareto.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -194,7 +195,7 @@ def test_boundary_search_is_exact_and_cheap(need, degree, most):
     cap = 2**20 if degree == 1 else 4096
     known = {} if degree == 1 else {cap: need(cap)}
     probes = (2, 4) if degree == 1 else (32, 64)
-    answer = A._boundary(counted, target, 1, cap, probes=probes, degree=degree, known=known)
+    answer = fit._boundary(counted, target, 1, cap, probes=probes, degree=degree, known=known)
     assert answer == 50
     assert 50 in calls and 51 in calls  # the answer and one more were measured, not inferred
     assert len(calls) == len(set(calls)) <= most  # the line (or parabola) names the answer; two compiles confirm

@@ -17,10 +17,8 @@ from remat_kit.model import (
     TransformerConfig,
     abstract_params,
     init_params,
-    project,
-    rms_norm,
-    swiglu,
 )
+from remat_kit.ops import project, rms_norm, swiglu
 
 
 def _lm_loss(cfg, policy, tokens, dropout_key=None):

@@ -335,7 +335,7 @@ def test_block_output_not_shaped_like_its_input_is_a_clear_error():
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
-        ((Block, 0, "full"), ValueError, r"num_layers must be a positive integer \(>= 1\), got 0"),
+        ((Block, 0, "full"), ValueError, r"num_layers must be a positive integer, got 0"),
         ((Block, 2.0, "full"), TypeError, r"num_layers must be a positive integer, got 2.0"),
         ((Block, 4, "every_n:5"), ValueError, r"period=5 is greater than the depth \(4 layers\)"),
         ((Block, 4, "segments:0"), ValueError, r"got 0"),

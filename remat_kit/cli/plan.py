@@ -209,7 +209,8 @@ def add_cli(subparsers) -> None:
 
 def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh) -> int:
     """``plan --budget``: every candidate's need against the budget, the choice, and the limits that fit."""
-    from remat_kit import budget, policies
+    from remat_kit import budget, pareto, policies
+    from remat_kit import fit as fit_lib
     from remat_kit.plan import BUDGET_LEGEND, compile_progress, format_budget_table, parse_policies
 
     budget_bytes = budget.parse_bytes(args.budget)
@@ -232,7 +233,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     wanted = [c.policy for c in result.candidates] if limits == "all" else []
     if limits == "pareto":  # a dominated policy is never the best answer at any budget: skip its searches
         points = [(c.recompute_flops, c.need_bytes) for c in result.candidates]
-        wanted = [result.candidates[i].policy for i in budget.pareto_front(points)]
+        wanted = [result.candidates[i].policy for i in pareto.pareto_front(points)]
     if limits == "chosen" and result.chosen is not None:
         wanted = [str(result.chosen)]
     fit = {}
@@ -249,7 +250,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         planner.precompile(shapes, jobs=args.jobs)
     for spec in wanted:
         kw = {"batch": batch, "seq": seq, "budget_bytes": budget_bytes, "margin": margin, "planner": planner}
-        fit[spec] = (budget.max_fit(config, spec, dim="batch", **kw), budget.max_fit(config, spec, dim="seq", **kw))
+        fit[spec] = (fit_lib.max_fit(config, spec, dim="batch", **kw), fit_lib.max_fit(config, spec, dim="seq", **kw))
 
     where = f", mesh {args.mesh} (bytes per device)" if mesh is not None else ""
     print(
@@ -266,7 +267,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     print(f"\nchosen: {result.chosen}" if result.chosen is not None else "")
     print(result.reason)  # when nothing fits, it says so (once)
     if args.plot:
-        budget.plot_pareto(result, args.plot)
+        pareto.plot_pareto(result, args.plot)
         print(f"wrote {args.plot}")
     if args.json:
         payload = {"command": command_line("plan", args), "preset": args.preset, "config": dataclasses.asdict(config),

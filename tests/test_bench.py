@@ -126,7 +126,10 @@ def test_worker_subprocess_reports_its_own_peak(tmp_path):
     job |= {"learning_rate": 1e-3, "grads_path": str(tmp_path / "g.npz"), "config": dataclasses.asdict(CFG)}
     lines = []
     record = bench._run_worker(job, lines.append)
-    assert record["policy"] == "full" and record["peak_bytes"] >= record["baseline_bytes"] > 0
+    # The probe's peak is the worker process's resident set in bytes (ru_maxrss is in KiB on Linux): a
+    # process that imported JAX and compiled a step holds well over 50 MB; a unit slip would read ~1000x less.
+    # (peak >= baseline is true by construction: the peak is a max that includes the baseline.)
+    assert record["policy"] == "full" and record["peak_bytes"] > 50e6 and record["baseline_bytes"] > 50e6
     assert "compiling" in lines and (tmp_path / "g.npz").exists()
 
 

@@ -31,6 +31,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_hf  # a sibling script: the machine record and the peer model
+
 POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "selective")
 CLASSES: tuple[str, ...] = (
     "attention",
@@ -261,8 +264,6 @@ def _peer_worker(job: dict) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import peer_hf
 
     torch.set_num_threads(job["threads"])
     steps, warmup, vocab = job["steps"], job["warmup"], job["model"]["vocab_size"]
@@ -331,15 +332,20 @@ def _describe(shape: str) -> str:
 
 
 def machine() -> str:
-    """CPU model, core count and load average."""
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{model}, {os.cpu_count()} cores (affinity {len(os.sched_getaffinity(0))}), load average {load}"
+    """CPU model, core count and load average (peer_hf's machine record, as one line)."""
+    info = peer_hf.machine_info(threads=0)
+    load = ", ".join(f"{x:.2f}" for x in info["load_average"])
+    return (f"{info['cpu_model']}, {info['cores']} cores (affinity {len(os.sched_getaffinity(0))}), "
+            f"load average {load}")  # fmt: skip
+
+
+def _class_table(by_class: dict[str, float], total: float) -> list[str]:
+    """The per-class seconds and shares, as Markdown rows (the same table for every policy and the peer)."""
+    return [
+        "| class | seconds | share |",
+        "|---|---:|---:|",
+        *(f"| {c} | {by_class[c]:.3f} | {100 * by_class[c] / total:.1f}% |" for c in CLASSES),
+    ]
 
 
 def _peer_section(policy: str, peer, top: int) -> tuple[str, list[str]]:
@@ -359,9 +365,7 @@ def _peer_section(policy: str, peer, top: int) -> tuple[str, list[str]]:
         + ", ".join(f"{t:.3f}" for t in untraced)
         + " s.",
         "",
-        "| class | seconds | share |",
-        "|---|---:|---:|",
-        *(f"| {c} | {by_class[c]:.3f} | {100 * by_class[c] / total:.1f}% |" for c in CLASSES),
+        *_class_table(by_class, total),
         "",
         f"Top {top} ops (self CPU time):",
         "",
@@ -402,9 +406,7 @@ def report(results, command: str, top: int, peers=None, shape: str = "small") ->
             + ", ".join(f"{t:.3f}" for t in untraced)
             + " s.",
             "",
-            "| class | seconds | share |",
-            "|---|---:|---:|",
-            *(f"| {c} | {by_class[c]:.3f} | {100 * by_class[c] / total:.1f}% |" for c in CLASSES),
+            *_class_table(by_class, total),
             "",
             f"Top {top} ops:",
             "",

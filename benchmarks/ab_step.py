@@ -34,15 +34,15 @@ from remat_kit import step as step_lib
 from remat_kit.model import PRESET_SHAPES, Transformer, TransformerConfig
 
 #: ``small``: the preset at its default shape; ``peer1k``: benchmarks/peer_hf.py's model (vocabulary
-#: 32,000, hidden 512) at batch 1 × 1,024, where the logits are the largest tensor of the step.
+#: 32,000, hidden 512) at batch 1 × 1,024, where the logits are the largest tensor of the step;
+#: ``peer``: the same model at peer_hf.py's own batch, 4 × 1,024 (the shape its ratios are measured at).
+_PEER_MODEL = TransformerConfig(
+    vocab_size=32_000, d_model=512, num_layers=8, num_heads=8, num_kv_heads=8, d_ff=1408, max_seq_len=1024
+)
 SHAPES = {
     "small": (TransformerConfig.preset("small"), PRESET_SHAPES["small"]),
-    "peer1k": (
-        TransformerConfig(
-            vocab_size=32_000, d_model=512, num_layers=8, num_heads=8, num_kv_heads=8, d_ff=1408, max_seq_len=1024
-        ),
-        (1, 1024),
-    ),
+    "peer1k": (_PEER_MODEL, (1, 1024)),
+    "peer": (_PEER_MODEL, (4, 1024)),
 }
 
 

@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", help="write the markdown report here (else stdout)")
-    parser.add_argument("--shape", default="small", choices=("small", "peer1k"), help="the model and batch")
+    parser.add_argument("--shape", default="small", choices=("small", "peer1k", "peer"), help="the model and batch")
     parser.add_argument("--torch-python", help="an interpreter with torch + transformers: profile the peer too")
     parser.add_argument("--peer-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

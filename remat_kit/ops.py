@@ -5,7 +5,8 @@ every weight, float32 norm statistics, silu's intermediates). Each function here
 autodiff's forward and backward (up to float rounding; ``tests/test_model.py`` compares them with
 Flax's ``Dense``/``RMSNorm`` and ``silu``) but keeps only:
 
-* :func:`project` (every weight matmul): ``x`` and the *stored* weight, cast again in the backward pass;
+* :func:`project` (every weight matmul): ``x`` and the *stored* weight, cast again in the backward pass
+  (whose weight gradient, :func:`weight_grad`, is contracted in the weight's own layout);
 * :func:`rms_norm`: its input and scale, the float32 statistics recomputed;
 * :func:`swiglu`: gate and up.
 
@@ -30,7 +31,8 @@ def project(x, w, w_in_axis: int, dtype, out_dtype=None):
     layer, and 1 GB for the 2B preset's output matrix); this keeps the weight as stored, which the
     layer scan forwards for free, and casts it again in the backward pass. The forward is one
     ``dot_general``, which an enclosing ``jax.checkpoint`` policy sees as such (``dots`` keeps its
-    output), and the backward is autodiff's own: the transposes of that ``dot_general``.
+    output); the backward is autodiff's input-gradient matmul and :func:`weight_grad`, the same sums
+    as autodiff's weight gradient contracted in ``w``'s layout (no transposed copy of the cotangent).
 
     Args:
       x: the activation ``[..., k]`` (already in ``dtype``).
@@ -59,10 +61,33 @@ def _project_fwd(x, w, w_in_axis, dtype, out_dtype):
 def _project_bwd(w_in_axis, dtype, out_dtype, residuals, g):
     x, w = residuals
     wc = w.astype(dtype)
-    # The matmul is linear in each operand: its transposes are autodiff's own backward matmuls.
+    # The matmul is linear in x: its transpose is autodiff's own input-gradient matmul.
     (dx,) = jax.linear_transpose(lambda x_: _matmul(x_, wc, w_in_axis, out_dtype), x)(g)
-    (dw,) = jax.linear_transpose(lambda w_: _matmul(x, w_, w_in_axis, out_dtype), wc)(g)
-    return dx, dw.astype(w.dtype)
+    return dx, weight_grad(x, g, w_in_axis, out_dtype).astype(dtype).astype(w.dtype)
+
+
+def weight_grad(x, g, w_in_axis: int, out_dtype=None):
+    """The gradient of ``x @ w`` with respect to ``w``, contracted straight into ``w``'s own layout.
+
+    Autodiff computes the same sums as ``dot_general(g, x)`` (``[out, k]``) followed by a transpose to
+    ``[k, out]``; XLA:CPU folds that transpose into the producer of ``g``, which then writes the
+    ``[tokens, out]`` gradient transposed (a strided pass over the largest activations: 0.6 s of an
+    11 s step at benchmarks/peer_hf.py's shape). Contracting the token axes of ``x`` and ``g`` in the
+    order of ``w`` needs no transpose at all; the result is the same up to summation order.
+
+    Args:
+      x: the matmul's input ``[..., k]``.
+      g: the output's cotangent ``[..., out]``.
+      w_in_axis: 0 for ``w [k, out]``, 1 for ``w [out, k]``.
+      out_dtype: ``preferred_element_type`` (as the forward's).
+
+    >>> x, g = jnp.ones((2, 5, 3)), jnp.ones((2, 5, 4))
+    >>> weight_grad(x, g, 0).shape, weight_grad(x, g, 1).shape
+    ((3, 4), (4, 3))
+    """
+    tokens = tuple(range(x.ndim - 1))
+    a, b = (x, g) if w_in_axis == 0 else (g, x)
+    return jax.lax.dot_general(a, b, ((tokens, tokens), ((), ())), preferred_element_type=out_dtype)
 
 
 project.defvjp(_project_fwd, _project_bwd)

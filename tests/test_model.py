@@ -180,6 +180,34 @@ def test_project_equals_autodiff_of_the_matmul(w_in_axis):
     _check_like_autodiff(lambda x, w: project(x, w, w_in_axis, _F32), lambda x, w: jnp.einsum(spec, x, w), x, w)
 
 
+@pytest.mark.parametrize("w_in_axis", [0, 1], ids=["kernel", "tied"])
+def test_project_mixed_precision_equals_autodiff(w_in_axis):
+    # bfloat16 compute, float32 weights and float32 output: the lm head of a bfloat16 model.
+    x, w = _normal(0, (2, 5, 8)).astype(jnp.bfloat16), _normal(1, (8, 6) if w_in_axis == 0 else (6, 8))
+    spec = "bsi,io->bso" if w_in_axis == 0 else "bsi,oi->bso"
+    bf16 = jnp.dtype("bfloat16")
+    lean = lambda x, w: project(x, w, w_in_axis, bf16, jnp.float32)
+    plain = lambda x, w: jnp.einsum(spec, x, w.astype(bf16), preferred_element_type=jnp.float32)
+    out, vjp = jax.vjp(lean, x, w)
+    ref, ref_vjp = jax.vjp(plain, x, w)
+    ct = _normal(9, ref.shape)
+    assert out.dtype == ref.dtype == jnp.float32 and bool(jnp.all(out == ref))
+    for got, want in zip(vjp(ct), ref_vjp(ct), strict=True):
+        assert got.dtype == want.dtype
+        assert max_rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) <= 1e-2  # bfloat16 rounding
+
+
+@pytest.mark.parametrize("w_in_axis", [0, 1], ids=["kernel", "tied"])
+def test_project_weight_gradient_needs_no_transpose(w_in_axis):
+    # Autodiff's weight gradient is dot_general(g, x) and a transpose, which XLA:CPU turns into a
+    # transposed write of the whole [tokens, out] cotangent; project's backward contracts in w's layout.
+    x, w = _normal(0, (2, 5, 8)), _normal(1, (8, 6) if w_in_axis == 0 else (6, 8))
+    _, vjp = jax.vjp(lambda x, w: project(x, w, w_in_axis, _F32), x, w)
+    jaxpr = jax.make_jaxpr(vjp)(_normal(9, (2, 5, 6))).jaxpr
+    prims = [e.primitive.name for e in jaxpr.eqns]
+    assert "transpose" not in prims and prims.count("dot_general") == 2, prims
+
+
 def test_rms_norm_equals_flax():
     x, scale = _normal(2, (2, 5, 8)) * 3.0, 1.0 + _normal(3, (8,))
     flax_norm = nn.RMSNorm(epsilon=1e-6)

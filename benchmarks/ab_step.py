@@ -147,12 +147,17 @@ def main(argv: list[str] | None = None) -> int:
             variants = None
             old = attention_from(args.before)
             runs = {}
-            for name, flash in ((f"attention.py of {args.before}", old._flash), ("attention.py now", attention._flash)):
-                saved, attention._flash = attention._flash, flash  # chunked_attention looks it up at trace time
+            pairs = (
+                (f"attention.py of {args.before}", old.chunked_attention),
+                ("attention.py now", attention.chunked_attention),
+            )
+            for name, impl in pairs:
+                # attend() looks chunked_attention up at trace time; the old one runs on its own module's helpers.
+                saved, attention.chunked_attention = attention.chunked_attention, impl
                 try:
                     runs[name] = in_process(*compile_variant(cfg, shape, args.policy))
                 finally:
-                    attention._flash = saved
+                    attention.chunked_attention = saved
         else:
             variants = {f"block {b}": dataclasses.replace(cfg, attention_block=int(b)) for b in args.blocks.split(",")}
         if variants is not None:

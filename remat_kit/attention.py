@@ -28,6 +28,7 @@ the backend choice (``auto``); chunked attention's forward/backward ``custom_vjp
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,8 @@ from remat_kit.units import check_int
 #: ``benchmarks/results/profile_small.md``); accelerators want larger tiles.
 DEFAULT_BLOCKS: dict[str, int] = {"cpu": 128}
 DEFAULT_BLOCK = 512
+#: Independent chains ``chunked`` attention is cut into per backend (see :func:`default_chains`).
+DEFAULT_CHAINS: dict[str, int] = {"cpu": 2}
 
 #: Compute dtypes cuDNN's flash attention accepts.
 CUDNN_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
@@ -177,6 +180,26 @@ def resolve(kind: str, dtype: str, head_dim: int, platform: str | None = None) -
     return "cudnn" if cuda and _cudnn_unsupported(dtype, head_dim) is None else "chunked"
 
 
+def default_chains(platform: str | None = None) -> int:
+    """How many independent chains ``chunked`` attention runs on a backend (default: the live one).
+
+    On a single CPU device the batch is cut into 2 chains that XLA:CPU runs on separate cores: one
+    chain's block pairs (small matmuls and a softmax) keep little more than one core busy (fwd+bwd
+    alone at b=4, s=1,024, h=8, d=64: 1.27x faster on 2 cores than on 1). The whole step at
+    benchmarks/peer_hf.py's shape, interleaved (``benchmarks/results/profile_peer.md``): 2 chains
+    0.92-0.94x of one chain's time, 4 chains 0.99x, and cutting the heads instead of the batch 1.04x
+    (so a batch of one runs one chain). Accelerators, and processes with several devices, run one chain.
+
+    >>> default_chains("gpu")
+    1
+    """
+    if jax.device_count() > 1:
+        # Several devices (a mesh, or simulated CPU devices) already share the cores, and the batch
+        # may be sharded over them: cutting it would move rows between devices.
+        return 1
+    return DEFAULT_CHAINS.get(platform or jax.default_backend(), 1)
+
+
 def default_block(platform: str | None = None) -> int:
     """The ``chunked`` block size for a backend (default: the live one).
 
@@ -297,7 +320,7 @@ def chunked_attention(q, k, v, *, block: int = DEFAULT_BLOCK, flat: bool = False
     """
     check_int("attention block", block)
     _check_qkv(q, k, v)
-    out = _flash(q, k, v, min(block, q.shape[1]))
+    out = _flash(q, k, v, min(block, q.shape[1]), default_chains())
     return out if flat else out.reshape(q.shape)
 
 
@@ -366,8 +389,35 @@ def _head_major(q, k, v, sp: int):
     return qh, kh, vh
 
 
-def _forward(q, k, v, block: int):
-    """Returns ``(out [b, s, h * d], lse [b, kv, g, s] float32)``."""
+def _chain_slices(batch: int, chains: int) -> list[slice]:
+    """The batch rows of each independent chain: ``chains`` runs of near-equal size (fewer for a small batch).
+
+    >>> _chain_slices(4, 2)
+    [slice(0, 2, None), slice(2, 4, None)]
+    >>> _chain_slices(3, 2), _chain_slices(1, 2)
+    ([slice(0, 1, None), slice(1, 3, None)], [slice(0, 1, None)])
+    """
+    count = max(1, min(chains, batch))
+    bounds = [batch * i // count for i in range(count + 1)]
+    return [slice(lo, hi) for lo, hi in itertools.pairwise(bounds)]
+
+
+def _forward(q, k, v, block: int, chains: int):
+    """Returns ``(out [b, s, h * d], lse [b, kv, g, s] float32)``, computed in independent ``chains``.
+
+    Each chain is its own scan over the block pairs on a slice of the batch, so XLA:CPU's executor
+    runs the chains side by side on separate cores; within one chain, a block pair's small matmuls
+    and softmax keep little more than one core busy.
+    """
+    parts = _chain_slices(q.shape[0], chains)
+    if len(parts) == 1:
+        return _forward_chain(q, k, v, block)
+    outs, lses = zip(*(_forward_chain(q[p], k[p], v[p], block) for p in parts), strict=True)
+    return jnp.concatenate(outs), jnp.concatenate(lses)
+
+
+def _forward_chain(q, k, v, block: int):
+    """One chain of :func:`_forward`: ``(out [b, s, h * d], lse [b, kv, g, s] float32)``."""
     b, s, h, d = q.shape
     kv = k.shape[2]
     g = h // kv
@@ -405,23 +455,33 @@ def _forward(q, k, v, block: int):
     return out, (m + jnp.log(total))[..., :s]
 
 
-def _tagged_forward(q, k, v, block: int):
+def _tagged_forward(q, k, v, block: int, chains: int):
     # Tag inside the custom_vjp so the tagged values are the very residuals the backward reads.
-    return names.tag(_forward(q, k, v, block), names.CONTEXT)
+    return names.tag(_forward(q, k, v, block, chains), names.CONTEXT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q, k, v, block: int):
-    return _tagged_forward(q, k, v, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _flash(q, k, v, block: int, chains: int):
+    return _tagged_forward(q, k, v, block, chains)[0]
 
 
-def _flash_fwd(q, k, v, block: int):
-    out, lse = _tagged_forward(q, k, v, block)
+def _flash_fwd(q, k, v, block: int, chains: int):
+    out, lse = _tagged_forward(q, k, v, block, chains)
+    # The concatenated output and logsumexp are kept (once), never the chains' pieces.
     return out, (q, k, v, out, lse)
 
 
-def _flash_bwd(block: int, residuals, d_out):
+def _flash_bwd(block: int, chains: int, residuals, d_out):
     q, k, v, out, lse = residuals
+    parts = _chain_slices(q.shape[0], chains)
+    if len(parts) == 1:
+        return _backward_chain(block, q, k, v, out, lse, d_out)
+    grads = [_backward_chain(block, q[p], k[p], v[p], out[p], lse[p], d_out[p]) for p in parts]
+    return tuple(jnp.concatenate(x) for x in zip(*grads, strict=True))
+
+
+def _backward_chain(block: int, q, k, v, out, lse, d_out):
+    """The gradients ``(dq, dk, dv)`` of one chain of :func:`_forward` (FlashAttention's backward pass)."""
     b, s, h, d = q.shape
     kv = k.shape[2]
     g = h // kv

@@ -351,6 +351,19 @@ def layer_stack_bytes(
     return inspection.split_saved(layers)
 
 
+def _fused_loss_labels(config: TransformerConfig, batch: int, seq: int, loss_chunks: int) -> dict:
+    """``{(shape, dtype): label}`` of what the chunked (fused) loss keeps: the gradients it takes in the forward."""
+    if not loss_chunks:
+        return {}
+    d, v = config.d_model, config.vocab_size
+    size = -(-batch * seq // loss_chunks)
+    matrix = (v, d) if config.tie_embeddings else (d, v)
+    return {
+        (matrix, config.param_dtype): "output matrix gradient (fused loss)",
+        ((loss_chunks, size, d), config.dtype): "hidden-state gradient (fused loss)",
+    }
+
+
 def _residuals(config, policy, batch, seq, loss_chunks):
     model = Transformer(config=config, policy=policy)
     params = abstract_params(config)
@@ -370,6 +383,7 @@ def _residuals(config, policy, batch, seq, loss_chunks):
         for key, labels in _block_candidates(config, part, batch, seq).items():
             candidates[key] += [label for label in labels if label not in candidates[key]]
     pool = collections.Counter((r.shape, r.dtype, r.host) for r in layers)
+    fused = _fused_loss_labels(config, batch, seq, loss_chunks)
     out = []
     for r in step:
         if r.is_argument:
@@ -380,7 +394,7 @@ def _residuals(config, policy, batch, seq, loss_chunks):
             pool[key] -= 1
             label, tags = _label(r.shape, r.dtype, candidates, stack_axes)
         else:
-            label, tags = "", ()
+            label, tags = fused.get((r.shape, r.dtype), ""), ()
         if r.tag:
             label, tags = r.tag, (r.tag,)
         out.append(

@@ -189,6 +189,8 @@ def default_chains(platform: str | None = None) -> int:
     benchmarks/peer_hf.py's shape, interleaved (``benchmarks/results/profile_peer.md``): 2 chains
     0.92-0.94x of one chain's time, 4 chains 0.99x, and cutting the heads instead of the batch 1.04x
     (so a batch of one runs one chain). Accelerators, and processes with several devices, run one chain.
+    Chains give the same results to float rounding, not bit for bit (the matmuls' batch differs), so
+    a run resumed with another device count matches the uninterrupted one to rounding only.
 
     >>> default_chains("gpu")
     1

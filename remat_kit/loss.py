@@ -1,18 +1,26 @@
 """Next-token cross-entropy, plain or chunked so the full ``[batch, seq, vocab]`` logits never live.
 
 Checkpointing the layers does not shrink the logits: on the 2B-class preset they are ≈ 2 GB in
-float32, and their gradient as much again. :func:`chunked_cross_entropy` computes logits and loss
-for ``chunks`` slices of the tokens in turn under ``jax.checkpoint``, so the backward pass keeps
-only the hidden states and recomputes one chunk's logits at a time. The output matrix enters as
-stored (parameter dtype and layout) and is cast inside each chunk, so no compute-dtype copy of it
-(1 GB on the 2B preset) is kept either; the price is one cast of it per chunk, forward and backward.
+float32, and their gradient as much again. :func:`chunked_cross_entropy` runs the output projection
+and the loss ``chunks`` token-slices at a time and takes each slice's gradients right there, in the
+forward pass (a *fused* linear cross-entropy, as Liger-Kernel's): a slice's logits and their
+gradient live only while that slice runs, nothing is recomputed, and the backward pass only scales
+the gradients it was handed. What it keeps for the backward pass is the gradient of the hidden
+states (``[b, s, d]``) and of the output matrix (its shape, in its dtype; not computed when the
+matrix is not differentiated, as a frozen LoRA base), which the backward pass would hold from its
+first step anyway: the step's compiled peak is no higher than with the logits recomputed, its
+matmul FLOPs are the plain loss's (``benchmarks/results/plan_2b_loss_chunks8.txt``), and on CPU it
+spares the page faults of two ``[b·s, V]`` float32 buffers per step (``benchmarks/results/profile_peer.md``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from remat_kit.ops import matmul, project
 from remat_kit.units import check_int
 
 
@@ -42,12 +50,13 @@ def cross_entropy(logits, targets, mask):
 
 
 def chunked_cross_entropy(hidden, w_out, targets, mask, chunks: int, *, vocab_axis: int = 1):
-    """:func:`cross_entropy` of ``hidden @ w_out`` computed ``chunks`` token-slices at a time.
+    """:func:`cross_entropy` of ``hidden @ w_out`` computed ``chunks`` token-slices at a time, fused.
 
     Equal to the plain loss (and its gradients) up to float rounding; peak logits memory falls to
-    one chunk's ``[tokens / chunks, vocab]``, and the backward pass keeps only ``hidden`` (padded to
-    a multiple of ``chunks``): ``w_out`` is cast to ``hidden``'s dtype inside each chunk, so no
-    cast of it is kept.
+    one chunk's ``[tokens / chunks, vocab]``. Each chunk's gradients are taken in the forward pass
+    (see the module docstring), so the logits are never recomputed; the backward pass keeps the
+    gradients of ``hidden`` and ``w_out``. ``w_out`` is cast to ``hidden``'s dtype inside each chunk
+    (:func:`remat_kit.ops.project`), so no cast of it is kept. Not differentiable twice.
 
     Args:
       hidden: ``[b, s, d]`` final hidden states (the logits are computed in their dtype, accumulated
@@ -74,20 +83,63 @@ def chunked_cross_entropy(hidden, w_out, targets, mask, chunks: int, *, vocab_ax
     h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(chunks, size, d)
     t = jnp.pad(targets.reshape(n), (0, pad)).reshape(chunks, size)
     m = jnp.pad(mask.reshape(n).astype(jnp.float32), (0, pad)).reshape(chunks, size)
-    spec = "nd,dv->nv" if vocab_axis == 1 else "nd,vd->nv"
+    return _fused_mean(h, w_out, t, m, vocab_axis)
 
-    @jax.checkpoint  # keep nothing of a chunk: its logits (and the cast of w) are recomputed in the backward pass
-    def chunk_loss(w, h_c, t_c, m_c):
-        logits = jnp.einsum(spec, h_c, w.astype(h_c.dtype), preferred_element_type=jnp.float32)  # [size, vocab]
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]
-        return jnp.sum((lse - picked) * m_c)
 
-    def body(total, xs):
-        return total + chunk_loss(w_out, *xs), None
+def _chunk_loss(h_c, w, t_c, m_c, vocab_axis: int, w_grad: bool):
+    """The summed cross-entropy of one chunk ``h_c [size, d]`` (its logits in float32)."""
+    if w_grad:
+        logits = project(h_c, w, 1 - vocab_axis, h_c.dtype, jnp.float32)  # [size, vocab]
+    else:  # a plain matmul: project's backward would compute the unused weight gradient too
+        logits = matmul(h_c, jax.lax.stop_gradient(w).astype(h_c.dtype), 1 - vocab_axis, jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]
+    return jnp.sum((lse - picked) * m_c)
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h, t, m))
-    return total / jnp.maximum(jnp.sum(mask), 1.0)
+
+def _fused_forward(h, w, t, m, vocab_axis: int, w_grad: bool):
+    """``(mean loss, (dh, dw))``: the loss over every chunk and its gradients, one chunk at a time.
+
+    ``dw`` is None when ``w_grad`` is False (the output matrix is not differentiated).
+    """
+    count = jnp.maximum(jnp.sum(m), 1.0)
+    argnums = (0, 1) if w_grad else (0,)
+
+    def body(carry, xs):
+        h_c, t_c, m_c = xs
+        # The chunk's loss already divided by the token count, so the backward pass's usual
+        # cotangent of 1 hands these gradients on unchanged (no second rounding).
+        chunk = lambda h_, w_: _chunk_loss(h_, w_, t_c, m_c, vocab_axis, w_grad) / count
+        value, grads = jax.value_and_grad(chunk, argnums)(h_c, w)
+        total, dw = carry
+        if w_grad:
+            dw = dw + grads[1].astype(jnp.float32)
+        return (total + value, dw), grads[0]
+
+    dw0 = jnp.zeros(w.shape, jnp.float32) if w_grad else None
+    (total, dw), dh = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dw0), (h, t, m))
+    return total, (dh, None if dw is None else dw.astype(w.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_mean(h, w, t, m, vocab_axis: int):
+    return _fused_forward(h, w, t, m, vocab_axis, False)[0]
+
+
+def _fused_mean_fwd(h, w, t, m, vocab_axis):
+    # symbolic_zeros: a primal comes with whether it is differentiated; a frozen output matrix (LoRA's
+    # base) gets no weight gradient computed at all.
+    total, (dh, dw) = _fused_forward(h.value, w.value, t.value, m.value, vocab_axis, w.perturbed)
+    return total, (dh, dw)
+
+
+def _fused_mean_bwd(vocab_axis, residuals, g):
+    dh, dw = residuals
+    scale = lambda x: None if x is None else (x * g).astype(x.dtype)
+    return scale(dh), scale(dw), None, None
+
+
+_fused_mean.defvjp(_fused_mean_fwd, _fused_mean_bwd, symbolic_zeros=True)
 
 
 def lm_loss(model, params, tokens, *, loss_chunks: int = 0, deterministic: bool = True, rngs=None):

@@ -45,24 +45,25 @@ def project(x, w, w_in_axis: int, dtype, out_dtype=None):
     >>> project(x, w, 0, jnp.dtype("bfloat16")).shape, project(x, w.T, 1, jnp.dtype("bfloat16")).dtype
     ((2, 4), dtype(bfloat16))
     """
-    return _matmul(x, w.astype(dtype), w_in_axis, out_dtype)
+    return matmul(x, w.astype(dtype), w_in_axis, out_dtype)
 
 
-def _matmul(x, wc, w_in_axis: int, out_dtype):
+def matmul(x, wc, w_in_axis: int, out_dtype):
+    """``x @ wc`` contracting ``x``'s last axis with ``wc``'s axis ``w_in_axis``, accumulated in ``out_dtype``."""
     dims = (((x.ndim - 1,), (w_in_axis,)), ((), ()))
     return jax.lax.dot_general(x, wc, dims, preferred_element_type=out_dtype)
 
 
 def _project_fwd(x, w, w_in_axis, dtype, out_dtype):
     # The implementation itself, not project(): a nested custom_vjp call would hide the dot from policies.
-    return _matmul(x, w.astype(dtype), w_in_axis, out_dtype), (x, w)
+    return matmul(x, w.astype(dtype), w_in_axis, out_dtype), (x, w)
 
 
 def _project_bwd(w_in_axis, dtype, out_dtype, residuals, g):
     x, w = residuals
     wc = w.astype(dtype)
     # The matmul is linear in x: its transpose is autodiff's own input-gradient matmul.
-    (dx,) = jax.linear_transpose(lambda x_: _matmul(x_, wc, w_in_axis, out_dtype), x)(g)
+    (dx,) = jax.linear_transpose(lambda x_: matmul(x_, wc, w_in_axis, out_dtype), x)(g)
     return dx, weight_grad(x, g, w_in_axis, out_dtype).astype(dtype).astype(w.dtype)
 
 

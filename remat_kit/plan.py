@@ -84,9 +84,12 @@ def seed_check(results: dict[str, analysis.Analysis]) -> list[str]:
             f"(--loss-chunks K removes them; their gradient needs as much again in temp)"
         )
     elif any_a.loss_chunks:
+        grads = [r for r in any_a.residuals if r.region == "head" and "(fused loss)" in r.label]
         lines.append(
-            f"--loss-chunks {any_a.loss_chunks}: no [b, s, V] logits are kept "
-            f"(the usual b·s·V·4 = {fmt_bytes(e.logits)})"
+            f"--loss-chunks {any_a.loss_chunks}: no [b, s, V] logits are kept (the usual b·s·V·4 = "
+            f"{fmt_bytes(e.logits)}); the fused loss takes its gradients in the forward pass and keeps them: "
+            f"{fmt_bytes(sum(r.nbytes for r in grads))} (the output matrix's and the hidden states' gradients, "
+            f"which the backward pass would hold from its first step anyway)"
         )
     if "none" in results:
         none = results["none"]

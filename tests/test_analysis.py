@@ -37,6 +37,13 @@ def test_logits_are_kept_exactly_once_and_chunking_removes_them(results):
     chunked = analysis.analyze(CFG, "full", B, S, loss_chunks=4)
     assert not [r for r in chunked.residuals if len(r.shape) == 3 and r.shape[-1] == V]
     assert chunked.saved_bytes < results["full"].saved_bytes
+    # The fused loss keeps the gradients it took in the forward pass, labelled as such.
+    grads = {r.label: (r.shape, r.nbytes) for r in chunked.residuals if "(fused loss)" in r.label}
+    assert grads == {
+        "output matrix gradient (fused loss)": ((D, V), D * V * F32),
+        "hidden-state gradient (fused loss)": ((4, B * S // 4, D), B * S * D * F32),
+    }
+    assert chunked.flops == results["full"].flops  # nothing recomputed: the plain loss's matmuls
 
 
 def test_offload_marks_the_layer_inputs_host_but_cpu_keeps_them_on_device(results):

@@ -1,4 +1,4 @@
-"""Cross-entropy: plain against a NumPy reference, chunked against plain (loss and gradients)."""
+"""Cross-entropy: plain against a NumPy reference, chunked (fused) against plain: loss, gradients, what is kept."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import RTOL_F32, max_rel_err
 
-from remat_kit import _jax_internals, loss
+from remat_kit import _jax_internals, flops, loss
 from remat_kit.model import Transformer, TransformerConfig, init_params
 
 B, S, D, V = 2, 16, 8, 50
@@ -74,7 +74,31 @@ def test_chunked_keeps_no_full_logits(inputs):
     plain = logit_residuals(lambda h, w: loss.cross_entropy(jnp.einsum("bsd,dv->bsv", h, w), targets, m))
     chunked = logit_residuals(lambda h, w: loss.chunked_cross_entropy(h, w, targets, m, 4))
     assert (B, S, V) in plain
-    assert chunked == [], chunked  # each chunk's logits are recomputed in the backward pass
+    # Each chunk's gradients are taken in the forward pass: what is kept is the output matrix's gradient.
+    assert chunked == [(D, V)], chunked
+
+
+def test_chunked_recomputes_no_logits(inputs):
+    # The plain loss's matmul FLOPs exactly: the logits, and the two gradients, once each.
+    hidden, w, targets, masks = inputs
+    m = masks["random"]
+    plain = lambda h, w: loss.cross_entropy(jnp.einsum("bsd,dv->bsv", h, w), targets, m)
+    chunked = lambda h, w: loss.chunked_cross_entropy(h, w, targets, m, 4)
+    count = lambda f: flops.jaxpr_flops(jax.make_jaxpr(jax.value_and_grad(f, argnums=(0, 1)))(hidden, w))
+    assert count(chunked) == count(plain) == 3 * 2 * B * S * D * V
+
+
+def test_chunked_computes_no_gradient_for_a_frozen_output_matrix(inputs):
+    # A frozen matrix (LoRA's base): neither its gradient's matmul nor its gradient's buffer.
+    hidden, w, targets, masks = inputs
+    m = masks["random"]
+    plain = lambda h: loss.cross_entropy(jnp.einsum("bsd,dv->bsv", h, w), targets, m)
+    chunked = lambda h: loss.chunked_cross_entropy(h, w, targets, m, 4)
+    (lp, gp), (lc, gc) = (jax.value_and_grad(f)(hidden) for f in (plain, chunked))
+    assert max_rel_err(lc, lp) <= RTOL_F32 and max_rel_err(gc, gp) <= RTOL_F32
+    kept = [r.shape for r in _jax_internals.saved_residuals(chunked, hidden) if not r.is_argument]
+    assert not [s for s in kept if V in s], kept
+    assert flops.jaxpr_flops(jax.make_jaxpr(jax.grad(chunked))(hidden)) == 2 * 2 * B * S * D * V
 
 
 def test_chunked_takes_a_vocab_by_d_matrix_in_any_dtype(inputs):

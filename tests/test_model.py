@@ -258,9 +258,15 @@ def test_head_keeps_no_copy_of_the_output_matrix(chunks, tie, tokens):
     fn = lambda p, t: loss.lm_loss(model, p, t, loss_chunks=chunks)
     res = [r for r in internals.saved_residuals(fn, abstract_params(cfg), tokens) if not r.is_argument]
     V = cfg.vocab_size
-    assert not [r for r in res if r.shape in ((cfg.d_model, V), (V, cfg.d_model))]
-    if chunks:  # nothing vocabulary-sized at all: each chunk's logits are recomputed
-        assert not [r for r in res if V in r.shape]
+    matrix_shaped = [r for r in res if r.shape in ((cfg.d_model, V), (V, cfg.d_model))]
+    if not chunks:
+        assert not matrix_shaped
+    else:
+        # The fused loss keeps the output matrix's gradient (float32, as the parameter), never a bfloat16
+        # copy of the matrix, and nothing else vocabulary-sized: no chunk's logits.
+        shape = (V, cfg.d_model) if tie else (cfg.d_model, V)
+        assert [(r.dtype, r.shape) for r in matrix_shaped] == [("float32", shape)]
+        assert [r for r in res if V in r.shape] == matrix_shaped
 
 
 def test_config_survives_a_json_round_trip():

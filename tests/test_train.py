@@ -135,9 +135,12 @@ def test_metrics_file_and_plot(reference, metrics_path):
 # ---- kill and resume through the CLI ------------------------------------------------------------------
 
 # The CLI, slowed to 0.2 s per step so the test can kill it between checkpoints. Dropout is on, so
-# exact resume also needs the checkpointed RNG.
-_SLOW_CLI = """
+# exact resume also needs the checkpointed RNG. It sees as many CPU devices as this process (conftest's):
+# the compiled step depends on the device count (chunked attention's chains), and so do its last bits.
+_SLOW_CLI = f"""
 import sys, time
+import jax
+jax.config.update("jax_num_cpu_devices", {jax.device_count()})
 from remat_kit import cli, train
 _train = train.train
 train.train = lambda *a, **k: _train(*a, callbacks=[lambda step, record: time.sleep(0.2)], **k)

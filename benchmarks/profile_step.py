@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import glob
 import gzip
+import itertools
 import json
 import os
 import re
@@ -158,11 +159,16 @@ def classify(op: Op | None) -> str | None:
     return "other elementwise"
 
 
-def op_times(trace_dir: str) -> tuple[dict[str, float], float]:
-    """Summed duration (seconds) of every HLO op's thunk events, and the executions' wall time."""
+def trace_events(trace_dir: str) -> list[dict]:
+    """The complete ("X") events of the newest ``jax.profiler`` trace in ``trace_dir``."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
     with gzip.open(path) as f:
-        events = json.load(f)["traceEvents"]
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def op_times(trace_dir: str) -> tuple[dict[str, float], float]:
+    """Summed duration (seconds) of every HLO op's thunk events, and the executions' wall time."""
+    events = trace_events(trace_dir)
     times: dict[str, float] = collections.defaultdict(float)
     wall = 0.0
     for e in events:
@@ -174,6 +180,82 @@ def op_times(trace_dir: str) -> tuple[dict[str, float], float]:
         elif e["name"] == "ThunkExecutor::Execute (wait for completion)":
             wall += e["dur"] * 1e-6
     return dict(times), wall
+
+
+#: Width of one slice of the wall-clock view (:func:`phases`): the CPU sampler's period.
+PHASE_SECONDS = 0.05
+
+
+class CpuSampler:
+    """This process's user and system CPU seconds, sampled every :data:`PHASE_SECONDS` on a thread.
+
+    The step runs with the GIL released, so the sampler sees the whole step; ``os.times`` counts
+    every thread of the process (XLA's, YNNPACK's), kernel time for page faults included.
+    """
+
+    def __init__(self):
+        import threading
+
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            t = os.times()
+            self.samples.append((time.perf_counter(), t.user, t.system))
+            self._stop.wait(PHASE_SECONDS)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def phases(events: list[dict], ops: dict[str, Op], samples, start: float, end: float) -> dict[str, tuple]:
+    """The wall clock by class: ``{class: (wall seconds, cores busy, of them in the kernel)}``.
+
+    The traced span is cut into :data:`PHASE_SECONDS` slices; each slice goes to the class with the
+    most op time in it (``"no op running"`` when none), and the CPU the process used in it (from
+    the sampler) is averaged per class. Unlike the op-time shares, which count concurrent ops twice
+    and miss YNNPACK's worker threads, this says where the *wall* time goes and how many of the cores
+    were busy there (1.0 of 2: one core idle); the kernel share is mostly page faults of fresh buffers.
+
+    Args:
+      events: :func:`trace_events` of the traced steps; ops: :func:`parse_hlo` of the program.
+      samples: a :class:`CpuSampler`'s samples; start, end: ``perf_counter`` around the traced steps.
+    """
+    hlo = [e for e in events if (e.get("args") or {}).get("hlo_op")]
+    if not hlo:
+        return {}
+    t0 = min(e["ts"] for e in hlo)
+    width = PHASE_SECONDS * 1e6
+    n = max(1, int((end - start) / PHASE_SECONDS))
+    busy: list[dict[str, float]] = [collections.defaultdict(float) for _ in range(n)]
+    for e in hlo:
+        cls = classify(ops.get(e["args"]["hlo_op"]))
+        if cls is None:
+            continue
+        a, b = e["ts"] - t0, e["ts"] - t0 + e["dur"]
+        while a < b and int(a // width) < n:
+            k = int(a // width)
+            stop = min(b, (k + 1) * width)
+            busy[k][cls] += stop - a
+            a = stop
+    cpu = [(0.0, 0.0)] * n
+    for (ta, ua, sa), (tb, ub, sb) in itertools.pairwise(samples):
+        k = int(((ta + tb) / 2 - start) / PHASE_SECONDS)
+        if 0 <= k < n and tb > ta:
+            cpu[k] = ((ub - ua + sb - sa) / (tb - ta), (sb - sa) / (tb - ta))
+    out: dict[str, list[float]] = {}
+    for k in range(n):
+        cls = max(busy[k].items(), key=lambda kv: kv[1])[0] if busy[k] else "no op running"
+        wall, cores, kernel = out.setdefault(cls, [0.0, 0.0, 0.0])
+        out[cls] = [wall + PHASE_SECONDS, cores + cpu[k][0] * PHASE_SECONDS, kernel + cpu[k][1] * PHASE_SECONDS]
+    return {c: (w, cs / w, ks / w) for c, (w, cs, ks) in out.items()}
 
 
 def _shape(name: str):
@@ -207,11 +289,16 @@ def profile_policy(policy: str, steps: int, warmup: int, preset: str = "small"):
         untraced.append(time.perf_counter() - start)
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
-        for _ in range(steps):
-            params, opt_state, *_ = jax.block_until_ready(compiled(params, opt_state, tokens))
+        with CpuSampler() as sampler:
+            start = time.perf_counter()
+            for _ in range(steps):
+                params, opt_state, *_ = jax.block_until_ready(compiled(params, opt_state, tokens))
+            end = time.perf_counter()
         jax.profiler.stop_trace()
         times, wall = op_times(d)
-    return {k: v / steps for k, v in times.items()}, wall / steps, ops, untraced
+        by_phase = phases(trace_events(d), ops, sampler.samples, start, end)
+    by_phase = {c: (w / steps, cores, kernel) for c, (w, cores, kernel) in by_phase.items()}
+    return {k: v / steps for k, v in times.items()}, wall / steps, ops, untraced, by_phase
 
 
 def summarize(times: dict[str, float], ops: dict[str, Op]) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
@@ -348,6 +435,26 @@ def _class_table(by_class: dict[str, float], total: float) -> list[str]:
     ]
 
 
+def _phase_table(by_phase: dict[str, tuple]) -> list[str]:
+    """The wall clock by class (:func:`phases`) as Markdown rows, largest first."""
+    if not by_phase:
+        return []
+    total = sum(w for w, _, _ in by_phase.values())
+    cores = len(os.sched_getaffinity(0))
+    return [
+        f"Wall clock by class ({PHASE_SECONDS * 1e3:.0f} ms slices, each to the class with the most op time; "
+        f"cores busy of {cores}, from the process's CPU time; kernel: of it in the kernel, mostly page faults):",
+        "",
+        "| class | wall s | share of wall | cores busy | kernel |",
+        "|---|---:|---:|---:|---:|",
+        *(
+            f"| {c} | {w:.2f} | {100 * w / total:.1f}% | {busy:.2f} | {kernel:.2f} |"
+            for c, (w, busy, kernel) in sorted(by_phase.items(), key=lambda kv: -kv[1][0])
+        ),
+        "",
+    ]
+
+
 def _peer_section(policy: str, peer, top: int) -> tuple[str, list[str]]:
     """A summary row and a detail section for the peer under ``policy`` (or its error)."""
     if isinstance(peer, str):
@@ -386,14 +493,15 @@ def report(results, command: str, top: int, peers=None, shape: str = "small") ->
         f"`{command}`",
         "",
         f"Machine: {machine()} (at the end of the run). jax {jax.__version__}.",
-        "Measured under shared load (other processes on the same 2 cores): absolute times are inflated and",
-        "noisy; read the shares. Shares are of the summed XLA:CPU thunk times (ops on the two threads may",
-        "overlap, so the sum can exceed the wall time).",
+        "The run itself keeps the cores busy: a load average well above their number means other work shared",
+        "them (absolute times inflated; read the shares). Shares are of the summed XLA:CPU thunk times: ops",
+        "on two threads overlap, so the sum can exceed the wall time, and YNNPACK's worker threads are not in",
+        "it; the wall-clock table per policy says where the wall time goes and how busy the cores were.",
         "",
     ]
     summary = ["| policy | wall / step | " + " | ".join(CLASSES) + " |", "|---" * (len(CLASSES) + 2) + "|"]
     detail = []
-    for policy, (times, wall, ops, untraced) in results.items():
+    for policy, (times, wall, ops, untraced, by_phase) in results.items():
         by_class, rows = summarize(times, ops)
         total = sum(by_class.values())
         summary.append(
@@ -408,6 +516,7 @@ def report(results, command: str, top: int, peers=None, shape: str = "small") ->
             "",
             *_class_table(by_class, total),
             "",
+            *_phase_table(by_phase),
             f"Top {top} ops:",
             "",
             "| op | class | ms | share | origin (op_name scope, innermost source frame) |",

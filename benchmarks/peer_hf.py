@@ -78,6 +78,7 @@ class Result:
         the random initializations differ).
       error: the reason when not ``ok``.
       round: which round of ``--rounds`` it ran in (0-based).
+      loss_chunks: remat_kit's ``lm_loss(loss_chunks=)`` (0: the plain loss, as the peer's).
     """
 
     framework: str
@@ -91,6 +92,7 @@ class Result:
     loss: float = 0.0
     error: str = ""
     round: int = 0
+    loss_chunks: int = 0
 
 
 # ---- workers (run in a fresh process each) -------------------------------------------------------------
@@ -154,8 +156,10 @@ def _jax_worker(job: dict[str, Any]) -> dict[str, Any]:
     a = ADAMW
     opt = optax.adamw(a["lr"], b1=a["b1"], b2=a["b2"], eps=a["eps"], weight_decay=a["weight_decay"])
 
+    chunks = job.get("loss_chunks", 0)
+
     def train_step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(lambda p: lm_loss(model, p, tokens))(params)
+        loss, grads = jax.value_and_grad(lambda p: lm_loss(model, p, tokens, loss_chunks=chunks))(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -255,9 +259,11 @@ def _worker_main(job_text: str) -> int:
             step_time_s=statistics.median(out["step_times_s"]),
             step_times_s=tuple(out["step_times_s"]),
             loss=out["loss"],
+            loss_chunks=job.get("loss_chunks", 0),
         )
     except Exception as e:  # reported in the table: e.g. offload needs an accelerator for pin_memory
-        result = Result(job["framework"], job["policy"], ok=False, error=f"{type(e).__name__}: {e}".splitlines()[0])
+        error = f"{type(e).__name__}: {e}".splitlines()[0]
+        result = Result(job["framework"], job["policy"], ok=False, error=error, loss_chunks=job.get("loss_chunks", 0))
     print(json.dumps(dataclasses.asdict(result)))
     return 0
 
@@ -329,16 +335,18 @@ def _gb(n: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """One policy over every round: each framework's figures and the remat_kit / peer ratios.
+    """One policy (and remat_kit loss) over every round: each framework's figures and the remat_kit / peer ratios.
 
     Attributes:
       policy: the policy name.
+      loss_chunks: remat_kit's ``loss_chunks`` in these runs (the peer's loss is always plain).
       rk_peak, peer_peak: the largest peak RSS over the rounds (bytes; 0 when it never ran).
       rk_step, peer_step: the median over the rounds of each round's median step time (0: never ran).
       mem_ratios, time_ratios: one ratio per round in which both ran (remat_kit / peer).
     """
 
     policy: str
+    loss_chunks: int
     rk_peak: int
     peer_peak: int
     rk_step: float
@@ -346,9 +354,13 @@ class Comparison:
     mem_ratios: tuple[float, ...]
     time_ratios: tuple[float, ...]
 
+    @property
+    def label(self) -> str:
+        return self.policy if not self.loss_chunks else f"{self.policy} lc={self.loss_chunks}"
+
 
 def compare(results: list[Result]) -> list[Comparison]:
-    """Per policy, in the order first run: the figures over every round and the per-round ratios.
+    """Per policy and remat_kit loss, in the order first run: the figures over every round and the per-round ratios.
 
     >>> rs = [Result("remat_kit", "none", True, peak_rss=3, step_time_s=9.0, round=0),
     ...       Result("peer", "none", True, peak_rss=4, step_time_s=10.0, round=0),
@@ -360,30 +372,32 @@ def compare(results: list[Result]) -> list[Comparison]:
     """
     out = []
     for policy in dict.fromkeys(r.policy for r in results):
-        ok = {(r.framework, r.round): r for r in results if r.policy == policy and r.ok}
-        rounds = sorted({rnd for _, rnd in ok})
-        both = [(ok["remat_kit", n], ok["peer", n]) for n in rounds if ("remat_kit", n) in ok and ("peer", n) in ok]
-        (rk_peak, rk_step), (peer_peak, peer_step) = (_figures(ok, f) for f in FRAMEWORKS)
-        out.append(
-            Comparison(
-                policy,
-                rk_peak,
-                peer_peak,
-                rk_step,
-                peer_step,
-                tuple(round(a.peak_rss / b.peak_rss, 6) for a, b in both),
-                tuple(round(a.step_time_s / b.step_time_s, 6) for a, b in both),
+        runs = [r for r in results if r.policy == policy]
+        peer = {r.round: r for r in runs if r.framework == "peer" and r.ok}
+        for chunks in dict.fromkeys(r.loss_chunks for r in runs if r.framework == "remat_kit") or (0,):
+            rk = {r.round: r for r in runs if r.framework == "remat_kit" and r.loss_chunks == chunks and r.ok}
+            both = [(rk[n], peer[n]) for n in sorted(rk) if n in peer]
+            (rk_peak, rk_step), (peer_peak, peer_step) = _figures(rk), _figures(peer)
+            out.append(
+                Comparison(
+                    policy,
+                    chunks,
+                    rk_peak,
+                    peer_peak,
+                    rk_step,
+                    peer_step,
+                    tuple(round(a.peak_rss / b.peak_rss, 6) for a, b in both),
+                    tuple(round(a.step_time_s / b.step_time_s, 6) for a, b in both),
+                )
             )
-        )
     return out
 
 
-def _figures(ok: dict[tuple[str, int], Result], framework: str) -> tuple[int, float]:
-    """(largest peak RSS, median step time) of a framework's runs over the rounds; (0, 0.0) when none ran."""
-    runs = [r for (f, _), r in ok.items() if f == framework]
-    if not runs:
+def _figures(by_round: dict[int, Result]) -> tuple[int, float]:
+    """(largest peak RSS, median step time) of one framework's runs over the rounds; (0, 0.0) when none ran."""
+    if not by_round:
         return 0, 0.0
-    return max(r.peak_rss for r in runs), statistics.median(r.step_time_s for r in runs)
+    return max(r.peak_rss for r in by_round.values()), statistics.median(r.step_time_s for r in by_round.values())
 
 
 def _ratio_cell(ratios: tuple[float, ...], width: int) -> str:
@@ -398,12 +412,12 @@ def format_table(results: list[Result]) -> list[str]:
     """Side-by-side rows per policy: the remat_kit / peer ratios (median, min-max over rounds) and the targets."""
     rounds = len({r.round for r in results})
     head = (
-        f"{'policy':10} {'rk peak RSS':>12} {'peer peak RSS':>14} {'mem ratio':>20}  "
+        f"{'policy':16} {'rk peak RSS':>12} {'peer peak RSS':>14} {'mem ratio':>20}  "
         f"{'rk step':>8} {'peer step':>9} {'time ratio':>20}  targets (mem <= 1, time <= 1)"
     )
     rows = [head, "-" * len(head)]
     for c in compare(results):
-        cells = [f"{c.policy:10}"]
+        cells = [f"{c.label:16}"]
         cells.append(f"{_gb(c.rk_peak):>12}" if c.rk_peak else f"{'failed':>12}")
         cells.append(f"{_gb(c.peer_peak):>14}" if c.peer_peak else f"{'n/a':>14}")
         cells.append(_ratio_cell(c.mem_ratios, 20))
@@ -420,6 +434,8 @@ def format_table(results: list[Result]) -> list[str]:
             "the rounds' ratios with their min-max)"
         ]
     notes = sorted({f"{r.framework} {r.policy}: {r.error}" for r in results if not r.ok})
+    if any(c.loss_chunks for c in compare(results)):
+        rows += ["(lc=K: remat_kit's loss_chunks=K, the fused chunked cross-entropy; the peer's loss is the plain one)"]
     if notes:
         rows += ["", "not run:", *(f"  {n}" for n in notes)]
     rows += [
@@ -427,7 +443,8 @@ def format_table(results: list[Result]) -> list[str]:
         "RSS before the first step (params, optimizer state where allocated, runtime) -> peak during the steps:",
     ]
     rows += [
-        f"  {r.framework:9} {r.policy:10} {('r' + str(r.round + 1)) if rounds > 1 else '':3}"
+        f"  {r.framework:9} {r.policy + (f' lc={r.loss_chunks}' if r.loss_chunks else ''):16} "
+        f"{('r' + str(r.round + 1)) if rounds > 1 else '':3}"
         f"{_gb(r.baseline_rss)} -> {_gb(r.step_peak_rss)}   steps: "
         + ", ".join(f"{t:.2f}" for t in r.step_times_s)
         + f" s, first loss {r.loss:.4f}"
@@ -454,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jax-python", default=sys.executable, help="interpreter for the remat_kit workers")
     parser.add_argument("--torch-python", default=sys.executable, help="interpreter with torch + transformers")
     parser.add_argument("--rounds", type=int, default=1, help="run the whole set this many times (see above)")
+    parser.add_argument(
+        "--loss-chunks", type=int, default=0, help="also run remat_kit with lm_loss(loss_chunks=K), the fused loss"
+    )
     parser.add_argument("--json", help="write every result here")
     args = parser.parse_args(argv)
     if args.worker:
@@ -470,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
         parser.error(f"unknown policies {bad}; allowed: {', '.join(POLICIES)}")
+    if args.loss_chunks < 0:
+        parser.error(f"--loss-chunks must be >= 0, got {args.loss_chunks}")
     for key, value in (*run.items(), ("threads", args.threads), ("rounds", args.rounds)):
         if value < (0 if key == "warmup" else 1):
             parser.error(f"--{key} must be positive, got {value}")
@@ -480,14 +502,18 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for rnd in range(args.rounds):
         for policy in policies:
-            for framework in FRAMEWORKS:
-                if rnd and not any(r.ok for r in results if (r.framework, r.policy) == (framework, policy)):
+            variants = [("remat_kit", 0), *([("remat_kit", args.loss_chunks)] if args.loss_chunks else []), ("peer", 0)]
+            for framework, chunks in variants:
+                tried = [r for r in results if (r.framework, r.policy, r.loss_chunks) == (framework, policy, chunks)]
+                if rnd and not any(r.ok for r in tried):
                     continue  # failed in the first round (peer offload on CPU): it will fail again
                 job = dict(framework=framework, policy=policy, model=model, threads=args.threads, **run)
+                job["loss_chunks"] = chunks
                 python = args.jax_python if framework == "remat_kit" else args.torch_python
-                label = f"{framework} {policy}" + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else "")
+                label = f"{framework} {policy}" + (f" lc={chunks}" if chunks else "")
+                label += f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
                 print(f"running {label} ...", file=sys.stderr, flush=True)
-                r = dataclasses.replace(run_one(job, python, args.threads), round=rnd)
+                r = dataclasses.replace(run_one(job, python, args.threads), round=rnd, loss_chunks=chunks)
                 status = f"{_gb(r.peak_rss)}, {r.step_time_s:.2f} s/step" if r.ok else r.error
                 print(f"  {label}: {status}", file=sys.stderr, flush=True)
                 results.append(r)
@@ -502,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
                     "model": model,
                     "run": run,
                     "rounds": args.rounds,
+                    "loss_chunks": args.loss_chunks,
                     "threads": args.threads,
                     "adamw": ADAMW,
                     "machine": info,

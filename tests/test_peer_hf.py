@@ -1,5 +1,6 @@
 """benchmarks/peer_hf.py's figures: ratios per round, their median and range, the targets (no torch needed)."""
 
+import dataclasses
 import importlib.util
 import pathlib
 import sys
@@ -60,3 +61,15 @@ def test_a_framework_that_cannot_run_a_policy_has_no_ratio():
     assert c.time_ratios == () and c.peer_peak == 0 and c.rk_step == 9.0
     row = next(r for r in peer_hf.format_table(results) if r.startswith("offload"))
     assert "n/a" in row and "met" not in row
+
+
+def test_a_loss_chunks_variant_is_compared_with_the_same_peer_runs():
+    results = [
+        _run("remat_kit", "none", 0, 9.0),
+        dataclasses.replace(_run("remat_kit", "none", 0, 8.0), loss_chunks=4),
+        _run("peer", "none", 0, 10.0),
+    ]
+    plain, chunked = peer_hf.compare(results)
+    assert (plain.label, plain.time_ratios) == ("none", (0.9,))
+    assert (chunked.label, chunked.time_ratios) == ("none lc=4", (0.8,))
+    assert any(r.startswith("none lc=4") for r in peer_hf.format_table(results))

@@ -407,32 +407,25 @@ def _chain_slices(batch: int, chains: int) -> list[slice]:
 def _forward(q, k, v, block: int, chains: int):
     """Returns ``(out [b, s, h * d], lse [b, kv, g, s] float32)``, computed in independent ``chains``.
 
-    Each chain is its own scan over the block pairs on a slice of the batch, so XLA:CPU's executor
-    runs the chains side by side on separate cores; within one chain, a block pair's small matmuls
-    and softmax keep little more than one core busy.
+    One scan over the block pairs advances every chain (a slice of the batch each) by separate ops,
+    which XLA:CPU's executor runs side by side on separate cores; one chain's block-pair matmuls and
+    softmax keep little more than one core busy. (The forward alone at b=4, s=1,024, h=8, d=64, 2
+    chains, interleaved: 0.93x of one chain's time this way, 1.12x as one scan per chain; the
+    backward pass, :func:`_flash_bwd`, is faster with one scan per chain.)
     """
-    parts = _chain_slices(q.shape[0], chains)
-    if len(parts) == 1:
-        return _forward_chain(q, k, v, block)
-    outs, lses = zip(*(_forward_chain(q[p], k[p], v[p], block) for p in parts), strict=True)
-    return jnp.concatenate(outs), jnp.concatenate(lses)
-
-
-def _forward_chain(q, k, v, block: int):
-    """One chain of :func:`_forward`: ``(out [b, s, h * d], lse [b, kv, g, s] float32)``."""
     b, s, h, d = q.shape
     kv = k.shape[2]
     g = h // kv
     n = -(-s // block)
     sp = n * block
     scale = 1.0 / float(d) ** 0.5
-    qh, kh, vh = _head_major(q, k, v, sp)
+    parts = _chain_slices(b, chains)
+    heads = [_head_major(q[p], k[p], v[p], sp) for p in parts]  # per chain: qh, kh, vh
 
-    def step(state, ij):
+    def advance(qh, kh, vh, state, q0, k0):
         # The online softmax state of every query row lives in full-length buffers; each block pair
         # reads and updates its query block's rows. Pairs come in (i, then j) order, as FlashAttention.
-        m_all, total_all, acc_all = state  # [b, kv, g, sp], same, [b, kv, g, sp, d]
-        q0, k0 = ij[0] * block, ij[1] * block
+        m_all, total_all, acc_all = state  # [rows, kv, g, sp], same, [rows, kv, g, sp, d]
         scores = _block_scores(_at(qh, q0, block, 3), _at(kh, k0, block, 2), q0, k0, scale)
         m, total, acc = _at(m_all, q0, block, 3), _at(total_all, q0, block, 3), _at(acc_all, q0, block, 3)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
@@ -446,15 +439,25 @@ def _forward_chain(q, k, v, block: int):
         put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, q0, axis=3)
         return put(m_all, m_new), put(total_all, total), put(acc_all, acc)
 
-    init = (
-        jnp.full((b, kv, g, sp), _MASKED, jnp.float32),
-        jnp.zeros((b, kv, g, sp), jnp.float32),
-        jnp.zeros((b, kv, g, sp, d), jnp.float32),
+    def step(states, ij):
+        q0, k0 = ij[0] * block, ij[1] * block
+        return tuple(advance(*x, state, q0, k0) for x, state in zip(heads, states, strict=True))
+
+    init = tuple(
+        (
+            jnp.full((p.stop - p.start, kv, g, sp), _MASKED, jnp.float32),
+            jnp.zeros((p.stop - p.start, kv, g, sp), jnp.float32),
+            jnp.zeros((p.stop - p.start, kv, g, sp, d), jnp.float32),
+        )
+        for p in parts
     )
-    m, total, acc = _pair_scan(step, init, n)
-    out = (acc / total[..., None])[:, :, :, :s]  # [b, kv, g, s, d]
-    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h * d).astype(q.dtype)  # flat: see chunked_attention
-    return out, (m + jnp.log(total))[..., :s]
+    outs, lses = [], []
+    for (m, total, acc), p in zip(_pair_scan(step, init, n), parts, strict=True):
+        out = (acc / total[..., None])[:, :, :, :s]  # [rows, kv, g, s, d]
+        # Flat (see chunked_attention): [rows, s, h * d].
+        outs.append(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(p.stop - p.start, s, h * d).astype(q.dtype))
+        lses.append((m + jnp.log(total))[..., :s])
+    return jnp.concatenate(outs), jnp.concatenate(lses)
 
 
 def _tagged_forward(q, k, v, block: int, chains: int):
@@ -478,6 +481,8 @@ def _flash_bwd(block: int, chains: int, residuals, d_out):
     parts = _chain_slices(q.shape[0], chains)
     if len(parts) == 1:
         return _backward_chain(block, q, k, v, out, lse, d_out)
+    # One scan per chain here (unlike the forward): the backward alone at b=4, s=1,024, h=8, d=64,
+    # interleaved, ran 0.91x of one chain's time this way and 0.95x as one scan over both chains.
     grads = [_backward_chain(block, q[p], k[p], v[p], out[p], lse[p], d_out[p]) for p in parts]
     return tuple(jnp.concatenate(x) for x in zip(*grads, strict=True))
 

@@ -51,7 +51,7 @@ def test_chains_equal_one_chain_and_keep_the_same_residuals(monkeypatch, b, cut)
         # A new function each time: jax caches traces by function, and the chains are read when tracing.
         fn = lambda q, k, v: attention.chunked_attention(q, k, v, block=8)
         forward = jax.make_jaxpr(fn)(q, k, v)
-        backward = jax.make_jaxpr(lambda q, k, v: _grads(fn, q, k, v, w))(q, k, v)
+        backward = jax.make_jaxpr(lambda q, k, v, fn=fn: _grads(fn, q, k, v, w))(q, k, v)
         kept = [r for r in internals.saved_residuals(fn, q, k, v) if not r.is_argument]
         results[chains] = (fn(q, k, v), _grads(fn, q, k, v, w), forward, backward, kept)
     (out1, g1, fwd1, bwd1, kept1), (out2, g2, fwd2, bwd2, kept2) = results[1], results[2]

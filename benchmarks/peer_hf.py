@@ -34,12 +34,18 @@ A 2-core cloud machine's speed drifts by 10 % and more over minutes, and one (fr
 after another lets the drift fall on one side of a ratio. ``--rounds N`` runs the whole set N times,
 policy by policy and remat_kit then the peer within each, and reports per policy the median over
 the rounds of each round's ratio, with its min–max: each ratio compares two runs minutes apart, not
-two runs a whole benchmark apart.
+two runs a whole benchmark apart. ``--interleave`` goes further: a policy's workers (remat_kit, its
+``--loss-chunks`` variant, the peer) are started side by side, warm up one after the other, and then
+step in turn, one worker computing at a time; each turn gives a ratio of two steps run seconds
+apart, and the table reports their median and min–max. Its figures are the ones to quote.
+
+    python benchmarks/peer_hf.py --interleave --steps 8 --loss-chunks 4 --json benchmarks/results/peer_hf.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -47,6 +53,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -79,6 +86,8 @@ class Result:
       error: the reason when not ``ok``.
       round: which round of ``--rounds`` it ran in (0-based).
       loss_chunks: remat_kit's ``lm_loss(loss_chunks=)`` (0: the plain loss, as the peer's).
+      interleaved: stepped in turn with the policy's other workers (``--interleave``): its i-th
+        step ran right before or after theirs.
     """
 
     framework: str
@@ -93,6 +102,7 @@ class Result:
     error: str = ""
     round: int = 0
     loss_chunks: int = 0
+    interleaved: bool = False
 
 
 # ---- workers (run in a fresh process each) -------------------------------------------------------------
@@ -143,7 +153,8 @@ def _run_steps(step, steps: int, warmup: int) -> tuple[list[float], float, int, 
     return times, float(first), baseline, _status("VmHWM")
 
 
-def _jax_worker(job: dict[str, Any]) -> dict[str, Any]:
+def _jax_step(job: dict[str, Any]):
+    """The compiled remat_kit training step of ``job``, as a function of nothing that returns the loss."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -174,8 +185,7 @@ def _jax_worker(job: dict[str, Any]) -> dict[str, Any]:
         state["params"], state["opt"], loss = jax.block_until_ready(compiled(state["params"], state["opt"], tokens))
         return loss
 
-    times, loss, baseline, step_peak = _run_steps(step, job["steps"], job["warmup"])
-    return dict(step_times_s=times, loss=loss, baseline_rss=baseline, step_peak_rss=step_peak)
+    return step
 
 
 def build_peer(model: dict[str, Any], policy: str):
@@ -226,7 +236,8 @@ def build_peer(model: dict[str, Any], policy: str):
     return net, opt
 
 
-def _torch_worker(job: dict[str, Any]) -> dict[str, Any]:
+def _torch_step(job: dict[str, Any]):
+    """The peer's training step of ``job`` (zero_grad, forward, backward, AdamW), returning the loss."""
     import torch
 
     torch.set_num_threads(job["threads"])
@@ -241,30 +252,61 @@ def _torch_worker(job: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         return loss.item()
 
-    times, loss, baseline, step_peak = _run_steps(step, job["steps"], job["warmup"])
-    return dict(step_times_s=times, loss=loss, baseline_rss=baseline, step_peak_rss=step_peak)
+    return step
+
+
+def _serve_steps(step, warmup: int) -> tuple[list[float], float, int, int]:
+    """Warm up, say ``@ready``, then run one timed step per ``step`` line on stdin until ``done``.
+
+    The same figures as :func:`_run_steps`; the parent decides when each step runs, so the steps of
+    a policy's workers can alternate.
+    """
+    baseline = _rss()
+    _reset_high_water_mark()
+    first = None
+    for _ in range(warmup):
+        loss = step()
+        first = loss if first is None else first
+    print("@ready", flush=True)
+    times = []
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        start = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - start)
+        first = loss if first is None else first
+        print(f"@step {times[-1]!r}", flush=True)
+    return times, float(first if first is not None else "nan"), baseline, _status("VmHWM")
 
 
 def _worker_main(job_text: str) -> int:
     job = json.loads(job_text)
+    chunks = job.get("loss_chunks", 0)
     try:
-        out = (_jax_worker if job["framework"] == "remat_kit" else _torch_worker)(job)
+        step = (_jax_step if job["framework"] == "remat_kit" else _torch_step)(job)
+        if job.get("serve"):
+            times, loss, baseline, step_peak = _serve_steps(step, job["warmup"])
+        else:
+            times, loss, baseline, step_peak = _run_steps(step, job["steps"], job["warmup"])
         result = Result(
             framework=job["framework"],
             policy=job["policy"],
-            ok=True,
+            ok=bool(times),
             peak_rss=_peak_rss(),
-            step_peak_rss=out["step_peak_rss"],
-            baseline_rss=out["baseline_rss"],
-            step_time_s=statistics.median(out["step_times_s"]),
-            step_times_s=tuple(out["step_times_s"]),
-            loss=out["loss"],
-            loss_chunks=job.get("loss_chunks", 0),
+            step_peak_rss=step_peak,
+            baseline_rss=baseline,
+            step_time_s=statistics.median(times) if times else 0.0,
+            step_times_s=tuple(times),
+            loss=loss,
+            error="" if times else "no step was asked for",
+            loss_chunks=chunks,
+            interleaved=bool(job.get("serve")),
         )
     except Exception as e:  # reported in the table: e.g. offload needs an accelerator for pin_memory
         error = f"{type(e).__name__}: {e}".splitlines()[0]
-        result = Result(job["framework"], job["policy"], ok=False, error=error, loss_chunks=job.get("loss_chunks", 0))
-    print(json.dumps(dataclasses.asdict(result)))
+        result = Result(job["framework"], job["policy"], ok=False, error=error, loss_chunks=chunks)
+    print("@result " + json.dumps(dataclasses.asdict(result)), flush=True)
     return 0
 
 
@@ -280,25 +322,82 @@ def _pin(threads: int):
     return preexec
 
 
-def run_one(job: dict[str, Any], python: str, threads: int) -> Result:
-    """Run one (framework, policy) job in a fresh ``python`` process pinned to ``threads`` cores."""
+def _worker_command(job: dict[str, Any], python: str, threads: int) -> dict[str, Any]:
+    """``subprocess`` arguments for one worker: its command line, environment and core pinning."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: the peer is built from a config
-    proc = subprocess.run(
-        [python, os.path.abspath(__file__), "--worker", json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=env,
-        preexec_fn=_pin(threads),
-    )
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+    args = [python, os.path.abspath(__file__), "--worker", json.dumps(job)]
+    return dict(args=args, text=True, env=env, preexec_fn=_pin(threads))
+
+
+def _parse_result(job: dict[str, Any], stdout: str, returncode: int, stderr: str) -> Result:
+    lines = [line[len("@result ") :] for line in stdout.splitlines() if line.startswith("@result ")]
+    if returncode != 0 or not lines:
+        tail = stderr.strip().splitlines()[-1:] or [f"exit {returncode}"]
         return Result(job["framework"], job["policy"], ok=False, error=f"worker failed: {tail[0]}")
-    return Result(**{**json.loads(lines[-1]), "step_times_s": tuple(json.loads(lines[-1])["step_times_s"])})
+    fields = json.loads(lines[-1])
+    return Result(**{**fields, "step_times_s": tuple(fields["step_times_s"])})
+
+
+def run_one(job: dict[str, Any], python: str, threads: int) -> Result:
+    """Run one (framework, policy) job in a fresh ``python`` process pinned to ``threads`` cores."""
+    proc = subprocess.run(capture_output=True, **_worker_command(job, python, threads))
+    return _parse_result(job, proc.stdout, proc.returncode, proc.stderr)
+
+
+def run_interleaved(jobs: list[tuple[dict[str, Any], str]], threads: int, steps: int, pause_s: float = 0.5):
+    """Run a policy's jobs side by side, one step at a time in turn: the drift of the machine falls on all alike.
+
+    Every ``(job, python)`` gets its own worker process, pinned to the same ``threads`` cores, which
+    builds its step, warms up and waits (one worker after the other: two compiling at once would
+    slow both and inflate their peaks); then each of ``steps`` turns steps every worker once, one
+    after the other (the order rotating by one each turn, so none always runs first), with
+    ``pause_s`` before each step for the previous worker's threads to go idle. A worker that fails
+    (a policy its framework cannot run here) drops out. Only one worker computes at any time, so
+    each process's peak RSS is its own; their resident sets add up in memory, though (under 8 GB
+    for ``none`` at the default shape).
+
+    Returns:
+      One :class:`Result` per job, in order, with ``interleaved=True``: step i of each ran in turn i.
+    """
+    with contextlib.ExitStack() as files:
+        workers = []
+        for job, python in jobs:
+            job = dict(job, serve=True)
+            err = files.enter_context(tempfile.TemporaryFile("w+"))  # an unread pipe could fill and stall it
+            proc = subprocess.Popen(
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, **_worker_command(job, python, threads)
+            )
+            workers.append((job, proc, err, _read_until(proc, "@ready")))
+        live = [i for i, (*_, seen) in enumerate(workers) if seen[-1:] and seen[-1].startswith("@ready")]
+        for turn in range(steps):
+            for i in live[turn % len(live) :] + live[: turn % len(live)] if live else []:
+                proc, seen = workers[i][1], workers[i][3]
+                if proc.poll() is not None:
+                    continue
+                time.sleep(pause_s)
+                proc.stdin.write("step\n")
+                proc.stdin.flush()
+                seen += _read_until(proc, "@step")
+        results = []
+        for job, proc, err, seen in workers:
+            stdout, _ = proc.communicate("done\n" if proc.poll() is None else None)
+            err.seek(0)
+            results.append(_parse_result(job, "".join(seen) + stdout, proc.returncode, err.read()))
+    return results
+
+
+def _read_until(proc, prefix: str) -> list[str]:
+    """The lines of ``proc``'s stdout up to and including one starting with ``prefix`` (or to its end)."""
+    lines = []
+    while line := proc.stdout.readline():
+        lines.append(line)
+        if line.startswith(prefix):
+            break
+    return lines
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -387,10 +486,23 @@ def compare(results: list[Result]) -> list[Comparison]:
                     rk_step,
                     peer_step,
                     tuple(round(a.peak_rss / b.peak_rss, 6) for a, b in both),
-                    tuple(round(a.step_time_s / b.step_time_s, 6) for a, b in both),
+                    tuple(ratio for a, b in both for ratio in _time_ratios(a, b)),
                 )
             )
     return out
+
+
+def _time_ratios(rk: Result, peer: Result) -> tuple[float, ...]:
+    """remat_kit / peer step time: one ratio per turn when both were interleaved, else of the medians.
+
+    >>> a = Result("remat_kit", "none", True, step_time_s=9.0, step_times_s=(9.0, 12.0), interleaved=True)
+    >>> b = Result("peer", "none", True, step_time_s=11.0, step_times_s=(10.0, 12.0), interleaved=True)
+    >>> _time_ratios(a, b), _time_ratios(dataclasses.replace(a, interleaved=False), b)
+    ((0.9, 1.0), (0.818182,))
+    """
+    if rk.interleaved and peer.interleaved and len(rk.step_times_s) == len(peer.step_times_s):
+        return tuple(round(a / b, 6) for a, b in zip(rk.step_times_s, peer.step_times_s, strict=True))
+    return (round(rk.step_time_s / peer.step_time_s, 6),)
 
 
 def _figures(by_round: dict[int, Result]) -> tuple[int, float]:
@@ -428,7 +540,13 @@ def format_table(results: list[Result]) -> list[str]:
             mem, tr = statistics.median(c.mem_ratios), statistics.median(c.time_ratios)
             cells.append(f"  mem {'met' if mem <= 1.0 else 'MISSED'}, time {'met' if tr <= 1.0 else 'MISSED'}")
         rows.append(" ".join(cells))
-    if rounds > 1:
+    if any(r.interleaved for r in results):
+        rows += [
+            "(interleaved: a policy's workers alive side by side, stepping in turn; a time ratio per turn, of two "
+            "steps run one right after the other: their median and min-max"
+            + (f", over {rounds} rounds)" if rounds > 1 else ")")
+        ]
+    elif rounds > 1:
         rows += [
             f"({rounds} rounds: peak RSS the largest, step the median of the rounds' medians, ratios the median of "
             "the rounds' ratios with their min-max)"
@@ -455,6 +573,10 @@ def format_table(results: list[Result]) -> list[str]:
     return rows
 
 
+def _label(job: dict[str, Any]) -> str:
+    return f"{job['framework']} {job['policy']}" + (f" lc={job['loss_chunks']}" if job["loss_chunks"] else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -473,6 +595,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="run the whole set this many times (see above)")
     parser.add_argument(
         "--loss-chunks", type=int, default=0, help="also run remat_kit with lm_loss(loss_chunks=K), the fused loss"
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep a policy's workers alive side by side and step them in turn (see above)",
     )
     parser.add_argument("--json", help="write every result here")
     args = parser.parse_args(argv)
@@ -503,19 +630,27 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         for policy in policies:
             variants = [("remat_kit", 0), *([("remat_kit", args.loss_chunks)] if args.loss_chunks else []), ("peer", 0)]
+            jobs = []
             for framework, chunks in variants:
                 tried = [r for r in results if (r.framework, r.policy, r.loss_chunks) == (framework, policy, chunks)]
                 if rnd and not any(r.ok for r in tried):
                     continue  # failed in the first round (peer offload on CPU): it will fail again
                 job = dict(framework=framework, policy=policy, model=model, threads=args.threads, **run)
                 job["loss_chunks"] = chunks
-                python = args.jax_python if framework == "remat_kit" else args.torch_python
-                label = f"{framework} {policy}" + (f" lc={chunks}" if chunks else "")
-                label += f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
-                print(f"running {label} ...", file=sys.stderr, flush=True)
-                r = dataclasses.replace(run_one(job, python, args.threads), round=rnd, loss_chunks=chunks)
+                jobs.append((job, args.jax_python if framework == "remat_kit" else args.torch_python))
+            rnd_label = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
+            if args.interleave:
+                print(f"running {policy}, {len(jobs)} workers interleaved{rnd_label} ...", file=sys.stderr, flush=True)
+                done = run_interleaved(jobs, args.threads, run["steps"])
+            else:
+                done = []
+                for job, python in jobs:
+                    print(f"running {_label(job)}{rnd_label} ...", file=sys.stderr, flush=True)
+                    done.append(run_one(job, python, args.threads))
+            for (job, _), r in zip(jobs, done, strict=True):
+                r = dataclasses.replace(r, round=rnd, loss_chunks=job["loss_chunks"])
                 status = f"{_gb(r.peak_rss)}, {r.step_time_s:.2f} s/step" if r.ok else r.error
-                print(f"  {label}: {status}", file=sys.stderr, flush=True)
+                print(f"  {_label(job)}{rnd_label}: {status}", file=sys.stderr, flush=True)
                 results.append(r)
     info = machine_info(args.threads)  # the load average again, after the runs
     print()
@@ -529,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                     "run": run,
                     "rounds": args.rounds,
                     "loss_chunks": args.loss_chunks,
+                    "interleave": args.interleave,
                     "threads": args.threads,
                     "adamw": ADAMW,
                     "machine": info,

@@ -497,6 +497,7 @@ def report(results, command: str, top: int, peers=None, shape: str = "small") ->
         "them (absolute times inflated; read the shares). Shares are of the summed XLA:CPU thunk times: ops",
         "on two threads overlap, so the sum can exceed the wall time, and YNNPACK's worker threads are not in",
         "it; the wall-clock table per policy says where the wall time goes and how busy the cores were.",
+        "How to read it, and what was changed because of it: `benchmarks/results/profile_notes.md`.",
         "",
     ]
     summary = ["| policy | wall / step | " + " | ".join(CLASSES) + " |", "|---" * (len(CLASSES) + 2) + "|"]

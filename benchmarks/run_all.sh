@@ -44,12 +44,16 @@ fi
 # Needs a SEPARATE interpreter with torch + transformers (never the project venv), e.g.
 #   python3 -m venv .venv-peer && .venv-peer/bin/pip install torch==2.13.0 transformers
 # and PEER_PYTHON pointing at it (default .venv-peer/bin/python). The remat_kit side runs under $PY.
-# Full config (hidden 512, 8 layers, vocab 32k, batch 4 x 1024, float32): ~15-25 min on 2 cores.
+# Full config (hidden 512, 8 layers, vocab 32k, batch 4 x 1024, float32), workers interleaved, remat_kit with the plain
+# and the fused (--loss-chunks 4) loss: ~20 min on 2 cores. The step-time profiles follow (~10 min).
 if want peer; then
   PEER_PY="${PEER_PYTHON:-.venv-peer/bin/python}"
   if "$PEER_PY" -c "import torch, transformers" 2>/dev/null; then
     run_to "$RESULTS/peer_hf.txt" "$PY" benchmarks/peer_hf.py --jax-python "$PY" --torch-python "$PEER_PY" \
-      --json "$RESULTS/peer_hf.json"
+      --interleave --steps 8 --loss-chunks 4 --json "$RESULTS/peer_hf.json"
+    "$PY" benchmarks/profile_step.py --shape peer --policies none,full,every_n:2 --steps 1 --warmup 1 \
+      --torch-python "$PEER_PY" --out "$RESULTS/profile_peer.md"
+    "$PY" benchmarks/profile_step.py --torch-python "$PEER_PY" --out "$RESULTS/profile_small.md"
   else
     echo "peer: skipped, $PEER_PY cannot import torch and transformers (set PEER_PYTHON)" >&2
   fi

@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import io
 import pathlib
 import sys
 
@@ -73,3 +74,43 @@ def test_a_loss_chunks_variant_is_compared_with_the_same_peer_runs():
     assert (plain.label, plain.time_ratios) == ("none", (0.9,))
     assert (chunked.label, chunked.time_ratios) == ("none lc=4", (0.8,))
     assert any(r.startswith("none lc=4") for r in peer_hf.format_table(results))
+
+
+def test_interleaved_runs_pair_each_turn_not_the_medians():
+    # The machine slows down during the run: turn by turn remat_kit is 0.9x, its median step is not.
+    rk = Result(
+        "remat_kit", "none", True, peak_rss=3, step_time_s=10.8, step_times_s=(9.0, 10.8, 18.0), interleaved=True
+    )
+    peer = Result("peer", "none", True, peak_rss=4, step_time_s=12.0, step_times_s=(10.0, 12.0, 20.0), interleaved=True)
+    (c,) = peer_hf.compare([rk, peer])
+    assert c.time_ratios == pytest.approx((0.9, 0.9, 0.9)) and c.mem_ratios == pytest.approx((0.75,))
+    rows = peer_hf.format_table([rk, peer])
+    assert "0.900 (0.90-0.90)" in next(r for r in rows if r.startswith("none")) and any(
+        "interleaved" in r for r in rows
+    )
+
+
+def test_a_serving_worker_steps_only_when_asked(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(sys, "stdin", io.StringIO("step\nstep\ndone\nstep\n"))
+    times, first, _, _ = peer_hf._serve_steps(lambda: calls.append(len(calls)) or float(len(calls)), warmup=1)
+    out = capsys.readouterr().out.splitlines()
+    assert len(calls) == 3 and len(times) == 2 and first == 1.0  # 1 warm-up + 2 asked; "done" ends it
+    assert out[0] == "@ready" and [line.split()[0] for line in out[1:]] == ["@step", "@step"]
+
+
+@pytest.mark.integration
+def test_interleaved_workers_run_in_turn_and_one_that_fails_drops_out():
+    # remat_kit workers only (no torch needed) at a tiny shape; an unknown policy fails before it is ready.
+    model = dict(
+        peer_hf.MODEL, vocab_size=64, d_model=32, num_layers=2, num_heads=2, num_kv_heads=2, d_ff=64, max_seq_len=16
+    )
+    job = dict(framework="remat_kit", model=model, threads=1, batch=1, seq=16, steps=2, warmup=1, loss_chunks=0)
+    policies = ("none", "no-such-policy", "full")
+    jobs = [(dict(job, policy=p), sys.executable) for p in policies]
+    none, bad, full = peer_hf.run_interleaved(jobs, threads=1, steps=3, pause_s=0.0)
+    for r in (none, full):
+        assert r.ok and r.interleaved and len(r.step_times_s) == 3
+        assert r.peak_rss > 0 and r.step_peak_rss >= r.baseline_rss > 0
+    assert none.loss == pytest.approx(full.loss, rel=1e-6)  # the same model and batch under two policies
+    assert not bad.ok and "no-such-policy" in bad.error and bad.step_times_s == ()

@@ -42,7 +42,8 @@ from remat_kit.units import check_int
 #: 256 → 0.37 s, 512 → 0.52 s; ``xla`` 1.3 s), measured when the blocks were unrolled; the scan over
 #: block pairs that replaced them ran as fast or faster side by side (on a loaded machine); re-measured
 #: interleaved after the head-major layout (s=1024, CPU time: 64 → 0.53 s, 128 → 0.49 s, 256 → 0.50 s;
-#: ``benchmarks/results/profile_small.md``); accelerators want larger tiles.
+#: ``benchmarks/results/profile_notes.md``), and after the chains, the whole step under ``full`` at
+#: benchmarks/peer_hf.py's shape: 256 ran 1.01x of 128's time; accelerators want larger tiles.
 DEFAULT_BLOCKS: dict[str, int] = {"cpu": 128}
 DEFAULT_BLOCK = 512
 #: Independent chains ``chunked`` attention is cut into per backend (see :func:`default_chains`).
@@ -152,7 +153,7 @@ def resolve(kind: str, dtype: str, head_dim: int, platform: str | None = None) -
     ``auto`` picks ``cudnn`` on a CUDA GPU when the dtype and head size allow it, else ``chunked``:
     on CPU ``chunked`` is both smaller (no ``[b, h, s, s]`` residual) and faster than ``xla``, as
     it skips the masked half of causal attention (fwd+bwd at b=4, s=1024, h=8, d=64 on 2 cores:
-    0.35 s against 1.3 s; ``benchmarks/results/peer_hf*`` has whole-step figures).
+    0.28 s against 0.61 s, interleaved; ``benchmarks/results/profile_notes.md`` has whole-step figures).
 
     Args:
       kind: one of :data:`ATTENTION_KINDS`.
@@ -186,9 +187,10 @@ def default_chains(platform: str | None = None) -> int:
     On a single CPU device the batch is cut into 2 chains that XLA:CPU runs on separate cores: one
     chain's block pairs (small matmuls and a softmax) keep little more than one core busy (fwd+bwd
     alone at b=4, s=1,024, h=8, d=64: 1.27x faster on 2 cores than on 1). The whole step at
-    benchmarks/peer_hf.py's shape, interleaved (``benchmarks/results/profile_peer.md``): 2 chains
-    0.92-0.94x of one chain's time, 4 chains 0.99x, and cutting the heads instead of the batch 1.04x
-    (so a batch of one runs one chain). Accelerators, and processes with several devices, run one chain.
+    benchmarks/peer_hf.py's shape, interleaved (``benchmarks/results/profile_notes.md``): 2 chains
+    with a scan each 0.92-0.94x of one chain's time, 4 chains 0.99x, cutting the heads instead of the
+    batch 1.04x (so a batch of one runs one chain); the forward's chains then moved into one scan,
+    0.94x again. Accelerators, and processes with several devices, run one chain.
     Chains give the same results to float rounding, not bit for bit (the matmuls' batch differs), so
     a run resumed with another device count matches the uninterrupted one to rounding only.
 
@@ -382,7 +384,7 @@ def _head_major(q, k, v, sp: int):
     """``q [b, s, h, d]`` → ``[b, kv, g, sp, d]``; ``k``, ``v [b, s, kv, d]`` → ``[b, kv, sp, d]`` (padded to sp).
 
     Transposed once here rather than in every block pair: on CPU the per-pair transposes of the
-    sequence-major blocks cost as much as a block's matmul (``benchmarks/results/profile_small.md``).
+    sequence-major blocks cost as much as a block's matmul (``benchmarks/results/profile_notes.md``).
     """
     b, _, h, d = q.shape
     kv = k.shape[2]

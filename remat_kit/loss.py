@@ -10,7 +10,7 @@ states (``[b, s, d]``) and of the output matrix (its shape, in its dtype; not co
 matrix is not differentiated, as a frozen LoRA base), which the backward pass would hold from its
 first step anyway: the step's compiled peak is no higher than with the logits recomputed, its
 matmul FLOPs are the plain loss's (``benchmarks/results/plan_2b_loss_chunks8.txt``), and on CPU it
-spares the page faults of two ``[b·s, V]`` float32 buffers per step (``benchmarks/results/profile_peer.md``).
+spares the page faults of two ``[b·s, V]`` float32 buffers per step (``benchmarks/results/profile_notes.md``).
 """
 
 from __future__ import annotations

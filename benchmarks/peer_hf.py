@@ -136,8 +136,12 @@ def _tokens_numpy(batch: int, seq: int, vocab: int, seed: int = 0):
     return np.random.default_rng(seed).integers(0, vocab, size=(batch, seq), dtype=np.int32)
 
 
-def _run_steps(step, steps: int, warmup: int) -> tuple[list[float], float, int, int]:
-    """Run warm-up and timed steps; returns (times, first loss, RSS before the first step, peak RSS of the steps)."""
+def _run_steps(step, warmup: int, turns, report=lambda seconds: None) -> tuple[list[float], float, int, int]:
+    """Run ``warmup`` steps, then one timed step per item of ``turns`` (each timing given to ``report``).
+
+    Returns:
+      (times, first loss, RSS before the first step, peak RSS of the steps).
+    """
     baseline = _rss()
     _reset_high_water_mark()
     first = None
@@ -145,12 +149,26 @@ def _run_steps(step, steps: int, warmup: int) -> tuple[list[float], float, int, 
         loss = step()
         first = loss if first is None else first
     times = []
-    for _ in range(steps):
+    for _ in turns:
         start = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - start)
         first = loss if first is None else first
-    return times, float(first), baseline, _status("VmHWM")
+        report(times[-1])
+    return times, float(first if first is not None else "nan"), baseline, _status("VmHWM")
+
+
+def _asked_turns(lines):
+    """For a worker the parent steps (``--interleave``): say ``@ready`` once warm, then a turn per ``step`` line.
+
+    A generator, so ``@ready`` goes out when :func:`_run_steps` first asks for a turn, after its
+    warm-up; any other line (``done``) or the end of ``lines`` ends the turns.
+    """
+    print("@ready", flush=True)
+    for line in lines:
+        if line.strip() != "step":
+            return
+        yield
 
 
 def _jax_step(job: dict[str, Any]):
@@ -255,40 +273,16 @@ def _torch_step(job: dict[str, Any]):
     return step
 
 
-def _serve_steps(step, warmup: int) -> tuple[list[float], float, int, int]:
-    """Warm up, say ``@ready``, then run one timed step per ``step`` line on stdin until ``done``.
-
-    The same figures as :func:`_run_steps`; the parent decides when each step runs, so the steps of
-    a policy's workers can alternate.
-    """
-    baseline = _rss()
-    _reset_high_water_mark()
-    first = None
-    for _ in range(warmup):
-        loss = step()
-        first = loss if first is None else first
-    print("@ready", flush=True)
-    times = []
-    for line in sys.stdin:
-        if line.strip() != "step":
-            break
-        start = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - start)
-        first = loss if first is None else first
-        print(f"@step {times[-1]!r}", flush=True)
-    return times, float(first if first is not None else "nan"), baseline, _status("VmHWM")
-
-
 def _worker_main(job_text: str) -> int:
     job = json.loads(job_text)
     chunks = job.get("loss_chunks", 0)
     try:
         step = (_jax_step if job["framework"] == "remat_kit" else _torch_step)(job)
         if job.get("serve"):
-            times, loss, baseline, step_peak = _serve_steps(step, job["warmup"])
+            turns, report = _asked_turns(sys.stdin), lambda seconds: print(f"@step {seconds!r}", flush=True)
+            times, loss, baseline, step_peak = _run_steps(step, job["warmup"], turns, report)
         else:
-            times, loss, baseline, step_peak = _run_steps(step, job["steps"], job["warmup"])
+            times, loss, baseline, step_peak = _run_steps(step, job["warmup"], range(job["steps"]))
         result = Result(
             framework=job["framework"],
             policy=job["policy"],

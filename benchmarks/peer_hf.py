@@ -275,6 +275,10 @@ def _torch_step(job: dict[str, Any]):
 
 def _worker_main(job_text: str) -> int:
     job = json.loads(job_text)
+    if job.get("cores"):
+        # Pinned here, before torch or JAX start their threads, rather than by a preexec_fn in the
+        # parent: that would make subprocess fork a parent that may be running threads (JAX's, in tests).
+        os.sched_setaffinity(0, job["cores"])
     chunks = job.get("loss_chunks", 0)
     try:
         step = (_jax_step if job["framework"] == "remat_kit" else _torch_step)(job)
@@ -307,15 +311,6 @@ def _worker_main(job_text: str) -> int:
 # ---- the parent ------------------------------------------------------------------------------------------
 
 
-def _pin(threads: int):
-    cores = sorted(os.sched_getaffinity(0))[:threads]
-
-    def preexec():
-        os.sched_setaffinity(0, cores)
-
-    return preexec
-
-
 def _worker_command(job: dict[str, Any], python: str, threads: int) -> dict[str, Any]:
     """``subprocess`` arguments for one worker: its command line, environment and core pinning."""
     env = dict(os.environ)
@@ -323,8 +318,9 @@ def _worker_command(job: dict[str, Any], python: str, threads: int) -> dict[str,
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: the peer is built from a config
+    job = dict(job, cores=sorted(os.sched_getaffinity(0))[:threads])  # the worker pins itself to these
     args = [python, os.path.abspath(__file__), "--worker", json.dumps(job)]
-    return dict(args=args, text=True, env=env, preexec_fn=_pin(threads))
+    return dict(args=args, text=True, env=env)
 
 
 def _parse_result(job: dict[str, Any], stdout: str, returncode: int, stderr: str) -> Result:

@@ -3,6 +3,7 @@
 import dataclasses
 import importlib.util
 import io
+import json
 import pathlib
 import sys
 
@@ -115,3 +116,9 @@ def test_interleaved_workers_run_in_turn_and_one_that_fails_drops_out():
         assert r.peak_rss > 0 and r.step_peak_rss >= r.baseline_rss > 0
     assert none.loss == pytest.approx(full.loss, rel=1e-6)  # the same model and batch under two policies
     assert not bad.ok and "no-such-policy" in bad.error and bad.step_times_s == ()
+
+
+def test_workers_pin_themselves_so_the_parent_never_forks_with_threads():
+    cmd = peer_hf._worker_command({"framework": "peer", "policy": "none"}, sys.executable, threads=1)
+    job = json.loads(cmd["args"][-1])
+    assert "preexec_fn" not in cmd and len(job["cores"]) == 1 and cmd["env"]["OMP_NUM_THREADS"] == "1"

@@ -64,7 +64,6 @@ FULL = dict(batch=4, seq=1024, steps=5, warmup=1)
 QUICK = dict(batch=2, seq=256, steps=3, warmup=1)
 POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "offload")
 ADAMW = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4)
-FRAMEWORKS: tuple[str, ...] = ("remat_kit", "peer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,7 +430,8 @@ class Comparison:
       loss_chunks: remat_kit's ``loss_chunks`` in these runs (the peer's loss is always plain).
       rk_peak, peer_peak: the largest peak RSS over the rounds (bytes; 0 when it never ran).
       rk_step, peer_step: the median over the rounds of each round's median step time (0: never ran).
-      mem_ratios, time_ratios: one ratio per round in which both ran (remat_kit / peer).
+      mem_ratios, time_ratios: one ratio per round in which both ran (remat_kit / peer); with
+        ``--interleave``, one time ratio per turn of those rounds.
     """
 
     policy: str
@@ -445,7 +445,7 @@ class Comparison:
 
     @property
     def label(self) -> str:
-        return self.policy if not self.loss_chunks else f"{self.policy} lc={self.loss_chunks}"
+        return _variant(self.policy, self.loss_chunks)
 
 
 def compare(results: list[Result]) -> list[Comparison]:
@@ -551,7 +551,7 @@ def format_table(results: list[Result]) -> list[str]:
         "RSS before the first step (params, optimizer state where allocated, runtime) -> peak during the steps:",
     ]
     rows += [
-        f"  {r.framework:9} {r.policy + (f' lc={r.loss_chunks}' if r.loss_chunks else ''):16} "
+        f"  {r.framework:9} {_variant(r.policy, r.loss_chunks):16} "
         f"{('r' + str(r.round + 1)) if rounds > 1 else '':3}"
         f"{_gb(r.baseline_rss)} -> {_gb(r.step_peak_rss)}   steps: "
         + ", ".join(f"{t:.2f}" for t in r.step_times_s)
@@ -563,8 +563,13 @@ def format_table(results: list[Result]) -> list[str]:
     return rows
 
 
+def _variant(policy: str, loss_chunks: int) -> str:
+    """A policy and remat_kit loss as the table names them: ``none``, ``none lc=4``."""
+    return f"{policy} lc={loss_chunks}" if loss_chunks else policy
+
+
 def _label(job: dict[str, Any]) -> str:
-    return f"{job['framework']} {job['policy']}" + (f" lc={job['loss_chunks']}" if job["loss_chunks"] else "")
+    return f"{job['framework']} {_variant(job['policy'], job['loss_chunks'])}"
 
 
 def main(argv: list[str] | None = None) -> int:

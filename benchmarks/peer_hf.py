@@ -170,6 +170,11 @@ def _asked_turns(lines):
         yield
 
 
+def _report_step(seconds: float) -> None:
+    """Tell the parent (``--interleave``) that an asked step took ``seconds``: the ``@step`` line it waits for."""
+    print(f"@step {seconds!r}", flush=True)
+
+
 def _jax_step(job: dict[str, Any]):
     """The compiled remat_kit training step of ``job``, as a function of nothing that returns the loss."""
     import jax
@@ -282,8 +287,7 @@ def _worker_main(job_text: str) -> int:
     try:
         step = (_jax_step if job["framework"] == "remat_kit" else _torch_step)(job)
         if job.get("serve"):
-            turns, report = _asked_turns(sys.stdin), lambda seconds: print(f"@step {seconds!r}", flush=True)
-            times, loss, baseline, step_peak = _run_steps(step, job["warmup"], turns, report)
+            times, loss, baseline, step_peak = _run_steps(step, job["warmup"], _asked_turns(sys.stdin), _report_step)
         else:
             times, loss, baseline, step_peak = _run_steps(step, job["warmup"], range(job["steps"]))
         result = Result(

@@ -94,8 +94,8 @@ def test_interleaved_runs_pair_each_turn_not_the_medians():
 def test_a_serving_worker_steps_only_when_asked(capsys):
     calls = []
     turns = peer_hf._asked_turns(io.StringIO("step\nstep\ndone\nstep\n"))
-    report = lambda seconds: print(f"@step {seconds!r}")
-    times, first, _, _ = peer_hf._run_steps(lambda: calls.append(len(calls)) or float(len(calls)), 1, turns, report)
+    step = lambda: calls.append(len(calls)) or float(len(calls))
+    times, first, _, _ = peer_hf._run_steps(step, 1, turns, peer_hf._report_step)
     out = capsys.readouterr().out.splitlines()
     assert len(calls) == 3 and len(times) == 2 and first == 1.0  # 1 warm-up + 2 asked; "done" ends it
     assert out[0] == "@ready" and [line.split()[0] for line in out[1:]] == ["@step", "@step"]

@@ -39,7 +39,11 @@ two runs a whole benchmark apart. ``--interleave`` goes further: a policy's work
 step in turn, one worker computing at a time; each turn gives a ratio of two steps run seconds
 apart, and the table reports their median and min–max. Its figures are the ones to quote.
 
-    python benchmarks/peer_hf.py --interleave --steps 8 --loss-chunks 4 --json benchmarks/results/peer_hf.json
+    python benchmarks/peer_hf.py --interleave --steps 8 --json benchmarks/results/peer_hf.json
+
+remat_kit runs twice per policy: with the plain loss, as the peer's (like for like), and with the
+fused chunked loss in ``--loss-chunks`` chunks (default 4: what ``remat-kit train``'s default
+``loss_chunks="auto"`` picks at this shape, so the step a remat_kit user trains with).
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ MODEL = dict(vocab_size=32_000, d_model=512, num_layers=8, num_heads=8, num_kv_h
 FULL = dict(batch=4, seq=1024, steps=5, warmup=1)
 QUICK = dict(batch=2, seq=256, steps=3, warmup=1)
 POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "offload")
+#: ``--loss-chunks``'s default: the count ``loss_chunks="auto"`` (``remat-kit train``'s default) picks at
+#: FULL's shape, so a default run compares the step a remat_kit user trains with as well as the plain
+#: loss (tests/test_peer_hf.py checks it against remat_kit.loss.auto_chunks).
+DEFAULT_LOSS_CHUNKS = 4
 ADAMW = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4)
 
 
@@ -593,7 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-python", default=sys.executable, help="interpreter with torch + transformers")
     parser.add_argument("--rounds", type=int, default=1, help="run the whole set this many times (see above)")
     parser.add_argument(
-        "--loss-chunks", type=int, default=0, help="also run remat_kit with lm_loss(loss_chunks=K), the fused loss"
+        "--loss-chunks",
+        type=int,
+        default=DEFAULT_LOSS_CHUNKS,
+        help="also run remat_kit with lm_loss(loss_chunks=K), the fused loss (default: %(default)s, what "
+        "loss_chunks='auto' picks at the issue's shape; 0: the plain loss only)",
     )
     parser.add_argument(
         "--interleave",

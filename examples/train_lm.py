@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat_kit import data, train
+from remat_kit.cli.common import loss_chunks_arg
 from remat_kit.model import Transformer, TransformerConfig
 
 
@@ -39,7 +40,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--loss-chunks", type=int, default=0)
+    parser.add_argument("--loss-chunks", type=loss_chunks_arg, default="auto", help="auto, 0 (plain) or K")
     parser.add_argument("--data", nargs="+", help="your own text files or folders (default: Python stdlib)")
     parser.add_argument("--out", type=Path, default=Path("runs/train_lm"))
     args = parser.parse_args(argv)

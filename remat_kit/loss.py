@@ -11,6 +11,10 @@ matrix is not differentiated, as a frozen LoRA base), which the backward pass wo
 first step anyway: the step's compiled peak is no higher than with the logits recomputed, its
 matmul FLOPs are the plain loss's (``benchmarks/results/plan_2b_loss_chunks8.txt``), and on CPU it
 spares the page faults of two ``[b·s, V]`` float32 buffers per step (``benchmarks/results/profile_notes.md``).
+
+``loss_chunks="auto"`` (:func:`auto_chunks`, the training default) picks the fused loss once the full
+float32 logits reach :data:`AUTO_FUSED_FROM`, about :data:`AUTO_CHUNK_BYTES` of logits a chunk, and
+the plain loss below that, where the two are equally fast on CPU and the logits are small anyway.
 """
 
 from __future__ import annotations
@@ -22,6 +26,63 @@ import jax.numpy as jnp
 
 from remat_kit.ops import matmul, project
 from remat_kit.units import check_int
+
+#: ``loss_chunks="auto"`` uses the fused loss from this many bytes of full float32 logits on. Below
+#: it the plain loss is as fast (value and gradients of head + loss alone, 2-core CPU, interleaved:
+#: fused 1.04-1.07x at 125 MiB, 0.97x at 250 MiB, 0.89x at 500 MiB, 0.85x at 1,000 MiB).
+AUTO_FUSED_FROM = 256 * 2**20
+
+#: ... and cuts them into chunks of about this many bytes (4 chunks at benchmarks/peer_hf.py's
+#: 4 × 1,024 tokens × 32,000; 8 chunks were no faster than 4 at 1,000 MiB).
+AUTO_CHUNK_BYTES = 128 * 2**20
+
+
+def auto_chunks(tokens: int, vocab: int, devices: int = 1) -> int:
+    """The chunk count ``loss_chunks="auto"`` picks for ``tokens`` positions over a ``vocab``-wide head.
+
+    Args:
+      tokens, vocab: the step's token count (batch × seq) and the vocabulary size.
+      devices: the devices the batch is spread over. On more than one, "auto" is the plain loss: the
+        fused loss's chunks are slices of the flattened tokens, which a batch-sharded mesh holds on
+        different devices.
+
+    Returns:
+      0 (the plain loss) while the float32 logits ``tokens × vocab × 4`` bytes stay under
+      :data:`AUTO_FUSED_FROM` (or ``devices > 1``), else one chunk per :data:`AUTO_CHUNK_BYTES` of
+      them (at most ``tokens``).
+
+    >>> auto_chunks(4 * 256, 4096), auto_chunks(4 * 1024, 32000), auto_chunks(2 * 1024, 248000)
+    (0, 4, 16)
+    """
+    check_int("tokens", tokens, 1)
+    check_int("vocab", vocab, 1)
+    check_int("devices", devices, 1)
+    logits = tokens * vocab * 4
+    if logits < AUTO_FUSED_FROM or devices > 1:
+        return 0
+    return min(tokens, -(-logits // AUTO_CHUNK_BYTES))
+
+
+def check_chunks(loss_chunks) -> int | str:
+    """``loss_chunks`` as given, once it is ``"auto"`` or an integer >= 0.
+
+    Raises:
+      ValueError: anything else, named in the message with what is allowed.
+    """
+    if isinstance(loss_chunks, str) and loss_chunks == "auto":
+        return loss_chunks
+    if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 0:
+        raise ValueError(
+            f"loss_chunks must be 'auto', 0 (the plain loss) or a positive integer (the fused loss's chunks), "
+            f"got {loss_chunks!r}"
+        )
+    return loss_chunks
+
+
+def resolve_chunks(loss_chunks, tokens: int, vocab: int) -> int:
+    """``loss_chunks`` as a count: ``"auto"`` becomes :func:`auto_chunks`, a count is checked and kept."""
+    loss_chunks = check_chunks(loss_chunks)
+    return auto_chunks(tokens, vocab) if loss_chunks == "auto" else loss_chunks
 
 
 def shift_targets(tokens):
@@ -123,7 +184,14 @@ def _fused_forward(h, w, t, m, vocab_axis: int, w_grad: bool):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fused_mean(h, w, t, m, vocab_axis: int):
-    return _fused_forward(h, w, t, m, vocab_axis, False)[0]
+    # Not differentiated (an evaluation): the losses alone, no gradient matmuls.
+    count = jnp.maximum(jnp.sum(m), 1.0)
+
+    def body(total, xs):
+        h_c, t_c, m_c = xs
+        return total + _chunk_loss(h_c, w, t_c, m_c, vocab_axis, False) / count, None
+
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (h, t, m))[0]
 
 
 def _fused_mean_fwd(h, w, t, m, vocab_axis):
@@ -142,17 +210,19 @@ def _fused_mean_bwd(vocab_axis, residuals, g):
 _fused_mean.defvjp(_fused_mean_fwd, _fused_mean_bwd, symbolic_zeros=True)
 
 
-def lm_loss(model, params, tokens, *, loss_chunks: int = 0, deterministic: bool = True, rngs=None):
+def lm_loss(model, params, tokens, *, loss_chunks: int | str = 0, deterministic: bool = True, rngs=None):
     """Next-token loss of a :class:`remat_kit.model.Transformer` on ``tokens [b, s]``.
 
     Args:
       model: the Transformer (its policy decides the layers' remat).
       params: its ``params`` collection (the inner dict, not ``{"params": ...}``).
       tokens: ``[batch, seq]`` integer ids.
-      loss_chunks: 0 for the plain loss over full logits; k > 0 for :func:`chunked_cross_entropy`.
+      loss_chunks: 0 for the plain loss over full logits; k > 0 for :func:`chunked_cross_entropy`;
+        ``"auto"`` for :func:`auto_chunks` of ``tokens``' shape and the model's vocabulary.
       deterministic: False to apply dropout (then pass ``rngs={"dropout": key}``).
       rngs: Flax rngs for ``apply``.
     """
+    loss_chunks = resolve_chunks(loss_chunks, tokens.shape[0] * tokens.shape[1], model.config.vocab_size)
     targets, mask = shift_targets(tokens)
     variables = {"params": params}
     kwargs = {"deterministic": deterministic, "rngs": rngs or {}}

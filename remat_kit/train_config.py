@@ -10,7 +10,7 @@ import flax
 import jax
 import optax
 
-from remat_kit import data, policies
+from remat_kit import data, loss, policies
 from remat_kit import step as step_lib
 from remat_kit.model import PRESETS, TransformerConfig
 from remat_kit.units import check_int
@@ -47,7 +47,9 @@ class TrainConfig:
       min_lr_ratio: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
       weight_decay: AdamW decay, applied to matrices, not to norm scales.
       clip_norm: global gradient-norm clip.
-      loss_chunks: 0 for the plain loss; k > 0 computes logits and loss in k chunks.
+      loss_chunks: ``"auto"``: the fused loss where the logits are large, the plain one elsewhere
+        (:func:`remat_kit.loss.auto_chunks`; the plain loss on a mesh of several devices); 0: the
+        plain loss; k > 0: logits, loss and their gradients in k chunks (the fused loss).
       seed: initialization, dropout and data-order seed.
       val_fraction: the tail of the corpus held out for validation.
       eval_every: steps between validation losses (and at the last step); 0: never.
@@ -65,7 +67,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     clip_norm: float = 1.0
-    loss_chunks: int = 0
+    loss_chunks: int | str = "auto"
     seed: int = 0
     val_fraction: float = 0.05
     eval_every: int = 50
@@ -82,8 +84,9 @@ class TrainConfig:
         object.__setattr__(self, "policy", str(policies.parse(self.policy)))
         for field in ("steps", "batch_size", "grad_accum", "eval_batches"):
             check_int(field, getattr(self, field), 1)
-        for field in ("seq_len", "loss_chunks", "seed", "eval_every"):
+        for field in ("seq_len", "seed", "eval_every"):
             check_int(field, getattr(self, field), 0)
+        loss.check_chunks(self.loss_chunks)
         check_int("warmup_steps", self.warmup_steps, -1)
         if self.seq_len == 0:
             object.__setattr__(self, "seq_len", min(self.model.max_seq_len, 256))
@@ -213,4 +216,3 @@ def schedule_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:
     pairs = [(k, old.get(k), new[k]) for k in RESUME_MAY_CHANGE]
     pairs += [(f"model.{k}", old.get("model", {}).get(k), new["model"].get(k)) for k in MODEL_MAY_CHANGE]
     return ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in pairs if a != b)
-

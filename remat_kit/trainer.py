@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from remat_kit import loss as loss_lib
 from remat_kit import mesh as mesh_lib
 from remat_kit import step as step_lib
 from remat_kit.loss import lm_loss
@@ -55,6 +56,12 @@ class Trainer:
             self._shardings = (params, opt_state, tokens)
             step_kw = step_lib.jit_kwargs(abstract.params, abstract.opt_state, self.mesh, batch_args=2)
             eval_kw = {"in_shardings": (params, tokens)}
+        #: ``config.loss_chunks`` as a count (``"auto"`` resolved for this run's shape and mesh).
+        self.loss_chunks = config.loss_chunks
+        if config.loss_chunks == "auto":
+            devices = 1 if self.mesh is None else self.mesh.size
+            tokens = config.batch_size * config.seq_len
+            self.loss_chunks = loss_lib.auto_chunks(tokens, config.model.vocab_size, devices)
         # The step plan, auto and bench compile (remat_kit.step); parameters and optimizer state donated.
         micro_step = step_lib.make_step(self._loss, self.optimizer, on_trace=lambda: self._count_trace("step"))
         self._micro_step = jax.jit(micro_step, **step_kw)
@@ -120,14 +127,14 @@ class Trainer:
             self.model,
             params,
             tokens,
-            loss_chunks=self.config.loss_chunks,
+            loss_chunks=self.loss_chunks,
             deterministic=not dropout,
             rngs={"dropout": key} if dropout else None,
         )
 
     def _eval_impl(self, params, tokens):
         self._count_trace("eval")
-        return lm_loss(self.model, params, tokens, loss_chunks=self.config.loss_chunks)
+        return lm_loss(self.model, params, tokens, loss_chunks=self.loss_chunks)
 
     def init_state(self) -> TrainState:
         """A fresh state from ``config.seed``."""
@@ -179,4 +186,3 @@ class Trainer:
         Across processes ``windows`` may hold only this process's rows (``[:, local_rows]``).
         """
         return float(np.mean([float(self._eval(params, self._tokens(w))) for w in windows]))
-

@@ -142,6 +142,29 @@ def test_console_entry_point_runs_as_module():
     assert "sqrt_n" in proc.stdout
 
 
+@pytest.mark.parametrize("command", ["plan", "bench", "train"])
+def test_loss_chunks_takes_auto_or_a_count(command, capsys):
+    parser = cli.build_parser()
+    assert parser.parse_args([command, "--loss-chunks", "auto"]).loss_chunks == "auto"
+    assert parser.parse_args([command, "--loss-chunks", "3"]).loss_chunks == 3
+    assert parser.parse_args([command]).loss_chunks == ("auto" if command == "train" else 0)
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args([command, "--loss-chunks", "fused"])
+    assert exit_.value.code == 2 and "expected 'auto' or an integer, got 'fused'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [(["--preset", "small"], 0), (["--preset", "2b"], 16), (["--preset", "2b", "--mesh", "data=2"], 0)],
+)
+def test_plan_and_bench_resolve_auto_loss_chunks_to_the_count(argv, expected):
+    from remat_kit.cli.common import config_from_args
+
+    args = cli.build_parser().parse_args(["plan", *argv, "--loss-chunks", "auto"])
+    config_from_args(args)  # plans nothing: the count is fixed before any tracing
+    assert args.loss_chunks == expected
+
+
 # ---- train: refusals before anything is compiled ----------------------------------------------------------
 
 

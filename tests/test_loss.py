@@ -139,3 +139,52 @@ def test_lm_loss_chunked_equals_plain_on_the_model(tokens):
     (lp, gp), (lc, gc) = grad(0), grad(3)
     assert max_rel_err(lc, lp) <= RTOL_F32
     assert max_rel_err(gc, gp) <= RTOL_F32
+
+
+def test_an_evaluation_of_the_fused_loss_takes_no_gradients(inputs):
+    # Not differentiated, the custom_vjp runs its primal: the logits' matmul FLOPs alone.
+    hidden, w, targets, masks = inputs
+    fused = lambda h, w_: loss.chunked_cross_entropy(h, w_, targets, masks["random"], 4)
+    count = lambda f: flops.jaxpr_flops(jax.make_jaxpr(f)(hidden, w))
+    assert count(fused) == 2 * B * S * D * V
+    assert count(jax.value_and_grad(fused, argnums=(0, 1))) == 3 * 2 * B * S * D * V
+    value, _ = jax.value_and_grad(fused)(hidden, w)
+    np.testing.assert_allclose(fused(hidden, w), value, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "vocab", "devices", "expected"),
+    [
+        (4 * 256, 4096, 1, 0),  # the small preset: 16 MiB of logits, the plain loss
+        (2048, 32_768, 1, 2),  # exactly AUTO_FUSED_FROM: fused, two 128 MiB chunks
+        (2048, 32_767, 1, 0),  # one vocabulary entry short of it
+        (4 * 1024, 32_000, 1, 4),  # benchmarks/peer_hf.py's shape: 500 MiB
+        (2 * 1024, 248_000, 1, 16),  # the 2b preset's default shape: 1.9 GiB
+        (4 * 1024, 32_000, 2, 0),  # a batch over two devices keeps the plain loss
+        (3, 2**30, 1, 3),  # never more chunks than tokens
+    ],
+)
+def test_auto_chunks(tokens, vocab, devices, expected):
+    assert loss.auto_chunks(tokens, vocab, devices) == expected
+    assert loss.resolve_chunks("auto", tokens, vocab) == loss.auto_chunks(tokens, vocab)
+    assert loss.resolve_chunks(5, tokens, vocab) == 5
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True, "fused", None], ids=repr)
+def test_bad_loss_chunks(value):
+    with pytest.raises(ValueError, match=f"loss_chunks must be 'auto', 0 .* or a positive integer .*got {value!r}"):
+        loss.check_chunks(value)
+
+
+def test_lm_loss_auto_is_the_chunk_count_it_picks(tokens, monkeypatch):
+    cfg = TransformerConfig.preset("tiny")
+    model = Transformer(config=cfg, policy="none")
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    program = lambda k: str(jax.make_jaxpr(lambda p: loss.lm_loss(model, p, tokens, loss_chunks=k))(params))
+    logits = tokens.size * cfg.vocab_size * 4  # 32 KiB: the plain loss
+    assert loss.auto_chunks(tokens.size, cfg.vocab_size) == 0 and program("auto") == program(0)
+    # Thresholds scaled down to the test's logits: "auto" then is the fused loss in 4 chunks.
+    monkeypatch.setattr(loss, "AUTO_FUSED_FROM", logits // 2)
+    monkeypatch.setattr(loss, "AUTO_CHUNK_BYTES", logits // 4)
+    assert loss.auto_chunks(tokens.size, cfg.vocab_size) == 4
+    assert program("auto") == program(4) != program(0)

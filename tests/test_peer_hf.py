@@ -122,3 +122,10 @@ def test_workers_pin_themselves_so_the_parent_never_forks_with_threads():
     cmd = peer_hf._worker_command({"framework": "peer", "policy": "none"}, sys.executable, threads=1)
     job = json.loads(cmd["args"][-1])
     assert "preexec_fn" not in cmd and len(job["cores"]) == 1 and cmd["env"]["OMP_NUM_THREADS"] == "1"
+
+
+def test_the_default_fused_variant_is_what_auto_picks_at_the_issues_shape():
+    from remat_kit.loss import auto_chunks
+
+    tokens = peer_hf.FULL["batch"] * peer_hf.FULL["seq"]
+    assert peer_hf.DEFAULT_LOSS_CHUNKS == auto_chunks(tokens, peer_hf.MODEL["vocab_size"]) == 4

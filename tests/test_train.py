@@ -1,6 +1,7 @@
 """Training under every policy, exact resume after a kill, and clear errors for bad runs."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import ALL_SPECS
 
-from remat_kit import cli, data, train, train_progress
+from remat_kit import cli, data, loss, train, train_progress
 from remat_kit.checkpoint import Checkpoints
 from remat_kit.cli.train import config_from_args
 from remat_kit.model import TransformerConfig
@@ -293,12 +294,25 @@ def test_existing_checkpoints_need_resume(capsys, saved_run):
         ({"warmup_steps": 6}, "warmup_steps=6 must be smaller than steps=6"),
         ({"learning_rate": -1.0}, "learning_rate must be a number > 0"),
         ({"model": TransformerConfig(vocab_size=100)}, "smaller than the 256 byte-level tokens"),
+        ({"loss_chunks": "fused"}, "loss_chunks must be 'auto', 0 .* or a positive integer .*got 'fused'"),
+        ({"loss_chunks": -1}, "loss_chunks must be 'auto', 0 .* or a positive integer .*got -1"),
     ],
-    ids=["policy", "steps", "seq_len", "warmup", "lr", "vocab"],
+    ids=["policy", "steps", "seq_len", "warmup", "lr", "vocab", "loss_chunks", "loss_chunks_negative"],
 )
 def test_bad_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
         train.TrainConfig(**{**BASE, **kwargs})
+
+
+def test_loss_chunks_auto_is_resolved_for_the_runs_shape_and_mesh(monkeypatch):
+    cfg = train.TrainConfig(**{**BASE, "batch_size": 4})
+    assert cfg.loss_chunks == "auto"
+    assert train.Trainer(cfg).loss_chunks == 0  # 4 × 32 tokens × 256: 128 KiB of logits, the plain loss
+    monkeypatch.setattr(loss, "AUTO_FUSED_FROM", 1)
+    monkeypatch.setattr(loss, "AUTO_CHUNK_BYTES", 4 * 32 * 256 * 4 // 8)
+    assert train.Trainer(cfg).loss_chunks == 8
+    assert train.Trainer(cfg, "data=4").loss_chunks == 0  # a batch over several devices
+    assert train.Trainer(dataclasses.replace(cfg, loss_chunks=3), "data=4").loss_chunks == 3
 
 
 def test_divergence_stops_before_saving_a_bad_state(corpus, tmp_path):

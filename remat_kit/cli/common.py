@@ -99,9 +99,22 @@ def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None
         help="attention implementation (default: the preset's)",
     )
     parser.add_argument(
-        "--loss-chunks", type=int, default=0, help="0: plain loss over full logits; K: chunked cross-entropy"
+        "--loss-chunks",
+        type=loss_chunks_arg,
+        default=0,
+        help="0: plain loss over full logits; K: the fused chunked cross-entropy; auto: as `train` picks",
     )
     add_lora_args(parser)
+
+
+def loss_chunks_arg(text: str) -> int | str:
+    """argparse type of ``--loss-chunks``: ``auto`` or an integer (checked later, with the shape)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
 
 
 def config_from_args(args: argparse.Namespace):
@@ -123,6 +136,12 @@ def config_from_args(args: argparse.Namespace):
     default_batch, default_seq = constants.PRESET_SHAPES.get(args.preset, (1, min(128, config.max_seq_len)))
     batch = default_batch if args.batch_size is None else args.batch_size
     seq = default_seq if args.seq_len is None else args.seq_len
+    if args.loss_chunks == "auto":  # the count goes into headers and JSON, as an explicit one would
+        from remat_kit.loss import auto_chunks
+        from remat_kit.mesh import MeshSpec
+
+        devices = MeshSpec.parse(getattr(args, "mesh", None)).size
+        args.loss_chunks = auto_chunks(batch * seq, config.vocab_size, devices)
     analysis.check_shape(config, batch, seq, args.loss_chunks)
     return config, batch, seq
 

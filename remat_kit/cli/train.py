@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from remat_kit import constants
-from remat_kit.cli.common import add_lora_args, add_parser, add_shape_args, lora_overrides
+from remat_kit.cli.common import add_lora_args, add_parser, add_shape_args, lora_overrides, loss_chunks_arg
 
 #: ``TrainConfig``'s defaults, spelled out so that ``--help`` needs no jax (tests/test_cli.py checks they agree).
 TRAIN_DEFAULTS = {
@@ -21,7 +21,7 @@ TRAIN_DEFAULTS = {
     "warmup_steps": -1,
     "weight_decay": 0.01,
     "clip_norm": 1.0,
-    "loss_chunks": 0,
+    "loss_chunks": "auto",
     "seed": 0,
     "val_fraction": 0.05,
     "eval_every": 50,
@@ -54,7 +54,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--dropout", type=float, default=None, help="override the preset's dropout rate")
     add_lora_args(p)
     p.add_argument(
-        "--loss-chunks", type=int, default=d["loss_chunks"], help="compute logits/loss in K chunks (0: plain)"
+        "--loss-chunks",
+        type=loss_chunks_arg,
+        default=d["loss_chunks"],
+        help="K: logits, loss and gradients in K chunks (the fused loss); 0: the plain loss; "
+        "auto (default): fused where the float32 logits reach 256 MiB",
     )
     p.add_argument("--seed", type=int, default=d["seed"], help="initialization, dropout and data-order seed")
     p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders (default: Python stdlib)")

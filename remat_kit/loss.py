@@ -14,7 +14,7 @@ spares the page faults of two ``[b·s, V]`` float32 buffers per step (``benchmar
 
 ``loss_chunks="auto"`` (:func:`auto_chunks`, the training default) picks the fused loss once the full
 float32 logits reach :data:`AUTO_FUSED_FROM`, about :data:`AUTO_CHUNK_BYTES` of logits a chunk, and
-the plain loss below that, where the two are equally fast on CPU and the logits are small anyway.
+the plain loss below that, where on CPU it is as fast or faster and the logits are small anyway.
 """
 
 from __future__ import annotations
@@ -218,7 +218,9 @@ def lm_loss(model, params, tokens, *, loss_chunks: int | str = 0, deterministic:
       params: its ``params`` collection (the inner dict, not ``{"params": ...}``).
       tokens: ``[batch, seq]`` integer ids.
       loss_chunks: 0 for the plain loss over full logits; k > 0 for :func:`chunked_cross_entropy`;
-        ``"auto"`` for :func:`auto_chunks` of ``tokens``' shape and the model's vocabulary.
+        ``"auto"`` for :func:`auto_chunks` of ``tokens``' shape and the model's vocabulary on one
+        device (over a mesh, pass ``loss_chunks=auto_chunks(tokens, vocab, mesh.size)``, as the
+        trainer does).
       deterministic: False to apply dropout (then pass ``rngs={"dropout": key}``).
       rngs: Flax rngs for ``apply``.
     """

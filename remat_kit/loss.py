@@ -79,10 +79,10 @@ def check_chunks(loss_chunks) -> int | str:
     return loss_chunks
 
 
-def resolve_chunks(loss_chunks, tokens: int, vocab: int) -> int:
+def resolve_chunks(loss_chunks, tokens: int, vocab: int, devices: int = 1) -> int:
     """``loss_chunks`` as a count: ``"auto"`` becomes :func:`auto_chunks`, a count is checked and kept."""
     loss_chunks = check_chunks(loss_chunks)
-    return auto_chunks(tokens, vocab) if loss_chunks == "auto" else loss_chunks
+    return auto_chunks(tokens, vocab, devices) if loss_chunks == "auto" else loss_chunks
 
 
 def shift_targets(tokens):
@@ -219,8 +219,8 @@ def lm_loss(model, params, tokens, *, loss_chunks: int | str = 0, deterministic:
       tokens: ``[batch, seq]`` integer ids.
       loss_chunks: 0 for the plain loss over full logits; k > 0 for :func:`chunked_cross_entropy`;
         ``"auto"`` for :func:`auto_chunks` of ``tokens``' shape and the model's vocabulary on one
-        device (over a mesh, pass ``loss_chunks=auto_chunks(tokens, vocab, mesh.size)``, as the
-        trainer does).
+        device (over a mesh, pass ``loss_chunks=resolve_chunks("auto", tokens, vocab, mesh.size)``,
+        as the trainer does).
       deterministic: False to apply dropout (then pass ``rngs={"dropout": key}``).
       rngs: Flax rngs for ``apply``.
     """

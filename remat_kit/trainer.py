@@ -57,11 +57,12 @@ class Trainer:
             step_kw = step_lib.jit_kwargs(abstract.params, abstract.opt_state, self.mesh, batch_args=2)
             eval_kw = {"in_shardings": (params, tokens)}
         #: ``config.loss_chunks`` as a count (``"auto"`` resolved for this run's shape and mesh).
-        self.loss_chunks = config.loss_chunks
-        if config.loss_chunks == "auto":
-            devices = 1 if self.mesh is None else self.mesh.size
-            tokens = config.batch_size * config.seq_len
-            self.loss_chunks = loss_lib.auto_chunks(tokens, config.model.vocab_size, devices)
+        self.loss_chunks = loss_lib.resolve_chunks(
+            config.loss_chunks,
+            config.batch_size * config.seq_len,
+            config.model.vocab_size,
+            1 if self.mesh is None else self.mesh.size,
+        )
         # The step plan, auto and bench compile (remat_kit.step); parameters and optimizer state donated.
         micro_step = step_lib.make_step(self._loss, self.optimizer, on_trace=lambda: self._count_trace("step"))
         self._micro_step = jax.jit(micro_step, **step_kw)

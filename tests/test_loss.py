@@ -166,7 +166,7 @@ def test_an_evaluation_of_the_fused_loss_takes_no_gradients(inputs):
 )
 def test_auto_chunks(tokens, vocab, devices, expected):
     assert loss.auto_chunks(tokens, vocab, devices) == expected
-    assert loss.resolve_chunks("auto", tokens, vocab) == loss.auto_chunks(tokens, vocab)
+    assert loss.resolve_chunks("auto", tokens, vocab, devices) == expected
     assert loss.resolve_chunks(5, tokens, vocab) == 5
 
 

@@ -1,6 +1,6 @@
 """Interleaved A/B timing of the training step: variants compiled in one process, run ABAB…, medians.
 
-Each variant is the project's own step (:func:`remat_kit.step.make_step`, clipped AdamW, donated
+Each variant is the project's own step (:func:`remat_kit.train.step.make_step`, clipped AdamW, donated
 state) with one thing changed: chunked attention's implementation (``attention.py`` as of a git
 revision against the working tree's), its block size, or XLA_FLAGS. Runs alternate between the
 variants so that a shared machine's load falls on all of them alike; the median of ``--repeats``
@@ -28,10 +28,10 @@ import time
 
 import jax
 
-from remat_kit import attention
-from remat_kit import loss as loss_lib
-from remat_kit import step as step_lib
-from remat_kit.model import PRESET_SHAPES, Transformer, TransformerConfig
+from remat_kit.model import attention
+from remat_kit.model import loss as loss_lib
+from remat_kit.model.transformer import PRESET_SHAPES, Transformer, TransformerConfig
+from remat_kit.train import step as step_lib
 
 #: ``small``: the preset at its default shape; ``peer1k``: benchmarks/peer_hf.py's model (vocabulary
 #: 32,000, hidden 512) at batch 1 × 1,024, where the logits are the largest tensor of the step;
@@ -59,13 +59,17 @@ def compile_variant(cfg, shape, policy: str):
 
 
 def attention_from(revision: str):
-    """``remat_kit/attention.py`` as of a git revision, imported as a separate module (for A/B)."""
+    """``remat_kit/model/attention.py`` as of a git revision, imported as a separate module (for A/B)."""
     import importlib.util
     import tempfile
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     text = subprocess.run(
-        ["git", "show", f"{revision}:remat_kit/attention.py"], cwd=root, capture_output=True, text=True, check=True
+        ["git", "show", f"{revision}:remat_kit/model/attention.py"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     path = os.path.join(tempfile.mkdtemp(), "attention_before.py")
     with open(path, "w") as f:

@@ -16,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from remat_kit import attention
+from remat_kit.model import attention
 
 
 def compile_seconds(seq: int, block: int, batch: int, heads: int, kv_heads: int, head_dim: int, dtype: str) -> float:

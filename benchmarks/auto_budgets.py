@@ -14,9 +14,9 @@ import argparse
 import json
 import time
 
-from remat_kit import budget as auto
-from remat_kit.model import PRESET_SHAPES, TransformerConfig
-from remat_kit.plan import fmt_bytes
+from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
+from remat_kit.planning import budget as auto
+from remat_kit.planning.plan import fmt_bytes
 
 
 def main(argv=None) -> int:

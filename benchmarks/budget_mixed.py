@@ -1,6 +1,6 @@
 """Issue 13's mixed-policy figures: auto's answer for budgets between presets, mix against best preset.
 
-For each preset the candidate policies are compiled once (one shared :class:`remat_kit.budget.Planner`);
+For each preset the candidate policies are compiled once (one shared :class:`remat_kit.planning.budget.Planner`);
 the budgets are the midpoints between neighbours on their Pareto front (need × (1 + margin)), where a
 single preset wastes the difference. At each budget ``auto`` (mixes on) answers; the table sets its
 choice and measured recompute against the best single preset that fits (``auto(..., mixes=False)``,
@@ -19,11 +19,11 @@ import shlex
 import sys
 import time
 
-from remat_kit import analysis
-from remat_kit import budget as A
 from remat_kit import policies as P
-from remat_kit.model import PRESET_SHAPES, TransformerConfig
-from remat_kit.pareto import pareto_front
+from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
+from remat_kit.planning import analysis
+from remat_kit.planning import budget as A
+from remat_kit.planning.pareto import pareto_front
 from remat_kit.units import fmt_bytes
 
 #: The 2b pool: the policies on (or next to) its Pareto front in benchmarks/results/auto_budgets_2b.txt;

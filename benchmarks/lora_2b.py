@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from remat_kit import budget, lora, policies
-from remat_kit.model import TransformerConfig
+from remat_kit import policies
+from remat_kit.model import lora
+from remat_kit.model.transformer import TransformerConfig
+from remat_kit.planning import budget
 from remat_kit.units import fmt_bytes
 
 GB = 10**9

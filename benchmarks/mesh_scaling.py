@@ -25,11 +25,12 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
-    from remat_kit import analysis, policies
-    from remat_kit import budget as auto
-    from remat_kit import mesh as M
-    from remat_kit.model import PRESET_SHAPES, TransformerConfig
-    from remat_kit.plan import fmt_bytes
+    from remat_kit import policies
+    from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
+    from remat_kit.planning import analysis
+    from remat_kit.planning import budget as auto
+    from remat_kit.planning.plan import fmt_bytes
+    from remat_kit.train import mesh as M
 
     cfg = TransformerConfig.preset(args.preset)
     batch = args.batch or max(PRESET_SHAPES[args.preset][0], args.devices)

@@ -69,9 +69,9 @@ two() {
 import json, sys
 from pathlib import Path
 import jax, numpy as np
-from remat_kit import train
-from remat_kit.checkpoint import Checkpoints
-from remat_kit.model import TransformerConfig
+from remat_kit.train import loop as train
+from remat_kit.train.checkpoint import Checkpoints
+from remat_kit.model.transformer import TransformerConfig
 
 work, policy, t_one, t_two = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
 runs = {k: [json.loads(l) for l in (work / f"{k}-{policy}.jsonl").read_text().splitlines()] for k in ("one", "two")}
@@ -117,9 +117,9 @@ EOF
 import json, sys
 from pathlib import Path
 import jax, numpy as np
-from remat_kit import train
-from remat_kit.checkpoint import Checkpoints
-from remat_kit.model import TransformerConfig
+from remat_kit.train import loop as train
+from remat_kit.train.checkpoint import Checkpoints
+from remat_kit.model.transformer import TransformerConfig
 
 work = Path(sys.argv[1])
 abstract = train.Trainer(train.TrainConfig(model=TransformerConfig.preset("tiny"), steps=2)).abstract_state()

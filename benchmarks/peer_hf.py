@@ -1,7 +1,7 @@
 """remat_kit beside PyTorch + Hugging Face Transformers on the same model, batch, optimizer and threads.
 
 The peer is a Transformers ``LlamaForCausalLM`` built from a config (random weights, nothing
-downloaded) with the architecture of remat_kit's :class:`~remat_kit.model.Transformer`: RMSNorm
+downloaded) with the architecture of remat_kit's :class:`~remat_kit.model.transformer.Transformer`: RMSNorm
 pre-norm, RoPE, causal attention (SDPA), SwiGLU MLP of the same hidden width, untied output
 projection, no biases, no dropout. Both train with AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-8,
 weight decay 1e-4: optax's defaults, given to torch explicitly) on the same random tokens.
@@ -69,7 +69,7 @@ QUICK = dict(batch=2, seq=256, steps=3, warmup=1)
 POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "offload")
 #: ``--loss-chunks``'s default: the count ``loss_chunks="auto"`` (``remat-kit train``'s default) picks at
 #: FULL's shape, so a default run compares the step a remat_kit user trains with as well as the plain
-#: loss (tests/test_peer_hf.py checks it against remat_kit.loss.auto_chunks).
+#: loss (tests/test_peer_hf.py checks it against remat_kit.model.loss.auto_chunks).
 DEFAULT_LOSS_CHUNKS = 4
 ADAMW = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4)
 
@@ -189,8 +189,8 @@ def _jax_step(job: dict[str, Any]):
     import jax.numpy as jnp
     import optax
 
-    from remat_kit.loss import lm_loss
-    from remat_kit.model import Transformer, TransformerConfig
+    from remat_kit.model.loss import lm_loss
+    from remat_kit.model.transformer import Transformer, TransformerConfig
 
     cfg = TransformerConfig(**job["model"])
     model = Transformer(config=cfg, policy=job["policy"])

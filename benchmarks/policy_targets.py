@@ -26,8 +26,9 @@ import time
 
 import numpy as np
 
-from remat_kit import analysis, bench
-from remat_kit.model import PRESET_SHAPES, Transformer, TransformerConfig
+from remat_kit.bench import run as bench
+from remat_kit.model.transformer import PRESET_SHAPES, Transformer, TransformerConfig
+from remat_kit.planning import analysis
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from unrolled import UnrolledTransformer

@@ -21,7 +21,7 @@ run_to() {
   echo "wrote $file" >&2
 }
 
-# ---- policies (issue 3): remat_kit.analysis, remat-kit plan, remat-kit bench -------------------------
+# ---- policies (issue 3): remat_kit.planning.analysis, remat-kit plan, remat-kit bench -------------------------
 if want policies; then
   RK=("$PY" -m remat_kit.cli)
   # Compile-only: the seed's 2B-class model, every policy (bytes/FLOPs do not depend on load).

@@ -1,6 +1,6 @@
 """The baseline users would otherwise write: ``nn.remat`` blocks in a Python loop (no scan).
 
-Same embedding, block, head and policy semantics as :class:`remat_kit.model.Transformer`; only the
+Same embedding, block, head and policy semantics as :class:`remat_kit.model.transformer.Transformer`; only the
 layer stack differs: ``num_layers`` separately traced blocks instead of one scanned block, so the
 trace, the HLO and XLA's compile time grow with the depth.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import flax.linen as nn
 
 from remat_kit import policies
-from remat_kit.model import Block, Transformer, TransformerConfig
+from remat_kit.model.transformer import Block, Transformer, TransformerConfig
 
 
 class _Group(nn.Module):
@@ -56,7 +56,7 @@ class UnrolledLayers(nn.Module):
 
 
 class UnrolledTransformer(Transformer):
-    """:class:`remat_kit.model.Transformer` with :class:`UnrolledLayers` in place of the scan."""
+    """:class:`remat_kit.model.transformer.Transformer` with :class:`UnrolledLayers` in place of the scan."""
 
     def make_layers(self) -> nn.Module:
         return UnrolledLayers(self.config, self.policy, name="layers")

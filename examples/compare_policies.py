@@ -2,7 +2,7 @@
 
 Each policy trains from the same seed on the same batches. The script overlays the loss curves,
 plots their difference from ``none`` (float rounding only), and reports what each policy keeps
-for the backward pass (compile-only, :func:`remat_kit.analysis.analyze`) and its step time.
+for the backward pass (compile-only, :func:`remat_kit.planning.analysis.analyze`) and its step time.
 
     python examples/compare_policies.py --steps 150 --out runs/compare_policies.png
 """
@@ -16,8 +16,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from remat_kit import analysis, data, train
+from remat_kit import train
 from remat_kit.model import TransformerConfig
+from remat_kit.planning import analysis
+from remat_kit.train import data
 
 
 def main(argv=None):

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import optax
 
 import remat_kit
-from remat_kit import data, loss
+from remat_kit.model import loss
 from remat_kit.names import tag
+from remat_kit.train import data
 
 
 class MyBlock(nn.Module):

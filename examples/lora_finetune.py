@@ -16,9 +16,10 @@ import jax
 import numpy as np
 
 import remat_kit
-from remat_kit import data, lora, train
-from remat_kit.checkpoint import Checkpoints
-from remat_kit.model import TransformerConfig
+from remat_kit import train
+from remat_kit.model import TransformerConfig, lora
+from remat_kit.train import data
+from remat_kit.train.checkpoint import Checkpoints
 
 
 def restore_params(config: train.TrainConfig, directory: Path):

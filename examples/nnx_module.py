@@ -17,8 +17,10 @@ import optax
 from flax import nnx
 
 import remat_kit.nnx
-from remat_kit import _jax_internals, data, loss, policies, units
+from remat_kit import _jax_internals, policies, units
+from remat_kit.model import loss
 from remat_kit.names import tag
+from remat_kit.train import data
 
 
 class MyBlock(nnx.Module):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import remat_kit
-from remat_kit.plan import format_budget_table
+from remat_kit.planning.plan import format_budget_table
 from remat_kit.units import fmt_bytes, parse_bytes
 
 

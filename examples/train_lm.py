@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from remat_kit import data, train
+from remat_kit import train
 from remat_kit.cli.common import loss_chunks_arg
 from remat_kit.model import Transformer, TransformerConfig
+from remat_kit.train import data
 
 
 def sample(config: train.TrainConfig, params, prompt: str, length: int) -> str:

@@ -1,10 +1,12 @@
 """remat_kit: choose, apply and measure activation rematerialization in JAX/Flax.
 
-The public names load on first use (a module ``__getattr__``), so ``import remat_kit`` (and the
-command line's ``--help``) imports neither jax nor the model, optax or the planner.
+The core (this folder) chooses, applies and inspects a policy; the wings above it are the built-in
+model (``model/``), its training (``train/``), compile-only planning (``planning/``), the benchmark
+runner (``bench/``) and the command line (``cli/``). The public names load on first use, so
+``import remat_kit`` (and the command line's ``--help``) imports neither jax nor any wing.
 """
 
-import importlib
+from remat_kit._lazy import face
 
 __version__ = "0.1.0"
 
@@ -12,28 +14,16 @@ __version__ = "0.1.0"
 _LAZY = {
     "names": ("remat_kit.names", None),
     "policies": ("remat_kit.policies", None),
+    "nnx": ("remat_kit.nnx", None),
     "Policy": ("remat_kit.policies", "Policy"),
     "parse": ("remat_kit.policies", "parse"),
     "Stack": ("remat_kit.scan", "Stack"),
     "stack": ("remat_kit.scan", "stack"),
     "inspect": ("remat_kit.inspection", "inspect"),
     "compare": ("remat_kit.inspection", "compare"),
-    "auto": ("remat_kit.budget", "auto"),
+    "auto": ("remat_kit.planning.budget", "auto"),
 }
 
+__getattr__, __dir__ = face(__name__, _LAZY, globals())
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        module_name, attr = _LAZY[name]
-        module = importlib.import_module(module_name)
-        value = module if attr is None else getattr(module, attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'remat_kit' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted([*globals(), *_LAZY])
-
-
-__all__ = ["Policy", "Stack", "auto", "compare", "inspect", "names", "parse", "policies", "stack"]
+__all__ = ["Policy", "Stack", "auto", "compare", "inspect", "names", "nnx", "parse", "policies", "stack"]

@@ -7,19 +7,19 @@ checks that the two agree: ``tests/test_cli.py``).
 
 from __future__ import annotations
 
-#: Model presets (:data:`remat_kit.model.PRESETS` holds their configs).
+#: Model presets (:data:`remat_kit.model.transformer.PRESETS` holds their configs).
 PRESET_NAMES: tuple[str, ...] = ("tiny", "small", "2b")
 
-#: (batch, seq) each preset is measured at by default (:data:`remat_kit.model.PRESET_SHAPES`).
+#: (batch, seq) each preset is measured at by default (:data:`remat_kit.model.transformer.PRESET_SHAPES`).
 PRESET_SHAPES: dict[str, tuple[int, int]] = {"tiny": (2, 32), "small": (4, 256), "2b": (2, 1024)}
 
-#: Compute and parameter dtypes a model accepts (:data:`remat_kit.model.DTYPES`).
+#: Compute and parameter dtypes a model accepts (:data:`remat_kit.model.transformer.DTYPES`).
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
-#: Attention implementations (:mod:`remat_kit.attention`).
+#: Attention implementations (:mod:`remat_kit.model.attention`).
 ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "chunked", "cudnn")
 
-#: Layers a LoRA adapter can target, and the frozen base's storage modes (:mod:`remat_kit.lora`).
+#: Layers a LoRA adapter can target, and the frozen base's storage modes (:mod:`remat_kit.model.lora`).
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out")
 QUANTIZE_MODES: tuple[str, ...] = ("none", "int8")
 
@@ -29,10 +29,10 @@ PLAN_POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "selective", "off
 #: The policies ``bench`` compares by default.
 BENCH_POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "selective", "offload", "sqrt_n")
 
-#: Candidates for a model given as ``--model MODULE:FACTORY`` (:data:`remat_kit.budget.GENERIC_CANDIDATES`).
+#: Candidates for a model given as ``--model MODULE:FACTORY`` (:data:`remat_kit.planning.budget.GENERIC_CANDIDATES`).
 GENERIC_CANDIDATES: tuple[str, ...] = ("none", "dots", "full")
 
-#: ``plan --budget``'s default safety margin (:data:`remat_kit.budget.DEFAULT_MARGIN`).
+#: ``plan --budget``'s default safety margin (:data:`remat_kit.planning.budget.DEFAULT_MARGIN`).
 DEFAULT_MARGIN = 0.10
 
 #: JAX's own defaults for joining a multi-process run and for its heartbeat, in seconds.

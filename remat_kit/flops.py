@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from remat_kit import _jax_internals
 
 if TYPE_CHECKING:  # annotations only: the jaxpr counter must not import the model (inspection imports it)
-    from remat_kit.model import TransformerConfig
+    from remat_kit.model.transformer import TransformerConfig
 
 
 def _dot_flops(eqn) -> int:
@@ -85,7 +85,7 @@ class AnalyticFlops:
 def analytic_flops(config: TransformerConfig, batch: int, seq: int) -> AnalyticFlops:
     """The analytic FLOP count of one step of ``config`` on ``[batch, seq]`` tokens.
 
-    >>> from remat_kit.model import TransformerConfig
+    >>> from remat_kit.model.transformer import TransformerConfig
     >>> cfg = TransformerConfig.preset("tiny")
     >>> a = analytic_flops(cfg, 2, 32)
     >>> a.full > a.none and a.none == a.dense + a.attention

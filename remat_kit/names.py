@@ -1,7 +1,7 @@
 """The vocabulary of ``checkpoint_name`` tags emitted by remat_kit's transformer block.
 
 A selective or offload policy refers to values inside a block by these tags. Every tag below is
-attached by :class:`remat_kit.model.Block`; your own code may emit any of them, or its own tags (any
+attached by :class:`remat_kit.model.transformer.Block`; your own code may emit any of them, or its own tags (any
 ``checkpoint_name``): a policy may name either, and wherever it is applied the tags it names are
 checked against those the code really emits (:mod:`remat_kit.tags`).
 

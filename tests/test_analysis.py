@@ -1,4 +1,4 @@
-"""remat_kit.analysis and remat_kit.flops on the tiny preset, against bytes and FLOPs computed by hand."""
+"""remat_kit.planning.analysis and remat_kit.flops on the tiny preset, against bytes and FLOPs computed by hand."""
 
 import dataclasses
 
@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from remat_kit import analysis, flops, names, policies
-from remat_kit.model import TransformerConfig
+from remat_kit import flops, names, policies
+from remat_kit.model.transformer import TransformerConfig
+from remat_kit.planning import analysis
 
 # XLA's default attention: the analytic attention FLOPs (full s², no skipped blocks) hold exactly.
 CFG = TransformerConfig.preset("tiny", attention="xla")

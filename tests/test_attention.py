@@ -7,8 +7,9 @@ import pytest
 from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 from remat_kit import _jax_internals as internals
-from remat_kit import attention, flops, names
-from remat_kit.model import Block, Transformer, TransformerConfig, abstract_params, init_params
+from remat_kit import flops, names
+from remat_kit.model import attention
+from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params, init_params
 
 
 def _qkv(b, s, h, kv, d, dtype=jnp.float32, seed=0):

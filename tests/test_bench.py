@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from remat_kit import bench, cli
-from remat_kit.model import TransformerConfig
+from remat_kit import cli
+from remat_kit.bench import run as bench
+from remat_kit.model.transformer import TransformerConfig
 
 CFG = TransformerConfig.preset("tiny")
 #: Keys the issue requires in every JSON record.

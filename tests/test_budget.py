@@ -2,11 +2,11 @@
 
 import pytest
 
-from remat_kit import budget as A
-from remat_kit import fit, pareto
 from remat_kit import policies as P
-from remat_kit.model import TransformerConfig
-from remat_kit.plan import fmt_bytes
+from remat_kit.model.transformer import TransformerConfig
+from remat_kit.planning import budget as A
+from remat_kit.planning import fit, pareto
+from remat_kit.planning.plan import fmt_bytes
 
 CFG = TransformerConfig.preset("tiny", num_layers=4)
 POOL = ("none", "selective:q_proj,k_proj,v_proj", "every_n:2", "full", "sqrt_n")

@@ -10,8 +10,9 @@ import numpy as np
 import optax
 import pytest
 
-from remat_kit import data, train
-from remat_kit.checkpoint import CORRUPT_PREFIX, Checkpoints, CheckpointWarning, prepare_directory, tree_digest
+from remat_kit.train import data
+from remat_kit.train import loop as train
+from remat_kit.train.checkpoint import CORRUPT_PREFIX, Checkpoints, CheckpointWarning, prepare_directory, tree_digest
 
 # After a failed tensorstore read (the corrupt-checkpoint tests do that on purpose), orbax's asyncio
 # helpers report an ignored "Event loop is closed" when collected, in whichever test runs then.
@@ -177,7 +178,7 @@ def test_failed_read_echoes_are_dropped_while_restoring(caplog, capsys):
     import sys
     import types
 
-    from remat_kit import checkpoint
+    from remat_kit.train import checkpoint
 
     hooks = sys.excepthook, sys.unraisablehook
     unraisable = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), exc_type=RuntimeError,

@@ -67,9 +67,12 @@ def test_version(capsys):
 
 def test_constants_match_the_library():
     # --help reads these from the jax-free constants module; here they meet the modules that own them.
-    from remat_kit import attention, budget, lora, mesh, model
     from remat_kit.cli.train import TRAIN_DEFAULTS
-    from remat_kit.train import TrainConfig
+    from remat_kit.model import attention, lora
+    from remat_kit.model import transformer as model
+    from remat_kit.planning import budget
+    from remat_kit.train import mesh
+    from remat_kit.train.loop import TrainConfig
 
     assert tuple(model.PRESETS) == constants.PRESET_NAMES
     assert constants.PRESET_SHAPES == model.PRESET_SHAPES
@@ -203,7 +206,7 @@ def test_train_checkpoint_dir_errors(extra, message, tmp_path, capsys):
 
 
 def test_binary_data_says_it_is_not_text(tmp_path):
-    from remat_kit import data
+    from remat_kit.train import data
 
     (tmp_path / "weights.bin").write_bytes(b"\x00\x01\x02" * 100)
     with pytest.raises(ValueError, match=r"weights\.bin .* is not text \(binary"):
@@ -211,7 +214,7 @@ def test_binary_data_says_it_is_not_text(tmp_path):
 
 
 def test_checkpoint_dir_that_is_a_file(tmp_path):
-    from remat_kit.checkpoint import prepare_directory
+    from remat_kit.train.checkpoint import prepare_directory
 
     (tmp_path / "f").write_text("x")
     with pytest.raises(OSError, match="is a file, not a directory"):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from remat_kit import data
+from remat_kit.train import data
 
 
 @pytest.fixture(scope="module")

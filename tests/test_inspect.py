@@ -9,8 +9,9 @@ import plan_model_factory as M
 import pytest
 
 import remat_kit
-from remat_kit import _jax_internals, budget, inspection, policies
+from remat_kit import _jax_internals, inspection, policies
 from remat_kit.cli import main
+from remat_kit.planning import budget
 
 F32 = 4
 L, B, S, D = M.LAYERS, M.BATCH, M.SEQ, M.D

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from conftest import RTOL_F32, max_rel_err
 
-from remat_kit import _jax_internals, flops, loss
-from remat_kit.model import Transformer, TransformerConfig, init_params
+from remat_kit import _jax_internals, flops
+from remat_kit.model import loss
+from remat_kit.model.transformer import Transformer, TransformerConfig, init_params
 
 B, S, D, V = 2, 16, 8, 50
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
-from remat_kit import mesh as M
-from remat_kit.loss import lm_loss
-from remat_kit.model import Transformer, TransformerConfig, init_params
+from remat_kit.model.loss import lm_loss
+from remat_kit.model.transformer import Transformer, TransformerConfig, init_params
+from remat_kit.train import mesh as M
 
 
 def test_four_simulated_devices():
@@ -195,7 +195,7 @@ def test_one_process_always_agrees_with_itself_and_differences_are_named():
 
 
 def test_batch_rows_read_only_that_part_of_the_global_batch():
-    from remat_kit import data
+    from remat_kit.train import data
 
     batches = data.Batches(np.arange(4000, dtype=np.int64).astype(np.uint8), batch_size=4, seq_len=16, seed=3)
     for position in (0, 7, 300):  # 300 is past the first epoch

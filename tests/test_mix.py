@@ -10,10 +10,10 @@ from test_scan import Block, _activations, _loss, _setup
 
 import remat_kit
 from remat_kit import _jax_internals as internals
-from remat_kit import analysis
-from remat_kit import budget as A
 from remat_kit import policies as P
-from remat_kit.model import Transformer, TransformerConfig
+from remat_kit.model.transformer import Transformer, TransformerConfig
+from remat_kit.planning import analysis
+from remat_kit.planning import budget as A
 
 MIXES = [
     "full*2+none*3",

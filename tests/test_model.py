@@ -8,9 +8,11 @@ import pytest
 from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 from remat_kit import _jax_internals as internals
-from remat_kit import analysis, loss, names
+from remat_kit import names
 from remat_kit import policies as P
-from remat_kit.model import (
+from remat_kit.model import loss
+from remat_kit.model.ops import project, rms_norm, swiglu
+from remat_kit.model.transformer import (
     PRESETS,
     Block,
     Transformer,
@@ -18,7 +20,7 @@ from remat_kit.model import (
     abstract_params,
     init_params,
 )
-from remat_kit.ops import project, rms_norm, swiglu
+from remat_kit.planning import analysis
 
 
 def _lm_loss(cfg, policy, tokens, dropout_key=None):

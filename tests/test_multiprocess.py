@@ -56,10 +56,11 @@ def _train_args(corpus: Path, policy: str = "full") -> list[str]:
 
 
 def _child(scenario: str, port: int, pid: int, work: Path) -> None:
-    from remat_kit import analysis, cli
-    from remat_kit import mesh as mesh_lib
-    from remat_kit import train as train_mod
-    from remat_kit.model import TransformerConfig
+    from remat_kit import cli
+    from remat_kit.model.transformer import TransformerConfig
+    from remat_kit.planning import analysis
+    from remat_kit.train import loop as train_mod
+    from remat_kit.train import mesh as mesh_lib
 
     dist = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)]
     corpus = work / "corpus.txt"
@@ -167,8 +168,8 @@ def _launch(scenario: str, work: Path, pids=(0, 1), port: int | None = None) -> 
 
 def _final(directory: Path):
     """(step, parameters) of the newest checkpoint, restored in this process onto one device."""
-    from remat_kit import train
-    from remat_kit.checkpoint import Checkpoints
+    from remat_kit.train import loop as train
+    from remat_kit.train.checkpoint import Checkpoints
 
     with Checkpoints(directory) as ckpts:
         step, state, _ = ckpts.restore_latest(train.Trainer(_config("full")).abstract_state())
@@ -176,8 +177,8 @@ def _final(directory: Path):
 
 
 def _config(policy: str):
-    from remat_kit import train
-    from remat_kit.model import TransformerConfig
+    from remat_kit.model.transformer import TransformerConfig
+    from remat_kit.train import loop as train
 
     return train.TrainConfig(
         model=TransformerConfig.preset("tiny"), policy=policy, steps=STEPS, batch_size=4, seq_len=32,
@@ -197,7 +198,8 @@ def _rel(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from remat_kit import data, train
+    from remat_kit.train import data
+    from remat_kit.train import loop as train
 
     work = tmp_path_factory.mktemp("multiprocess")
     # Real text (JAX's own source), small: reading it is instant.
@@ -253,8 +255,9 @@ def test_process_0_alone_writes_metrics_and_other_logs_say_their_process(runs):
 
 
 def test_plan_is_the_same_in_two_processes(runs):
-    from remat_kit import analysis, mesh
-    from remat_kit.model import TransformerConfig
+    from remat_kit.model.transformer import TransformerConfig
+    from remat_kit.planning import analysis
+    from remat_kit.train import mesh
 
     here = analysis.analyze(TransformerConfig.preset("tiny"), "full", 4, 32, mesh=mesh.make_mesh(MESH)).to_dict()
     for pid in (0, 1):
@@ -299,7 +302,7 @@ def test_restarting_both_resumes_bit_for_bit(runs):
 def test_two_process_checkpoint_resumes_in_one(runs):
     import warnings
 
-    from remat_kit import train
+    from remat_kit.train import loop as train
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # restored arrays that failed their SHA-256 would warn and be skipped

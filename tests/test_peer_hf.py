@@ -125,7 +125,7 @@ def test_workers_pin_themselves_so_the_parent_never_forks_with_threads():
 
 
 def test_the_default_fused_variant_is_what_auto_picks_at_the_issues_shape():
-    from remat_kit.loss import auto_chunks
+    from remat_kit.model.loss import auto_chunks
 
     tokens = peer_hf.FULL["batch"] * peer_hf.FULL["seq"]
     assert peer_hf.DEFAULT_LOSS_CHUNKS == auto_chunks(tokens, peer_hf.MODEL["vocab_size"]) == 4

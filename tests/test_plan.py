@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from remat_kit import cli, plan
-from remat_kit.model import TransformerConfig
+from remat_kit import cli
+from remat_kit.model.transformer import TransformerConfig
+from remat_kit.planning import plan
 from remat_kit.units import fmt_count
 
 TINY = ["--preset", "tiny", "--attention", "xla", "--batch-size", "2", "--seq-len", "32"]
@@ -103,7 +104,7 @@ def test_parse_policies_keeps_tag_lists_together():
         plan.parse_policies(" , ", 4)
 
 
-# ---- plan --budget (remat_kit.budget through the CLI) ---------------------------------------------------
+# ---- plan --budget (remat_kit.planning.budget through the CLI) ---------------------------------------------------
 
 
 def test_plan_budget_chooses_and_writes_json(tmp_path, capsys):

@@ -9,7 +9,7 @@ from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 from remat_kit import _jax_internals as internals
 from remat_kit import policies as P
-from remat_kit.model import Block, TransformerConfig
+from remat_kit.model.transformer import Block, TransformerConfig
 from remat_kit.names import tag
 
 README = Path(__file__).resolve().parent.parent / "README.md"

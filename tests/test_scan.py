@@ -12,10 +12,10 @@ from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 import remat_kit
 from remat_kit import _jax_internals as internals
-from remat_kit import analysis
 from remat_kit import policies as P
-from remat_kit.model import TransformerConfig
+from remat_kit.model.transformer import TransformerConfig
 from remat_kit.names import tag
+from remat_kit.planning import analysis
 
 B, S, D, F = 2, 3, 8, 24
 

@@ -15,10 +15,14 @@ import numpy as np
 import pytest
 from conftest import ALL_SPECS
 
-from remat_kit import cli, data, loss, train, train_progress
-from remat_kit.checkpoint import Checkpoints
+from remat_kit import cli
 from remat_kit.cli.train import config_from_args
-from remat_kit.model import TransformerConfig
+from remat_kit.model import loss
+from remat_kit.model.transformer import TransformerConfig
+from remat_kit.train import data
+from remat_kit.train import loop as train
+from remat_kit.train import progress as train_progress
+from remat_kit.train.checkpoint import Checkpoints
 
 #: Per-step losses of one seed under two policies agree to this relative error (float32; the
 #: model-level tolerance of the style guide). Remat only reorders float rounding.
@@ -142,7 +146,8 @@ _SLOW_CLI = f"""
 import sys, time
 import jax
 jax.config.update("jax_num_cpu_devices", {jax.device_count()})
-from remat_kit import cli, train
+from remat_kit import cli
+from remat_kit.train import loop as train
 _train = train.train
 train.train = lambda *a, **k: _train(*a, callbacks=[lambda step, record: time.sleep(0.2)], **k)
 sys.exit(cli.main(sys.argv[1:]))

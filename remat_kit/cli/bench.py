@@ -1,4 +1,4 @@
-"""``remat-kit bench``: the command line of :mod:`remat_kit.bench` (real training steps per policy)."""
+"""``remat-kit bench``: the command line of :mod:`remat_kit.bench.run` (real training steps per policy)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ def _progress(args: argparse.Namespace):
 def _bench_command(args: argparse.Namespace) -> int:
     if args.model:
         return _bench_model_command(args)
-    from remat_kit import mesh as mesh_lib
-    from remat_kit.bench import DEFAULT_POLICIES, run_bench
-    from remat_kit.plan import parse_policies
+    from remat_kit.bench.run import DEFAULT_POLICIES, run_bench
+    from remat_kit.planning.plan import parse_policies
+    from remat_kit.train import mesh as mesh_lib
 
     config, batch, seq = config_from_args(args)
     specs = [str(p) for p in parse_policies(args.policies or ",".join(DEFAULT_POLICIES), config.num_layers)]
@@ -76,7 +76,7 @@ def _bench_command(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, command: str, setting: str, records: list, title: str) -> int:
     """Print the table and write the ``--json``/``--markdown``/``--plot`` files both bench forms offer."""
-    from remat_kit.bench import format_markdown, format_table, noise_warnings, pareto_front, plot
+    from remat_kit.bench.run import format_markdown, format_table, noise_warnings, pareto_front, plot
 
     print(setting)
     print("\n".join(format_table(records)))
@@ -102,9 +102,9 @@ def _report(args: argparse.Namespace, command: str, setting: str, records: list,
 
 def _bench_model_command(args: argparse.Namespace) -> int:
     """``bench --model MODULE:FACTORY``: the same table and JSON for the factory's model."""
-    from remat_kit.bench import run_bench
+    from remat_kit.bench.run import run_bench
     from remat_kit.cli.plan import PRESET_ONLY
-    from remat_kit.plan import load_factory, model_from_factory, parse_model_policies
+    from remat_kit.planning.plan import load_factory, model_from_factory, parse_model_policies
 
     given = [f"--{k.replace('_', '-')}" for k in PRESET_ONLY if getattr(args, k, None) not in (None, 0)]
     if given:

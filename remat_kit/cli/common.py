@@ -119,8 +119,8 @@ def loss_chunks_arg(text: str) -> int | str:
 
 def config_from_args(args: argparse.Namespace):
     """The ``(TransformerConfig, batch, seq)`` the options ask for, validated before anything is traced."""
-    from remat_kit import analysis
-    from remat_kit.model import TransformerConfig
+    from remat_kit.model.transformer import TransformerConfig
+    from remat_kit.planning import analysis
 
     overrides: dict[str, Any] = {}
     if args.dtype:
@@ -137,8 +137,8 @@ def config_from_args(args: argparse.Namespace):
     batch = default_batch if args.batch_size is None else args.batch_size
     seq = default_seq if args.seq_len is None else args.seq_len
     if args.loss_chunks == "auto":  # the count goes into headers and JSON, as an explicit one would
-        from remat_kit.loss import auto_chunks
-        from remat_kit.mesh import MeshSpec
+        from remat_kit.model.loss import auto_chunks
+        from remat_kit.train.mesh import MeshSpec
 
         devices = MeshSpec.parse(getattr(args, "mesh", None)).size
         args.loss_chunks = auto_chunks(batch * seq, config.vocab_size, devices)
@@ -196,7 +196,7 @@ def lora_overrides(args) -> dict[str, Any]:
     if getattr(args, "lora_alpha", None) is not None:
         out["lora_alpha"] = args.lora_alpha
     if getattr(args, "lora_targets", None) is not None:
-        from remat_kit import lora
+        from remat_kit.model import lora
 
         out["lora_targets"] = lora.parse_targets(args.lora_targets)
     if getattr(args, "quantize", None) is not None:

@@ -1,4 +1,4 @@
-"""``remat-kit plan``: the command line of :mod:`remat_kit.plan` (compile-only policy comparison and ``--budget``)."""
+"""``remat-kit plan``: the command line of compile-only policy comparison and ``--budget``."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ DESCRIPTION = (
 
 def _model_command(args: argparse.Namespace) -> int:
     """``plan --model``: compare the policies on the factory's model, or (``--budget``) choose one."""
-    from remat_kit import budget, inspection
-    from remat_kit.plan import (
+    from remat_kit import inspection
+    from remat_kit.planning import budget
+    from remat_kit.planning.plan import (
         BUDGET_LEGEND,
         format_budget_table,
         load_factory,
@@ -90,8 +91,15 @@ def _model_command(args: argparse.Namespace) -> int:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from remat_kit import mesh as mesh_lib
-    from remat_kit.plan import DEFAULT_POLICIES, format_table, parse_policies, plan_record, run_plan, seed_check
+    from remat_kit.planning.plan import (
+        DEFAULT_POLICIES,
+        format_table,
+        parse_policies,
+        plan_record,
+        run_plan,
+        seed_check,
+    )
+    from remat_kit.train import mesh as mesh_lib
 
     if args.model:
         return _model_command(args)
@@ -209,9 +217,10 @@ def add_cli(subparsers) -> None:
 
 def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh) -> int:
     """``plan --budget``: every candidate's need against the budget, the choice, and the limits that fit."""
-    from remat_kit import budget, pareto, policies
-    from remat_kit import fit as fit_lib
-    from remat_kit.plan import BUDGET_LEGEND, compile_progress, format_budget_table, parse_policies
+    from remat_kit import policies
+    from remat_kit.planning import budget, pareto
+    from remat_kit.planning import fit as fit_lib
+    from remat_kit.planning.plan import BUDGET_LEGEND, compile_progress, format_budget_table, parse_policies
 
     budget_bytes = budget.parse_bytes(args.budget)
     margin = budget.DEFAULT_MARGIN if args.margin is None else args.margin

@@ -1,4 +1,4 @@
-"""``remat-kit train``: the command line of :mod:`remat_kit.train`."""
+"""``remat-kit train``: the command line of :mod:`remat_kit.train.loop`."""
 
 from __future__ import annotations
 
@@ -103,9 +103,9 @@ def add_cli(subparsers) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The :class:`remat_kit.train.TrainConfig` of parsed ``remat-kit train`` arguments."""
-    from remat_kit.model import TransformerConfig
-    from remat_kit.train import TrainConfig
+    """The :class:`remat_kit.train.loop.TrainConfig` of parsed ``remat-kit train`` arguments."""
+    from remat_kit.model.transformer import TransformerConfig
+    from remat_kit.train.loop import TrainConfig
 
     overrides = {} if args.dropout is None else {"dropout": args.dropout}
     overrides.update(lora_overrides(args))
@@ -157,8 +157,8 @@ def _train_command(args: argparse.Namespace) -> int:
     check_outputs(args)
     import numpy as np
 
-    from remat_kit import mesh as mesh_lib
-    from remat_kit.train import train
+    from remat_kit.train import mesh as mesh_lib
+    from remat_kit.train.loop import train
 
     config = config_from_args(args)
     result = train(

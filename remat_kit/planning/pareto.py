@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: budget imports this module for its mixed front
-    from remat_kit.budget import AutoResult
+    from remat_kit.planning.budget import AutoResult
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -27,7 +27,7 @@ def plot_pareto(result: AutoResult, path: str) -> str:
     """Write a PNG of device memory against recompute FLOPs, the Pareto front drawn, the choice marked.
 
     Only compiled candidates have a memory figure; the budget is drawn as a horizontal line. The front's
-    segments are the mixed front (mixes of two neighbours, :func:`remat_kit.budget.best_mix`); mixes
+    segments are the mixed front (mixes of two neighbours, :func:`remat_kit.planning.budget.best_mix`); mixes
     compiled are diamonds.
 
     Returns:

@@ -7,14 +7,14 @@ ShapeDtypeStructs, until the cheapest group that fits is found. "Fits" means the
 device bytes — weights, gradients, optimizer state and activations (arguments + outputs − aliased
 + temp of ``Compiled.memory_analysis()``) — times ``1 + margin`` are at most the budget. The
 winner is the fitting candidate with the least recompute FLOPs, ties going to less memory.
-:func:`remat_kit.fit.max_fit` finds the largest batch or the longest sequence a policy fits;
-:mod:`remat_kit.pareto` draws the candidates.
+:func:`remat_kit.planning.fit.max_fit` finds the largest batch or the longest sequence a policy fits;
+:mod:`remat_kit.planning.pareto` draws the candidates.
 
 One job, over 400 lines: choosing a policy for a budget. The planner (trace + compile from shapes,
 cached, in parallel), the candidate search and the mix between two neighbours on the front share the
 Candidate/AutoResult records and the planner's caches, so they stay together.
 
->>> from remat_kit.model import TransformerConfig
+>>> from remat_kit.model.transformer import TransformerConfig
 >>> r = auto(TransformerConfig.preset("tiny"), batch=2, seq=32, budget_bytes=parse_bytes("1GB"))
 >>> r.chosen is not None and r.candidates[0].recompute_flops == 0  # ample budget: nothing recomputed
 True
@@ -34,14 +34,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit import _jax_internals, analysis, flops, inspection, policies
-from remat_kit import mesh as mesh_lib
-from remat_kit import step as step_lib
-from remat_kit.loss import lm_loss
-from remat_kit.model import Transformer, TransformerConfig
-from remat_kit.pareto import pareto_front
+from remat_kit import _jax_internals, flops, inspection, policies
+from remat_kit.model.loss import lm_loss
+from remat_kit.model.transformer import Transformer, TransformerConfig
+from remat_kit.planning import analysis
+from remat_kit.planning.pareto import pareto_front
+from remat_kit.train import mesh as mesh_lib
+from remat_kit.train import step as step_lib
 from remat_kit.units import check_int, fmt_bytes
-from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.budget.parse_bytes
+from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.planning.budget.parse_bytes
 
 #: Optimizers by name (their state is part of what must fit).
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -183,7 +184,7 @@ CPU_PLAN_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0
 
 
 class StepPlanner:
-    """Traces and compiles the shared training step (:mod:`remat_kit.step`) of one model, memoized.
+    """Traces and compiles the shared training step (:mod:`remat_kit.train.step`) of one model, memoized.
 
     Each shape is traced, lowered and compiled once; ``compiles`` counts the XLA compiles done, the
     planner's cost (on CPU they run at LLVM -O0: see :data:`CPU_PLAN_COMPILER_OPTIONS`).
@@ -296,7 +297,7 @@ class StepPlanner:
 
 
 class Planner(StepPlanner):
-    """A :class:`StepPlanner` for :class:`remat_kit.model.Transformer` steps of one config.
+    """A :class:`StepPlanner` for :class:`remat_kit.model.transformer.Transformer` steps of one config.
 
     Args:
       config: the model.
@@ -372,7 +373,7 @@ def auto(
     * ``auto(config, batch=..., seq=..., budget_bytes=...)``: the built-in Transformer (a
       convenience over the first form; ``loss_chunks`` selects the chunked loss).
 
-    The step planned is the one ``train`` runs (:mod:`remat_kit.step`): gradient, clipping and the
+    The step planned is the one ``train`` runs (:mod:`remat_kit.train.step`): gradient, clipping and the
     optimizer update, parameters and optimizer state donated. A candidate's need is the compiled
     step's peak (arguments + outputs − aliased + temp), never its saved bytes alone.
 

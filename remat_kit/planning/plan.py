@@ -15,8 +15,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from remat_kit import analysis, budget, constants, inspection, policies
-from remat_kit.model import TransformerConfig
+from remat_kit import constants, inspection, policies
+from remat_kit.model.transformer import TransformerConfig
+from remat_kit.planning import analysis, budget
 from remat_kit.units import check_int, fmt_bytes, fmt_flops
 
 #: The policies ``plan`` compares by default: one of each kind.
@@ -221,7 +222,7 @@ def model_from_factory(factory: Callable, where: str = "the factory") -> tuple[C
 
 
 def parse_model_policies(text: str | None) -> list[policies.Policy]:
-    """``--policies`` for ``--model`` (default :data:`remat_kit.budget.GENERIC_CANDIDATES`); the depth is
+    """``--policies`` for ``--model`` (default :data:`remat_kit.planning.budget.GENERIC_CANDIDATES`); the depth is
     the model's own business, so it is not checked here."""
     return parse_policies(text or ",".join(budget.GENERIC_CANDIDATES), num_layers=None)
 

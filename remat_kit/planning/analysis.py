@@ -4,7 +4,7 @@ One job, over 400 lines: the compile-only report of one transformer training ste
 step, labelling residuals with the block's tags, the memory and FLOP figures and the analytic
 estimates all fill one :class:`Analysis` record.
 
-:func:`analyze` traces one AdamW training step of :class:`remat_kit.model.Transformer` from
+:func:`analyze` traces one AdamW training step of :class:`remat_kit.model.transformer.Transformer` from
 ``jax.ShapeDtypeStruct`` inputs (``jax.eval_shape`` for the parameters), compiles it, and reports:
 
 * the saved residuals, read from JAX's own residual analysis
@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import optax
 
 from remat_kit import _jax_internals, flops, inspection, policies
-from remat_kit import mesh as mesh_lib
-from remat_kit import step as step_lib
 from remat_kit.inspection import CompiledMemory as CompiledMemory  # re-exported: analysis.CompiledMemory
-from remat_kit.loss import lm_loss
-from remat_kit.model import Block, Transformer, TransformerConfig, abstract_params
+from remat_kit.model.loss import lm_loss
+from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params
+from remat_kit.train import mesh as mesh_lib
+from remat_kit.train import step as step_lib
 from remat_kit.units import check_int
 
 #: Regions of the step a residual belongs to.
@@ -220,12 +220,12 @@ def check_shape(config: TransformerConfig, batch: int, seq: int, loss_chunks: in
 
 
 def optimizer(learning_rate: float = 1e-3, grad_accum: int = 1) -> optax.GradientTransformation:
-    """The optimizer every measured step uses: ``train``'s clipped AdamW (:func:`remat_kit.step.make_optimizer`)."""
+    """The optimizer every measured step uses: ``train``'s clipped AdamW (:func:`..train.step.make_optimizer`)."""
     return step_lib.make_optimizer(learning_rate, grad_accum=grad_accum)
 
 
 def train_step(model: Transformer, opt: optax.GradientTransformation, loss_chunks: int = 0):
-    """The shared training step (:func:`remat_kit.step.make_step`) of the language-model loss (not jitted):
+    """The shared training step (:func:`remat_kit.train.step.make_step`) of the language-model loss (not jitted):
     ``(params, opt_state, tokens) -> (params, opt_state, loss, grad_norm, params_finite)``."""
     return step_lib.make_step(lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=loss_chunks), opt)
 
@@ -251,7 +251,7 @@ def compile_step(
 ):
     """Lower and compile the donated, jitted training step for abstract inputs.
 
-    With a ``mesh`` (:mod:`remat_kit.mesh`) the step is compiled sharded (FSDP state, batch over
+    With a ``mesh`` (:mod:`remat_kit.train.mesh`) the step is compiled sharded (FSDP state, batch over
     ``data`` × ``fsdp``) and XLA's memory figures are per device.
 
     Returns:

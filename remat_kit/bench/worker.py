@@ -1,6 +1,6 @@
 """One policy measured in one process (run by ``bench`` in a fresh worker process per policy).
 
-The worker protocol: ``python -m remat_kit.bench_measure --worker JOB_JSON`` prints progress lines
+The worker protocol: ``python -m remat_kit.bench.worker --worker JOB_JSON`` prints progress lines
 (``progress: ...``) on stderr and the record as the last JSON line on stdout.
 """
 
@@ -13,12 +13,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from remat_kit import analysis, inspection, lora, policies
-from remat_kit import mesh as mesh_lib
-from remat_kit import step as step_lib
-from remat_kit.loss import lm_loss
-from remat_kit.model import Transformer, TransformerConfig
-from remat_kit.plan import load_factory, model_from_factory
+from remat_kit import inspection, policies
+from remat_kit.model import lora
+from remat_kit.model.loss import lm_loss
+from remat_kit.model.transformer import Transformer, TransformerConfig
+from remat_kit.planning import analysis
+from remat_kit.planning.plan import load_factory, model_from_factory
+from remat_kit.train import mesh as mesh_lib
+from remat_kit.train import step as step_lib
 
 
 def _proc_status(field: str) -> int | None:
@@ -172,7 +174,7 @@ def measure_model(
     grads_path: str | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
-    """:func:`measure` for ``--model MODULE:FACTORY``: the shared step (:mod:`remat_kit.step`) of
+    """:func:`measure` for ``--model MODULE:FACTORY``: the shared step (:mod:`remat_kit.train.step`) of
     ``FACTORY(policy)``'s loss on its example inputs (ShapeDtypeStructs are drawn from ``seed``:
     floats normal × 0.02, integers zero), timed, its peak measured, its gradients written."""
     import jax
@@ -253,5 +255,5 @@ def _worker_main(job_text: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "--worker":
-        sys.exit("usage: python -m remat_kit.bench_measure --worker JOB_JSON (run by remat-kit bench)")
+        sys.exit("usage: python -m remat_kit.bench.worker --worker JOB_JSON (run by remat-kit bench)")
     sys.exit(_worker_main(sys.argv[2]))

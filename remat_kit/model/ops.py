@@ -11,7 +11,7 @@ Flax's ``Dense``/``RMSNorm`` and ``silu``) but keeps only:
 * :func:`swiglu`: gate and up.
 
 Being ``custom_vjp`` functions, they are transparent to ``jax.checkpoint`` policies: every tag and
-every dot stays visible to them. :mod:`remat_kit.model` and :mod:`remat_kit.lora_layer` build on
+every dot stays visible to them. :mod:`remat_kit.model.transformer` and :mod:`remat_kit.model.lora_layer` build on
 them; this module imports nothing of remat_kit, so both can.
 """
 

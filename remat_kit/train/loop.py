@@ -3,8 +3,8 @@
 The policy changes memory and time, never the result: the same seed gives the same losses under
 ``none``, ``full`` or ``selective`` up to float rounding. :func:`train` runs optax AdamW
 (warm-up + cosine schedule, gradient clipping, optional gradient accumulation through
-``optax.MultiSteps``) on byte-level text (:mod:`remat_kit.data`), logs JSON lines, validates
-periodically and saves orbax checkpoints (:mod:`remat_kit.checkpoint`) that resume exactly.
+``optax.MultiSteps``) on byte-level text (:mod:`remat_kit.train.data`), logs JSON lines, validates
+periodically and saves orbax checkpoints (:mod:`remat_kit.train.checkpoint`) that resume exactly.
 
 >>> cfg = TrainConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, eval_batches=1)
 >>> corpus = data.corpus_from_bytes(b"the quick brown fox jumps over the lazy dog. " * 20)
@@ -26,10 +26,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from remat_kit import __version__, data
-from remat_kit import mesh as mesh_lib
-from remat_kit.checkpoint import Checkpoints
-from remat_kit.train_config import (
+from remat_kit import __version__
+from remat_kit.train import data
+from remat_kit.train import mesh as mesh_lib
+from remat_kit.train.checkpoint import Checkpoints
+from remat_kit.train.config import (
     MODEL_MAY_CHANGE,
     RESUME_MAY_CHANGE,
     RESUME_MUST_MATCH,
@@ -42,8 +43,8 @@ from remat_kit.train_config import (
     make_optimizer,
     schedule_changes,
 )
-from remat_kit.train_progress import _any_process, _progress, _StopOnSignal, write_loss_plot
-from remat_kit.trainer import Trainer
+from remat_kit.train.progress import _any_process, _progress, _StopOnSignal, write_loss_plot
+from remat_kit.train.trainer import Trainer
 from remat_kit.units import check_int
 
 __all__ = [
@@ -90,7 +91,7 @@ def train(
 
     Args:
       config: the run.
-      corpus: the text; default :func:`remat_kit.data.load_corpus` of ``data_paths``.
+      corpus: the text; default :func:`remat_kit.train.data.load_corpus` of ``data_paths``.
       data_paths: files/folders to read when ``corpus`` is None (None: the standard library).
       max_corpus_bytes: cap on the bytes read.
       checkpoint_dir: where checkpoints go (None: no checkpoints).

@@ -1,7 +1,7 @@
 """LoRA adapters on a frozen (optionally int8-quantized) base, for fine-tuning under any policy.
 
 ``TransformerConfig(lora_rank=r, lora_alpha=a, lora_targets=("q_proj", "v_proj"))`` replaces the
-targeted Dense layers of :class:`remat_kit.model.Block` by :class:`LoRADense`: the base kernel keeps
+targeted Dense layers of :class:`remat_kit.model.transformer.Block` by :class:`LoRADense`: the base kernel keeps
 its name and shape (a full checkpoint's parameters load into it, see :func:`from_base`), and two
 adapters ``lora_a [d_in, r]`` and ``lora_b [r, d_out]`` add ``(x @ A) @ B · a / r``. ``B`` starts at
 zero, so the adapted model starts exactly equal to the base. The adapter product is computed inside
@@ -17,11 +17,11 @@ state at all (not zeros). A tree without adapters is all trainable, so full fine
 absmax scale and keeps it int8 in the backward pass under every policy (:func:`int8_project`).
 
 The layer itself (:class:`LoRADense`, the int8 path, the config check) lives in
-:mod:`remat_kit.lora_layer`, below :mod:`remat_kit.model`, and is re-exported here; this module,
+:mod:`remat_kit.model.lora_layer`, below :mod:`remat_kit.model.transformer`, and is re-exported here; this module,
 above the model, holds what needs it (:func:`from_base`, :func:`param_bytes`) and the training side.
 
 >>> import jax, jax.numpy as jnp
->>> from remat_kit.model import TransformerConfig, init_params
+>>> from remat_kit.model.transformer import TransformerConfig, init_params
 >>> cfg = TransformerConfig.preset("tiny", lora_rank=4, lora_targets=("q_proj", "v_proj"))
 >>> params = init_params(cfg, jax.random.key(0))
 >>> trainable, frozen = partition(params)
@@ -45,17 +45,17 @@ from flax import traverse_util
 from flax.core import FrozenDict
 
 # The layer, re-exported: ``lora.LoRADense``, ``lora.TARGETS`` ... are this module's public names.
-from remat_kit.lora_layer import QUANTIZE_DTYPES as QUANTIZE_DTYPES
-from remat_kit.lora_layer import QUANTIZE_MODES as QUANTIZE_MODES
-from remat_kit.lora_layer import TARGETS as TARGETS
-from remat_kit.lora_layer import LoRADense as LoRADense
-from remat_kit.lora_layer import check_config as check_config
-from remat_kit.lora_layer import dense as dense
-from remat_kit.lora_layer import dequantize as dequantize
-from remat_kit.lora_layer import enabled as enabled
-from remat_kit.lora_layer import int8_project as int8_project
-from remat_kit.lora_layer import quantize_int8 as quantize_int8
-from remat_kit.model import abstract_params, init_params
+from remat_kit.model.lora_layer import QUANTIZE_DTYPES as QUANTIZE_DTYPES
+from remat_kit.model.lora_layer import QUANTIZE_MODES as QUANTIZE_MODES
+from remat_kit.model.lora_layer import TARGETS as TARGETS
+from remat_kit.model.lora_layer import LoRADense as LoRADense
+from remat_kit.model.lora_layer import check_config as check_config
+from remat_kit.model.lora_layer import dense as dense
+from remat_kit.model.lora_layer import dequantize as dequantize
+from remat_kit.model.lora_layer import enabled as enabled
+from remat_kit.model.lora_layer import int8_project as int8_project
+from remat_kit.model.lora_layer import quantize_int8 as quantize_int8
+from remat_kit.model.transformer import abstract_params, init_params
 
 #: Parameter names of the adapters: a leaf whose path ends in one of them is trainable.
 ADAPTER_NAMES: tuple[str, ...] = ("lora_a", "lora_b")

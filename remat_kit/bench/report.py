@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from remat_kit.pareto import pareto_front as _front_of_points
+from remat_kit.planning.pareto import pareto_front as _front_of_points
 from remat_kit.units import fmt_bytes
 
 #: Step-time spread, (max − min) / median, above which a policy's timing is too noisy for its ratio
@@ -19,7 +19,7 @@ class BenchRecord:
 
     Attributes:
       policy: the spec.
-      saved_bytes, saved_host_bytes, layers_saved_bytes: from :func:`remat_kit.analysis.analyze`.
+      saved_bytes, saved_host_bytes, layers_saved_bytes: from :func:`remat_kit.planning.analysis.analyze`.
       temp_bytes: XLA's compiled temp bytes for the step.
       xla_peak_bytes: the compiled step's peak (arguments + outputs − aliased + temp), the figure
         ``plan`` and ``auto`` compare with a budget.

@@ -1,7 +1,7 @@
 """How far a policy stretches: the largest batch or longest sequence that fits a budget, exactly.
 
 :func:`max_fit` compiles the step (compile-only, from shapes) at a few sizes with the planner of
-:mod:`remat_kit.budget`: the step's bytes are affine in the batch and at most quadratic in the
+:mod:`remat_kit.planning.budget`: the step's bytes are affine in the batch and at most quadratic in the
 sequence, so a line (or parabola) through the measured points names the answer and two compiles
 confirm it (:func:`_boundary`).
 """
@@ -13,8 +13,8 @@ import math
 import optax
 
 from remat_kit import policies
-from remat_kit.budget import DEFAULT_MARGIN, Planner, check_budget
-from remat_kit.model import TransformerConfig
+from remat_kit.model.transformer import TransformerConfig
+from remat_kit.planning.budget import DEFAULT_MARGIN, Planner, check_budget
 
 
 def max_fit(

@@ -9,14 +9,14 @@ policy (``none``) a layer keeps what its backward pass needs and nothing else: i
 norm outputs, the rotated q and k, v, the context (and attention's float32 per-query logsumexp), the
 post-attention residual stream, gate, up and their product, all in the compute dtype (on the 2B
 preset 0.94 × Korthikanti's 34·b·s·h per layer; ``benchmarks/results/plan_2b.txt``). Three small
-``jax.custom_vjp`` functions of :mod:`remat_kit.ops` make it so, with :func:`remat_kit.attention.rope`
+``jax.custom_vjp`` functions of :mod:`remat_kit.model.ops` make it so, with :func:`remat_kit.model.attention.rope`
 (which keeps nothing):
 
-* :func:`~remat_kit.ops.project` (every weight matmul, the output head too) keeps the *stored* weight, which the
+* :func:`~remat_kit.model.ops.project` (every weight matmul, the output head too) keeps the *stored* weight, which the
   scan forwards for free, and casts it to the compute dtype again in the backward pass: no
   compute-dtype copy of a weight is ever a residual;
-* :func:`~remat_kit.ops.rms_norm` keeps its input and recomputes its float32 statistics in the backward pass;
-* :func:`~remat_kit.ops.swiglu` keeps gate and up (not silu's three intermediates).
+* :func:`~remat_kit.model.ops.rms_norm` keeps its input and recomputes its float32 statistics in the backward pass;
+* :func:`~remat_kit.model.ops.swiglu` keeps gate and up (not silu's three intermediates).
 
 Each backward pass is exactly autodiff's up to float rounding (``tests/test_model.py`` compares
 them with Flax's ``Dense``/``RMSNorm`` and ``silu``). Being ``custom_vjp`` functions, they are
@@ -41,8 +41,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from remat_kit import attention, lora_layer, names, policies
-from remat_kit.ops import project, rms_norm, swiglu
+from remat_kit import names, policies
+from remat_kit.model import attention, lora_layer
+from remat_kit.model.ops import project, rms_norm, swiglu
 from remat_kit.scan import stack
 from remat_kit.units import check_int
 
@@ -67,11 +68,11 @@ class TransformerConfig:
       rope_base: RoPE frequency base.
       norm_eps: RMSNorm epsilon.
       tie_embeddings: use the embedding matrix as the output projection.
-      attention: attention implementation, one of :data:`remat_kit.attention.ATTENTION_KINDS`;
+      attention: attention implementation, one of :data:`remat_kit.model.attention.ATTENTION_KINDS`;
         ``auto`` (default) is cuDNN flash attention on a GPU, ``chunked`` elsewhere.
       attention_block: block size of ``chunked`` attention in positions; None for the backend's
-        default (:func:`remat_kit.attention.default_block`).
-      lora_rank, lora_alpha, lora_targets, quantize: LoRA adapters / int8 base (see :mod:`remat_kit.lora`).
+        default (:func:`remat_kit.model.attention.default_block`).
+      lora_rank, lora_alpha, lora_targets, quantize: LoRA adapters / int8 base (see :mod:`remat_kit.model.lora`).
     """
 
     vocab_size: int = 256
@@ -156,7 +157,7 @@ PRESETS: dict[str, TransformerConfig] = {
     "small": TransformerConfig(
         vocab_size=4096, d_model=256, num_layers=8, num_heads=8, num_kv_heads=8, d_ff=704, max_seq_len=512
     ),
-    # The seeds' illustrative 2B-class model; plan it with remat_kit.analysis, never instantiate it here.
+    # The seeds' illustrative 2B-class model; plan it with remat_kit.planning.analysis, never instantiate it here.
     "2b": TransformerConfig(
         vocab_size=248_000,
         d_model=2048,
@@ -207,7 +208,7 @@ class RMSNorm(nn.Module):
 
 
 def _dense(features: int, cfg: TransformerConfig, name: str) -> nn.Module:
-    if lora_layer.enabled(cfg):  # adapters and/or an int8 base: same parameter names, see remat_kit.lora
+    if lora_layer.enabled(cfg):  # adapters and/or an int8 base: same parameter names, see remat_kit.model.lora
         return lora_layer.dense(features, cfg, name)
     return Dense(features, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), name=name)
 

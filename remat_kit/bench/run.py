@@ -1,6 +1,6 @@
 """``remat-kit bench``: real AdamW training steps under each policy, measured side by side.
 
-Per policy: the compile-only figures of :mod:`remat_kit.analysis` (saved bytes, XLA temp bytes,
+Per policy: the compile-only figures of :mod:`remat_kit.planning.analysis` (saved bytes, XLA temp bytes,
 FLOPs), the measured peak memory (the device's ``memory_stats()`` where the backend has it; on
 CPU, the peak resident set of a fresh subprocess per policy, its high-water mark reset just
 before the first step, beside the resident set at that moment), the median step time over the timed
@@ -22,9 +22,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from remat_kit import analysis, constants
-from remat_kit.bench_measure import _MemoryProbe, measure, measure_model
-from remat_kit.bench_report import (
+from remat_kit import constants
+from remat_kit.bench.report import (
     NOISY_SPREAD,
     RECORD_KEYS,
     BenchRecord,
@@ -34,7 +33,9 @@ from remat_kit.bench_report import (
     pareto_front,
     plot,
 )
-from remat_kit.model import TransformerConfig
+from remat_kit.bench.worker import _MemoryProbe, measure, measure_model
+from remat_kit.model.transformer import TransformerConfig
+from remat_kit.planning import analysis
 from remat_kit.units import check_int
 
 __all__ = [
@@ -69,7 +70,7 @@ def _run_worker(job: dict[str, Any], log: Callable[[str], None]) -> dict[str, An
     # can never fill a pipe the parent is not reading.
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "remat_kit.bench_measure", "--worker", json.dumps(job)],
+            [sys.executable, "-m", "remat_kit.bench.worker", "--worker", json.dumps(job)],
             stdout=out,
             stderr=subprocess.PIPE,
             text=True,

@@ -10,9 +10,11 @@ import flax
 import jax
 import optax
 
-from remat_kit import data, loss, policies
-from remat_kit import step as step_lib
-from remat_kit.model import PRESETS, TransformerConfig
+from remat_kit import policies
+from remat_kit.model import loss
+from remat_kit.model.transformer import PRESETS, TransformerConfig
+from remat_kit.train import data
+from remat_kit.train import step as step_lib
 from remat_kit.units import check_int
 
 #: Training settings a resumed run must share with its checkpoint: they decide the data order and
@@ -48,7 +50,7 @@ class TrainConfig:
       weight_decay: AdamW decay, applied to matrices, not to norm scales.
       clip_norm: global gradient-norm clip.
       loss_chunks: ``"auto"``: the fused loss where the logits are large, the plain one elsewhere
-        (:func:`remat_kit.loss.auto_chunks`; the plain loss on a mesh of several devices); 0: the
+        (:func:`remat_kit.model.loss.auto_chunks`; the plain loss on a mesh of several devices); 0: the
         plain loss; k > 0: logits, loss and their gradients in k chunks (the fused loss).
       seed: initialization, dropout and data-order seed.
       val_fraction: the tail of the corpus held out for validation.

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from remat_kit import loss as loss_lib
-from remat_kit import mesh as mesh_lib
-from remat_kit import step as step_lib
-from remat_kit.loss import lm_loss
-from remat_kit.model import Transformer, init_params
-from remat_kit.train_config import RetraceError, TrainConfig, TrainState, make_optimizer
+from remat_kit.model import loss as loss_lib
+from remat_kit.model.loss import lm_loss
+from remat_kit.model.transformer import Transformer, init_params
+from remat_kit.train import mesh as mesh_lib
+from remat_kit.train import step as step_lib
+from remat_kit.train.config import RetraceError, TrainConfig, TrainState, make_optimizer
 
 # Compiled once per model config for the whole process (the policy does not change parameters),
 # instead of hundreds of eagerly dispatched initializer ops per run.
@@ -26,7 +26,7 @@ class Trainer:
 
     Args:
       config: the run's configuration.
-      mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``, see :mod:`remat_kit.mesh`):
+      mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``, see :mod:`remat_kit.train.mesh`):
         batches split over ``data`` × ``fsdp``, parameters and optimizer state sharded over
         ``fsdp``. None: one device. Like the policy, it may change on resume.
     """
@@ -63,7 +63,7 @@ class Trainer:
             config.model.vocab_size,
             1 if self.mesh is None else self.mesh.size,
         )
-        # The step plan, auto and bench compile (remat_kit.step); parameters and optimizer state donated.
+        # The step plan, auto and bench compile (remat_kit.train.step); parameters and optimizer state donated.
         micro_step = step_lib.make_step(self._loss, self.optimizer, on_trace=lambda: self._count_trace("step"))
         self._micro_step = jax.jit(micro_step, **step_kw)
         self._eval = jax.jit(self._eval_impl, **eval_kw)

@@ -1,9 +1,9 @@
 """The LoRA layer: :class:`LoRADense`, a Dense with a low-rank adapter and an optional int8 base.
 
-This is what :class:`remat_kit.model.Block` builds when its config asks for adapters or a quantized
+This is what :class:`remat_kit.model.transformer.Block` builds when its config asks for adapters or a quantized
 base (:func:`dense`, :func:`enabled`, :func:`check_config`); training with it (``partition``,
-``update``, ``from_base`` ...) is :mod:`remat_kit.lora`, which re-exports every public name here.
-Kept apart from it because :mod:`remat_kit.model` needs the layer while ``lora.from_base`` and
+``update``, ``from_base`` ...) is :mod:`remat_kit.model.lora`, which re-exports every public name here.
+Kept apart from it because :mod:`remat_kit.model.transformer` needs the layer while ``lora.from_base`` and
 ``lora.param_bytes`` need the model: layer below the model, training above it, no cycle.
 
 ``quantize="int8"`` (QLoRA-style) stores every Block kernel as int8 with a per-output-channel
@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from remat_kit import constants
-from remat_kit.ops import project
+from remat_kit.model.ops import project
 
-#: The Dense layers of :class:`remat_kit.model.Block` an adapter may target.
+#: The Dense layers of :class:`remat_kit.model.transformer.Block` an adapter may target.
 TARGETS: tuple[str, ...] = constants.LORA_TARGETS
 
 #: Base-weight storage: ``none`` (param dtype) or ``int8`` (per-output-channel absmax scale).
@@ -115,7 +115,7 @@ def int8_project(x, qvalue, scale, dtype):
     """``(x @ qvalue) · scale`` in ``dtype`` whose backward pass keeps ``x`` and the int8 ``qvalue``.
 
     Autodiff would keep the compute-dtype cast of the kernel (2 or 4 bytes per entry, under ``none``);
-    this casts it again in the backward pass, as :func:`remat_kit.ops.project` does for float weights.
+    this casts it again in the backward pass, as :func:`remat_kit.model.ops.project` does for float weights.
 
     >>> q = quantize_int8(jnp.array([[1.0, -0.5], [-2.0, 0.25]]))
     >>> x = jnp.ones((1, 2))
@@ -149,7 +149,7 @@ class LoRADense(nn.Module):
     """A bias-free Dense with an optional low-rank adapter and an optional int8 base kernel.
 
     A drop-in for ``nn.Dense(features, use_bias=False)`` in your own Flax model: the base kernel
-    keeps the name ``kernel``. Train it with :func:`remat_kit.lora.partition` / ``lora.update`` so only the
+    keeps the name ``kernel``. Train it with :func:`remat_kit.model.lora.partition` / ``lora.update`` so only the
     adapters learn.
 
     Attributes:

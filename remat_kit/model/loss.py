@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from remat_kit.ops import matmul, project
+from remat_kit.model.ops import matmul, project
 from remat_kit.units import check_int
 
 #: ``loss_chunks="auto"`` uses the fused loss from this many bytes of full float32 logits on. Below
@@ -117,7 +117,7 @@ def chunked_cross_entropy(hidden, w_out, targets, mask, chunks: int, *, vocab_ax
     one chunk's ``[tokens / chunks, vocab]``. Each chunk's gradients are taken in the forward pass
     (see the module docstring), so the logits are never recomputed; the backward pass keeps the
     gradients of ``hidden`` and ``w_out``. ``w_out`` is cast to ``hidden``'s dtype inside each chunk
-    (:func:`remat_kit.ops.project`), so no cast of it is kept. Not differentiable twice.
+    (:func:`remat_kit.model.ops.project`), so no cast of it is kept. Not differentiable twice.
 
     Args:
       hidden: ``[b, s, d]`` final hidden states (the logits are computed in their dtype, accumulated
@@ -211,7 +211,7 @@ _fused_mean.defvjp(_fused_mean_fwd, _fused_mean_bwd, symbolic_zeros=True)
 
 
 def lm_loss(model, params, tokens, *, loss_chunks: int | str = 0, deterministic: bool = True, rngs=None):
-    """Next-token loss of a :class:`remat_kit.model.Transformer` on ``tokens [b, s]``.
+    """Next-token loss of a :class:`remat_kit.model.transformer.Transformer` on ``tokens [b, s]``.
 
     Args:
       model: the Transformer (its policy decides the layers' remat).

@@ -6,7 +6,7 @@ every planned figure); :func:`make_step` the update ``(params, opt_state, *batch
 opt_state, loss, grad_norm, params_finite)``; :func:`init_optimizer` its optimizer state; :func:`jit_kwargs`
 its donation and mesh shardings.
 
-With LoRA adapters in the parameters (:mod:`remat_kit.lora`), the step differentiates and updates only
+With LoRA adapters in the parameters (:mod:`remat_kit.model.lora`), the step differentiates and updates only
 the adapters, and the optimizer state covers only them: the frozen base gets neither a gradient nor
 optimizer state, in every caller (plan, auto, bench, train) alike. Without adapters nothing changes.
 
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit import lora
-from remat_kit import mesh as mesh_lib
+from remat_kit.model import lora
+from remat_kit.train import mesh as mesh_lib
 from remat_kit.units import check_int
 
 #: What :func:`make_optimizer` clips the global gradient norm to unless told otherwise (``train``'s default).
@@ -104,7 +104,7 @@ def jit_kwargs(params, opt_state, mesh=None, *, batch_args: int = 1) -> dict[str
 
 def init_optimizer(optimizer: optax.GradientTransformation, params):
     """The optimizer state :func:`make_step` expects: of the trainable part of ``params`` only
-    (the LoRA adapters when there are any, see :func:`remat_kit.lora.partition`; else all of it)."""
+    (the LoRA adapters when there are any, see :func:`remat_kit.model.lora.partition`; else all of it)."""
     return lora.init_optimizer(optimizer, params)
 
 

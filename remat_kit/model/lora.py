@@ -16,9 +16,10 @@ state at all (not zeros). A tree without adapters is all trainable, so full fine
 ``quantize="int8"`` (QLoRA-style) stores every Block kernel as int8 with a per-output-channel
 absmax scale and keeps it int8 in the backward pass under every policy (:func:`int8_project`).
 
-The layer itself (:class:`LoRADense`, the int8 path, the config check) lives in
-:mod:`remat_kit.model.lora_layer`, below :mod:`remat_kit.model.transformer`, and is re-exported here; this module,
-above the model, holds what needs it (:func:`from_base`, :func:`param_bytes`) and the training side.
+The layer itself (:class:`LoRADense`, the int8 path, the config check) and the trainable/frozen split
+beside the adapter names it defines live in :mod:`remat_kit.model.lora_layer`, below the transformer
+(the generic training step needs the split, not the model); this module re-exports them and holds what
+needs the model (:func:`from_base`, :func:`param_bytes`).
 
 >>> import jax, jax.numpy as jnp
 >>> from remat_kit.model.transformer import TransformerConfig, init_params
@@ -34,31 +35,32 @@ above the model, holds what needs it (:func:`from_base`, :func:`param_bytes`) an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import traverse_util
-from flax.core import FrozenDict
 
 # The layer, re-exported: ``lora.LoRADense``, ``lora.TARGETS`` ... are this module's public names.
+from remat_kit.model.lora_layer import ADAPTER_NAMES as ADAPTER_NAMES
 from remat_kit.model.lora_layer import QUANTIZE_DTYPES as QUANTIZE_DTYPES
 from remat_kit.model.lora_layer import QUANTIZE_MODES as QUANTIZE_MODES
 from remat_kit.model.lora_layer import TARGETS as TARGETS
 from remat_kit.model.lora_layer import LoRADense as LoRADense
 from remat_kit.model.lora_layer import check_config as check_config
+from remat_kit.model.lora_layer import combine as combine
 from remat_kit.model.lora_layer import dense as dense
 from remat_kit.model.lora_layer import dequantize as dequantize
 from remat_kit.model.lora_layer import enabled as enabled
+from remat_kit.model.lora_layer import init_optimizer as init_optimizer
 from remat_kit.model.lora_layer import int8_project as int8_project
+from remat_kit.model.lora_layer import is_adapter as is_adapter
+from remat_kit.model.lora_layer import partition as partition
 from remat_kit.model.lora_layer import quantize_int8 as quantize_int8
+from remat_kit.model.lora_layer import update as update
 from remat_kit.model.transformer import abstract_params, init_params
-
-#: Parameter names of the adapters: a leaf whose path ends in one of them is trainable.
-ADAPTER_NAMES: tuple[str, ...] = ("lora_a", "lora_b")
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
@@ -66,60 +68,6 @@ def parse_targets(text: str) -> tuple[str, ...]:
     if text.strip() == "all":
         return TARGETS
     return tuple(t.strip() for t in text.split(",") if t.strip())
-
-
-# ---- trainable / frozen -------------------------------------------------------------------------------
-
-
-def _is_adapter(path: tuple) -> bool:
-    return bool(path) and path[-1] in ADAPTER_NAMES
-
-
-def partition(params: Mapping) -> tuple[dict, dict]:
-    """Split a parameter tree into ``(trainable, frozen)`` nested dicts.
-
-    With adapters present, ``trainable`` holds exactly the adapter leaves and ``frozen`` the rest
-    (base kernels, quantized or not, embeddings, norms). Without adapters, everything is trainable
-    and ``frozen`` is ``{}`` (plain full fine-tuning, unchanged). :func:`combine` inverts it.
-    """
-    if not isinstance(params, (dict, FrozenDict)):  # any other pytree (an array, an NNX state...): all trainable
-        return params, {}
-    flat = traverse_util.flatten_dict(params)
-    if not any(_is_adapter(k) for k in flat):
-        return params, {}
-    trainable = {k: v for k, v in flat.items() if _is_adapter(k)}
-    frozen = {k: v for k, v in flat.items() if not _is_adapter(k)}
-    return traverse_util.unflatten_dict(trainable), traverse_util.unflatten_dict(frozen)
-
-
-def combine(trainable: Mapping, frozen: Mapping) -> dict:
-    """The full parameter tree from :func:`partition`'s two parts."""
-    if not frozen:
-        return trainable
-    return traverse_util.unflatten_dict({**traverse_util.flatten_dict(frozen), **traverse_util.flatten_dict(trainable)})
-
-
-def init_optimizer(optimizer: optax.GradientTransformation, params: Mapping):
-    """The optimizer state for the trainable part of ``params`` only (none for the frozen base)."""
-    return optimizer.init(partition(params)[0])
-
-
-def update(loss_fn: Callable[[Any], jax.Array], optimizer: optax.GradientTransformation, params, opt_state):
-    """One optimizer update of the trainable part: the frozen part gets no gradient and no state.
-
-    Args:
-      loss_fn: ``params -> scalar loss`` over the full tree.
-      optimizer: applied to the trainable part (state from :func:`init_optimizer`).
-      params: the full tree.
-      opt_state: the optimizer state.
-
-    Returns:
-      ``(loss, grads of the trainable part, new full params, new opt_state)``.
-    """
-    trainable, frozen = partition(params)
-    loss, grads = jax.value_and_grad(lambda t: loss_fn(combine(t, frozen)))(trainable)
-    updates, opt_state = optimizer.update(grads, opt_state, trainable)
-    return loss, grads, combine(optax.apply_updates(trainable, updates), frozen), opt_state
 
 
 def num_trainable(config: Any) -> int:
@@ -159,12 +107,12 @@ def from_base(base_params: Mapping, config: Any, key: jax.Array) -> dict:
     fresh = traverse_util.flatten_dict(jax.eval_shape(lambda k: init_params(config, k), key))
     base = traverse_util.flatten_dict(base_params)
     adapters = {}
-    if any(_is_adapter(k) for k in fresh):
+    if any(is_adapter(k) for k in fresh):
         init = traverse_util.flatten_dict(partition(init_params(config, key))[0])
         adapters = dict(init)
     out = {}
     for k, spec in fresh.items():
-        if _is_adapter(k):
+        if is_adapter(k):
             out[k] = adapters[k]
             continue
         quantized = k[-1] in ("qvalue", "scale") and k[-2] == "kernel"

@@ -33,6 +33,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
+from flax import traverse_util
+from flax.core import FrozenDict
 
 from remat_kit import constants
 from remat_kit.model.ops import project
@@ -46,6 +49,10 @@ QUANTIZE_MODES: tuple[str, ...] = constants.QUANTIZE_MODES
 #: Compute dtypes the int8 path supports: the matmul runs on unscaled int8 values (up to 127x the
 #: real output) before the scale, which float16's range (65504) cannot hold at d_model in the thousands.
 QUANTIZE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+
+
+#: Parameter names of the adapters: a leaf whose path ends in one of them is trainable.
+ADAPTER_NAMES: tuple[str, ...] = ("lora_a", "lora_b")
 
 
 def check_config(config: Any) -> None:
@@ -149,7 +156,7 @@ class LoRADense(nn.Module):
     """A bias-free Dense with an optional low-rank adapter and an optional int8 base kernel.
 
     A drop-in for ``nn.Dense(features, use_bias=False)`` in your own Flax model: the base kernel
-    keeps the name ``kernel``. Train it with :func:`remat_kit.model.lora.partition` / ``lora.update`` so only the
+    keeps the name ``kernel``. Train it with :func:`partition` / :func:`update` so only the
     adapters learn.
 
     Attributes:
@@ -197,8 +204,8 @@ class LoRADense(nn.Module):
         if self.rank:
             # PEFT's init: A ~ kaiming-uniform(a=sqrt(5)) (bound 1/sqrt(d_in)), B = 0.
             a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
-            a = self.param("lora_a", a_init, (d_in, self.rank), self.param_dtype)
-            b = self.param("lora_b", nn.initializers.zeros, (self.rank, self.features), self.param_dtype)
+            a = self.param(ADAPTER_NAMES[0], a_init, (d_in, self.rank), self.param_dtype)
+            b = self.param(ADAPTER_NAMES[1], nn.initializers.zeros, (self.rank, self.features), self.param_dtype)
             y = y + project(project(x, a, 0, dtype), b, 0, dtype) * jnp.asarray(self.alpha / self.rank, dtype)
         return y
 
@@ -220,3 +227,58 @@ def dense(features: int, config: Any, name: str) -> LoRADense:
 def enabled(config: Any) -> bool:
     """Whether ``config`` asks for adapters or a quantized base (i.e. Block uses :class:`LoRADense`)."""
     return bool(config.lora_rank) or config.quantize != "none"
+
+
+# ---- trainable / frozen -------------------------------------------------------------------------------
+
+
+def is_adapter(path: tuple) -> bool:
+    """Whether a flattened parameter path names an adapter leaf (it ends in one of :data:`ADAPTER_NAMES`)."""
+    return bool(path) and path[-1] in ADAPTER_NAMES
+
+
+def partition(params: Mapping) -> tuple[dict, dict]:
+    """Split a parameter tree into ``(trainable, frozen)`` nested dicts.
+
+    With adapters present, ``trainable`` holds exactly the adapter leaves and ``frozen`` the rest
+    (base kernels, quantized or not, embeddings, norms). Without adapters, everything is trainable
+    and ``frozen`` is ``{}`` (plain full fine-tuning, unchanged). :func:`combine` inverts it.
+    """
+    if not isinstance(params, (dict, FrozenDict)):  # any other pytree (an array, an NNX state...): all trainable
+        return params, {}
+    flat = traverse_util.flatten_dict(params)
+    if not any(is_adapter(k) for k in flat):
+        return params, {}
+    trainable = {k: v for k, v in flat.items() if is_adapter(k)}
+    frozen = {k: v for k, v in flat.items() if not is_adapter(k)}
+    return traverse_util.unflatten_dict(trainable), traverse_util.unflatten_dict(frozen)
+
+
+def combine(trainable: Mapping, frozen: Mapping) -> dict:
+    """The full parameter tree from :func:`partition`'s two parts."""
+    if not frozen:
+        return trainable
+    return traverse_util.unflatten_dict({**traverse_util.flatten_dict(frozen), **traverse_util.flatten_dict(trainable)})
+
+
+def init_optimizer(optimizer: optax.GradientTransformation, params: Mapping):
+    """The optimizer state for the trainable part of ``params`` only (none for the frozen base)."""
+    return optimizer.init(partition(params)[0])
+
+
+def update(loss_fn: Callable[[Any], jax.Array], optimizer: optax.GradientTransformation, params, opt_state):
+    """One optimizer update of the trainable part: the frozen part gets no gradient and no state.
+
+    Args:
+      loss_fn: ``params -> scalar loss`` over the full tree.
+      optimizer: applied to the trainable part (state from :func:`init_optimizer`).
+      params: the full tree.
+      opt_state: the optimizer state.
+
+    Returns:
+      ``(loss, grads of the trainable part, new full params, new opt_state)``.
+    """
+    trainable, frozen = partition(params)
+    loss, grads = jax.value_and_grad(lambda t: loss_fn(combine(t, frozen)))(trainable)
+    updates, opt_state = optimizer.update(grads, opt_state, trainable)
+    return loss, grads, combine(optax.apply_updates(trainable, updates), frozen), opt_state

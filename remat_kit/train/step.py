@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit.model import lora
+from remat_kit.model import lora_layer as lora
 from remat_kit.train import mesh as mesh_lib
 from remat_kit.units import check_int
 
@@ -104,7 +104,7 @@ def jit_kwargs(params, opt_state, mesh=None, *, batch_args: int = 1) -> dict[str
 
 def init_optimizer(optimizer: optax.GradientTransformation, params):
     """The optimizer state :func:`make_step` expects: of the trainable part of ``params`` only
-    (the LoRA adapters when there are any, see :func:`remat_kit.model.lora.partition`; else all of it)."""
+    (the LoRA adapters when there are any, see :func:`remat_kit.model.lora_layer.partition`; else all of it)."""
     return lora.init_optimizer(optimizer, params)
 
 

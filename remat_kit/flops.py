@@ -1,4 +1,4 @@
-"""FLOPs of a training step: counted from the jaxpr (scan-aware) and estimated analytically.
+"""Matmul FLOPs of a traced step, counted from its jaxpr with every scan body once per trip.
 
 XLA's ``Compiled.cost_analysis()`` counts a while-loop body once, not once per trip, so for a
 scanned layer stack it reports roughly one layer's FLOPs. :func:`jaxpr_flops` instead walks the
@@ -16,14 +16,9 @@ as in the usual 6 · params · tokens accounting.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 from remat_kit import _jax_internals
-
-if TYPE_CHECKING:  # annotations only: the jaxpr counter must not import the model (inspection imports it)
-    from remat_kit.model.transformer import TransformerConfig
 
 
 def _dot_flops(eqn) -> int:
@@ -56,55 +51,3 @@ def jaxpr_flops(jaxpr) -> int:
         else:
             total += sum(subs)
     return total
-
-
-@dataclasses.dataclass(frozen=True)
-class AnalyticFlops:
-    """Textbook matmul FLOPs of one training step (forward + backward).
-
-    Attributes:
-      matmul_params: parameters that take part in matmuls (layers + output projection).
-      tokens: batch · seq.
-      dense: 6 · matmul_params · tokens (forward 2, backward 4).
-      attention: 12 · L · b · s² · d, the scores and the weighted sum (full s², as XLA's default
-        attention computes the masked half too), forward and backward.
-      none: ``dense + attention``: the step with nothing recomputed.
-      layer_forward: one forward pass of the layer stack, what ``full`` recomputes.
-      full: ``none + layer_forward``, the most any layer-wise policy recomputes.
-    """
-
-    matmul_params: int
-    tokens: int
-    dense: int
-    attention: int
-    none: int
-    layer_forward: int
-    full: int
-
-
-def analytic_flops(config: TransformerConfig, batch: int, seq: int) -> AnalyticFlops:
-    """The analytic FLOP count of one step of ``config`` on ``[batch, seq]`` tokens.
-
-    >>> from remat_kit.model.transformer import TransformerConfig
-    >>> cfg = TransformerConfig.preset("tiny")
-    >>> a = analytic_flops(cfg, 2, 32)
-    >>> a.full > a.none and a.none == a.dense + a.attention
-    True
-    """
-    d, f, hd, L = config.d_model, config.d_ff, config.head_dim, config.num_layers
-    layer = d * hd * (2 * config.num_heads + 2 * config.num_kv_heads) + 3 * d * f
-    matmul_params = L * layer + d * config.vocab_size
-    tokens = batch * seq
-    attn_fwd = 4 * batch * seq * seq * d * L
-    dense = 6 * matmul_params * tokens
-    none = dense + 3 * attn_fwd
-    layer_forward = 2 * L * layer * tokens + attn_fwd
-    return AnalyticFlops(
-        matmul_params=matmul_params,
-        tokens=tokens,
-        dense=dense,
-        attention=3 * attn_fwd,
-        none=none,
-        layer_forward=layer_forward,
-        full=none + layer_forward,
-    )

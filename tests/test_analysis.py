@@ -8,7 +8,7 @@ import pytest
 
 from remat_kit import flops, names, policies
 from remat_kit.model.transformer import TransformerConfig
-from remat_kit.planning import analysis
+from remat_kit.planning import analysis, estimates
 
 # XLA's default attention: the analytic attention FLOPs (full s², no skipped blocks) hold exactly.
 CFG = TransformerConfig.preset("tiny", attention="xla")
@@ -121,7 +121,7 @@ def test_jaxpr_flops_multiplies_scan_bodies():
 
 
 def test_estimates_reproduce_the_seed():
-    e = analysis.estimates(TransformerConfig.preset("2b"), 2, 1024)
+    e = estimates.estimates(TransformerConfig.preset("2b"), 2, 1024)
     assert e.layer_inputs == 2 * 2 * 1024 * 2048 * 28
     assert e.logits == 2 * 1024 * 248_000 * 4
     assert e.korthikanti == 34 * 2 * 1024 * 2048 * 28

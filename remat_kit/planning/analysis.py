@@ -37,6 +37,7 @@ from remat_kit import _jax_internals, flops, inspection, policies
 from remat_kit.inspection import CompiledMemory as CompiledMemory  # re-exported: analysis.CompiledMemory
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params
+from remat_kit.planning import estimates as estimates_lib
 from remat_kit.train import mesh as mesh_lib
 from remat_kit.train import step as step_lib
 from remat_kit.units import check_int
@@ -69,27 +70,6 @@ class SavedResidual:
     nbytes: int
     host: bool
     source: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimates:
-    """The seed's analytic figures, for comparison with the exact ones (bytes).
-
-    Attributes:
-      korthikanti_per_layer: 34 · b · s · h, Korthikanti et al.'s activations per layer with 16-bit
-        values, excluding the attention-score term.
-      korthikanti: ``korthikanti_per_layer`` · L, "everything kept" by that formula.
-      korthikanti_scores: 5 · a · s² · b · L, the attention-score term the 34 leaves out (scores,
-        softmax and its dropout mask, 16-bit).
-      layer_inputs: 2 · b · s · h · L, the 16-bit checkpointed layer inputs of full remat.
-      logits: b · s · V · 4, the float32 logits.
-    """
-
-    korthikanti_per_layer: int
-    korthikanti: int
-    korthikanti_scores: int
-    layer_inputs: int
-    logits: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +111,8 @@ class Analysis:
     memory: CompiledMemory
     flops: int
     xla_flops: float
-    analytic: flops.AnalyticFlops
-    estimates: Estimates
+    analytic: estimates_lib.AnalyticFlops
+    estimates: estimates_lib.Estimates
     compile_s: float
     mesh: str | None = None
     batch_devices: int = 1
@@ -435,27 +415,6 @@ def breakdown(analysis: Analysis) -> dict[str, int]:
     return dict(out.most_common())
 
 
-# ---- estimates ------------------------------------------------------------------------------------
-
-
-def estimates(config: TransformerConfig, batch: int, seq: int) -> Estimates:
-    """The seed's analytic figures for ``config`` at ``[batch, seq]``.
-
-    >>> e = estimates(TransformerConfig.preset("2b"), 2, 1024)
-    >>> round(e.layer_inputs / 1e9, 2), round(e.logits / 1e9, 1), round(e.korthikanti / 1e9, 1)
-    (0.23, 2.0, 4.0)
-    """
-    b, s, h, L = batch, seq, config.d_model, config.num_layers
-    per_layer = 34 * b * s * h
-    return Estimates(
-        korthikanti_per_layer=per_layer,
-        korthikanti=per_layer * L,
-        korthikanti_scores=5 * config.num_heads * s * s * b * L,
-        layer_inputs=2 * b * s * h * L,
-        logits=b * s * config.vocab_size * 4,
-    )
-
-
 # ---- the analysis ---------------------------------------------------------------------------------
 
 
@@ -539,8 +498,8 @@ def analyze_compiled(
         memory=memory,
         flops=count,
         xla_flops=float((cost or {}).get("flops", math.nan)),
-        analytic=flops.analytic_flops(config, batch, seq),
-        estimates=estimates(config, batch, seq),
+        analytic=estimates_lib.analytic_flops(config, batch, seq),
+        estimates=estimates_lib.estimates(config, batch, seq),
         compile_s=seconds,
         mesh=None if mesh is None else f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
         batch_devices=1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"],

@@ -1,6 +1,6 @@
 """Issue 5's benchmark: remat_kit.auto on the 2b preset under 24, 40 and 80 GB, against exhaustive search.
 
-For each budget a fresh :class:`remat_kit.auto.Planner` runs the search (trace every candidate, compile
+For each budget a fresh :class:`remat_kit.planning.planner.Planner` runs the search (trace every candidate, compile
 in order of recompute until the cheapest fitting group), timed; the exhaustive search compiles every
 candidate once (needs do not depend on the budget) and picks the least-recompute fitting one. The two
 answers must agree. Usage::
@@ -16,7 +16,8 @@ import time
 
 from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
 from remat_kit.planning import budget as auto
-from remat_kit.planning.plan import fmt_bytes
+from remat_kit.planning import planner as planner_lib
+from remat_kit.units import fmt_bytes
 
 
 def main(argv=None) -> int:
@@ -34,12 +35,12 @@ def main(argv=None) -> int:
     budgets = [auto.parse_bytes(b) for b in args.budgets.split(",")]
 
     start = time.perf_counter()
-    every = auto.Planner(cfg, loss_chunks=args.loss_chunks)
+    every = planner_lib.Planner(cfg, loss_chunks=args.loss_chunks)
     reference = [auto.auto(cfg, batch=batch, seq=seq, budget_bytes=b, planner=every, exhaustive=True) for b in budgets]
     exhaustive_s = time.perf_counter() - start
     print(
         f"preset {args.preset}, batch {batch} x seq {seq}, loss chunks {args.loss_chunks}, AdamW, margin "
-        f"{auto.DEFAULT_MARGIN:.0%}"
+        f"{planner_lib.DEFAULT_MARGIN:.0%}"
     )
     print(f"exhaustive: {every.compiles} compiles, {exhaustive_s:.1f} s for all budgets\n")
     print(f"{'candidate':58} {'recompute GFLOP':>16} {'device bytes':>14}")

@@ -1,6 +1,6 @@
 """Issue 13's mixed-policy figures: auto's answer for budgets between presets, mix against best preset.
 
-For each preset the candidate policies are compiled once (one shared :class:`remat_kit.planning.budget.Planner`);
+For each preset the candidate policies are compiled once (one shared :class:`remat_kit.planning.planner.Planner`);
 the budgets are the midpoints between neighbours on their Pareto front (need × (1 + margin)), where a
 single preset wastes the difference. At each budget ``auto`` (mixes on) answers; the table sets its
 choice and measured recompute against the best single preset that fits (``auto(..., mixes=False)``,
@@ -23,6 +23,7 @@ from remat_kit import policies as P
 from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
 from remat_kit.planning import analysis
 from remat_kit.planning import budget as A
+from remat_kit.planning import planner as planner_lib
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.units import fmt_bytes
 
@@ -46,8 +47,8 @@ def _gflop(flops: int) -> str:
 def run_preset(name: str, out) -> None:
     cfg = TransformerConfig.preset(name)
     batch, seq = PRESET_SHAPES[name]
-    pool = [P.parse(s) for s in POOL_2B] if name == "2b" else list(A.candidates(cfg, offload=False))
-    planner = A.Planner(cfg)
+    pool = [P.parse(s) for s in POOL_2B] if name == "2b" else list(A.candidates_for(cfg, offload=False))
+    planner = planner_lib.Planner(cfg)
     start = time.perf_counter()
     planner.precompile([(p, batch, seq) for p in pool])
     rows = {str(p): (planner.memory(p, batch, seq)[0], planner.flops(p, batch, seq)) for p in pool}
@@ -57,14 +58,14 @@ def run_preset(name: str, out) -> None:
         (specs[i] for i in pareto_front([(rows[s][1], rows[s][0]) for s in specs])), key=lambda s: rows[s][1]
     )
     print(f"\n## preset {name}: {cfg.num_layers} layers, batch {batch} x seq {seq}, AdamW, margin "
-          f"{A.DEFAULT_MARGIN:.0%}", file=out)  # fmt: skip
+          f"{planner_lib.DEFAULT_MARGIN:.0%}", file=out)  # fmt: skip
     print(f"{len(pool)} candidates compiled in {time.perf_counter() - start:.1f} s; Pareto front:", file=out)
     for s in front:
         print(f"  {s:40} recompute {_gflop(rows[s][1] - base):>9} GFLOP   peak {fmt_bytes(rows[s][0]):>10}", file=out)
     print(f"\n{'budget':>10}  {'best single preset':40} {'GFLOP':>9}  {'auto (mixes on)':44} {'GFLOP':>9} "
           f"{'peak':>10} {'saved':>7} {'s':>6}", file=out)  # fmt: skip
     for a, b in itertools.pairwise(front):
-        budget = int((rows[a][0] + rows[b][0]) / 2 * (1 + A.DEFAULT_MARGIN))
+        budget = int((rows[a][0] + rows[b][0]) / 2 * (1 + planner_lib.DEFAULT_MARGIN))
         plain = A.auto(cfg, batch=batch, seq=seq, budget_bytes=budget, candidates=pool, planner=planner, mixes=False)
         t = time.perf_counter()
         r = A.auto(cfg, batch=batch, seq=seq, budget_bytes=budget, candidates=pool, planner=planner)

@@ -23,6 +23,7 @@ from remat_kit import policies
 from remat_kit.model import lora
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import budget
+from remat_kit.planning import planner as planner_lib
 from remat_kit.units import fmt_bytes
 
 GB = 10**9
@@ -55,8 +56,8 @@ def main(argv=None) -> int:
     )
     full = TransformerConfig.preset(args.preset)
     pb = lora.param_bytes(cfg)
-    margin = budget.DEFAULT_MARGIN
-    planner = budget.Planner(cfg, loss_chunks=args.loss_chunks)
+    margin = planner_lib.DEFAULT_MARGIN
+    planner = planner_lib.Planner(cfg, loss_chunks=args.loss_chunks)
     b = args.batch
     t0 = time.perf_counter()
     print(

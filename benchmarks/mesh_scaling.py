@@ -29,8 +29,9 @@ def main(argv=None) -> int:
     from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
     from remat_kit.planning import analysis
     from remat_kit.planning import budget as auto
-    from remat_kit.planning.plan import fmt_bytes
+    from remat_kit.planning import planner as planner_lib
     from remat_kit.train import mesh as M
+    from remat_kit.units import fmt_bytes
 
     cfg = TransformerConfig.preset(args.preset)
     batch = args.batch or max(PRESET_SHAPES[args.preset][0], args.devices)
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
             continue
         devices = jax.devices()[: ms.size]
         mesh = M.make_mesh(ms, devices)
-        mem = auto.Planner(cfg, mesh=mesh).compiled_memory(policy, batch, seq)
+        mem = planner_lib.Planner(cfg, mesh=mesh).compiled_memory(policy, batch, seq)
         row = (saved / ms.size, mem.temp, state_bytes(mesh))
         base = base or row
         ratios = [b / r if r else float("nan") for b, r in zip(base, row, strict=True)]

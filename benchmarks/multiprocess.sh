@@ -69,7 +69,7 @@ two() {
 import json, sys
 from pathlib import Path
 import jax, numpy as np
-from remat_kit.train import loop as train
+from remat_kit import train
 from remat_kit.train.checkpoint import Checkpoints
 from remat_kit.model.transformer import TransformerConfig
 
@@ -117,7 +117,7 @@ EOF
 import json, sys
 from pathlib import Path
 import jax, numpy as np
-from remat_kit.train import loop as train
+from remat_kit import train
 from remat_kit.train.checkpoint import Checkpoints
 from remat_kit.model.transformer import TransformerConfig
 

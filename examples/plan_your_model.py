@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 import remat_kit
-from remat_kit.planning.plan import format_budget_table
 from remat_kit.units import fmt_bytes, parse_bytes
 
 
@@ -86,7 +85,7 @@ def main(argv=None) -> int:
     # 3. The least recompute whose whole training step (AdamW state included) fits the budget.
     result = remat_kit.auto(make_loss, params, x, budget_bytes=parse_bytes(args.budget))
     print(f"\nauto, budget {fmt_bytes(result.budget_bytes)}:")
-    print("\n".join(format_budget_table(result)))
+    print("\n".join(result.table()))
     print(f"chosen: {result.chosen}")
     print(result.reason)
     return 0

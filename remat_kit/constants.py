@@ -1,8 +1,8 @@
 """Names and defaults the command line shows in ``--help``, in a module that imports nothing heavy.
 
 ``remat-kit --help`` must answer at once, so the parser cannot import jax, flax or optax; the
-library modules take these values from here (or, where another module owns the value, a test
-checks that the two agree: ``tests/test_cli.py``).
+library modules take these values from here, so each is defined once (the preset names alone are
+repeated, as the keys of the model's ``PRESETS``; ``tests/test_cli.py`` checks they agree).
 """
 
 from __future__ import annotations
@@ -34,6 +34,23 @@ GENERIC_CANDIDATES: tuple[str, ...] = ("none", "dots", "full")
 
 #: ``plan --budget``'s default safety margin (:data:`remat_kit.planning.budget.DEFAULT_MARGIN`).
 DEFAULT_MARGIN = 0.10
+
+#: ``remat-kit train``'s defaults, which are :class:`remat_kit.train.TrainConfig`'s (it reads them here).
+TRAIN_DEFAULTS = {
+    "steps": 100,
+    "batch_size": 8,
+    "seq_len": 0,
+    "grad_accum": 1,
+    "learning_rate": 3e-3,
+    "warmup_steps": -1,
+    "weight_decay": 0.01,
+    "clip_norm": 1.0,
+    "loss_chunks": "auto",
+    "seed": 0,
+    "val_fraction": 0.05,
+    "eval_every": 50,
+    "eval_batches": 4,
+}
 
 #: JAX's own defaults for joining a multi-process run and for its heartbeat, in seconds.
 JAX_JOIN_TIMEOUT_S = 300

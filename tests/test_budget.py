@@ -6,7 +6,9 @@ from remat_kit import policies as P
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import budget as A
 from remat_kit.planning import fit, pareto
-from remat_kit.planning.plan import fmt_bytes
+from remat_kit.planning import planner as planner_lib
+from remat_kit.planning.planner import Budget
+from remat_kit.units import fmt_bytes
 
 CFG = TransformerConfig.preset("tiny", num_layers=4)
 POOL = ("none", "selective:q_proj,k_proj,v_proj", "every_n:2", "full", "sqrt_n")
@@ -15,7 +17,7 @@ BATCH, SEQ = 2, 32
 
 @pytest.fixture(scope="module")
 def planner():
-    return A.Planner(CFG)
+    return planner_lib.Planner(CFG)
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +26,12 @@ def needs(planner):
 
 
 def _auto(planner, budget, **kw):
-    return A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=int(budget), candidate_policies=POOL, planner=planner, **kw)
+    return A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=int(budget), candidates=POOL, planner=planner, **kw)
 
 
 def _budgets(needs):
     """Budgets just above each candidate's need (with the margin) and one above all."""
-    return [*sorted(int(n * (1 + A.DEFAULT_MARGIN)) + 1 for n in needs.values()), 10**10]
+    return [*sorted(int(n * (1 + planner_lib.DEFAULT_MARGIN)) + 1 for n in needs.values()), 10**10]
 
 
 def test_chosen_fits_and_nothing_fitting_recomputes_less(planner, needs):
@@ -49,7 +51,7 @@ def test_search_agrees_with_exhaustive(planner, needs):
 
 
 def test_search_stops_at_the_cheapest_fitting_group():
-    fast = _auto(A.Planner(CFG), 10**10)  # ample: the zero-recompute group fits at once
+    fast = _auto(planner_lib.Planner(CFG), 10**10)  # ample: the zero-recompute group fits at once
     assert fast.compiled < len(POOL)
     assert [c.fits for c in fast.candidates if c.need_bytes is None] == [None] * (len(POOL) - fast.compiled)
 
@@ -93,9 +95,9 @@ def test_max_fit_is_exact(planner, dim):
     assert planner.compiles - before <= (3 if dim == "batch" else 5)
     shape = (lambda k: (BATCH, k)) if dim == "seq" else (lambda k: (k, SEQ))
     assert n >= 1
-    assert planner.fits(policy, *shape(n), budget, A.DEFAULT_MARGIN)
+    assert planner.fits(policy, *shape(n), Budget(budget))
     if n < (CFG.max_seq_len if dim == "seq" else 2**20):
-        assert not planner.fits(policy, *shape(n + 1), budget, A.DEFAULT_MARGIN)
+        assert not planner.fits(policy, *shape(n + 1), Budget(budget))
 
 
 def test_max_fit_returns_zero_when_even_one_does_not_fit(planner):
@@ -109,12 +111,12 @@ def test_max_fit_stops_at_the_models_maximum(planner):
 
 def test_candidates_cover_the_policy_families():
     cfg = TransformerConfig.preset("tiny", num_layers=9)
-    specs = [str(p) for p in A.candidates(cfg, offload=True)]
+    specs = [str(p) for p in A.candidates_for(cfg, offload=True)]
     assert len(specs) == len(set(specs))
     kinds = {P.parse(s).kind for s in specs}
     assert kinds == {"none", "selective", "dots", "every_n", "segments", "sqrt_n", "full", "offload"}
-    assert not any(P.parse(s).kind == "offload" for s in A.candidates(cfg, offload=False))
-    assert all(p.period <= 4 for p in A.candidates(CFG) if p.kind == "every_n")  # never deeper than the model
+    assert not any(P.parse(s).kind == "offload" for s in A.candidates_for(cfg, offload=False))
+    assert all(p.period <= 4 for p in A.candidates_for(CFG) if p.kind == "every_n")  # never deeper than the model
 
 
 def test_offload_candidates_follow_what_jax_can_offload(monkeypatch):
@@ -122,7 +124,7 @@ def test_offload_candidates_follow_what_jax_can_offload(monkeypatch):
     cfg = TransformerConfig.preset("tiny")
     monkeypatch.setattr(A._jax_internals, "offload_supported", lambda: False)
     assert not A.host_offload_available()
-    assert not any(p.kind == "offload" for p in A.candidates(cfg))
+    assert not any(p.kind == "offload" for p in A.candidates_for(cfg))
 
 
 @pytest.mark.parametrize(
@@ -139,7 +141,7 @@ def test_parse_bytes(text, expected):
         (lambda: A.parse_bytes("80 GX"), ValueError, r"cannot read memory size '80 GX'.*GiB"),
         (lambda: A.parse_bytes("0GB"), ValueError, r"must be positive"),
         (lambda: A.parse_bytes(True), TypeError, r"string or an int"),
-        (lambda: A.get_optimizer("adamx"), ValueError, r"unknown optimizer 'adamx'; allowed: adamw"),
+        (lambda: planner_lib.get_optimizer("adamx"), ValueError, r"unknown optimizer 'adamx'; allowed: adamw"),
         (lambda: A.auto(CFG, batch=2, seq=32, budget_bytes=-1), ValueError, r"budget_bytes must be a positive"),
         (lambda: A.auto(CFG, batch=2, seq=32, budget_bytes=10, margin=1.5), ValueError, r"margin must be in \[0, 1\)"),
         (lambda: A.auto(CFG, batch=0, seq=32, budget_bytes=10), ValueError, r"batch must be a positive integer"),
@@ -154,12 +156,12 @@ def test_bad_input(call, error, match):
 
 
 def test_mesh_bytes_are_per_device():
-    single = A.Planner(CFG).memory(P.full(), 8, SEQ)[0]
-    data = A.Planner(CFG, mesh="data=4").memory(P.full(), 8, SEQ)[0]
-    fsdp = A.Planner(CFG, mesh="fsdp=4").memory(P.full(), 8, SEQ)[0]
+    single = planner_lib.Planner(CFG).memory(P.full(), 8, SEQ)[0]
+    data = planner_lib.Planner(CFG, mesh="data=4").memory(P.full(), 8, SEQ)[0]
+    fsdp = planner_lib.Planner(CFG, mesh="fsdp=4").memory(P.full(), 8, SEQ)[0]
     assert data < single and fsdp < data  # activations split 4 ways; with fsdp the state too
     with pytest.raises(ValueError, match=r"batch 6 is not divisible by the data-parallel device count 4"):
-        A.Planner(CFG, mesh="data=4").memory(P.full(), 6, SEQ)
+        planner_lib.Planner(CFG, mesh="data=4").memory(P.full(), 6, SEQ)
 
 
 def test_pareto_front():
@@ -168,7 +170,7 @@ def test_pareto_front():
 
 def test_pareto_plot_is_a_png(planner, needs, tmp_path):
     r = _auto(planner, sorted(needs.values())[2] * 1.2, exhaustive=True)
-    path = pareto.plot_pareto(r, str(tmp_path / "pareto.png"))
+    path = r.plot(str(tmp_path / "pareto.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -203,7 +205,7 @@ def test_boundary_search_is_exact_and_cheap(need, degree, most):
 
 def test_cpu_plan_compiles_give_the_same_bytes_as_default_compiles(planner):
     # The planner compiles at LLVM -O0 on CPU to halve the time; the figures must be XLA's default ones.
-    assert planner.compiler_options == A.CPU_PLAN_COMPILER_OPTIONS
+    assert planner.compiler_options == planner_lib.CPU_PLAN_COMPILER_OPTIONS
     fast = planner.compiled_memory(P.full(), BATCH, SEQ)
     default = planner._trace(P.full(), BATCH, SEQ).lower().compile()
     assert fast == A.inspection.CompiledMemory.from_compiled(default)

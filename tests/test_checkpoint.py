@@ -10,8 +10,8 @@ import numpy as np
 import optax
 import pytest
 
+from remat_kit import train
 from remat_kit.train import data
-from remat_kit.train import loop as train
 from remat_kit.train.checkpoint import CORRUPT_PREFIX, Checkpoints, CheckpointWarning, prepare_directory, tree_digest
 
 # After a failed tensorstore read (the corrupt-checkpoint tests do that on purpose), orbax's asyncio

@@ -11,6 +11,7 @@ import pytest
 import remat_kit
 from remat_kit import _jax_internals, inspection, policies
 from remat_kit.cli import main
+from remat_kit.constants import DEFAULT_MARGIN
 from remat_kit.planning import budget
 
 F32 = 4
@@ -116,7 +117,7 @@ def auto_table():
 def test_auto_chooses_what_fits_and_nothing_cheaper_does(auto_table):
     need = {c.policy: c.need_bytes for c in auto_table.candidates}
     assert auto_table.batch is None and [c.policy for c in auto_table.candidates][-1] == "full"
-    budget_bytes = int(need["full"] * (1 + budget.DEFAULT_MARGIN)) + 1
+    budget_bytes = int(need["full"] * (1 + DEFAULT_MARGIN)) + 1
     assert budget_bytes < min(need["none"], need["dots"])  # the test means something
     r = remat_kit.auto(_make_loss, *ARGS, budget_bytes=budget_bytes)
     assert str(r.chosen) == "full" and "needs more than the budget" in r.reason

@@ -9,12 +9,11 @@ import optax
 import pytest
 from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
-from remat_kit import _jax_internals
+from remat_kit import _jax_internals, train
 from remat_kit.model import lora
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig, init_params
 from remat_kit.train import data
-from remat_kit.train import loop as train
 from remat_kit.train import step as step_lib
 from remat_kit.train.checkpoint import Checkpoints
 

@@ -14,6 +14,7 @@ from remat_kit import policies as P
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis
 from remat_kit.planning import budget as A
+from remat_kit.planning import planner as planner_lib
 
 MIXES = [
     "full*2+none*3",
@@ -160,13 +161,13 @@ BATCH, SEQ = 8, 256  # activations dominate the step, so a mix's need falls betw
 
 @functools.cache
 def _planner_and_needs():
-    planner = A.Planner(CFG)
+    planner = planner_lib.Planner(CFG)
     return planner, {s: planner.memory(P.parse(s), BATCH, SEQ)[0] for s in ("none", "full")}
 
 
 def test_auto_answers_a_mix_with_strictly_less_recompute_than_the_best_preset():
     planner, need = _planner_and_needs()
-    budget = int((0.6 * need["none"] + 0.4 * need["full"]) * (1 + A.DEFAULT_MARGIN))
+    budget = int((0.6 * need["none"] + 0.4 * need["full"]) * (1 + planner_lib.DEFAULT_MARGIN))
     r = A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=budget, candidates=["none", "full"], planner=planner)
     assert isinstance(r.chosen, P.Mix) and r.chosen.policies == (P.none(), P.full())
     rows = {c.policy: c for c in r.candidates}

@@ -57,9 +57,9 @@ def _train_args(corpus: Path, policy: str = "full") -> list[str]:
 
 def _child(scenario: str, port: int, pid: int, work: Path) -> None:
     from remat_kit import cli
+    from remat_kit import train as train_mod
     from remat_kit.model.transformer import TransformerConfig
     from remat_kit.planning import analysis
-    from remat_kit.train import loop as train_mod
     from remat_kit.train import mesh as mesh_lib
 
     dist = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)]
@@ -168,7 +168,7 @@ def _launch(scenario: str, work: Path, pids=(0, 1), port: int | None = None) -> 
 
 def _final(directory: Path):
     """(step, parameters) of the newest checkpoint, restored in this process onto one device."""
-    from remat_kit.train import loop as train
+    from remat_kit import train
     from remat_kit.train.checkpoint import Checkpoints
 
     with Checkpoints(directory) as ckpts:
@@ -177,8 +177,8 @@ def _final(directory: Path):
 
 
 def _config(policy: str):
+    from remat_kit import train
     from remat_kit.model.transformer import TransformerConfig
-    from remat_kit.train import loop as train
 
     return train.TrainConfig(
         model=TransformerConfig.preset("tiny"), policy=policy, steps=STEPS, batch_size=4, seq_len=32,
@@ -198,8 +198,8 @@ def _rel(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    from remat_kit import train
     from remat_kit.train import data
-    from remat_kit.train import loop as train
 
     work = tmp_path_factory.mktemp("multiprocess")
     # Real text (JAX's own source), small: reading it is instant.
@@ -302,7 +302,7 @@ def test_restarting_both_resumes_bit_for_bit(runs):
 def test_two_process_checkpoint_resumes_in_one(runs):
     import warnings
 
-    from remat_kit.train import loop as train
+    from remat_kit import train
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # restored arrays that failed their SHA-256 would warn and be skipped

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from remat_kit import cli
+from remat_kit.cli import plan_report as plan
 from remat_kit.model.transformer import TransformerConfig
-from remat_kit.planning import plan
 from remat_kit.units import fmt_count
 
 TINY = ["--preset", "tiny", "--attention", "xla", "--batch-size", "2", "--seq-len", "32"]

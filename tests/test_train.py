@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 from conftest import ALL_SPECS
 
-from remat_kit import cli
+from remat_kit import cli, train
 from remat_kit.cli.train import config_from_args
 from remat_kit.model import loss
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.train import data
-from remat_kit.train import loop as train
 from remat_kit.train import progress as train_progress
 from remat_kit.train.checkpoint import Checkpoints
 
@@ -147,7 +146,7 @@ import sys, time
 import jax
 jax.config.update("jax_num_cpu_devices", {jax.device_count()})
 from remat_kit import cli
-from remat_kit.train import loop as train
+from remat_kit import train
 _train = train.train
 train.train = lambda *a, **k: _train(*a, callbacks=[lambda step, record: time.sleep(0.2)], **k)
 sys.exit(cli.main(sys.argv[1:]))

@@ -1,5 +1,7 @@
-"""A bench measurement (:class:`BenchRecord`) and its reports: the terminal table, Markdown, the plot,
-the Pareto front and the warning when step times are too noisy for their ratios to mean anything."""
+"""A bench measurement (:class:`BenchRecord`) and its reports.
+
+The terminal table, Markdown, the plot, the Pareto front and the warning when step times are too
+noisy for their ratios to mean anything."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from remat_kit.model import lora
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis
-from remat_kit.planning.plan import load_factory, model_from_factory
+from remat_kit.planning.user_model import load_factory, model_from_factory
 from remat_kit.train import mesh as mesh_lib
 from remat_kit.train import step as step_lib
 

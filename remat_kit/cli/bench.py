@@ -33,7 +33,7 @@ def _bench_command(args: argparse.Namespace) -> int:
     if args.model:
         return _bench_model_command(args)
     from remat_kit.bench.run import DEFAULT_POLICIES, run_bench
-    from remat_kit.planning.plan import parse_policies
+    from remat_kit.cli.plan_report import parse_policies
     from remat_kit.train import mesh as mesh_lib
 
     config, batch, seq = config_from_args(args)
@@ -104,7 +104,8 @@ def _bench_model_command(args: argparse.Namespace) -> int:
     """``bench --model MODULE:FACTORY``: the same table and JSON for the factory's model."""
     from remat_kit.bench.run import run_bench
     from remat_kit.cli.plan import PRESET_ONLY
-    from remat_kit.planning.plan import load_factory, model_from_factory, parse_model_policies
+    from remat_kit.cli.plan_report import parse_model_policies
+    from remat_kit.planning.user_model import load_factory, model_from_factory
 
     given = [f"--{k.replace('_', '-')}" for k in PRESET_ONLY if getattr(args, k, None) not in (None, 0)]
     if given:

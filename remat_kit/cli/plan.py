@@ -36,14 +36,9 @@ DESCRIPTION = (
 def _model_command(args: argparse.Namespace) -> int:
     """``plan --model``: compare the policies on the factory's model, or (``--budget``) choose one."""
     from remat_kit import inspection
-    from remat_kit.planning import budget
-    from remat_kit.planning.plan import (
-        BUDGET_LEGEND,
-        format_budget_table,
-        load_factory,
-        model_from_factory,
-        parse_model_policies,
-    )
+    from remat_kit.cli.plan_report import parse_model_policies
+    from remat_kit.planning import budget, planner
+    from remat_kit.planning.user_model import load_factory, model_from_factory
 
     given = [f"--{k.replace('_', '-')}" for k in PRESET_ONLY if getattr(args, k, None) not in (None, 0)]
     if given:
@@ -56,9 +51,9 @@ def _model_command(args: argparse.Namespace) -> int:
     check_writable(args.json, "--json")
     specs = parse_model_policies(args.policies)
     budget_bytes = budget.parse_bytes(args.budget) if args.budget is not None else None
-    margin = budget.DEFAULT_MARGIN if args.margin is None else args.margin
+    margin = planner.DEFAULT_MARGIN if args.margin is None else args.margin
     if budget_bytes is not None:
-        budget.check_budget(budget_bytes, margin)
+        planner.Budget(budget_bytes, margin)  # checked before anything is loaded or compiled
     make_loss, example = model_from_factory(load_factory(args.model), args.model)
     if not args.no_progress:
         print(f"[plan] {args.model}: {len(specs)} policies ...", file=sys.stderr, flush=True)
@@ -76,8 +71,8 @@ def _model_command(args: argparse.Namespace) -> int:
                              exhaustive=True, jobs=args.jobs)  # fmt: skip
         print(f"remat-kit plan --model {args.model} --budget {fmt_bytes(budget_bytes)}: clipped AdamW step, "
               f"margin {margin:.0%}")  # fmt: skip
-        print(BUDGET_LEGEND)
-        print("\n".join(format_budget_table(result)))
+        print(budget.BUDGET_LEGEND)
+        print("\n".join(result.table()))
         print(f"\nchosen: {result.chosen}" if result.chosen is not None else "")
         print(result.reason)  # when nothing fits, it says so (once)
         payload = {"command": command_line("plan", args), "model": args.model, **result.to_dict()}
@@ -91,14 +86,8 @@ def _model_command(args: argparse.Namespace) -> int:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from remat_kit.planning.plan import (
-        DEFAULT_POLICIES,
-        format_table,
-        parse_policies,
-        plan_record,
-        run_plan,
-        seed_check,
-    )
+    from remat_kit.cli.plan_report import DEFAULT_POLICIES, against_theory, format_table, parse_policies, plan_record
+    from remat_kit.planning.analysis import analyze_policies
     from remat_kit.train import mesh as mesh_lib
 
     if args.model:
@@ -123,7 +112,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    results = run_plan(
+    results = analyze_policies(
         config, batch, seq, specs, loss_chunks=args.loss_chunks, jobs=args.jobs, progress=progress, mesh=mesh
     )
     a0 = next(iter(results.values()))
@@ -145,7 +134,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         f"+ one forward of the layers = {a0.analytic.full / 1e9:.1f} G"
     )
     print("\nagainst the theory (full remat keeps L·b·s·h; the loss b·s·V·4; none Korthikanti's 34·b·s·h·L):")
-    for line in seed_check(results):
+    for line in against_theory(results):
         print("  " + line)
     if args.top:
         print(f"\nlargest residuals per policy (top {args.top}):")
@@ -163,7 +152,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             "seq": seq,
             "loss_chunks": args.loss_chunks,
             "estimates": dataclasses.asdict(a0.estimates),
-            "seed_check": seed_check(results),
+            "seed_check": against_theory(results),
             "records": [plan_record(a, args.top) for a in results.values()],
         }
         write_json(args.json, payload)
@@ -218,20 +207,21 @@ def add_cli(subparsers) -> None:
 def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh) -> int:
     """``plan --budget``: every candidate's need against the budget, the choice, and the limits that fit."""
     from remat_kit import policies
+    from remat_kit.cli.plan_report import compile_progress, parse_policies
     from remat_kit.planning import budget, pareto
     from remat_kit.planning import fit as fit_lib
-    from remat_kit.planning.plan import BUDGET_LEGEND, compile_progress, format_budget_table, parse_policies
+    from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner
 
     budget_bytes = budget.parse_bytes(args.budget)
-    margin = budget.DEFAULT_MARGIN if args.margin is None else args.margin
-    budget.check_budget(budget_bytes, margin)
+    margin = DEFAULT_MARGIN if args.margin is None else args.margin
+    Budget(budget_bytes, margin)  # checked before anything is compiled
     # Only the chosen policy's limits by default: each policy's search costs a few compiles, and the
     # chosen one answers "how far can I push this run"; the others are one flag away.
     limits = args.limits or "chosen"
     check_writable(args.json, "--json")
     check_writable(args.plot, "--plot")
-    pool = parse_policies(args.policies, config.num_layers) if args.policies else list(budget.candidates(config))
-    planner = budget.Planner(config, loss_chunks=args.loss_chunks, mesh=mesh,
+    pool = parse_policies(args.policies, config.num_layers) if args.policies else list(budget.candidates_for(config))
+    planner = Planner(config, loss_chunks=args.loss_chunks, mesh=mesh,
                              progress=None if args.no_progress else compile_progress)  # fmt: skip
     if not args.no_progress:
         print(f"[plan] compiling {len(pool)} candidates, {args.jobs} at a time ...", file=sys.stderr, flush=True)
@@ -267,16 +257,16 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         f"params), batch {batch} × seq {seq}{_shape_note(args)}, clipped AdamW step, loss_chunks={args.loss_chunks}, "
         f"margin {margin:.0%}{where}"
     )
-    print(BUDGET_LEGEND)
+    print(budget.BUDGET_LEGEND)
     # A sequence limit equal to the preset's max_seq_len is the model's cap, not what memory allows.
     shown = {k: (b, f"{s} (cap)" if s == config.max_seq_len else s) for k, (b, s) in fit.items()}
-    print("\n".join(format_budget_table(result, shown)))
+    print("\n".join(result.table(shown)))
     if any(s == config.max_seq_len for _, s in fit.values()):
         print(f"(cap): the preset's max_seq_len ({config.max_seq_len}); memory would allow more")
     print(f"\nchosen: {result.chosen}" if result.chosen is not None else "")
     print(result.reason)  # when nothing fits, it says so (once)
     if args.plot:
-        pareto.plot_pareto(result, args.plot)
+        result.plot(args.plot)
         print(f"wrote {args.plot}")
     if args.json:
         payload = {"command": command_line("plan", args), "preset": args.preset, "config": dataclasses.asdict(config),

@@ -12,26 +12,11 @@ from remat_kit import constants
 from remat_kit.cli.common import add_lora_args, add_parser, add_shape_args, lora_overrides, loss_chunks_arg
 
 #: ``TrainConfig``'s defaults, spelled out so that ``--help`` needs no jax (tests/test_cli.py checks they agree).
-TRAIN_DEFAULTS = {
-    "steps": 100,
-    "batch_size": 8,
-    "seq_len": 0,
-    "grad_accum": 1,
-    "learning_rate": 3e-3,
-    "warmup_steps": -1,
-    "weight_decay": 0.01,
-    "clip_norm": 1.0,
-    "loss_chunks": "auto",
-    "seed": 0,
-    "val_fraction": 0.05,
-    "eval_every": 50,
-    "eval_batches": 4,
-}
 
 
 def add_cli(subparsers) -> None:
     """Register ``remat-kit train``."""
-    d = TRAIN_DEFAULTS
+    d = constants.TRAIN_DEFAULTS
     p = add_parser(
         subparsers,
         "train",

@@ -41,13 +41,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from remat_kit import names, policies
+from remat_kit import constants, names, policies
 from remat_kit.model import attention, lora_layer
 from remat_kit.model.ops import project, rms_norm, swiglu
 from remat_kit.scan import stack
 from remat_kit.units import check_int
 
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+DTYPES: tuple[str, ...] = constants.DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +173,7 @@ PRESETS: dict[str, TransformerConfig] = {
 }
 
 #: (batch, seq) each preset is measured at by default.
-PRESET_SHAPES: dict[str, tuple[int, int]] = {"tiny": (2, 32), "small": (4, 256), "2b": (2, 1024)}
+PRESET_SHAPES: dict[str, tuple[int, int]] = constants.PRESET_SHAPES
 
 
 class Dense(nn.Module):

@@ -22,49 +22,22 @@ True
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from remat_kit import _jax_internals, flops, inspection, policies
-from remat_kit.model.loss import lm_loss
-from remat_kit.model.transformer import Transformer, TransformerConfig
+from remat_kit import _jax_internals, constants, inspection, policies
+from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import analysis
 from remat_kit.planning.pareto import pareto_front
-from remat_kit.train import mesh as mesh_lib
-from remat_kit.train import step as step_lib
-from remat_kit.units import check_int, fmt_bytes
+from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner
+from remat_kit.units import fmt_bytes, fmt_flops
 from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.planning.budget.parse_bytes
-
-#: Optimizers by name (their state is part of what must fit).
-OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    "adamw": lambda: step_lib.make_optimizer(1e-3),  # train's clipped AdamW: what is planned is what is trained
-    "adam": lambda: optax.adam(1e-3),
-    "lion": lambda: optax.lion(1e-4),
-    "adafactor": lambda: optax.adafactor(1e-3),
-    "sgd": lambda: optax.sgd(1e-3),
-}
-
-DEFAULT_MARGIN = 0.10
-
-
-def get_optimizer(optimizer: str | optax.GradientTransformation) -> optax.GradientTransformation:
-    """An optax optimizer from a name in :data:`OPTIMIZERS`, or the transformation itself."""
-    if isinstance(optimizer, optax.GradientTransformation):
-        return optimizer
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(
-            f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)} or an optax transformation"
-        )
-    return OPTIMIZERS[optimizer]()
 
 
 def host_offload_available() -> bool:
@@ -75,7 +48,7 @@ def host_offload_available() -> bool:
     return has_kind and _jax_internals.offload_supported()
 
 
-def candidates(config: TransformerConfig, *, offload: bool | None = None) -> tuple[policies.Policy, ...]:
+def candidates_for(config: TransformerConfig, *, offload: bool | None = None) -> tuple[policies.Policy, ...]:
     """The policies :func:`auto` considers for ``config``, without duplicates.
 
     ``none``; the selective presets and subsets of the matmul outputs; ``dots``; ``every_n(n)`` for
@@ -102,7 +75,12 @@ def candidates(config: TransformerConfig, *, offload: bool | None = None) -> tup
     return tuple(dict.fromkeys(out))
 
 
-default_candidates = candidates  # auto's ``candidates`` argument shadows the name inside it
+#: What the columns of :meth:`AutoResult.table` mean.
+BUDGET_LEGEND = (
+    "peak = the compiled step's device bytes at its peak, arguments + outputs − aliased + temp (weights, gradients, "
+    "optimizer state, activations and the recompute working set): what must fit; recompute = matmul FLOPs beyond "
+    "`none`.\n"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +134,110 @@ class AutoResult:
     #: was interpolated on (a recomputes less, b needs less); what a plot draws between presets.
     mixed_front: tuple[tuple[str, str, int, int, int, int], ...] = ()
 
+    @property
+    def budget(self) -> Budget:
+        """The budget and margin the candidates were held to."""
+        return Budget(self.budget_bytes, self.margin)
+
+    def table(self, fit: dict[str, tuple] | None = None) -> list[str]:
+        """``plan --budget``'s table (:data:`BUDGET_LEGEND`): each candidate's recompute, peak, peak with the
+        margin, whether it fits and (``fit``) the largest batch and sequence that fit; the chosen one marked
+        ``*``; then the notes."""
+        fit = fit or {}
+        budget = self.budget
+        width = max(len(c.policy) for c in self.candidates) + 1
+        head = f"{'policy':{width + 1}} {'recompute':>10} {'peak':>10} {'+margin':>10} {'host':>10} {'fits':>5}"
+        if fit:
+            head += f" {'max batch @seq ' + str(self.seq):>18} {'max seq @batch ' + str(self.batch):>18}"
+        rows = [head, "-" * len(head)]
+        for c in self.candidates:
+            mark = "*" if self.chosen is not None and c.policy == str(self.chosen) else " "
+            compiled = c.need_bytes is not None
+            fits = "-" if c.fits is None else "yes" if c.fits else "no"
+            row = (
+                f"{mark}{c.policy:{width}} {fmt_flops(c.recompute_flops):>10} "
+                f"{fmt_bytes(c.need_bytes) if compiled else '-':>10} "
+                f"{fmt_bytes(budget.with_margin(c.need_bytes)) if compiled else '-':>10} "
+                f"{fmt_bytes(c.host_bytes) if compiled else '-':>10} {fits:>5}"
+            )
+            if fit:
+                row += "".join(f" {fit[c.policy][k] if c.policy in fit else '-':>18}" for k in (0, 1))
+            rows.append(row)
+        if self.mixed_front:
+            pairs = ", ".join(f"{a} → {b}" for a, b, *_ in self.mixed_front)
+            rows.append(
+                f"mixed front (mixes of neighbours, policies.mix): {pairs}; rows with '*COUNT' are mixes compiled."
+            )
+        note = inspection.offload_note()
+        if note and any(policies.parse(c.policy).kind == "offload" for c in self.candidates):
+            rows.append(f"note: {note}.")
+        return rows
+
+    def plot(self, path: str) -> str:
+        """Write a PNG of device memory against recompute FLOPs, the Pareto front drawn, the choice marked.
+
+        Only compiled candidates have a memory figure; the budget is drawn as a horizontal line. The front's
+        segments are the mixed front (mixes of two neighbours, :func:`remat_kit.planning.budget.best_mix`); mixes
+        compiled are diamonds.
+
+        Returns:
+          ``path``.
+        """
+        import matplotlib  # late: an optional heavy dependency, only for the plot
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [c for c in self.candidates if c.need_bytes is not None]
+        xs = [c.recompute_flops / 1e9 for c in rows]
+        ys = [c.need_bytes / 1e9 for c in rows]
+        fig, ax = plt.subplots(figsize=(8, 5))
+        one = [i for i, c in enumerate(rows) if "*" not in c.policy]  # single policies; mixes are drawn below
+        colors = ["tab:green" if rows[i].fits else "tab:red" for i in one]
+        ax.scatter([xs[i] for i in one], [ys[i] for i in one], c=colors, zorder=3)
+        for c, x, y in zip(rows, xs, ys, strict=True):
+            ax.annotate(
+                c.policy if len(c.policy) < 28 else c.policy[:25] + "…",
+                (x, y),
+                fontsize=7,
+                xytext=(4, 3),
+                textcoords="offset points",
+            )
+        front = sorted((one[j] for j in pareto_front([(xs[i], ys[i]) for i in one])), key=lambda i: xs[i])
+        # Mixes of neighbours on the front lie (very nearly) on the segments between them: the mixed front.
+        label = "mixed front (mixes of neighbouring policies)" if self.mixed_front else "Pareto front"
+        ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="gray", label=label, zorder=2)
+        mixed = [i for i, c in enumerate(rows) if "*" in c.policy]
+        if mixed:
+            ax.scatter([xs[i] for i in mixed], [ys[i] for i in mixed], marker="D", s=40, facecolors="none",
+                       edgecolors=["tab:green" if rows[i].fits else "tab:red" for i in mixed], label="mixes compiled",
+                       zorder=3)  # fmt: skip
+        ax.axhline(
+            self.budget.target / 1e9,
+            color="tab:orange",
+            label=f"budget / (1 + {self.margin:.0%} margin)",
+        )
+        if self.chosen is not None:
+            win = next(i for i, c in enumerate(rows) if c.policy == str(self.chosen))
+            ax.scatter(
+                [xs[win]],
+                [ys[win]],
+                s=250,
+                facecolors="none",
+                edgecolors="black",
+                linewidths=2,
+                label=f"chosen: {self.chosen}",
+                zorder=4,
+            )
+        ax.set_xlabel("recompute per step (GFLOP, matmuls beyond `none`)")
+        ax.set_ylabel("compiled peak of the step (GB): arguments + outputs − aliased + temp")
+        ax.set_title(f"policies at batch {self.batch} x seq {self.seq} (green fits, red does not)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready record; ``chosen`` is the winner's spec string (or None)."""
         return {
@@ -174,178 +256,9 @@ class AutoResult:
         }
 
 
-#: XLA options for the planner's CPU compiles. The planner only reads the buffer assignment
-#: (``memory_analysis()``) and never runs the executable; buffer assignment is done on the optimized HLO,
-#: before LLVM, so LLVM's optimization level changes the machine code but not one byte of the figures
-#: (checked: every tiny candidate at two shapes, the 2B preset's ``full``; tested in test_budget.py)
-#: while it halves the compile time. (``xla_cpu_use_fusion_emitters=False`` would be 4x faster still,
-#: but it changes fusion and so the bytes: not used.)
-CPU_PLAN_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
-
-
-class StepPlanner:
-    """Traces and compiles the shared training step (:mod:`remat_kit.train.step`) of one model, memoized.
-
-    Each shape is traced, lowered and compiled once; ``compiles`` counts the XLA compiles done, the
-    planner's cost (on CPU they run at LLVM -O0: see :data:`CPU_PLAN_COMPILER_OPTIONS`).
-
-    Args:
-      build: ``build(policy, batch, seq) -> (loss_fn, params, batch_args)``: the loss
-        ``loss_fn(params, *batch_args)`` under ``policy`` and its inputs (ShapeDtypeStructs) at that
-        shape; ``batch`` and ``seq`` are None for a model planned at one fixed shape.
-      optimizer: a name in :data:`OPTIMIZERS` or an optax transformation; its state is part of the step.
-      mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``); bytes are then per device.
-      progress: ``progress(done, total, what)`` after each compile (``total``: compiles done plus those
-        known to be ahead, see :meth:`expect`).
-    """
-
-    def __init__(self, build: Callable, optimizer: str | optax.GradientTransformation = "adamw", mesh=None,
-                 progress: Callable | None = None):  # fmt: skip
-        self.build = build
-        self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
-        self.optimizer_name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
-        self.opt = get_optimizer(optimizer)
-        self.progress = progress
-        platform = self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
-        self.compiler_options = CPU_PLAN_COMPILER_OPTIONS if platform == "cpu" else None
-        self._traced: dict[tuple, Any] = {}
-        self._lowered: dict[tuple, Any] = {}
-        self._flops: dict[tuple, int] = {}
-        self._memory: dict[tuple, inspection.CompiledMemory] = {}
-        self._lock = threading.Lock()
-        self.compiles = 0
-        self.planned = 0  # compiles known to be ahead (precompile, expect), for progress
-
-    def _key(self, policy, batch, seq) -> tuple:
-        return (str(policy), batch, seq)
-
-    def _trace(self, policy: policies.Policy, batch: int | None, seq: int | None):
-        key = self._key(policy, batch, seq)
-        if key not in self._traced:
-            loss_fn, params, batch_args = self.build(policy, batch, seq)
-            params, opt_state = step_lib.abstract_state(params, self.opt)
-            kwargs = step_lib.jit_kwargs(params, opt_state, self.mesh, batch_args=len(batch_args))
-            step = step_lib.make_step(loss_fn, self.opt)
-            self._traced[key] = jax.jit(step, **kwargs).trace(params, opt_state, *batch_args)
-        return self._traced[key]
-
-    def _lower(self, policy: policies.Policy, batch: int | None, seq: int | None):
-        key = self._key(policy, batch, seq)
-        if key not in self._lowered:
-            self._lowered[key] = self._trace(policy, batch, seq).lower()
-            self._traced.pop(key, None)  # keep memory flat over long searches
-        return self._lowered[key]
-
-    def flops(self, policy: policies.Policy, batch: int | None = None, seq: int | None = None) -> int:
-        """Matmul FLOPs of one step (trace only; no compile)."""
-        key = self._key(policy, batch, seq)
-        if key not in self._flops:
-            self._flops[key] = flops.jaxpr_flops(self._trace(policy, batch, seq).jaxpr)
-        return self._flops[key]
-
-    def compiled_memory(self, policy: policies.Policy, batch=None, seq=None) -> inspection.CompiledMemory:
-        """XLA's memory figures of the compiled step (per device under a mesh)."""
-        key = self._key(policy, batch, seq)
-        if key not in self._memory:
-            lowered = self._lower(policy, batch, seq)
-            compiled = lowered.compile(self.compiler_options) if self.compiler_options else lowered.compile()
-            memory = inspection.CompiledMemory.from_compiled(compiled)
-            with self._lock:
-                self._memory[key] = memory
-                self._lowered.pop(key, None)  # no longer needed: keep memory flat over long searches
-                self.compiles += 1
-                self.planned = max(self.planned - 1, 0)
-                done, total = self.compiles, self.compiles + self.planned
-            if self.progress:
-                self.progress(done, total, f"{key[0]}" + ("" if batch is None else f" @ batch {batch} × seq {seq}"))
-        return self._memory[key]
-
-    def expect(self, n: int) -> None:
-        """Announce ``n`` more compiles ahead (an estimate), so progress shows how many are left."""
-        with self._lock:
-            self.planned += n
-
-    def precompile(self, shapes: Sequence[tuple], jobs: int = 1) -> None:
-        """Compile ``(policy, batch, seq)`` shapes not yet known, ``jobs`` at a time (XLA compiles on
-        one core per job, outside the GIL). Each shape is traced and lowered here (Python, one at a
-        time) and handed to the pool at once, so lowering the next overlaps compiling the last."""
-        todo = [s for s in dict.fromkeys((str(p), b, q) for p, b, q in shapes) if s not in self._memory]
-        todo_policies = {str(p): p for p, _, _ in shapes}
-        with self._lock:
-            self.planned += len(todo)
-        run = lambda s: self.compiled_memory(todo_policies[s[0]], s[1], s[2])
-        if jobs <= 1 or len(todo) <= 1:
-            for s in todo:
-                run(s)
-            return
-        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = []
-            for s in todo:
-                self._lower(todo_policies[s[0]], s[1], s[2])
-                futures.append(pool.submit(run, s))
-            for f in futures:
-                f.result()
-
-    def memory(self, policy: policies.Policy, batch=None, seq=None) -> tuple[int, int]:
-        """``(device bytes, host bytes)`` at the step's peak (per device under a mesh), under the one
-        host rule (:func:`remat_kit.inspection.host_offload_enforced`)."""
-        m = self.compiled_memory(policy, batch, seq)
-        return m.total, m.host
-
-    def fits(self, policy, batch, seq, budget_bytes: int, margin: float) -> bool:
-        return self.memory(policy, batch, seq)[0] * (1 + margin) <= budget_bytes
-
-
-class Planner(StepPlanner):
-    """A :class:`StepPlanner` for :class:`remat_kit.model.transformer.Transformer` steps of one config.
-
-    Args:
-      config: the model.
-      optimizer: a name in :data:`OPTIMIZERS` or an optax transformation.
-      loss_chunks: 0 for the plain loss, k for the chunked loss.
-      mesh: a ``jax.sharding.Mesh`` or a mesh spec such as ``"data=2,fsdp=2"``; bytes are then per device.
-      grad_accum: micro-batches per update: ``optax.MultiSteps`` adds its gradient buffer, as in ``train``.
-      progress: see :class:`StepPlanner`.
-    """
-
-    def __init__(
-        self,
-        config: TransformerConfig,
-        optimizer: str | optax.GradientTransformation = "adamw",
-        loss_chunks: int = 0,
-        mesh=None,
-        grad_accum: int = 1,
-        progress: Callable | None = None,
-    ):
-        self.config = config
-        self.loss_chunks = loss_chunks
-        params = analysis.abstract_params(config)
-
-        def build(policy, batch, seq):
-            analysis.check_shape(config, batch, seq, loss_chunks)
-            if self.mesh is not None:
-                mesh_lib.check_batch(batch, self.mesh)
-            model = Transformer(config=config, policy=policy)
-            loss = lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=loss_chunks)
-            return loss, params, (jax.ShapeDtypeStruct((batch, seq), jnp.int32),)
-
-        super().__init__(build, optimizer, mesh, progress)
-        if grad_accum > 1:
-            self.opt = optax.MultiSteps(self.opt, every_k_schedule=grad_accum)
-
-
-def check_budget(budget_bytes, margin) -> None:
-    try:
-        check_int("budget_bytes", budget_bytes)
-    except ValueError as err:  # NotAnIntegerError stays one (it is a TypeError too)
-        raise type(err)(f"{err} (use parse_bytes('80GB') for a size string)") from None
-    if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise ValueError(f"margin must be in [0, 1), got {margin!r}")
-
-
 #: The policies :func:`auto` tries for a model it did not build (``make_loss(policy)``): those that need
 #: no tags and no knowledge of the depth.
-GENERIC_CANDIDATES: tuple[str, ...] = ("none", "dots", "full")
+GENERIC_CANDIDATES: tuple[str, ...] = constants.GENERIC_CANDIDATES
 
 
 def auto(
@@ -361,7 +274,6 @@ def auto(
     batch: int | None = None,
     seq: int | None = None,
     loss_chunks: int = 0,
-    candidate_policies: Sequence[policies.Policy | str] | None = None,
     mixes: bool = True,
 ) -> AutoResult:
     """Choose the policy with the least recompute whose training step fits ``budget_bytes``.
@@ -381,7 +293,7 @@ def auto(
       budget_bytes: device memory available, in bytes (see :func:`parse_bytes`).
       optimizer: its state counts toward the budget; a name in :data:`OPTIMIZERS` or an optax one.
       candidates: what to consider (default: :func:`candidates` for a config,
-        :data:`GENERIC_CANDIDATES` otherwise). ``candidate_policies`` is its older name.
+        :data:`GENERIC_CANDIDATES` otherwise).
       margin: safety margin: a candidate fits when ``need · (1 + margin) <= budget``.
       exhaustive: compile every candidate instead of stopping at the cheapest fitting group
         (same answer; for checking the search and for full tables).
@@ -398,10 +310,8 @@ def auto(
     Raises:
       TypeError/ValueError: bad budget, margin, inputs or policies, before anything is compiled.
     """
-    check_budget(budget_bytes, margin)
-    if candidates is not None and candidate_policies is not None:
-        raise TypeError("give candidates or candidate_policies (its older name), not both")
-    wanted = candidates if candidates is not None else candidate_policies
+    budget = Budget(budget_bytes, margin)
+    wanted = candidates
     if isinstance(model, TransformerConfig):
         if args:
             raise TypeError("auto(config, ...) takes batch= and seq= keywords, not positional inputs")
@@ -409,10 +319,10 @@ def auto(
             raise TypeError("auto(config, ...) needs batch= and seq=")
         analysis.check_shape(model, batch, seq, loss_chunks)
         planner = planner or Planner(model, optimizer, loss_chunks)
-        pool = [policies.parse(p) for p in (wanted or default_candidates(model))]
+        pool = [policies.parse(p) for p in (wanted or candidates_for(model))]
         for p in pool:
             p.validate_depth(model.num_layers)
-        return search(planner, pool, budget_bytes, margin, exhaustive=exhaustive, batch=batch, seq=seq,
+        return search(planner, pool, budget, exhaustive=exhaustive, batch=batch, seq=seq,
                       loss_chunks=loss_chunks, jobs=jobs,
                       num_layers=model.num_layers if mixes else None)  # fmt: skip
     if not callable(model):
@@ -425,7 +335,7 @@ def auto(
     pool = [policies.parse(p) for p in (wanted or GENERIC_CANDIDATES)]
     inspection.check_loss(make_loss_checked(model, pool[0]), inputs)
     planner = planner or StepPlanner(lambda p, b, s: (model(p), inputs[0], inputs[1:]), optimizer)
-    return search(planner, pool, budget_bytes, margin, exhaustive=exhaustive, jobs=jobs)
+    return search(planner, pool, budget, exhaustive=exhaustive, jobs=jobs)
 
 
 def make_loss_checked(make_loss: Callable, policy: policies.Policy) -> Callable:
@@ -439,8 +349,7 @@ def make_loss_checked(make_loss: Callable, policy: policies.Policy) -> Callable:
 def search(
     planner: StepPlanner,
     pool: Sequence[policies.Policy],
-    budget_bytes: int,
-    margin: float,
+    budget: Budget,
     *,
     exhaustive: bool = False,
     batch: int | None = None,
@@ -468,9 +377,7 @@ def search(
         i += len(group)
         for p in group:
             device, host = planner.memory(p, batch, seq)
-            rows[str(p)] = Candidate(
-                str(p), group_flops, group_flops - base, device, host, device * (1 + margin) <= budget_bytes
-            )
+            rows[str(p)] = Candidate(str(p), group_flops, group_flops - base, device, host, budget.fits(device))
         fitting = [p for p in group if rows[str(p)].fits]
         if fitting and chosen is None:
             chosen = min(fitting, key=lambda p: rows[str(p)].need_bytes)
@@ -484,21 +391,21 @@ def search(
     front: tuple = ()
     if num_layers is not None and chosen is not None:
         found, tried, front = best_mix(
-            planner, table, rows[str(chosen)], num_layers, budget_bytes, margin, batch=batch, seq=seq
+            planner, table, rows[str(chosen)], num_layers, budget, batch=batch, seq=seq
         )
         table += tuple(c for c in tried if c.policy not in rows)
         if found is not None:
             chosen = found
     return AutoResult(
         chosen=chosen,
-        budget_bytes=budget_bytes,
-        margin=margin,
+        budget_bytes=budget.bytes,
+        margin=budget.margin,
         batch=batch,
         seq=seq,
         loss_chunks=loss_chunks,
         optimizer=planner.optimizer_name,
         candidates=table,
-        reason=_reason(chosen, table, budget_bytes, margin, loss_chunks, transformer=batch is not None),
+        reason=_reason(chosen, table, budget, loss_chunks, transformer=batch is not None),
         compiled=planner.compiles - compiles_before,
         seconds=time.perf_counter() - start,
         mixed_front=front,
@@ -522,8 +429,7 @@ def best_mix(
     table: Sequence[Candidate],
     best: Candidate,
     num_layers: int,
-    budget_bytes: int,
-    margin: float,
+    budget: Budget,
     *,
     batch: int | None = None,
     seq: int | None = None,
@@ -547,7 +453,7 @@ def best_mix(
     Returns:
       ``(mix or None, the mixes compiled as Candidates, the mixed front)``: see :attr:`AutoResult.mixed_front`.
     """
-    target = budget_bytes / (1 + margin)
+    target = budget.target
     base = best.flops - best.recompute_flops
     compiled = [c for c in table if c.need_bytes is not None]
     front = [compiled[i] for i in pareto_front([(c.recompute_flops, c.need_bytes) for c in compiled])]
@@ -581,7 +487,7 @@ def best_mix(
             m = policies.mix([(pa, k), (pb, num_layers - k)])
             f = planner.flops(m, batch, seq)
             device, host = planner.memory(m, batch, seq)
-            measured[k] = Candidate(str(m), f, f - base, device, host, device * (1 + margin) <= budget_bytes)
+            measured[k] = Candidate(str(m), f, f - base, device, host, budget.fits(device))
         return measured[k]
 
     winner = None
@@ -608,15 +514,14 @@ def best_mix(
     return policies.mix([(pa, winner), (pb, num_layers - winner)]), tried, lines
 
 
-def _reason(
-    chosen, table: Sequence[Candidate], budget: int, margin: float, loss_chunks: int, transformer: bool = True
-) -> str:
+def _reason(chosen, table: Sequence[Candidate], budget: Budget, loss_chunks: int, transformer: bool = True) -> str:
+    margin = budget.margin
     if chosen is not None:
         win = next(c for c in table if c.policy == str(chosen))
         cheaper = [c for c in table if c.recompute_flops < win.recompute_flops]
         text = (
             f"{win.policy} needs {fmt_bytes(win.need_bytes)} (+{margin:.0%} margin: "
-            f"{fmt_bytes(win.need_bytes * (1 + margin))}) of the {fmt_bytes(budget)} budget and recomputes "
+            f"{fmt_bytes(budget.with_margin(win.need_bytes))}) of the {fmt_bytes(budget.bytes)} budget and recomputes "
             f"{win.recompute_flops / 1e9:.3g} GFLOP per step"
         )
         if cheaper:
@@ -649,6 +554,7 @@ def _reason(
     ]
     return (
         f"nothing fits: the leanest candidate, {least.policy}, needs {fmt_bytes(least.need_bytes)} "
-        f"(+{margin:.0%} margin: {fmt_bytes(least.need_bytes * (1 + margin))}) but the budget is {fmt_bytes(budget)}. "
+        f"(+{margin:.0%} margin: {fmt_bytes(budget.with_margin(least.need_bytes))}) but the budget is "
+        f"{fmt_bytes(budget.bytes)}. "
         f"Next levers: {'; '.join(levers)}."
     )

@@ -14,7 +14,7 @@ import optax
 
 from remat_kit import policies
 from remat_kit.model.transformer import TransformerConfig
-from remat_kit.planning.budget import DEFAULT_MARGIN, Planner, check_budget
+from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner
 
 
 def max_fit(
@@ -42,12 +42,12 @@ def max_fit(
     """
     if dim not in ("batch", "seq"):
         raise ValueError(f"dim must be 'batch' or 'seq', got {dim!r}")
-    check_budget(budget_bytes, margin)
+    budget = Budget(budget_bytes, margin)
     policy = policies.parse(policy)
     planner = planner or Planner(config, optimizer, loss_chunks)
     cap = limit or (config.max_seq_len if dim == "seq" else 2**20)
     need = lambda n: planner.memory(policy, *((n, seq) if dim == "batch" else (batch, n)))[0]
-    target = budget_bytes / (1 + margin)
+    target = budget.target
     first = 1
     if planner.loss_chunks:  # the chunk count may not exceed the token count
         first = -(-planner.loss_chunks // (seq if dim == "batch" else batch))

@@ -1,5 +1,6 @@
-"""A training run's settings and results: :class:`TrainConfig`, :class:`TrainState`, the optimizer it
-implies, and which settings a resumed run may change (:func:`check_compatible`)."""
+"""A training run's settings and results, the optimizer they imply, and what a resumed run may change.
+
+:class:`TrainConfig`, :class:`TrainState`, :func:`optimizer_for` and :func:`check_compatible`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import flax
 import jax
 import optax
 
-from remat_kit import policies
+from remat_kit import constants, policies
 from remat_kit.model import loss
 from remat_kit.model.transformer import PRESETS, TransformerConfig
 from remat_kit.train import data
@@ -30,6 +31,9 @@ RESUME_MAY_CHANGE = ("steps", "learning_rate", "warmup_steps", "min_lr_ratio", "
 #: Model fields that choose an implementation, not the parameters: like the policy, they may
 #: change on resume (results then agree to float rounding, not bit for bit).
 MODEL_MAY_CHANGE = ("attention", "attention_block")
+
+
+_DEFAULTS = constants.TRAIN_DEFAULTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,20 +64,20 @@ class TrainConfig:
 
     model: TransformerConfig = PRESETS["tiny"]
     policy: str = "none"
-    steps: int = 100
-    batch_size: int = 8
-    seq_len: int = 0
-    grad_accum: int = 1
-    learning_rate: float = 3e-3
-    warmup_steps: int = -1
+    steps: int = _DEFAULTS["steps"]
+    batch_size: int = _DEFAULTS["batch_size"]
+    seq_len: int = _DEFAULTS["seq_len"]
+    grad_accum: int = _DEFAULTS["grad_accum"]
+    learning_rate: float = _DEFAULTS["learning_rate"]
+    warmup_steps: int = _DEFAULTS["warmup_steps"]
     min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    clip_norm: float = 1.0
-    loss_chunks: int | str = "auto"
-    seed: int = 0
-    val_fraction: float = 0.05
-    eval_every: int = 50
-    eval_batches: int = 4
+    weight_decay: float = _DEFAULTS["weight_decay"]
+    clip_norm: float = _DEFAULTS["clip_norm"]
+    loss_chunks: int | str = _DEFAULTS["loss_chunks"]
+    seed: int = _DEFAULTS["seed"]
+    val_fraction: float = _DEFAULTS["val_fraction"]
+    eval_every: int = _DEFAULTS["eval_every"]
+    eval_batches: int = _DEFAULTS["eval_batches"]
 
     def __post_init__(self):
         if not isinstance(self.model, TransformerConfig):
@@ -166,7 +170,7 @@ class RetraceError(AssertionError):
     """The jitted training step was traced more than once (its input structure changed)."""
 
 
-def make_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def optimizer_for(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with warm-up + cosine decay and global-norm clipping; MultiSteps if ``grad_accum > 1``.
 
     Returns:

@@ -31,39 +31,16 @@ from remat_kit.train import data
 from remat_kit.train import mesh as mesh_lib
 from remat_kit.train.checkpoint import Checkpoints
 from remat_kit.train.config import (
-    MODEL_MAY_CHANGE,
-    RESUME_MAY_CHANGE,
-    RESUME_MUST_MATCH,
     DivergedError,
-    RetraceError,
     TrainConfig,
     TrainResult,
     TrainState,
     check_compatible,
-    make_optimizer,
     schedule_changes,
 )
 from remat_kit.train.progress import _any_process, _progress, _StopOnSignal, write_loss_plot
 from remat_kit.train.trainer import Trainer
 from remat_kit.units import check_int
-
-__all__ = [
-    "MODEL_MAY_CHANGE",
-    "RESUME_MAY_CHANGE",
-    "RESUME_MUST_MATCH",
-    "DivergedError",
-    "RetraceError",
-    "TrainConfig",
-    "TrainResult",
-    "TrainState",
-    "Trainer",
-    "check_compatible",
-    "make_optimizer",
-    "schedule_changes",
-    "train",
-    "write_loss_plot",
-]
-
 
 # ---- the training loop --------------------------------------------------------------------------------
 

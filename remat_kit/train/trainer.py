@@ -14,7 +14,7 @@ from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, init_params
 from remat_kit.train import mesh as mesh_lib
 from remat_kit.train import step as step_lib
-from remat_kit.train.config import RetraceError, TrainConfig, TrainState, make_optimizer
+from remat_kit.train.config import RetraceError, TrainConfig, TrainState, optimizer_for
 
 # Compiled once per model config for the whole process (the policy does not change parameters),
 # instead of hundreds of eagerly dispatched initializer ops per run.
@@ -34,7 +34,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, mesh=None):
         self.config = config
         self.model = Transformer(config=config.model, policy=config.policy)
-        self.optimizer, self.schedule = make_optimizer(config)
+        self.optimizer, self.schedule = optimizer_for(config)
         self.traces = {"step": 0, "eval": 0}
         self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
         step_kw, eval_kw = {"donate_argnums": (0, 1)}, {}

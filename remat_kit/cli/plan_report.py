@@ -1,30 +1,20 @@
-"""``remat-kit plan``: every policy's saved residuals, compiled memory and FLOPs, compile-only.
+"""What ``plan`` prints: the policy table, the figures against the theory, JSON records and progress.
 
-``remat-kit plan --preset 2b --batch-size 2 --seq-len 1024`` compares the policies on a 2B-class
-model without allocating it, checks the textbook estimates (full remat's checkpointed layer inputs,
-the float32 logits, Korthikanti's "everything kept") against the exact ones, and lists the largest
-residuals of each policy: what to target next.
+The command line is the only code that writes to stdout or stderr; the planning wing returns data
+(:class:`remat_kit.planning.analysis.Analysis`) and this module turns it into lines.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import importlib
-import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from remat_kit import constants, inspection, policies
-from remat_kit.model.transformer import TransformerConfig
-from remat_kit.planning import analysis, budget
-from remat_kit.units import check_int, fmt_bytes, fmt_flops
+from remat_kit.planning import analysis
+from remat_kit.units import fmt_bytes
 
 #: The policies ``plan`` compares by default: one of each kind.
 DEFAULT_POLICIES: tuple[str, ...] = constants.PLAN_POLICIES
-
-
-# ---- shared by plan and bench ----------------------------------------------------------------------
 
 
 def parse_policies(text: str, num_layers: int | None) -> list[policies.Policy]:
@@ -43,16 +33,13 @@ def parse_policies(text: str, num_layers: int | None) -> list[policies.Policy]:
             pieces.append(piece)
     if not pieces:
         raise ValueError(f"--policies {text!r} names no policy; e.g. none,full,selective")
-    out = []
-    for spec in pieces:
-        p = policies.parse(spec)
-        if num_layers is not None:
-            p.validate_depth(num_layers)
-        out.append(p)
-    return out
+    return [policies.parse(spec, num_layers=num_layers) for spec in pieces]
 
 
-# ---- plan ------------------------------------------------------------------------------------------
+def parse_model_policies(text: str | None) -> list[policies.Policy]:
+    """``--policies`` for ``--model`` (default :data:`remat_kit.planning.constants.GENERIC_CANDIDATES`); the depth is
+    the model's own business, so it is not checked here."""
+    return parse_policies(text or ",".join(constants.GENERIC_CANDIDATES), num_layers=None)
 
 
 def plan_record(a: analysis.Analysis, top: int) -> dict[str, Any]:
@@ -63,7 +50,7 @@ def plan_record(a: analysis.Analysis, top: int) -> dict[str, Any]:
     return record
 
 
-def seed_check(results: dict[str, analysis.Analysis]) -> list[str]:
+def against_theory(results: dict[str, analysis.Analysis]) -> list[str]:
     """Lines setting the exact figures beside the textbook estimates ("against the theory"), and why they differ."""
     any_a = next(iter(results.values()))
     cfg, b, s, e = any_a.config, any_a.batch, any_a.seq, any_a.estimates
@@ -156,117 +143,10 @@ def format_table(results: dict[str, analysis.Analysis]) -> list[str]:
     return rows
 
 
-def run_plan(
-    config: TransformerConfig,
-    batch: int,
-    seq: int,
-    specs: list[policies.Policy],
-    *,
-    loss_chunks: int = 0,
-    jobs: int = 1,
-    progress=None,
-    mesh=None,
-) -> dict[str, analysis.Analysis]:
-    """Analyze every policy in ``specs``, ``jobs`` at a time; ``progress(i, n, spec)`` is called before each.
-
-    XLA compiles mostly on one core, so two jobs nearly halve the wall time on two cores; results
-    do not depend on ``jobs`` (only each policy's ``compile_s`` does).
-    """
-    check_int("jobs", jobs)
-
-    def one(i: int, p: policies.Policy) -> analysis.Analysis:
-        if progress:
-            progress(i, len(specs), str(p))
-        return analysis.analyze(config, p, batch, seq, loss_chunks=loss_chunks, mesh=mesh)
-
-    if jobs == 1:
-        return {str(p): one(i, p) for i, p in enumerate(specs)}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(one, i, p) for i, p in enumerate(specs)]
-        return {str(p): f.result() for p, f in zip(specs, futures, strict=True)}
-
-
 # ---- --model MODULE:FACTORY: any model -------------------------------------------------------------------
 
 
-def load_factory(text: str) -> Callable:
-    """``"package.module:factory"`` → the factory, imported (the working directory is importable).
-
-    Raises:
-      ValueError: the text is not ``MODULE:FACTORY``, the module cannot be imported or lacks the name.
-      TypeError: the name is not callable.
-    """
-    module_name, sep, attr = str(text).partition(":")
-    if not sep or not module_name or not attr or not all(p.isidentifier() for p in [*module_name.split("."), attr]):
-        raise ValueError(f"--model {text!r} must be MODULE:FACTORY, e.g. mypkg.models:make_loss")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"--model {text!r}: cannot import {module_name!r}: {err}") from None
-    if not hasattr(module, attr):
-        raise ValueError(f"--model {text!r}: module {module_name!r} has no {attr!r}")
-    factory = getattr(module, attr)
-    if not callable(factory):
-        raise TypeError(f"--model {text!r}: {attr!r} is a {type(factory).__name__}, not a callable")
-    return factory
-
-
-def model_from_factory(factory: Callable, where: str = "the factory") -> tuple[Callable, tuple]:
-    """``(make_loss, example_args)`` from ``factory(policy) -> (loss_fn, example_args)``, checked on ``none``."""
-    out = factory(policies.none())
-    if not isinstance(out, tuple) or len(out) != 2 or not callable(out[0]) or not isinstance(out[1], (tuple, list)):
-        raise TypeError(f"{where}(policy) must return (loss_fn, example_args), got {type(out).__name__}")
-    return (lambda p: factory(p)[0]), tuple(out[1])
-
-
-def parse_model_policies(text: str | None) -> list[policies.Policy]:
-    """``--policies`` for ``--model`` (default :data:`remat_kit.planning.budget.GENERIC_CANDIDATES`); the depth is
-    the model's own business, so it is not checked here."""
-    return parse_policies(text or ",".join(budget.GENERIC_CANDIDATES), num_layers=None)
-
-
 # ---- plan --budget: the least-recompute policy that fits -----------------------------------------------
-
-
-BUDGET_LEGEND = (
-    "peak = the compiled step's device bytes at its peak, arguments + outputs − aliased + temp (weights, gradients, "
-    "optimizer state, activations and the recompute working set): what must fit; recompute = matmul FLOPs beyond "
-    "`none`.\n"
-)
-
-
-def format_budget_table(result: budget.AutoResult, fit: dict[str, tuple[int, int]] | None = None) -> list[str]:
-    """``plan --budget``'s table: each candidate's recompute, peak, peak with the margin, whether it fits
-    and (``fit``) the largest batch and sequence that fit; the chosen one marked ``*``; then the notes."""
-    fit = fit or {}
-    margin = result.margin
-    width = max(len(c.policy) for c in result.candidates) + 1
-    head = f"{'policy':{width + 1}} {'recompute':>10} {'peak':>10} {'+margin':>10} {'host':>10} {'fits':>5}"
-    if fit:
-        head += f" {'max batch @seq ' + str(result.seq):>18} {'max seq @batch ' + str(result.batch):>18}"
-    rows = [head, "-" * len(head)]
-    for c in result.candidates:
-        mark = "*" if result.chosen is not None and c.policy == str(result.chosen) else " "
-        compiled = c.need_bytes is not None
-        fits = "-" if c.fits is None else "yes" if c.fits else "no"
-        row = (
-            f"{mark}{c.policy:{width}} {fmt_flops(c.recompute_flops):>10} "
-            f"{fmt_bytes(c.need_bytes) if compiled else '-':>10} "
-            f"{fmt_bytes(c.need_bytes * (1 + margin)) if compiled else '-':>10} "
-            f"{fmt_bytes(c.host_bytes) if compiled else '-':>10} {fits:>5}"
-        )
-        if fit:
-            row += "".join(f" {fit[c.policy][k] if c.policy in fit else '-':>18}" for k in (0, 1))
-        rows.append(row)
-    if result.mixed_front:
-        pairs = ", ".join(f"{a} → {b}" for a, b, *_ in result.mixed_front)
-        rows.append(f"mixed front (mixes of neighbours, policies.mix): {pairs}; rows with '*COUNT' are mixes compiled.")
-    note = inspection.offload_note()
-    if note and any(policies.parse(c.policy).kind == "offload" for c in result.candidates):
-        rows.append(f"note: {note}.")
-    return rows
 
 
 def compile_progress(done: int, total: int, what: str) -> None:

@@ -1,0 +1,245 @@
+"""The compile-only step planner: one model's training step traced and compiled per policy and shape, memoized.
+
+:class:`StepPlanner` compiles the shared step (:mod:`remat_kit.train.step`) of any model;
+:class:`Planner` is the one of the built-in Transformer; :class:`Budget` is the one rule of what fits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from remat_kit import flops, inspection, policies
+from remat_kit.constants import DEFAULT_MARGIN
+from remat_kit.model.loss import lm_loss
+from remat_kit.model.transformer import Transformer, TransformerConfig
+from remat_kit.planning import analysis
+from remat_kit.train import mesh as mesh_lib
+from remat_kit.train import step as step_lib
+from remat_kit.units import check_int
+
+#: Optimizers by name (their state is part of what must fit).
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "adamw": lambda: step_lib.make_optimizer(1e-3),  # train's clipped AdamW: what is planned is what is trained
+    "adam": lambda: optax.adam(1e-3),
+    "lion": lambda: optax.lion(1e-4),
+    "adafactor": lambda: optax.adafactor(1e-3),
+    "sgd": lambda: optax.sgd(1e-3),
+}
+
+def get_optimizer(optimizer: str | optax.GradientTransformation) -> optax.GradientTransformation:
+    """An optax optimizer from a name in :data:`OPTIMIZERS`, or the transformation itself."""
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)} or an optax transformation"
+        )
+    return OPTIMIZERS[optimizer]()
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Device bytes a step may need, and the safety margin every need is inflated by: the one fit rule.
+
+    A step fits when its compiled need times ``1 + margin`` is at most ``bytes``.
+
+    >>> b = Budget(125, margin=0.25)
+    >>> b.fits(100), b.fits(101), round(b.target, 6)
+    (True, False, 100.0)
+
+    Raises:
+      TypeError/ValueError: ``bytes`` is not a positive integer, or ``margin`` is not in [0, 1).
+    """
+
+    bytes: int
+    margin: float = DEFAULT_MARGIN
+
+    def __post_init__(self):
+        try:
+            check_int("budget_bytes", self.bytes)
+        except ValueError as err:  # NotAnIntegerError stays one (it is a TypeError too)
+            raise type(err)(f"{err} (use parse_bytes('80GB') for a size string)") from None
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin!r}")
+
+    @property
+    def target(self) -> float:
+        """The largest need that fits: ``bytes / (1 + margin)``."""
+        return self.bytes / (1 + self.margin)
+
+    def with_margin(self, need: int | float) -> float:
+        """``need`` inflated by the margin: what is compared with ``bytes``."""
+        return need * (1 + self.margin)
+
+    def fits(self, need: int | float) -> bool:
+        """Whether ``need`` (device bytes) fits, margin included."""
+        return self.with_margin(need) <= self.bytes
+
+
+#: XLA options for the planner's CPU compiles. The planner only reads the buffer assignment
+#: (``memory_analysis()``) and never runs the executable; buffer assignment is done on the optimized HLO,
+#: before LLVM, so LLVM's optimization level changes the machine code but not one byte of the figures
+#: (checked: every tiny candidate at two shapes, the 2B preset's ``full``; tested in test_budget.py)
+#: while it halves the compile time. (``xla_cpu_use_fusion_emitters=False`` would be 4x faster still,
+#: but it changes fusion and so the bytes: not used.)
+CPU_PLAN_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
+
+
+class StepPlanner:
+    """Traces and compiles the shared training step (:mod:`remat_kit.train.step`) of one model, memoized.
+
+    Each shape is traced, lowered and compiled once; ``compiles`` counts the XLA compiles done, the
+    planner's cost (on CPU they run at LLVM -O0: see :data:`CPU_PLAN_COMPILER_OPTIONS`).
+
+    Args:
+      build: ``build(policy, batch, seq) -> (loss_fn, params, batch_args)``: the loss
+        ``loss_fn(params, *batch_args)`` under ``policy`` and its inputs (ShapeDtypeStructs) at that
+        shape; ``batch`` and ``seq`` are None for a model planned at one fixed shape.
+      optimizer: a name in :data:`OPTIMIZERS` or an optax transformation; its state is part of the step.
+      mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``); bytes are then per device.
+      progress: ``progress(done, total, what)`` after each compile (``total``: compiles done plus those
+        known to be ahead, see :meth:`expect`).
+    """
+
+    def __init__(self, build: Callable, optimizer: str | optax.GradientTransformation = "adamw", mesh=None,
+                 progress: Callable | None = None):  # fmt: skip
+        self.build = build
+        self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
+        self.optimizer_name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
+        self.opt = get_optimizer(optimizer)
+        self.progress = progress
+        platform = self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
+        self.compiler_options = CPU_PLAN_COMPILER_OPTIONS if platform == "cpu" else None
+        self._traced: dict[tuple, Any] = {}
+        self._lowered: dict[tuple, Any] = {}
+        self._flops: dict[tuple, int] = {}
+        self._memory: dict[tuple, inspection.CompiledMemory] = {}
+        self._lock = threading.Lock()
+        self.compiles = 0
+        self.planned = 0  # compiles known to be ahead (precompile, expect), for progress
+
+    def _key(self, policy, batch, seq) -> tuple:
+        return (str(policy), batch, seq)
+
+    def _trace(self, policy: policies.Policy, batch: int | None, seq: int | None):
+        key = self._key(policy, batch, seq)
+        if key not in self._traced:
+            loss_fn, params, batch_args = self.build(policy, batch, seq)
+            params, opt_state = step_lib.abstract_state(params, self.opt)
+            kwargs = step_lib.jit_kwargs(params, opt_state, self.mesh, batch_args=len(batch_args))
+            step = step_lib.make_step(loss_fn, self.opt)
+            self._traced[key] = jax.jit(step, **kwargs).trace(params, opt_state, *batch_args)
+        return self._traced[key]
+
+    def _lower(self, policy: policies.Policy, batch: int | None, seq: int | None):
+        key = self._key(policy, batch, seq)
+        if key not in self._lowered:
+            self._lowered[key] = self._trace(policy, batch, seq).lower()
+            self._traced.pop(key, None)  # keep memory flat over long searches
+        return self._lowered[key]
+
+    def flops(self, policy: policies.Policy, batch: int | None = None, seq: int | None = None) -> int:
+        """Matmul FLOPs of one step (trace only; no compile)."""
+        key = self._key(policy, batch, seq)
+        if key not in self._flops:
+            self._flops[key] = flops.jaxpr_flops(self._trace(policy, batch, seq).jaxpr)
+        return self._flops[key]
+
+    def compiled_memory(self, policy: policies.Policy, batch=None, seq=None) -> inspection.CompiledMemory:
+        """XLA's memory figures of the compiled step (per device under a mesh)."""
+        key = self._key(policy, batch, seq)
+        if key not in self._memory:
+            lowered = self._lower(policy, batch, seq)
+            compiled = lowered.compile(self.compiler_options) if self.compiler_options else lowered.compile()
+            memory = inspection.CompiledMemory.from_compiled(compiled)
+            with self._lock:
+                self._memory[key] = memory
+                self._lowered.pop(key, None)  # no longer needed: keep memory flat over long searches
+                self.compiles += 1
+                self.planned = max(self.planned - 1, 0)
+                done, total = self.compiles, self.compiles + self.planned
+            if self.progress:
+                self.progress(done, total, f"{key[0]}" + ("" if batch is None else f" @ batch {batch} × seq {seq}"))
+        return self._memory[key]
+
+    def expect(self, n: int) -> None:
+        """Announce ``n`` more compiles ahead (an estimate), so progress shows how many are left."""
+        with self._lock:
+            self.planned += n
+
+    def precompile(self, shapes: Sequence[tuple], jobs: int = 1) -> None:
+        """Compile ``(policy, batch, seq)`` shapes not yet known, ``jobs`` at a time (XLA compiles on
+        one core per job, outside the GIL). Each shape is traced and lowered here (Python, one at a
+        time) and handed to the pool at once, so lowering the next overlaps compiling the last."""
+        todo = [s for s in dict.fromkeys((str(p), b, q) for p, b, q in shapes) if s not in self._memory]
+        todo_policies = {str(p): p for p, _, _ in shapes}
+        with self._lock:
+            self.planned += len(todo)
+        run = lambda s: self.compiled_memory(todo_policies[s[0]], s[1], s[2])
+        if jobs <= 1 or len(todo) <= 1:
+            for s in todo:
+                run(s)
+            return
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = []
+            for s in todo:
+                self._lower(todo_policies[s[0]], s[1], s[2])
+                futures.append(pool.submit(run, s))
+            for f in futures:
+                f.result()
+
+    def memory(self, policy: policies.Policy, batch=None, seq=None) -> tuple[int, int]:
+        """``(device bytes, host bytes)`` at the step's peak (per device under a mesh), under the one
+        host rule (:func:`remat_kit.inspection.host_offload_enforced`)."""
+        m = self.compiled_memory(policy, batch, seq)
+        return m.total, m.host
+
+    def fits(self, policy, batch, seq, budget: Budget) -> bool:
+        """Whether the step's device bytes at this shape fit ``budget`` (with its margin)."""
+        return budget.fits(self.memory(policy, batch, seq)[0])
+
+
+class Planner(StepPlanner):
+    """A :class:`StepPlanner` for :class:`remat_kit.model.transformer.Transformer` steps of one config.
+
+    Args:
+      config: the model.
+      optimizer: a name in :data:`OPTIMIZERS` or an optax transformation.
+      loss_chunks: 0 for the plain loss, k for the chunked loss.
+      mesh: a ``jax.sharding.Mesh`` or a mesh spec such as ``"data=2,fsdp=2"``; bytes are then per device.
+      grad_accum: micro-batches per update: ``optax.MultiSteps`` adds its gradient buffer, as in ``train``.
+      progress: see :class:`StepPlanner`.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        optimizer: str | optax.GradientTransformation = "adamw",
+        loss_chunks: int = 0,
+        mesh=None,
+        grad_accum: int = 1,
+        progress: Callable | None = None,
+    ):
+        self.config = config
+        self.loss_chunks = loss_chunks
+        params = analysis.abstract_params(config)
+
+        def build(policy, batch, seq):
+            analysis.check_shape(config, batch, seq, loss_chunks)
+            if self.mesh is not None:
+                mesh_lib.check_batch(batch, self.mesh)
+            model = Transformer(config=config, policy=policy)
+            loss = lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=loss_chunks)
+            return loss, params, (jax.ShapeDtypeStruct((batch, seq), jnp.int32),)
+
+        super().__init__(build, optimizer, mesh, progress)
+        if grad_accum > 1:
+            self.opt = optax.MultiSteps(self.opt, every_k_schedule=grad_accum)

@@ -70,7 +70,7 @@ def test_constants_match_the_library():
     from remat_kit.model import attention, lora
     from remat_kit.model import transformer as model
     from remat_kit.planning import budget, planner
-    from remat_kit.train import mesh
+    from remat_kit.train import distributed
     from remat_kit.train.loop import TrainConfig
 
     assert tuple(model.PRESETS) == constants.PRESET_NAMES
@@ -82,7 +82,7 @@ def test_constants_match_the_library():
     assert lora.TARGETS is constants.LORA_TARGETS and lora.QUANTIZE_MODES is constants.QUANTIZE_MODES
     assert constants.GENERIC_CANDIDATES is budget.GENERIC_CANDIDATES
     assert constants.DEFAULT_MARGIN is planner.DEFAULT_MARGIN
-    assert mesh.JAX_JOIN_TIMEOUT_S is constants.JAX_JOIN_TIMEOUT_S
+    assert distributed.JAX_JOIN_TIMEOUT_S is constants.JAX_JOIN_TIMEOUT_S
     assert set(constants.TRAIN_DEFAULTS) <= {f.name for f in dataclasses.fields(TrainConfig)}  # no stray default
 
 

@@ -9,6 +9,7 @@ from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig, init_params
+from remat_kit.train import distributed as D
 from remat_kit.train import mesh as M
 
 
@@ -117,33 +118,33 @@ def test_every_policy_same_loss_and_grads_sharded(spec, mesh_spec):
 def test_distributed_initialize_only_when_configured(monkeypatch):
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
-    assert M.maybe_initialize_distributed({}) is False
+    assert D.maybe_initialize_distributed({}) is False
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
-    assert M.maybe_initialize_distributed(env) is True
+    assert D.maybe_initialize_distributed(env) is True
     assert calls == [{"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}]
-    assert M.maybe_initialize_distributed({"REMAT_KIT_DISTRIBUTED": "1"}) is True and calls[-1] == {}
+    assert D.maybe_initialize_distributed({"REMAT_KIT_DISTRIBUTED": "1"}) is True and calls[-1] == {}
 
 
 @pytest.mark.parametrize(
     ("kwargs", "env", "expected"),
     [
         ({}, {}, None),
-        ({}, {"REMAT_KIT_DISTRIBUTED": "1", "REMAT_KIT_DISTRIBUTED_TIMEOUT": "7"}, M.Processes(timeout_s=7)),
+        ({}, {"REMAT_KIT_DISTRIBUTED": "1", "REMAT_KIT_DISTRIBUTED_TIMEOUT": "7"}, D.Processes(timeout_s=7)),
         (
             {"coordinator": "127.0.0.1:5", "num_processes": 2},
             {"JAX_PROCESS_ID": "1", "JAX_COORDINATOR_ADDRESS": "10.0.0.9:9"},
-            M.Processes("127.0.0.1:5", 2, 1),
+            D.Processes("127.0.0.1:5", 2, 1),
         ),
         (
             {},
             {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"},
-            M.Processes("h:1", 4, 3),
+            D.Processes("h:1", 4, 3),
         ),
     ],
     ids=["single", "auto-detect", "flags-over-env", "env"],
 )
 def test_processes_from_flags_then_environment(kwargs, env, expected):
-    assert M.Processes.resolve(**kwargs, env=env) == expected
+    assert D.Processes.resolve(**kwargs, env=env) == expected
 
 
 @pytest.mark.parametrize(
@@ -163,19 +164,19 @@ def test_processes_from_flags_then_environment(kwargs, env, expected):
 )
 def test_bad_process_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        M.Processes.resolve(**kwargs, env={"REMAT_KIT_DISTRIBUTED": "1"})
+        D.Processes.resolve(**kwargs, env={"REMAT_KIT_DISTRIBUTED": "1"})
 
 
 def test_bad_process_setting_from_environment():
     with pytest.raises(ValueError, match=r"JAX_NUM_PROCESSES must be an integer, got 'two'"):
-        M.Processes.resolve(env={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two"})
+        D.Processes.resolve(env={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two"})
 
 
 def test_each_process_contributes_an_equal_share_of_the_mesh():
-    assert M.Processes("h:1", 2, 1).local_devices("data=2,fsdp=2") == 2
-    assert M.Processes("h:1", 4, 0).local_devices("data=4") == 1
+    assert D.Processes("h:1", 2, 1).local_devices("data=2,fsdp=2") == 2
+    assert D.Processes("h:1", 4, 0).local_devices("data=4") == 1
     with pytest.raises(ValueError, match=r"mesh data=2,fsdp=3 has 6 devices, which 4 processes cannot share evenly"):
-        M.Processes("h:1", 4, 0).local_devices("data=2,fsdp=3")
+        D.Processes("h:1", 4, 0).local_devices("data=2,fsdp=3")
 
 
 def test_one_process_feeds_the_whole_batch():
@@ -188,10 +189,10 @@ def test_one_process_feeds_the_whole_batch():
 
 
 def test_one_process_always_agrees_with_itself_and_differences_are_named():
-    M.check_same_across_processes({"lr": 1})  # no other process: nothing to compare
+    D.check_same_across_processes({"lr": 1})  # no other process: nothing to compare
     a = {"config": {"lr": 0.1, "model": {"d": 64}}, "mesh": "data=2"}
     b = {"config": {"lr": 0.2, "model": {"d": 64}}, "mesh": "data=4"}
-    assert M._differing_fields(a, b) == ["config.lr (0.1 vs 0.2)", "mesh ('data=2' vs 'data=4')"]
+    assert D._differing_fields(a, b) == ["config.lr (0.1 vs 0.2)", "mesh ('data=2' vs 'data=4')"]
 
 
 def test_batch_rows_read_only_that_part_of_the_global_batch():

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         with redirect, warnings.catch_warnings():
             warnings.showwarning = _one_line_warning
             if hasattr(args, "mesh"):
-                from remat_kit.train.mesh import Processes, initialize_processes
+                from remat_kit.train.distributed import Processes, initialize_processes
 
                 # Before any device query: joins a multi-process run when flags or the environment
                 # configure one, and simulates the mesh's CPU devices (so a laptop can plan a mesh).

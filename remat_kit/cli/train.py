@@ -142,7 +142,7 @@ def _train_command(args: argparse.Namespace) -> int:
     check_outputs(args)
     import numpy as np
 
-    from remat_kit.train import mesh as mesh_lib
+    from remat_kit.train import distributed
     from remat_kit.train.loop import train
 
     config = config_from_args(args)
@@ -170,9 +170,11 @@ def _train_command(args: argparse.Namespace) -> int:
                    "tokens_per_s": float(np.median(speeds)) if speeds else None,
                    "resumed_from": result.resumed_from, "checkpoint_dir": args.checkpoint_dir,
                    "metrics": args.metrics}  # fmt: skip
-        if mesh_lib.is_main_process():
+        if distributed.is_main_process():
             print(json.dumps(summary))
         return 0
-    print(f"{mesh_lib.process_prefix()}trained {args.preset} under {config.policy} to step {int(result.state.step)}: "
-          f"loss {last.get('loss', float('nan')):.4f}{val}{speed}")  # fmt: skip
+    print(
+        f"{distributed.process_prefix()}trained {args.preset} under {config.policy} to step "
+        f"{int(result.state.step)}: loss {last.get('loss', float('nan')):.4f}{val}{speed}"
+    )
     return 0

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from remat_kit import __version__
-from remat_kit.train import data
-from remat_kit.train import mesh as mesh_lib
+from remat_kit.train import data, distributed
 from remat_kit.train.checkpoint import Checkpoints
 from remat_kit.train.config import (
     DivergedError,
@@ -92,7 +91,7 @@ def train(
       DivergedError: a non-finite loss (the last good checkpoint is kept).
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    prefix = mesh_lib.process_prefix()
+    prefix = distributed.process_prefix()
     if prefix:  # another process than 0 of a multi-process run: its lines say which process they are from
         log = functools.partial(lambda inner, msg: inner(prefix + msg), log)
     check_int("checkpoint_every", checkpoint_every, 1)
@@ -111,7 +110,7 @@ def train(
     for out in (metrics_path, plot_path):
         if out is not None and not Path(out).absolute().parent.is_dir():
             raise OSError(f"cannot write {str(out)!r}: folder {str(Path(out).absolute().parent)!r} does not exist")
-    if not mesh_lib.is_main_process():  # process 0 alone writes metrics, the plot and progress
+    if not distributed.is_main_process():  # process 0 alone writes metrics, the plot and progress
         metrics_path = plot_path = None
         progress = False
 
@@ -126,7 +125,7 @@ def train(
     # different models on one mesh, or deadlock in a collective that only some of them reach.
     # The data is compared by content: hosts may mount it under different paths.
     same_run = {**meta, "data": {k: v for k, v in meta["data"].items() if k != "source"}}
-    mesh_lib.check_same_across_processes(
+    distributed.check_same_across_processes(
         {"run": same_run, "mesh": mesh if isinstance(mesh, (str, type(None))) else dict(mesh.shape),
          "checkpoints": checkpoint_dir is not None, "resume": resume, "checkpoint_every": checkpoint_every,
          "keep": keep},

@@ -1,4 +1,4 @@
-"""Issue 13's mixed-policy figures: auto's answer for budgets between presets, mix against best preset.
+"""auto's answer for budgets between two presets' needs: the mix it picks against the best single preset.
 
 For each preset the candidate policies are compiled once (one shared :class:`remat_kit.planning.planner.Planner`);
 the budgets are the midpoints between neighbours on their Pareto front (need × (1 + margin)), where a

@@ -1,4 +1,4 @@
-"""Issue 16's benchmark: QLoRA-style fine-tuning of the 2b preset planned to a 24 GB (and 16 GB) card.
+"""LoRA over a quantized base on the 2b preset, compile-only: need per policy and the longest sequence fitting 24/16 GB.
 
 Compile-only (abstract shapes; nothing is allocated). The 2b preset with rank-R adapters on every
 Block projection and an int8 frozen base: per policy, the compiled step's device bytes at batch 2 ×

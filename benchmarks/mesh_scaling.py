@@ -1,4 +1,4 @@
-"""Issue 7's benchmark: per-device bytes over simulated CPU meshes, compile-only.
+"""Per-device bytes of the training step over simulated CPU meshes (data and fsdp), compile-only.
 
 Activations (saved residuals, XLA temp) should fall as 1/data with the batch split over ``data``;
 parameters + optimizer state as 1/fsdp. Usage::

@@ -1,4 +1,4 @@
-"""Check issue 3's targets on the ``small`` preset and write them, met or missed, to a results file.
+"""Each policy's saved bytes, peak and step time on the ``small`` preset against its target, met or missed.
 
     PYTHONPATH=. python benchmarks/policy_targets.py                  # everything (~15 min, 2 cores)
     PYTHONPATH=. python benchmarks/policy_targets.py --compile-only   # bytes and FLOPs only (~2 min)

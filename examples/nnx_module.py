@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 import remat_kit.nnx
-from remat_kit import _jax_internals, policies, units
+from remat_kit import inspection, policies, units
 from remat_kit.model import loss
 from remat_kit.names import tag
 from remat_kit.train import data
@@ -58,17 +58,17 @@ def lm_loss(model: ByteLM, tokens):
     return loss.cross_entropy(model(tokens), targets, mask)
 
 
-def kept_for_backward(model: ByteLM, tokens) -> list[_jax_internals.Residual]:
+def kept_for_backward(model: ByteLM, tokens) -> tuple[inspection.Residual, ...]:
     """What the backward pass of ``lm_loss`` keeps besides the parameters (traced, nothing runs)."""
     graphdef, params, other = nnx.split(model, nnx.Param, ...)
 
     def pure(params, other, tokens):  # a pure function of the state, so JAX sees every input
         return lm_loss(nnx.merge(graphdef, params, other), tokens)
 
-    return [r for r in _jax_internals.saved_residuals(pure, params, other, tokens) if not r.is_argument]
+    return inspection.residuals(pure, params, other, tokens)  # the gradient w.r.t. params, as training takes it
 
 
-def describe(r: _jax_internals.Residual, args) -> str:
+def describe(r: inspection.Residual, args) -> str:
     """A readable label: stacked residuals of the block are recognised by their shape."""
     tokens = (args.batch_size, args.seq_len)
     if r.shape == (args.depth, *tokens, 4 * args.width):

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat_kit import train
-from remat_kit.cli.common import loss_chunks_arg
 from remat_kit.model import Transformer, TransformerConfig
 from remat_kit.train import data
 
@@ -41,7 +40,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--loss-chunks", type=loss_chunks_arg, default="auto", help="auto, 0 (plain) or K")
+    parser.add_argument("--loss-chunks", type=lambda s: s if s == "auto" else int(s), default="auto",
+                        help="auto, 0 (plain) or K")
     parser.add_argument("--data", nargs="+", help="your own text files or folders (default: Python stdlib)")
     parser.add_argument("--out", type=Path, default=Path("runs/train_lm"))
     args = parser.parse_args(argv)

@@ -147,10 +147,7 @@ def run_bench(
         analysis.check_shape(config, batch, seq, loss_chunks)
     check_int("steps", steps)
     check_int("warmup", warmup, 0)
-    specs = [str(s) for s in specs]
-    if "none" not in specs:
-        specs = ["none", *specs]
-    specs = ["none", *[s for s in specs if s != "none"]]
+    specs = ["none", *[s for s in map(str, specs) if s != "none"]]  # none first: every ratio is over it
     raw, paths = {}, {}
     with tempfile.TemporaryDirectory(prefix="remat-kit-bench-") as tmp:
         for i, spec in enumerate(specs):

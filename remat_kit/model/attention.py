@@ -1,7 +1,7 @@
 """Causal attention with grouped key/value heads, three implementations, and rotary embeddings.
 
-One job, over 400 lines: causal attention. The three implementations share their checks and
-the backend choice (``auto``); chunked attention's forward/backward ``custom_vjp`` is most of it.
+The three implementations share their checks and the backend choice (``auto``); chunked
+attention's forward/backward ``custom_vjp`` is most of the module.
 
 ``TransformerConfig.attention`` picks one of :data:`ATTENTION_KINDS`:
 

@@ -1,8 +1,7 @@
 """What a training step under a policy keeps, needs and costs: compile-only, nothing allocated.
 
-One job, over 400 lines: the compile-only report of one transformer training step. Tracing the
-step, labelling residuals with the block's tags, the memory and FLOP figures and the analytic
-estimates all fill one :class:`Analysis` record.
+Tracing the step, labelling residuals with the block's tags, the memory and FLOP figures and the
+textbook estimates (:mod:`remat_kit.planning.estimates`) all fill one :class:`Analysis` record.
 
 :func:`analyze` traces one AdamW training step of :class:`remat_kit.model.transformer.Transformer` from
 ``jax.ShapeDtypeStruct`` inputs (``jax.eval_shape`` for the parameters), compiles it, and reports:

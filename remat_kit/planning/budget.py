@@ -8,11 +8,8 @@ device bytes — weights, gradients, optimizer state and activations (arguments 
 + temp of ``Compiled.memory_analysis()``) — times ``1 + margin`` are at most the budget. The
 winner is the fitting candidate with the least recompute FLOPs, ties going to less memory.
 :func:`remat_kit.planning.fit.max_fit` finds the largest batch or the longest sequence a policy fits;
-:mod:`remat_kit.planning.pareto` draws the candidates.
-
-One job, over 400 lines: choosing a policy for a budget. The planner (trace + compile from shapes,
-cached, in parallel), the candidate search and the mix between two neighbours on the front share the
-Candidate/AutoResult records and the planner's caches, so they stay together.
+:meth:`AutoResult.table` and :meth:`AutoResult.plot` show the candidates. The compiles are
+:class:`remat_kit.planning.planner.StepPlanner`'s.
 
 >>> from remat_kit.model.transformer import TransformerConfig
 >>> r = auto(TransformerConfig.preset("tiny"), batch=2, seq=32, budget_bytes=parse_bytes("1GB"))

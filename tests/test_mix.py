@@ -77,15 +77,6 @@ def test_mix_applied_to_one_function_is_a_clear_error():
         P.parse("full*1+none*1")(jnp.sin)
 
 
-def test_nnx_stack_refuses_a_mix_naming_the_alternative():
-    from flax import nnx
-
-    from remat_kit import nnx as rk_nnx
-
-    with pytest.raises(ValueError, match=r"NNX stack runs one policy; mixes run in remat_kit.stack"):
-        rk_nnx.stack(lambda r: nnx.Linear(4, 4, rngs=r), 4, "full*2+none*2", rngs=nnx.Rngs(0))
-
-
 # ---- what a mix computes and keeps ----------------------------------------------------------------------
 
 

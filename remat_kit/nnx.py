@@ -136,8 +136,6 @@ class Stack(nnx.Module):
         one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
         abstract_x, abstract_dyn = wrap_nnx.abstract((x, dynamic))
         key = ("stack", self.policy, graphdef, abstract_x, tuple(jax.tree.leaves(abstract_dyn)), tuple(static))
-        if not wrap_nnx.remember(key):
-            return
         shapes = []
 
         def traced(state, h, dyn):
@@ -145,7 +143,7 @@ class Stack(nnx.Module):
             shapes.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out))
             return out
 
-        try:
+        def run_check():
             emitted = _tags.emitted_tags(traced, one_layer, abstract_x, abstract_dyn)
             expected = jax.ShapeDtypeStruct(abstract_x.shape, abstract_x.dtype)
             if shapes[0] != expected:
@@ -156,9 +154,8 @@ class Stack(nnx.Module):
             # A mix checks each part by its own rule (one part may be strict=False).
             for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
                 _tags.check(policy, emitted, self.block_name)
-        except Exception:
-            wrap_nnx.forget(key)
-            raise
+
+        _tags.once(key, run_check)
 
 
 def stack(

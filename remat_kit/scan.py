@@ -152,12 +152,7 @@ def _block_key(block, streams, args, kwargs):
     """A hashable name for the code a stack runs (a partial's fields by value), or None."""
     if isinstance(block, functools.partial):
         block = (block.func, block.args, tuple(sorted(block.keywords.items())))
-    key = (block, tuple(streams), tags.signature((args, kwargs)))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return tags.hashable((block, tuple(streams), tags.signature((args, kwargs))))
 
 
 def stack(

@@ -55,7 +55,8 @@ def offload_supported() -> bool:
     """Whether ``jax.checkpoint`` can offload a named value to ``pinned_host`` under the current settings.
 
     False for remat3 on jax 0.10.x: its ``CheckpointName`` rule knows saveable names only and
-    recomputes an offloadable one. Probed by tracing a tiny function (nothing is compiled).
+    recomputes an offloadable one. Probed by tracing a tiny function (nothing is compiled). The
+    package's host-offload rule (:func:`remat_kit.memory.host_offload`) is the one reader of it.
     """
     return _offload_supported(remat3_enabled())
 

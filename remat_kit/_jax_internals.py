@@ -12,7 +12,9 @@ JAX has two representations of checkpoint names and rematerialized calls, and re
   ``RematTraced`` (its ``params["jaxpr"]``, a ``core.Jaxpr``).
 
 JAX offers no public API for either walk, nor for the structured residual list
-(``jax.ad_checkpoint.print_saved_residuals`` only prints), so the private reads stay here.
+(``jax.ad_checkpoint.print_saved_residuals`` only prints), so the private reads stay here. So do
+the reads of equation structure the FLOP counter needs (``dot_general``'s ``dimension_numbers``, a
+scan's ``length``): :mod:`remat_kit.flops` sees only :func:`eqns`, :func:`dot_shapes` and friends.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def offload_supported() -> bool:
     """Whether ``jax.checkpoint`` can offload a named value to ``pinned_host`` under the current settings.
 
     False for remat3 on jax 0.10.x: its ``CheckpointName`` rule knows saveable names only and
-    recomputes an offloadable one. Probed by tracing a tiny function (nothing is compiled).
+    recomputes an offloadable one. Probed by tracing a tiny function (nothing is compiled). The
+    package's host-offload rule (:func:`remat_kit.memory.host_offload`) is the one reader of it.
     """
     return _offload_supported(remat3_enabled())
 
@@ -177,11 +180,52 @@ def emitted_tags(fn: Callable, *args: Any) -> frozenset[str]:
     return frozenset(t for t in map(checkpoint_name_of, iter_eqns(jaxpr)) if t is not None)
 
 
+def eqns(jaxpr) -> list[Any]:
+    """The top-level equations of a jaxpr or closed jaxpr (no recursion; see :func:`iter_eqns`)."""
+    return list(getattr(jaxpr, "jaxpr", jaxpr).eqns)
+
+
+def primitive_name(eqn) -> str:
+    """The name of an equation's primitive (``"dot_general"``, ``"scan"``, ``"cond"``, ...)."""
+    return eqn.primitive.name
+
+
+@dataclasses.dataclass(frozen=True)
+class DotShapes:
+    """The operand shapes of one ``dot_general`` and the dimensions of ``rhs`` it contracts or batches.
+
+    Attributes:
+      lhs, rhs: the two operands' shapes.
+      rhs_contracting, rhs_batch: axes of ``rhs`` that are contracted, and batch axes.
+    """
+
+    lhs: tuple[int, ...]
+    rhs: tuple[int, ...]
+    rhs_contracting: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+
+
+def dot_shapes(eqn) -> DotShapes | None:
+    """What a ``dot_general`` equation multiplies (its params' ``dimension_numbers``); None for others."""
+    if eqn.primitive.name != "dot_general":
+        return None
+    lhs, rhs = (tuple(int(d) for d in v.aval.shape) for v in eqn.invars[:2])
+    (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
+    return DotShapes(lhs, rhs, tuple(int(d) for d in rhs_contract), tuple(int(d) for d in rhs_batch))
+
+
+def scan_length(eqn) -> int | None:
+    """The trip count of a ``scan`` equation (its ``length`` param); None for other equations."""
+    if eqn.primitive.name != "scan":
+        return None
+    return int(eqn.params["length"])
+
+
 def count_primitive(jaxpr, name: str, *, top_level: bool = False) -> int:
     """How many equations of primitive ``name`` a jaxpr holds (recursively unless ``top_level``).
 
     A remat3 rematerialized call counts as ``call_hi_primitive``; its body is walked like a
     ``remat2`` body.
     """
-    eqns = getattr(jaxpr, "jaxpr", jaxpr).eqns if top_level else iter_eqns(jaxpr)
-    return sum(1 for e in eqns if e.primitive.name == name)
+    found = eqns(jaxpr) if top_level else iter_eqns(jaxpr)
+    return sum(1 for e in found if e.primitive.name == name)

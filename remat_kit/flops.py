@@ -21,11 +21,9 @@ import math
 from remat_kit import _jax_internals
 
 
-def _dot_flops(eqn) -> int:
-    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-    (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
-    rhs_free = [d for i, d in enumerate(rhs) if i not in rhs_contract and i not in rhs_batch]
-    return 2 * math.prod(lhs) * math.prod(rhs_free)
+def _dot_flops(dot: _jax_internals.DotShapes) -> int:
+    rhs_free = [d for i, d in enumerate(dot.rhs) if i not in dot.rhs_contracting and i not in dot.rhs_batch]
+    return 2 * math.prod(dot.lhs) * math.prod(rhs_free)
 
 
 def jaxpr_flops(jaxpr) -> int:
@@ -34,20 +32,20 @@ def jaxpr_flops(jaxpr) -> int:
     ``cond`` counts its most expensive branch; a ``while`` loop (unknown trip count) counts its
     body once, as XLA does.
     """
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            total += _dot_flops(eqn)
+    for eqn in _jax_internals.eqns(jaxpr):
+        dot = _jax_internals.dot_shapes(eqn)
+        if dot is not None:
+            total += _dot_flops(dot)
             continue
         subs = [jaxpr_flops(sub) for sub in _jax_internals.subjaxprs(eqn)]
         if not subs:
             continue
-        if name == "cond":
+        length = _jax_internals.scan_length(eqn)
+        if _jax_internals.primitive_name(eqn) == "cond":
             total += max(subs)
-        elif name == "scan":
-            total += int(eqn.params["length"]) * sum(subs)
+        elif length is not None:
+            total += length * sum(subs)
         else:
             total += sum(subs)
     return total

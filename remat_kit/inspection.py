@@ -1,8 +1,7 @@
 """What the backward pass of *any* scalar loss keeps, needs and costs: compile-only, nothing allocated.
 
 One job, over 400 lines: the compile-only report of any loss's backward pass (residuals,
-compiled memory, FLOPs, the host-memory rule, :func:`compare`); the records and their
-formatting share its fields.
+compiled memory, FLOPs, :func:`compare`); the records and their formatting share its fields.
 
 :func:`inspect` (``remat_kit.inspect``) lowers and compiles ``jax.value_and_grad(loss_fn)`` from
 ``jax.ShapeDtypeStruct`` inputs (arrays are read for their shapes only) and reports the saved
@@ -19,9 +18,9 @@ loss built per policy, ``make_loss(policy)``, and sets each policy's FLOPs besid
 >>> r.flops == 2 * (2 * 8 * 1024 * 1024)  # forward matmul and the weight gradient (x is not differentiated)
 True
 
-One host-memory rule holds for the whole package (:func:`host_offload_enforced`): on a backend that
-does not enforce host offload (XLA:CPU lowers the device→host copy to nothing), offloaded residuals
-are counted as device bytes, and the report says so.
+The report applies the package's one host-offload rule (:func:`remat_kit.memory.host_offload`): on a
+backend that does not enforce host offload (XLA:CPU lowers the device→host copy to nothing),
+offloaded residuals are counted as device bytes, and the report says so.
 """
 
 from __future__ import annotations
@@ -35,73 +34,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from remat_kit import _jax_internals
+from remat_kit import _jax_internals, memory
 from remat_kit import policies as policies_lib
 from remat_kit.flops import jaxpr_flops
+from remat_kit.memory import CompiledMemory as CompiledMemory  # re-exported for the wings (planning, bench)
 from remat_kit.units import fmt_bytes
-
-#: What a report says when offloaded residuals stay on the device.
-CPU_OFFLOAD_NOTE = (
-    "this backend ({platform}) does not enforce host offload: XLA lowers the device-to-host copy to nothing, "
-    "so offloaded residuals are counted as device bytes (no memory moves; a GPU/TPU separates them)"
-)
 
 
 def host_offload_enforced(device: Any = None) -> bool:
-    """Whether residuals a policy offloads really leave device memory on ``device`` (default: the first).
-
-    False on CPU: XLA:CPU lowers the device→host transfer to nothing, so XLA's temp bytes are those of
-    the policy without offload. The one rule every report of the package applies.
-    """
-    device = device or jax.devices()[0]
-    return device.platform != "cpu"
+    """:attr:`remat_kit.memory.HostOffload.enforced`; kept for the wings until they ask :mod:`remat_kit.memory`."""
+    return memory.host_offload(device).enforced
 
 
 def offload_note(device: Any = None) -> str | None:
-    """The note a table prints when host offload is not enforced (None where it is)."""
-    device = device or jax.devices()[0]
-    return None if host_offload_enforced(device) else CPU_OFFLOAD_NOTE.format(platform=device.platform)
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledMemory:
-    """XLA's buffer assignment for a compiled function (``Compiled.memory_analysis()``), in bytes.
-
-    ``argument`` and ``output`` overlap by ``alias`` (donated inputs reused as outputs).
-    ``temp`` is everything else the function needs at once: activations, gradients, workspace.
-    """
-
-    argument: int
-    output: int
-    alias: int
-    temp: int
-    host_argument: int
-    host_output: int
-    host_temp: int
-
-    @classmethod
-    def from_compiled(cls, compiled) -> CompiledMemory:
-        """Read ``compiled.memory_analysis()`` (per device for a sharded executable)."""
-        m = compiled.memory_analysis()
-        return cls(
-            argument=int(m.argument_size_in_bytes),
-            output=int(m.output_size_in_bytes),
-            alias=int(m.alias_size_in_bytes),
-            temp=int(m.temp_size_in_bytes),
-            host_argument=int(m.host_argument_size_in_bytes),
-            host_output=int(m.host_output_size_in_bytes),
-            host_temp=int(m.host_temp_size_in_bytes),
-        )
-
-    @property
-    def total(self) -> int:
-        """Device bytes live at the peak, bounded by XLA's buffer assignment: arguments + outputs − aliased + temp."""
-        return self.argument + self.output - self.alias + self.temp
-
-    @property
-    def host(self) -> int:
-        """Bytes XLA placed in host memory (arguments, outputs and temp)."""
-        return self.host_argument + self.host_output + self.host_temp
+    """:attr:`remat_kit.memory.HostOffload.note`; kept for the wings until they ask :mod:`remat_kit.memory`."""
+    return memory.host_offload(device).note
 
 
 def short_source(source: str) -> str:
@@ -121,9 +68,10 @@ def short_source(source: str) -> str:
 def split_saved(residuals: Sequence[Any], enforced: bool | None = None) -> tuple[int, int]:
     """``(device, host)`` bytes of residuals carrying ``nbytes`` and ``host``, under the one host rule.
 
-    Where host offload is not enforced (:func:`host_offload_enforced`), host residuals count as device bytes.
+    Where host offload is not enforced (:attr:`remat_kit.memory.HostOffload.enforced`), host residuals count
+    as device bytes.
     """
-    enforced = host_offload_enforced() if enforced is None else enforced
+    enforced = memory.host_offload().enforced if enforced is None else enforced
     host = sum(r.nbytes for r in residuals if r.host) if enforced else 0
     return sum(r.nbytes for r in residuals) - host, host
 
@@ -158,7 +106,7 @@ class Residual:
 
     @property
     def host(self) -> bool:
-        """Whether JAX places it in a host memory kind (see :func:`host_offload_enforced`)."""
+        """Whether JAX places it in a host memory kind (see :func:`remat_kit.memory.host_offload`)."""
         return self.memory != "device"
 
 
@@ -341,24 +289,25 @@ def inspect(loss_fn: Callable, *args, argnums: int | Sequence[int] = 0, policy: 
     traced = jax.jit(grad).trace(*args)
     compiled = traced.lower().compile()
     seconds = time.perf_counter() - start
-    memory = CompiledMemory.from_compiled(compiled)
+    held = CompiledMemory.from_compiled(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     device = jax.devices()[0]
-    enforced = host_offload_enforced(device)
+    rule = memory.host_offload(device)
+    enforced = rule.enforced
     saved, host = split_saved(rows, enforced)
     notes = []
     if any(r.host for r in rows) and not enforced:
-        notes.append(offload_note(device))
+        notes.append(rule.note)
     return Inspection(
         residuals=rows,
         saved_bytes=saved,
         saved_host_bytes=host,
-        temp_bytes=memory.temp,
-        argument_bytes=memory.argument,
-        output_bytes=memory.output,
-        alias_bytes=memory.alias,
-        peak_bytes=memory.total,
+        temp_bytes=held.temp,
+        argument_bytes=held.argument,
+        output_bytes=held.output,
+        alias_bytes=held.alias,
+        peak_bytes=held.total,
         flops=count_flops(traced.jaxpr),
         forward_flops=count_flops(jax.make_jaxpr(loss_fn)(*args)),
         xla_flops=float((cost or {}).get("flops", math.nan)),

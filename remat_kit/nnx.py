@@ -12,10 +12,13 @@ block whatever the depth. How the scan groups the layers follows :meth:`remat_ki
 * ``"first"`` (every_n) and ``"group"`` (segments, sqrt_n): ``nnx.scan`` slices one layer per step and
   cannot give a checkpoint the *full* stacked parameters to index, which is what keeps a group's weights
   out of the saved residuals (a slice taken outside the checkpoint is saved as a copy). These modes
-  therefore ``nnx.split`` the layers into graphdef / parameters / other state and run ``lax.scan`` over
-  group starts, each step under ``jax.checkpoint``, indexing the stacked state inside it and
-  ``nnx.merge``-ing one layer at a time, as :mod:`remat_kit.scan` does for Linen. The other state a layer
-  returns is stacked and written back with ``nnx.update``.
+  therefore ``nnx.split`` the layers into graphdef / parameters / other state and hand them to the
+  driver the Linen stack runs too (:func:`remat_kit._layers.run`), whose steps index the stacked state
+  inside each checkpoint and ``nnx.merge`` one layer at a time. The other state a layer returns is
+  stacked and written back with ``nnx.update``.
+
+A :class:`~remat_kit.policies.Mix` runs the same way, each part over its slice of the layers under its own
+policy, exactly as in :mod:`remat_kit.scan` (the parameters stay one stacked tree).
 
 Every variable type is carried (``nnx.Param``, ``nnx.BatchStat``, your own ``nnx.Variable`` subclasses,
 RNG keys and counts): parameters are treated as read-only inside the forward pass, everything else is
@@ -31,12 +34,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
+from remat_kit import _layers, wrap_nnx
 from remat_kit import tags as _tags
-from remat_kit import wrap_nnx
-from remat_kit.policies import Mix, Policy, keep_all, parse
+from remat_kit.policies import Mix, Policy, parse
 
 
 class Stack(nnx.Module):
@@ -49,7 +51,7 @@ class Stack(nnx.Module):
       block_name: the block's class name (for messages).
     """
 
-    def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, policy: Policy, *, rngs):
+    def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, policy: Policy | Mix, *, rngs):
         names = []
 
         @nnx.split_rngs(splits=num_layers)
@@ -95,10 +97,9 @@ class Stack(nnx.Module):
             return layer(h, *a, **kw)
 
         self._check_once(call, x, dynamic, static)
-        plan = self.policy.plan(self.num_layers)
-        if plan.mode == "layer":
+        if isinstance(self.policy, Policy) and self.policy.plan(self.num_layers).mode == "layer":
             return self._scan_layers(call, x, dynamic)
-        return self._scan_groups(call, plan.size, plan.mode, x, dynamic)
+        return self._scan_stacked(call, x, dynamic)
 
     # ---- "layer": nnx.scan + nnx.remat -----------------------------------------------------------
 
@@ -114,44 +115,17 @@ class Stack(nnx.Module):
 
         return body(self.layers, x, dynamic)
 
-    # ---- "first" / "group": lax.scan over group starts, split/merge inside the checkpoint ------------
+    # ---- "first" / "group" / a mix: the shared driver over the split layers -------------------------
 
-    def _scan_groups(self, call, size: int, mode: str, x, dynamic):
+    def _scan_stacked(self, call, x, dynamic):
         graphdef, params, other = nnx.split(self.layers, nnx.Param, ...)
 
-        def run_layer(params, other, h, i, dyn):
-            layer = nnx.merge(graphdef, _layer_at(params, i), _layer_at(other, i))
-            h = call(layer, h, dyn)
+        def step(variables, h, i):
+            layer = nnx.merge(graphdef, *variables)
+            h = call(layer, h, dynamic)
             return h, nnx.split(layer, nnx.Param, ...)[2]
 
-        def run_plain(params, other, h, first, count, dyn):
-            def body(c, i):
-                return run_layer(params, other, c, i, dyn)
-
-            return jax.lax.scan(body, h, first + jnp.arange(count, dtype=jnp.int32))
-
-        ckpt = jax.checkpoint(run_plain, policy=self.policy.jax_policy, prevent_cse=False, static_argnums=(4,))
-        keep_plain = keep_all(run_plain, static_argnums=(4,))
-
-        def group(count, h, start):
-            if mode == "group":
-                return ckpt(params, other, h, start, count, dynamic)
-            # "first": the group's first layer rematerialized, the others keep every activation but no
-            # slice of the stacked weights (policies.keep_all), as in remat_kit.scan.
-            h, first = ckpt(params, other, h, start, 1, dynamic)
-            if count == 1:
-                return h, first
-            h, rest = keep_plain(params, other, h, start + 1, count - 1, dynamic)
-            return h, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, rest)
-
-        full_groups, remainder = divmod(self.num_layers, size)
-        starts = jnp.arange(full_groups, dtype=jnp.int32) * size
-        h, updated = jax.lax.scan(lambda c, s: group(size, c, s), x, starts)  # updated: [groups, size, ...]
-        updated = jax.tree.map(lambda a: a.reshape((full_groups * size, *a.shape[2:])), updated)
-        if remainder:
-            tail = jnp.full((1,), full_groups * size, dtype=jnp.int32)
-            h, more = jax.lax.scan(lambda c, s: group(remainder, c, s), h, tail)
-            updated = jax.tree.map(lambda a, b: jnp.concatenate([a, b[0]]), updated, more)
+        h, updated = _layers.run(self.policy, self.num_layers, step, (params, other), x)  # updated: [L, ...]
         nnx.update(self.layers, updated)
         return h
 
@@ -162,8 +136,6 @@ class Stack(nnx.Module):
         one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
         abstract_x, abstract_dyn = wrap_nnx.abstract((x, dynamic))
         key = ("stack", self.policy, graphdef, abstract_x, tuple(jax.tree.leaves(abstract_dyn)), tuple(static))
-        if not wrap_nnx.remember(key):
-            return
         shapes = []
 
         def traced(state, h, dyn):
@@ -171,7 +143,7 @@ class Stack(nnx.Module):
             shapes.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out))
             return out
 
-        try:
+        def run_check():
             emitted = _tags.emitted_tags(traced, one_layer, abstract_x, abstract_dyn)
             expected = jax.ShapeDtypeStruct(abstract_x.shape, abstract_x.dtype)
             if shapes[0] != expected:
@@ -179,19 +151,15 @@ class Stack(nnx.Module):
                     f"{self.block_name} must return one array shaped like its input ({expected.shape}, "
                     f"{expected.dtype}) to be stacked; it returns {shapes[0]}"
                 )
-            if self.policy.tags:
-                _tags.check(self.policy, emitted, self.block_name)
-        except Exception:
-            wrap_nnx.forget(key)
-            raise
+            # A mix checks each part by its own rule (one part may be strict=False).
+            for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
+                _tags.check(policy, emitted, self.block_name)
 
-
-def _layer_at(tree, i):
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+        _tags.once(key, run_check)
 
 
 def stack(
-    make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, policy: Policy | str, *, rngs: nnx.Rngs
+    make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, policy: Policy | Mix | str, *, rngs: nnx.Rngs
 ) -> Stack:
     """Stack ``num_layers`` NNX blocks under one scan, rematerialized per ``policy``.
 
@@ -199,7 +167,8 @@ def stack(
       make_block: ``make_block(rngs) -> nnx.Module``; called once under ``nnx.vmap`` with per-layer
         RNG streams. The block's ``__call__(x, *args, **kwargs)`` returns an array shaped like ``x``.
       num_layers: the depth, a positive integer.
-      policy: a :class:`~remat_kit.policies.Policy` or a spec string such as ``"every_n:2"``.
+      policy: a :class:`~remat_kit.policies.Policy`, a :class:`~remat_kit.policies.Mix` (its counts
+        summing to ``num_layers``) or a spec string such as ``"every_n:2"`` or ``"full*2+none*4"``.
       rngs: the ``nnx.Rngs`` the blocks are initialized from (same values under every policy).
 
     Returns:
@@ -225,11 +194,6 @@ def stack(
     if not callable(make_block) or isinstance(make_block, nnx.Module):
         raise TypeError(f"make_block must be a callable make_block(rngs) -> nnx.Module, got {make_block!r}")
     policy = parse(policy)
-    if isinstance(policy, Mix):
-        raise ValueError(
-            f"mix {policy}: the NNX stack runs one policy; mixes run in remat_kit.stack (Linen) and the "
-            f"Transformer; for NNX pick one of its parts' policies"
-        )
     policy.validate_depth(num_layers)
     if not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs, e.g. rngs=nnx.Rngs(0), got {rngs!r}")

@@ -288,22 +288,6 @@ def keep_activations(prim, *_, **__) -> bool:
     return prim.name not in _VIEW_PRIMITIVES
 
 
-def keep_all(fn: Callable, *, static_argnums: tuple[int, ...] = ()) -> Callable:
-    """How a stack runs ``every_n``'s non-rematerialized layers: activations kept, no weight copy.
-
-    Under :func:`keep_activations` the layers keep everything but the views and casts of the stacked
-    weights. JAX's remat3 (``JAX_REMAT3=true``) asks a plain-callable policy only at names, matmuls and
-    control flow and recomputes the rest, so there these layers keep their matmul outputs and recompute
-    only elementwise work (no matmul FLOPs): a little less memory than classic ``every_n``, still no
-    weight copy. Running them unwrapped instead would keep (n-1)/n of the stack's weights.
-
-    Args:
-      fn: the function running the layers (its arguments include the full stacked weights).
-      static_argnums: passed to ``jax.checkpoint``.
-    """
-    return jax.checkpoint(fn, policy=keep_activations, prevent_cse=False, static_argnums=static_argnums)
-
-
 def sqrt_n_group_size(num_layers: int) -> int:
     """Chen et al.'s group size k ≈ √L, at least 1.
 

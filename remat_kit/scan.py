@@ -1,10 +1,11 @@
-"""The scan-over-layers core: N copies of one Flax block under ``lax.scan``, remat per policy.
+"""The Linen stack: N copies of one Flax Linen block under one scan, rematerialized per policy.
 
 Every variable collection of the block (``params``, ``batch_stats``, …) is created stacked on axis 0
 (``[num_layers, ...]``) under the name ``layers``, the same tree for every policy, so a checkpoint
 trained under one policy loads under any other; mutable collections are updated layer by layer.
 Every RNG stream reaches every layer. The policy only decides how the scan groups the layers (see
-:meth:`remat_kit.policies.Policy.plan`):
+:meth:`remat_kit.policies.Policy.plan`; the driver, :func:`remat_kit._layers.run`, is shared with the
+NNX stack):
 
 * ``"layer"`` (none, full, selective, offload, dots): one scan step per layer, each wrapped by the
   policy's ``jax.checkpoint``;
@@ -20,7 +21,7 @@ A :class:`~remat_kit.policies.Mix` runs its parts one after the other, each over
 layers as above (one scan, or one per group size, per part). The parameters stay the one ``layers``
 tree: every part indexes the full stacked variables inside its (checkpointed) step, so no slice of
 the weights is kept for the backward pass; a ``none`` part therefore runs under
-:func:`remat_kit.policies.keep_all` (every activation kept, views of the weights recomputed). The
+:func:`remat_kit._layers.keep_all` (every activation kept, views of the weights recomputed). The
 price: each part's backward scan accumulates a gradient buffer as large as the whole stack's
 weights, so a compiled step holds one more such buffer per extra part while the earlier parts run
 backward (``auto`` compiles every mix it answers, so this is measured, never assumed away).
@@ -40,8 +41,8 @@ import jax
 import jax.numpy as jnp
 from flax.core.scope import subtract_filters
 
-from remat_kit import tags
-from remat_kit.policies import Mix, Policy, keep_all, parse
+from remat_kit import _layers, tags
+from remat_kit.policies import Mix, Policy, parse
 
 
 class Stack(nn.Module):
@@ -116,59 +117,11 @@ class Stack(nn.Module):
                     key=_block_key(self.block, streams, args, kwargs),
                 )
 
-        out, (aux, mutated) = _run_layers(self.policy, num_layers, run_layer, variables, x)
+        out, (aux, mutated) = _layers.run(self.policy, num_layers, run_layer, variables, x)
         if not self.is_initializing():  # flax's init does not update statistics either
             for col, tree in mutated.items():
                 self.put_variable(col, "layers", tree)
         return out if aux is None else (out, aux)
-
-
-def _run_layers(policy: Policy | Mix, num_layers: int, run_layer, variables, x):
-    """Run the layers per ``policy.plan``; return (output, per-layer outputs stacked on axis 0)."""
-    if isinstance(policy, Mix):
-        out, pieces = x, []
-        for part, first, count in policy.segments(num_layers):
-            out, ys = _run_segment(part, first, count, run_layer, variables, out)
-            pieces.append(ys)
-        return out, jax.tree.map(lambda *a: jnp.concatenate(a), *pieces)
-    plan = policy.plan(num_layers)
-    if plan.mode == "layer":
-        index = jnp.arange(num_layers, dtype=jnp.int32)
-        step = policy.checkpoint(run_layer, prevent_cse=False)
-        return jax.lax.scan(lambda h, xs: step(xs[0], h, xs[1]), x, (variables, index))
-    return _run_grouped(policy, plan.size, plan.mode, 0, num_layers, run_layer, variables, x)
-
-
-def _run_grouped(policy: Policy, size: int, mode: str, first: int, count: int, run_layer, variables, x):
-    """Layers ``first .. first+count-1`` in groups of ``size`` (a remainder group after); (output, ys)."""
-    # Grouped plans index the full stacked variables inside each step instead of scanning over
-    # reshaped slices: a slice taken outside a checkpoint would be saved as a residual (a copy
-    # of the weights), while the stacked parameters themselves are forwarded for free.
-    group = functools.partial(_run_group, policy, mode, run_layer, variables)
-    full_groups, rest = divmod(count, size)
-    starts = jnp.arange(full_groups, dtype=jnp.int32) * size
-    if first:
-        starts = starts + first
-    out, ys = jax.lax.scan(lambda h, start: group(size, h, start), x, starts)
-    ys = jax.tree.map(lambda a: a.reshape(full_groups * size, *a.shape[2:]), ys)
-    if rest:
-        tail = jnp.full((1,), first + full_groups * size, dtype=jnp.int32)
-        out, tail_ys = jax.lax.scan(lambda h, start: group(rest, h, start), out, tail)
-        ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[0]]), ys, tail_ys)
-    return out, ys
-
-
-def _run_segment(policy: Policy, first: int, count: int, run_layer, variables, x):
-    """One part of a mix: layers ``first .. first+count-1`` under ``policy``; (output, ys)."""
-    plan = policy.plan(count)
-    if plan.mode != "layer":
-        return _run_grouped(policy, plan.size, plan.mode, first, count, run_layer, variables, x)
-    # Scanning over a slice of the stacked variables would keep that slice (a copy of the part's
-    # weights) for the backward pass; index the full stack inside the checkpoint instead. Without
-    # remat (none) the step keeps every activation but the weight views (policies.keep_all).
-    body = lambda v, h, i: run_layer(_layer_at(v, i), h, i)
-    step = policy.checkpoint(body, prevent_cse=False) if policy.remat else keep_all(body)
-    return jax.lax.scan(lambda h, i: step(variables, h, i), x, first + jnp.arange(count, dtype=jnp.int32))
 
 
 def _split_output(y, h, block_name: str):
@@ -199,45 +152,7 @@ def _block_key(block, streams, args, kwargs):
     """A hashable name for the code a stack runs (a partial's fields by value), or None."""
     if isinstance(block, functools.partial):
         block = (block.func, block.args, tuple(sorted(block.keywords.items())))
-    key = (block, tuple(streams), tags.signature((args, kwargs)))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _layer_at(variables, i):
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), variables)
-
-
-def _scan_from(run_layer, variables, h, first, count):
-    """Run layers ``first .. first+count-1`` plainly under an inner scan; (output, per-layer ys)."""
-
-    def body(c, i):
-        return run_layer(_layer_at(variables, i), c, i)
-
-    return jax.lax.scan(body, h, first + jnp.arange(count, dtype=jnp.int32))
-
-
-def _run_group(policy: Policy, mode: str, run_layer, variables, size: int, h, start):
-    """One scan step of a grouped plan: layers ``start .. start+size-1``; (output, ys [size, ...])."""
-    if mode == "group":
-        whole = functools.partial(_scan_from, run_layer, count=size)
-        return policy.checkpoint(lambda v, c, s: whole(v, c, s), prevent_cse=False)(variables, h, start)
-    # "first": rematerialize the group's first layer, keep every activation of the others. Those run
-    # under a checkpoint that saves everything except views and casts (policies.keep_all):
-    # without it JAX would keep their weight slices as residuals, (n-1)/n of the stack's weights,
-    # since a scan cannot forward a slice of its input; recomputing a slice costs nothing.
-    first = policy.checkpoint(lambda v, c, i: run_layer(_layer_at(v, i), c, i), prevent_cse=False)
-    h, y0 = first(variables, h, start)
-    ys = jax.tree.map(lambda a: a[None], y0)
-    if size > 1:
-        others = functools.partial(_scan_from, run_layer, count=size - 1)
-        keep = keep_all(others)
-        h, rest = keep(variables, h, start + 1)
-        ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, rest)
-    return h, ys
+    return tags.hashable((block, tuple(streams), tags.signature((args, kwargs))))
 
 
 def stack(

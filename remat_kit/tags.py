@@ -4,7 +4,8 @@ A selective or offload policy names ``checkpoint_name`` tags. A name the wrapped
 would silently turn into "recompute it" (MaxText's silent failure), so wherever a policy is applied
 (a function, a Linen class, a Linen or NNX stack, an NNX instance) the wrapper traces the code once
 per input signature and calls :func:`check` with the tags actually emitted (:func:`check_traced`
-does both, cached). A policy built with ``strict=False`` skips the check; it has no other meaning.
+does both). Every wrapper remembers what passed in the one bounded cache of :func:`once`. A policy
+built with ``strict=False`` skips the check; it has no other meaning.
 
 >>> import jax, jax.numpy as jnp
 >>> from remat_kit import policies
@@ -31,7 +32,8 @@ import numpy as np
 
 from remat_kit import _jax_internals
 
-# (policy, code key, input signature) already checked; bounded so long sessions do not grow it.
+# Keys of checks that passed (policy, code, input signature), oldest first; bounded so long sessions
+# do not grow it (the oldest is dropped: at worst it is traced once more).
 _CHECKED: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
 _MAX_CHECKED = 4096
 
@@ -107,13 +109,46 @@ def signature(tree: Any) -> Hashable | None:
     for leaf in leaves:
         if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):  # tracers are jax.Arrays
             key.append(("array", tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False))))
+        elif hashable(leaf) is None:  # flattening drops None, so None here means unhashable
+            return None
         else:
-            try:
-                hash(leaf)
-            except TypeError:
-                return None
             key.append((type(leaf), leaf))
     return treedef, tuple(key)
+
+
+def hashable(key: Any) -> Hashable | None:
+    """``key`` itself when it can be hashed, else None (a key that cannot be remembered).
+
+    >>> hashable(("f", 1)), hashable(("f", [1]))
+    (('f', 1), None)
+    """
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def once(key: Hashable | None, run_check: Callable[[], None]) -> None:
+    """Run ``run_check()`` unless a check under ``key`` already passed; remember ``key`` once it passes.
+
+    A check that raises is not remembered (it runs again next time); a ``key`` of None, or one that
+    cannot be hashed, is never remembered: that check runs every time.
+
+    >>> calls = []
+    >>> for _ in range(3):
+    ...     once(("doc", "once"), lambda: calls.append(1))
+    >>> len(calls)
+    1
+    """
+    key = hashable(key)
+    if key is not None and key in _CHECKED:
+        return
+    run_check()
+    if key is not None:
+        _CHECKED[key] = None
+        if len(_CHECKED) > _MAX_CHECKED:
+            _CHECKED.popitem(last=False)
 
 
 def check_traced(policy, where: str, fn: Callable, *args: Any, key: Hashable | None = None) -> None:
@@ -132,11 +167,4 @@ def check_traced(policy, where: str, fn: Callable, *args: Any, key: Hashable | N
     if not needs_check(policy):
         return
     sig = signature(args) if key is not None else None
-    cache_key = None if sig is None else (policy, key, sig)
-    if cache_key is not None and cache_key in _CHECKED:
-        return
-    check(policy, emitted_tags(fn, *args), where)
-    if cache_key is not None:
-        _CHECKED[cache_key] = None
-        if len(_CHECKED) > _MAX_CHECKED:
-            _CHECKED.popitem(last=False)
+    once(None if sig is None else (policy, key, sig), lambda: check(policy, emitted_tags(fn, *args), where))

@@ -111,20 +111,10 @@ def _remat_function(policy, fn: Callable, static_argnums: tuple[int, ...], preve
         bind, dynamic, static = _split_static(args, static_argnums)
         key = (fn, tuple(sorted(static.items())), tags.signature(kwargs))
         # Keyword arguments are traced like the dynamic positionals (jax.checkpoint's rule).
-        tags.check_traced(
-            policy, where, lambda dyn, kw: bind(fn, **kw)(*dyn), dynamic, kwargs, key=_hashable_or_none(key)
-        )
+        tags.check_traced(policy, where, lambda dyn, kw: bind(fn, **kw)(*dyn), dynamic, kwargs, key=tags.hashable(key))
         return checkpointed(*args, **kwargs)
 
     return wrapped
-
-
-def _hashable_or_none(key):
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 # ---- Linen classes -----------------------------------------------------------------------------------
@@ -180,4 +170,4 @@ def _check_linen(policy, cls, module: nn.Module, name: str, args: tuple, kwargs:
         return call(*dyn)
 
     key = (cls, name, tuple(sorted(fields.items())), tuple(sorted(static_values.items())), tags.signature(kwargs))
-    tags.check_traced(policy, f"{cls.__name__}.{name}", run, dynamic, kwargs, key=_hashable_or_none(key))
+    tags.check_traced(policy, f"{cls.__name__}.{name}", run, dynamic, kwargs, key=tags.hashable(key))

@@ -30,11 +30,6 @@ from flax import nnx
 
 from remat_kit import tags as _tags
 
-# Signatures whose tags were already checked: (policy, graphdef, abstract inputs). Checking traces the
-# module once more, so it runs once per signature, like compilation; bounded so it cannot grow forever.
-_CHECKED: set = set()
-_CHECKED_MAX = 4096
-
 
 class Remat(nnx.Module):
     """An ``nnx.Module`` that owns ``module`` and runs its ``__call__`` under ``nnx.remat``.
@@ -150,24 +145,6 @@ def abstract(tree):
     return jax.tree.map(one, tree)
 
 
-def remember(key) -> bool:
-    """Record ``key`` as checked; False when it was already (or cannot be hashed: then always check)."""
-    try:
-        if key in _CHECKED:
-            return False
-    except TypeError:
-        return True
-    if len(_CHECKED) >= _CHECKED_MAX:
-        _CHECKED.clear()
-    _CHECKED.add(key)
-    return True
-
-
-def forget(key) -> None:
-    """Undo :func:`remember` (a check that raised has not passed: run it again next time)."""
-    _CHECKED.discard(key)
-
-
 def check_tags_once(policy, module: nnx.Module, run, args: tuple, kwargs: dict, static: set[int]) -> None:
     """Apply the tag rule to ``run(module, *args, **kwargs)``, once per (policy, module graph, input signature).
 
@@ -179,23 +156,22 @@ def check_tags_once(policy, module: nnx.Module, run, args: tuple, kwargs: dict, 
     dynamic = {i: a for i, a in enumerate(args) if i + 1 not in static}
     abstract_state, abstract_dynamic, abstract_kwargs = abstract((state, dynamic, kwargs))
     statics = tuple((i, a) for i, a in enumerate(args) if i + 1 in static)
+    # Checking traces the module once more, so it runs once per signature, like compilation.
     key = (
+        "instance",
         policy,
         graphdef,
         jax.tree.structure((dynamic, kwargs)),
         tuple(jax.tree.leaves((abstract_dynamic, abstract_kwargs))),
         statics,
     )
-    if not remember(key):
-        return
 
     def traced(state, dyn, kw):
         full = [dyn.get(i, a) for i, a in enumerate(args)]
         return run(nnx.merge(graphdef, state), *full, **kw)
 
-    try:
+    def run_check():
         emitted = _tags.emitted_tags(traced, abstract_state, abstract_dynamic, abstract_kwargs)
         _tags.check(policy, emitted, type(module).__name__)
-    except Exception:
-        forget(key)
-        raise
+
+    _tags.once(key, run_check)

@@ -163,3 +163,22 @@ def test_unpinned_host_stays_on_the_device(remat3):
 def test_offload_supported(remat3):
     old = jax.__version_info__ < (0, 11)
     assert internals.offload_supported() is not (remat3 and old), f"{JAX} (remat3={remat3})"
+
+
+def test_dot_shapes_reads_dimension_numbers(remat3):
+    # [batch=2, m=3, k=4] x [batch=2, k=4, n=5]: rhs axis 1 contracted, axis 0 batched.
+    jaxpr = jax.make_jaxpr(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b))(jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5)))
+    (dot,) = [d for d in map(internals.dot_shapes, internals.iter_eqns(jaxpr)) if d is not None]
+    assert dot == internals.DotShapes(lhs=(2, 3, 4), rhs=(2, 4, 5), rhs_contracting=(1,), rhs_batch=(0,)), JAX
+    (plain,) = internals.eqns(jax.make_jaxpr(jnp.sin)(jnp.ones(2)))
+    assert internals.dot_shapes(plain) is None and internals.primitive_name(plain) == "sin"
+
+
+def test_scan_length_reads_the_trip_count(remat3):
+    def f(x):
+        out, _ = jax.lax.scan(jax.checkpoint(lambda c, _: (jnp.sin(c), None)), x, None, length=7)
+        return out
+
+    (scan,) = internals.eqns(jax.make_jaxpr(f)(jnp.ones(2)))
+    assert internals.primitive_name(scan) == "scan" and internals.scan_length(scan) == 7, f"{JAX} (remat3={remat3})"
+    assert all(internals.scan_length(e) is None for sub in internals.subjaxprs(scan) for e in internals.iter_eqns(sub))

@@ -2,19 +2,61 @@
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 from conftest import RTOL_F32, max_rel_err
-from test_scan import Block, _activations, _loss, _setup
 
 import remat_kit
 from remat_kit import _jax_internals as internals
 from remat_kit import policies as P
 from remat_kit.model.transformer import Transformer, TransformerConfig
+from remat_kit.names import tag
 from remat_kit.planning import analysis
 from remat_kit.planning import budget as A
 from remat_kit.planning import planner as planner_lib
+
+B, S, D, F = 2, 3, 8, 24
+
+
+class Block(nn.Module):
+    """A small tagged block with dropout, shaped so every kept value is recognizable by its shape."""
+
+    rate: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, deterministic=True):  # x: [B, S, D]
+        x = tag(x, "layer_input")
+        q = tag(nn.Dense(D, name="q")(x), "q_proj")
+        up = tag(nn.Dense(F, name="up")(jnp.tanh(q)), "mlp_up")
+        out = nn.Dense(D, name="down")(tag(jnp.sin(up), "mlp_act"))
+        return x + nn.Dropout(self.rate)(out, deterministic=deterministic)
+
+
+def _setup(depth, policy, rate=0.0):
+    """(the stack under ``policy``, parameters made under none, an input)."""
+    layers = remat_kit.stack(functools.partial(Block, rate=rate), depth, policy)
+    x = jax.random.normal(jax.random.key(0), (B, S, D))
+    params = remat_kit.stack(Block, depth, "none").init(jax.random.key(1), x)
+    return layers, params, x
+
+
+def _loss(layers, rate=0.0):
+    def loss(params, x):
+        kw = {} if rate == 0 else {"deterministic": False, "rngs": {"dropout": jax.random.key(7)}}
+        return jnp.sum(layers.apply(params, x, **kw) ** 2)
+
+    return loss
+
+
+def _activations(depth, policy):
+    """Saved residuals that are not arguments (parameters, input): the activation memory."""
+    layers, params, x = _setup(depth, policy)
+    # A linear read-out keeps nothing itself, so every residual belongs to the stack.
+    loss = lambda p, x: jnp.sum(layers.apply(p, x))
+    return [r for r in internals.saved_residuals(loss, params, x) if not r.is_argument]
+
 
 MIXES = [
     "full*2+none*3",
@@ -78,15 +120,6 @@ def test_mix_applied_to_one_function_is_a_clear_error():
         P.parse("full*1+none*1")(jnp.sin)
 
 
-def test_nnx_stack_refuses_a_mix_naming_the_alternative():
-    from flax import nnx
-
-    from remat_kit import nnx as rk_nnx
-
-    with pytest.raises(ValueError, match=r"NNX stack runs one policy; mixes run in remat_kit.stack"):
-        rk_nnx.stack(lambda r: nnx.Linear(4, 4, rngs=r), 4, "full*2+none*2", rngs=nnx.Rngs(0))
-
-
 # ---- what a mix computes and keeps ----------------------------------------------------------------------
 
 
@@ -100,7 +133,7 @@ def test_gradients_equal_none_with_dropout(spec):
 
 
 def test_parameters_are_the_one_stacked_tree_of_every_policy():
-    x = jnp.ones((2, 3, 8))
+    x = jnp.ones((B, S, D))
     ref = remat_kit.stack(Block, 5, "none").init(jax.random.key(3), x)
     got = remat_kit.stack(Block, 5, "full*2+none*3").init(jax.random.key(3), x)
     assert jax.tree.structure(got) == jax.tree.structure(ref) and max_rel_err(got, ref) == 0.0

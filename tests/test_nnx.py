@@ -64,6 +64,16 @@ class Tagged(nnx.Module):
         return x + tag(self.lin(x), "mlp_up")
 
 
+class Curved(nnx.Module):
+    """A tagged block whose tagged value its backward pass needs (sin'), so selective's choice shows."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.sin(tag(self.lin(x), "mlp_up"))
+
+
 class FlagBlock(nnx.Module):
     """A block taking a Python flag positionally (needs static_argnums=(2,))."""
 
@@ -251,6 +261,56 @@ def test_stack_residuals_shrink_in_order():
     assert kept["full"] < kept["selective"] < kept["none"], kept
     assert kept["full"] < kept["every_n:2"] < kept["none"], kept
     assert kept["segments:2"] < kept["full"], kept
+
+
+# ---- a mix (policies.mix): one stacked tree, each range of layers under its own policy --------------
+
+#: Mixes over DEPTH layers, every policy kind in some part.
+MIXES = ["full*1+none*2", "none*1+every_n:2*2", "segments:2*2+offload*1", "selective*2+dots*1", "sqrt_n*2+full*1"]
+
+
+@pytest.mark.parametrize("spec", MIXES, ids=MIXES)
+def test_stack_under_a_mix_matches_none(spec, depth=DEPTH):
+    init, grads, after, value = stack_run(spec, depth)
+    init0, grads0, after0, value0 = stack_run("none", depth)
+    assert max_rel_err(init, init0) == 0
+    assert abs(float(value) - float(value0)) <= RTOL_F32 * abs(float(value0))
+    assert max_rel_err(grads, grads0) <= RTOL_F32
+    assert nonzero_per_layer(grads, depth)
+    assert max_rel_err(after, after0) <= RTOL_F32
+    np.testing.assert_array_equal(after["layers"]["calls"][...], np.ones(depth))
+    np.testing.assert_array_equal(after["layers"]["drop"]["rngs"]["count"][...], np.ones(depth))
+
+
+def kept_activations(model) -> list[tuple[int, ...]]:
+    """Shapes of the float32 values the backward pass of ``sum(model(X))`` keeps beyond its arguments.
+
+    The int32 residuals left out are the layer indices each scan keeps.
+    """
+    graphdef, params, other = nnx.split(model, nnx.Param, ...)
+    res = _jax_internals.saved_residuals(lambda p, o, x: jnp.sum(nnx.merge(graphdef, p, o)(x)), params, other, X)
+    return sorted(r.shape for r in res if not r.is_argument and r.dtype == "float32")
+
+
+def test_stack_under_a_mix_keeps_what_each_part_keeps():
+    """full*2+selective:mlp_up*4 keeps full's 2 inputs and selective's 4 inputs + 4 mlp_up: no weight slice."""
+    layers = rk_nnx.stack(Curved, 6, "full*2+selective:mlp_up*4", rngs=nnx.Rngs(0))
+    assert kept_activations(layers) == [(2, 2, 4, D), (4, 2, 4, D), (4, 2, 4, D)]
+
+
+@pytest.mark.parametrize("spec", ["none*2+full*4", "every_n:2*4+full*2", "segments:2*4+none*2"])
+def test_stack_under_a_mix_keeps_its_parts_own_stacks_residuals(spec):
+    mix = policies.parse(spec)
+    parts = [s for p, n in mix.parts for s in kept_activations(rk_nnx.stack(Curved, n, p, rngs=nnx.Rngs(0)))]
+    assert kept_activations(rk_nnx.stack(Curved, 6, mix, rngs=nnx.Rngs(0))) == sorted(parts)
+
+
+def test_stack_under_a_mix_checks_each_part_by_its_own_rule():
+    with pytest.raises(ValueError, match=r"policy selective:q_proj names tags that Tagged never emits: q_proj"):
+        rk_nnx.stack(Tagged, 3, "full*1+selective:q_proj*2", rngs=nnx.Rngs(0))(X)
+    rk_nnx.stack(Tagged, 3, "full*1+selective:q_proj;strict=false*2", rngs=nnx.Rngs(0))(X)
+    with pytest.raises(ValueError, match=r"counts sum to 4 layers but the stack has 3"):
+        rk_nnx.stack(Tagged, 3, "full*2+none*2", rngs=nnx.Rngs(0))
 
 
 # ---- bad input, before tracing ------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_every_n_keeps_full_internals_for_half_the_layers():
     assert len(inputs) == 1
     acts = collections.Counter({k: v for k, v in internals_.items() if k[0][1:] in {(B, S, D), (B, S, F)}})
     if internals.remat3_enabled():
-        # remat3 keeps only the matmul outputs of the plain layers (policies.keep_all): a subset.
+        # remat3 keeps only the matmul outputs of the plain layers (_layers.keep_all): a subset.
         assert acts and not acts - none
     else:
         assert acts == none

@@ -59,3 +59,28 @@ def test_signature_keys_arrays_by_shape_and_flags_by_value():
     assert tags.signature((a, True)) != tags.signature((a, False))
     assert tags.signature(([1],)) is not None and tags.signature(({1: []},)) is not None
     assert tags.signature((object.__new__(type("Unhashable", (), {"__hash__": None})),)) is None
+
+
+def test_once_remembers_passed_checks_only_and_never_an_unhashable_key():
+    calls = []
+
+    def failing():
+        calls.append("fail")
+        raise ValueError("no")
+
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            tags.once(("test_once", "fails"), failing)
+    assert calls == ["fail", "fail"]  # a check that raised runs again
+    for _ in range(2):
+        tags.once(("test_once", []), lambda: calls.append("unhashable"))
+    assert calls.count("unhashable") == 2
+    assert tags.hashable(("test_once", [])) is None and tags.hashable(("test_once", 1)) == ("test_once", 1)
+
+
+def test_once_is_bounded(monkeypatch):
+    monkeypatch.setattr(tags, "_MAX_CHECKED", 2)
+    monkeypatch.setattr(tags, "_CHECKED", type(tags._CHECKED)())
+    for i in range(3):
+        tags.once(("test_once_bounded", i), lambda: None)
+    assert list(tags._CHECKED) == [("test_once_bounded", 1), ("test_once_bounded", 2)]  # the oldest went first

@@ -1,0 +1,161 @@
+"""The layer driver both stacks share: run stacked layers in order under a policy's plan or a mix's parts.
+
+The Linen stack (:mod:`remat_kit.scan`) and the NNX stack (:mod:`remat_kit.nnx`) hand :func:`run` the
+same three things: ``step(layer_variables, h, i) -> (h, ys)`` running layer ``i``, the variables of
+every layer stacked on axis 0, and the input. How the layers are grouped follows
+:meth:`remat_kit.policies.Policy.plan`:
+
+* ``"layer"``: one scan step per layer, under the policy's ``jax.checkpoint``;
+* ``"first"`` (every_n): one scan step per group; its first layer is rematerialized, the others run
+  under :func:`keep_all`;
+* ``"group"`` (segments, sqrt_n): one scan step per group, the group rematerialized as a whole.
+
+A depth not divisible by the group size runs its remainder as one more (length-1) scan. A
+:class:`~remat_kit.policies.Mix` runs its parts one after the other, each over its slice of the layers.
+
+Grouped plans and mix parts index the *full* stacked variables inside each (checkpointed) step
+(:func:`layer_at`) instead of scanning over slices: a slice taken outside a checkpoint is saved as a
+residual (a copy of the weights), while the stacked variables themselves are forwarded for free.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from remat_kit.policies import Mix, Policy, keep_activations
+
+#: ``step(layer_variables, h, i) -> (h, ys)``: one layer; ``h`` keeps its type, ``ys`` is stacked.
+Step = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
+
+
+def layer_at(tree: Any, i: jax.Array) -> Any:
+    """Layer ``i`` of a tree stacked on axis 0 (a traced index: one compiled body serves every layer).
+
+    >>> import jax.numpy as jnp
+    >>> layer_at({"w": jnp.arange(6).reshape(3, 2)}, jnp.int32(1))["w"].tolist()
+    [2, 3]
+    """
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def keep_all(fn: Callable) -> Callable:
+    """How a stack runs layers it does not rematerialize: activations kept, no weight copy.
+
+    Under :func:`remat_kit.policies.keep_activations` the layers keep everything but the views and
+    casts of the stacked weights. JAX's remat3 (``JAX_REMAT3=true``) asks a plain-callable policy only
+    at names, matmuls and control flow and recomputes the rest, so there these layers keep their matmul
+    outputs and recompute only elementwise work (no matmul FLOPs): a little less memory than classic
+    ``every_n``, still no weight copy. Running them unwrapped instead would keep (n-1)/n of the stack's
+    weights.
+
+    Args:
+      fn: the function running the layers (its arguments include the full stacked weights).
+
+    Returns:
+      ``fn`` under ``jax.checkpoint`` with :func:`~remat_kit.policies.keep_activations`.
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = keep_all(lambda w, x: jnp.sum(jnp.sin(x * w[0])))
+    >>> float(jax.grad(f, argnums=1)(jnp.ones((2, 1)), 0.0))
+    1.0
+    """
+    return jax.checkpoint(fn, policy=keep_activations, prevent_cse=False)
+
+
+def run(policy: Policy | Mix, num_layers: int, step: Step, variables: Any, x: Any) -> tuple[Any, Any]:
+    """Run ``num_layers`` stacked layers on ``x`` in order, rematerialized per ``policy``.
+
+    Args:
+      policy: a :class:`~remat_kit.policies.Policy` or a :class:`~remat_kit.policies.Mix` (already
+        checked against the depth).
+      num_layers: the depth.
+      step: ``step(layer_variables, h, i) -> (h, ys)`` runs layer ``i`` (an int32 scalar) on ``h``.
+      variables: every layer's variables, stacked on axis 0 (``[num_layers, ...]`` leaves).
+      x: the first layer's input.
+
+    Returns:
+      ``(output of the last layer, every layer's ys stacked on axis 0)``.
+
+    >>> import jax.numpy as jnp
+    >>> from remat_kit import policies
+    >>> step = lambda w, h, i: (h * w, i)
+    >>> h, ys = run(policies.parse("every_n:2"), 5, step, jnp.full((5, 3), 2.0), jnp.ones(3))
+    >>> h.tolist(), ys.tolist()
+    ([32.0, 32.0, 32.0], [0, 1, 2, 3, 4])
+    >>> h, ys = run(policies.parse("full*2+none*3"), 5, step, jnp.full((5, 3), 2.0), jnp.ones(3))
+    >>> h.tolist(), ys.tolist()
+    ([32.0, 32.0, 32.0], [0, 1, 2, 3, 4])
+    """
+    if isinstance(policy, Mix):
+        out, pieces = x, []
+        for part, first, count in policy.segments(num_layers):
+            out, ys = _run_part(part, first, count, step, variables, out)
+            pieces.append(ys)
+        return out, jax.tree.map(lambda *a: jnp.concatenate(a), *pieces)
+    plan = policy.plan(num_layers)
+    if plan.mode == "layer":
+        index = jnp.arange(num_layers, dtype=jnp.int32)
+        body = policy.checkpoint(step, prevent_cse=False)
+        return jax.lax.scan(lambda h, xs: body(xs[0], h, xs[1]), x, (variables, index))
+    return _run_grouped(policy, plan.size, plan.mode, 0, num_layers, step, variables, x)
+
+
+def _run_part(policy: Policy, first: int, count: int, step: Step, variables, x):
+    """One part of a mix: layers ``first .. first+count-1`` under ``policy``; (output, ys)."""
+    plan = policy.plan(count)
+    if plan.mode != "layer":
+        return _run_grouped(policy, plan.size, plan.mode, first, count, step, variables, x)
+    # Scanning over a slice of the stacked variables would keep that slice (a copy of the part's
+    # weights) for the backward pass; index the full stack inside the checkpoint instead. Without
+    # remat (none) the step keeps every activation but the weight views (keep_all).
+    body = lambda v, h, i: step(layer_at(v, i), h, i)
+    body = policy.checkpoint(body, prevent_cse=False) if policy.remat else keep_all(body)
+    return jax.lax.scan(lambda h, i: body(variables, h, i), x, first + jnp.arange(count, dtype=jnp.int32))
+
+
+def _run_grouped(policy: Policy, size: int, mode: str, first: int, count: int, step: Step, variables, x):
+    """Layers ``first .. first+count-1`` in groups of ``size`` (a remainder group after); (output, ys)."""
+    group = functools.partial(_run_group, policy, mode, step, variables)
+    full_groups, rest = divmod(count, size)
+    starts = jnp.arange(full_groups, dtype=jnp.int32) * size
+    if first:
+        starts = starts + first
+    out, ys = jax.lax.scan(lambda h, start: group(size, h, start), x, starts)  # ys: [groups, size, ...]
+    ys = jax.tree.map(lambda a: a.reshape(full_groups * size, *a.shape[2:]), ys)
+    if rest:
+        tail = jnp.full((1,), first + full_groups * size, dtype=jnp.int32)
+        out, tail_ys = jax.lax.scan(lambda h, start: group(rest, h, start), out, tail)
+        ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[0]]), ys, tail_ys)
+    return out, ys
+
+
+def _scan_from(step: Step, variables, h, first, count: int):
+    """Run layers ``first .. first+count-1`` plainly under an inner scan; (output, per-layer ys)."""
+
+    def body(c, i):
+        return step(layer_at(variables, i), c, i)
+
+    return jax.lax.scan(body, h, first + jnp.arange(count, dtype=jnp.int32))
+
+
+def _run_group(policy: Policy, mode: str, step: Step, variables, size: int, h, start):
+    """One scan step of a grouped plan: layers ``start .. start+size-1``; (output, ys [size, ...])."""
+    if mode == "group":
+        whole = functools.partial(_scan_from, step, count=size)
+        return policy.checkpoint(lambda v, c, s: whole(v, c, s), prevent_cse=False)(variables, h, start)
+    # "first": rematerialize the group's first layer, keep every activation of the others. Those run
+    # under keep_all: without it JAX would keep their weight slices as residuals, (n-1)/n of the
+    # stack's weights, since a scan cannot forward a slice of its input; recomputing a slice is free.
+    first = policy.checkpoint(lambda v, c, i: step(layer_at(v, i), c, i), prevent_cse=False)
+    h, y0 = first(variables, h, start)
+    ys = jax.tree.map(lambda a: a[None], y0)
+    if size > 1:
+        others = keep_all(functools.partial(_scan_from, step, count=size - 1))
+        h, rest = others(variables, h, start + 1)
+        ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, rest)
+    return h, ys

@@ -37,18 +37,8 @@ import jax.numpy as jnp
 from remat_kit import _jax_internals, memory
 from remat_kit import policies as policies_lib
 from remat_kit.flops import jaxpr_flops
-from remat_kit.memory import CompiledMemory as CompiledMemory  # re-exported for the wings (planning, bench)
+from remat_kit.memory import CompiledMemory
 from remat_kit.units import fmt_bytes
-
-
-def host_offload_enforced(device: Any = None) -> bool:
-    """:attr:`remat_kit.memory.HostOffload.enforced`; kept for the wings until they ask :mod:`remat_kit.memory`."""
-    return memory.host_offload(device).enforced
-
-
-def offload_note(device: Any = None) -> str | None:
-    """:attr:`remat_kit.memory.HostOffload.note`; kept for the wings until they ask :mod:`remat_kit.memory`."""
-    return memory.host_offload(device).note
 
 
 def short_source(source: str) -> str:

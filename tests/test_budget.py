@@ -2,7 +2,9 @@
 
 import pytest
 
+from remat_kit import memory
 from remat_kit import policies as P
+from remat_kit.memory import CompiledMemory
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import budget as A
 from remat_kit.planning import fit, pareto
@@ -123,7 +125,7 @@ def test_offload_candidates_follow_what_jax_can_offload(monkeypatch):
     # A JAX whose remat cannot offload (jax 0.10's remat3) gets no offload candidates by default.
     cfg = TransformerConfig.preset("tiny")
     monkeypatch.setattr(A._jax_internals, "offload_supported", lambda: False)
-    assert not A.host_offload_available()
+    assert not memory.host_offload().available
     assert not any(p.kind == "offload" for p in A.candidates_for(cfg))
 
 
@@ -208,4 +210,4 @@ def test_cpu_plan_compiles_give_the_same_bytes_as_default_compiles(planner):
     assert planner.compiler_options == planner_lib.CPU_PLAN_COMPILER_OPTIONS
     fast = planner.compiled_memory(P.full(), BATCH, SEQ)
     default = planner._trace(P.full(), BATCH, SEQ).lower().compile()
-    assert fast == A.inspection.CompiledMemory.from_compiled(default)
+    assert fast == CompiledMemory.from_compiled(default)

@@ -9,7 +9,7 @@ import plan_model_factory as M
 import pytest
 
 import remat_kit
-from remat_kit import _jax_internals, inspection, policies
+from remat_kit import _jax_internals, memory, policies
 from remat_kit.cli import main
 from remat_kit.constants import DEFAULT_MARGIN
 from remat_kit.planning import budget
@@ -199,7 +199,7 @@ def test_plan_model_bad_inputs_exit_2(model, extra, match, capsys):
 
 
 def test_host_rule_is_one_function():
-    assert inspection.host_offload_enforced(jax.devices("cpu")[0]) is False
+    assert memory.host_offload(jax.devices("cpu")[0]).enforced is False
 
 
 def _nnx_loss_and_args(policy, layers=3, batch=4, seq=8, d=16):

@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import pytest
 
 from remat_kit import _jax_internals as internals
-from remat_kit import inspection
 from remat_kit import policies as P
 from remat_kit.names import tag
 
@@ -51,8 +50,8 @@ def test_offload_is_host_placed_in_the_compiled_program_only_where_the_backend_e
     memory = compiled.memory_analysis()
     host_bytes = memory.host_temp_size_in_bytes + memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
     on_host = host_bytes > 0 or "S(5)" in compiled.as_text()  # S(5): XLA's host memory space
-    assert on_host == inspection.host_offload_enforced()
+    assert on_host == memory.host_offload().enforced
     if not on_host:  # CPU: the program keeps it on the device, and every report says so
-        assert "does not enforce host offload" in inspection.offload_note()
+        assert "does not enforce host offload" in memory.host_offload().note
     else:
-        assert inspection.offload_note() is None
+        assert memory.host_offload().note is None

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from remat_kit import inspection, policies
+from remat_kit.memory import CompiledMemory
 from remat_kit.model import lora
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig
@@ -201,7 +202,7 @@ def measure_model(
     compiled = jax.jit(step_lib.make_step(loss_fn, opt), **step_lib.jit_kwargs(params, opt_state)).trace(
         params, opt_state, *batch).lower().compile()  # fmt: skip
     compile_s = time.perf_counter() - start
-    xla_peak = analysis.CompiledMemory.from_compiled(compiled).total
+    xla_peak = CompiledMemory.from_compiled(compiled).total
     initial = jax.device_get(params) if grads_path else None
     probe = _MemoryProbe(jax.devices()[0])
     baseline = probe.baseline()

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from remat_kit import _jax_internals, flops, inspection, policies
-from remat_kit.inspection import CompiledMemory as CompiledMemory  # re-exported: analysis.CompiledMemory
+from remat_kit.memory import CompiledMemory, host_offload
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params
 from remat_kit.planning import estimates as estimates_lib
@@ -94,7 +94,7 @@ class Analysis:
       mesh: the mesh spec the step was compiled for (None: one device); ``memory`` is then per device.
       batch_devices: devices the batch is split over (``data`` × ``fsdp``).
       notes: caveats, e.g. that offloaded bytes stay on the device on CPU
-        (:func:`remat_kit.inspection.host_offload_enforced`).
+        (:func:`remat_kit.memory.host_offload`).
     """
 
     policy: str
@@ -477,10 +477,10 @@ def analyze_compiled(
     residuals, layers, param_bytes = _residuals(config, policy, batch, seq, loss_chunks)
     compiled, count, seconds = compile_step(model, batch, seq, loss_chunks, learning_rate, mesh)
     memory = CompiledMemory.from_compiled(compiled)
-    # One host rule (inspection.host_offload_enforced): on CPU offloaded residuals stay device bytes.
+    # One host rule (memory.host_offload): on CPU offloaded residuals stay device bytes.
     saved, saved_host = inspection.split_saved(residuals)
     layers_saved, layers_host = inspection.split_saved(layers)
-    note = inspection.offload_note() if any(r.host for r in residuals) else None
+    note = host_offload().note if any(r.host for r in residuals) else None
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     analysis = Analysis(

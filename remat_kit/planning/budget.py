@@ -25,24 +25,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import optax
 
-from remat_kit import _jax_internals, constants, inspection, policies
+from remat_kit import constants, inspection, memory, policies
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import analysis
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner
 from remat_kit.units import fmt_bytes, fmt_flops
 from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.planning.budget.parse_bytes
-
-
-def host_offload_available() -> bool:
-    """Whether offload candidates make sense: the default device has a memory kind JAX's remat offloads to
-    (``pinned_host``), and the running JAX's remat can offload at all (not jax 0.10's remat3)."""
-    memories = jax.devices()[0].addressable_memories()
-    has_kind = any(m.kind in policies.OFFLOAD_DESTINATIONS for m in memories)
-    return has_kind and _jax_internals.offload_supported()
 
 
 def candidates_for(config: TransformerConfig, *, offload: bool | None = None) -> tuple[policies.Policy, ...]:
@@ -67,7 +58,7 @@ def candidates_for(config: TransformerConfig, *, offload: bool | None = None) ->
         policies.sqrt_n(),
         policies.full(),
     ]
-    if host_offload_available() if offload is None else offload:
+    if memory.host_offload().available if offload is None else offload:
         out += [policies.offload(), policies.parse("qkv_proj_offloaded"), policies.parse("minimal_offloaded")]
     return tuple(dict.fromkeys(out))
 
@@ -165,7 +156,7 @@ class AutoResult:
             rows.append(
                 f"mixed front (mixes of neighbours, policies.mix): {pairs}; rows with '*COUNT' are mixes compiled."
             )
-        note = inspection.offload_note()
+        note = memory.host_offload().note
         if note and any(policies.parse(c.policy).kind == "offload" for c in self.candidates):
             rows.append(f"note: {note}.")
         return rows

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit import flops, inspection, policies
+from remat_kit import flops, policies
 from remat_kit.constants import DEFAULT_MARGIN
+from remat_kit.memory import CompiledMemory
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis
@@ -121,7 +122,7 @@ class StepPlanner:
         self._traced: dict[tuple, Any] = {}
         self._lowered: dict[tuple, Any] = {}
         self._flops: dict[tuple, int] = {}
-        self._memory: dict[tuple, inspection.CompiledMemory] = {}
+        self._memory: dict[tuple, CompiledMemory] = {}
         self._lock = threading.Lock()
         self.compiles = 0
         self.planned = 0  # compiles known to be ahead (precompile, expect), for progress
@@ -153,13 +154,13 @@ class StepPlanner:
             self._flops[key] = flops.jaxpr_flops(self._trace(policy, batch, seq).jaxpr)
         return self._flops[key]
 
-    def compiled_memory(self, policy: policies.Policy, batch=None, seq=None) -> inspection.CompiledMemory:
+    def compiled_memory(self, policy: policies.Policy, batch=None, seq=None) -> CompiledMemory:
         """XLA's memory figures of the compiled step (per device under a mesh)."""
         key = self._key(policy, batch, seq)
         if key not in self._memory:
             lowered = self._lower(policy, batch, seq)
             compiled = lowered.compile(self.compiler_options) if self.compiler_options else lowered.compile()
-            memory = inspection.CompiledMemory.from_compiled(compiled)
+            memory = CompiledMemory.from_compiled(compiled)
             with self._lock:
                 self._memory[key] = memory
                 self._lowered.pop(key, None)  # no longer needed: keep memory flat over long searches
@@ -198,7 +199,7 @@ class StepPlanner:
 
     def memory(self, policy: policies.Policy, batch=None, seq=None) -> tuple[int, int]:
         """``(device bytes, host bytes)`` at the step's peak (per device under a mesh), under the one
-        host rule (:func:`remat_kit.inspection.host_offload_enforced`)."""
+        host rule (:func:`remat_kit.memory.host_offload`)."""
         m = self.compiled_memory(policy, batch, seq)
         return m.total, m.host
 

@@ -296,7 +296,7 @@ def test_existing_checkpoints_need_resume(capsys, saved_run):
         ({"steps": 0}, "steps must be a positive integer, got 0"),
         ({"seq_len": 129}, "exceeds the model's max_seq_len=128"),
         ({"warmup_steps": 6}, "warmup_steps=6 must be smaller than steps=6"),
-        ({"learning_rate": -1.0}, "learning_rate must be a number > 0"),
+        ({"learning_rate": -1.0}, "learning_rate must be a finite number > 0"),
         ({"model": TransformerConfig(vocab_size=100)}, "smaller than the 256 byte-level tokens"),
         ({"loss_chunks": "fused"}, "loss_chunks must be 'auto', 0 .* or a positive integer .*got 'fused'"),
         ({"loss_chunks": -1}, "loss_chunks must be 'auto', 0 .* or a positive integer .*got -1"),

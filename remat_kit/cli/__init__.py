@@ -71,7 +71,7 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 
 def _stop_on_signal(command: str):
-    """``train``: Ctrl-C only sets a flag from the very start, before JAX is imported (see remat_kit.train.interrupt)."""
+    """``train``: Ctrl-C only sets a flag from the very start, before JAX is imported (remat_kit.train.interrupt)."""
     import contextlib
 
     if command != "train":

@@ -111,7 +111,8 @@ class TrainConfig:
             ("val_fraction", "in (0, 1)", lambda v: 0 < v < 1),
         ):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            if not number or not ok(value):
                 raise ValueError(f"{field} must be a finite number {allowed}, got {value!r}")
 
     @property

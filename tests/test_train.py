@@ -387,8 +387,11 @@ def test_divergence_without_checkpoints_says_none_was_saved(corpus):
 def test_a_step_that_needs_more_memory_than_there_is_is_refused_before_anything(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_lib, "available_memory", lambda device: (1000, "this test's machine"))
     metrics = tmp_path / "m.jsonl"
-    with pytest.raises(ValueError, match=r"the training step needs .* but this test's machine has 1.0 kB; lower "
-                       r"--batch-size \(with --grad-accum .*--policy full.*--loss-chunks K.*--lora-rank"):
+    with pytest.raises(
+        ValueError,
+        match=r"the training step needs .* but this test's machine has 1.0 kB; lower "
+        r"--batch-size \(with --grad-accum .*--policy full.*--loss-chunks K.*--lora-rank",
+    ):
         train.train(train.TrainConfig(**BASE), corpus, metrics_path=metrics)
     assert not metrics.exists()  # refused before the metrics, the batches or the state
 
@@ -412,7 +415,12 @@ def test_impossible_meshes_are_refused_and_a_simulated_one_is_announced(corpus):
     with pytest.raises(ValueError, match=r"fsdp=2: no parameter has a dimension divisible by 2 .*shard nothing"):
         mesh_lib.check_fsdp_shards(params, mesh_lib.make_mesh("fsdp=2", jax.devices()[:2]))
     lines = []
-    train.train(train.TrainConfig(**{**BASE, "steps": 1, "batch_size": 4, "eval_every": 0}), corpus, mesh="data=4", log=lines.append)
+    train.train(
+        train.TrainConfig(**{**BASE, "steps": 1, "batch_size": 4, "eval_every": 0}),
+        corpus,
+        mesh="data=4",
+        log=lines.append,
+    )
     assert [line for line in lines if "simulated" in line] == [
         f"note: mesh data=4,fsdp=1 runs on 4 simulated CPU devices ({os.cpu_count()} cores here): it checks the "
         "sharding, not the speed of a real mesh"

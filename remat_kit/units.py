@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -36,7 +37,10 @@ def parse_bytes(text: str | int) -> int:
                 f"cannot read memory size {text!r}; write a number with a unit: B, KB, MB, GB, TB, "
                 f"KiB, MiB, GiB, TiB (e.g. 80GB)"
             )
-        value = int(float(match.group(1)) * _UNITS[unit])
+        number = float(match.group(1)) * _UNITS[unit]
+        if not math.isfinite(number):  # "1e400GB": int() of an infinite float would raise OverflowError
+            raise ValueError(f"memory size {text!r} is too large to be a number of bytes")
+        value = int(number)
     if value <= 0:
         raise ValueError(f"a memory budget must be positive, got {text!r}")
     return value

@@ -190,3 +190,54 @@ def test_failed_read_echoes_are_dropped_while_restoring(caplog, capsys):
     assert [r.getMessage() for r in caplog.records] == ["something else"]
     assert "Event loop is closed" not in capsys.readouterr().err
     assert (sys.excepthook, sys.unraisablehook) == hooks
+
+
+def test_a_failed_save_is_one_line_at_that_save_and_keeps_the_last_good_step(tmp_path, capfd, monkeypatch):
+    import errno
+
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler  # the writer of each step's meta
+
+    ckpts = Checkpoints(tmp_path)
+    ckpts.save(1, _state(1), {})
+
+    async def disk_full(self, x, directory):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", disk_full)
+    with pytest.raises(OSError, match=r"could not save step 2 in .*: No space left on device; the last good "
+                       r"checkpoint, step 1, is kept"):  # fmt: skip
+        ckpts.save(2, _state(2), {})
+    ckpts.close()
+    assert "Traceback" not in capfd.readouterr().err  # orbax's absl tracebacks are not shown
+    with Checkpoints(tmp_path) as again:
+        assert again.steps() == [1]
+
+
+def test_orbax_warnings_do_not_leak_on_resume(tmp_path, caplog):
+    with Checkpoints(tmp_path) as ckpts:
+        ckpts.save(1, _state(1), {})
+    (tmp_path / "1" / "_CHECKPOINT_METADATA").unlink()  # orbax warns "Metadata file does not exist"
+    with Checkpoints(tmp_path) as ckpts:
+        assert ckpts.restore_latest(_abstract(_state()))[0] == 1
+    assert [r.getMessage() for r in caplog.records if r.name == "absl"] == []
+
+
+def test_lock_refuses_a_second_holder_and_is_freed_when_its_holder_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from remat_kit.train.lock import DirectoryInUseError, DirectoryLock
+
+    hold = "import sys, time; from remat_kit.train.lock import DirectoryLock; DirectoryLock(sys.argv[1]).acquire(); "
+    hold += "print('held', flush=True); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        with pytest.raises(DirectoryInUseError, match=rf"in use by another run \(pid {proc.pid} on .*, started "):
+            DirectoryLock(tmp_path).acquire()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with DirectoryLock(tmp_path):  # the kernel released the dead holder's lock: nothing stuck
+        pass

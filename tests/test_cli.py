@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +239,39 @@ def test_one_integer_check(value, low, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         check_int("n", value, low)
     assert check_int("n", low, low) == low
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "named"),
+    [
+        (["train", "--plot", "plot.txt"], 2, "'plot.txt': cannot write a .txt picture"),
+        (["train", "--metrics", "FILE/m.jsonl"], 2, "FILE' is a file, not a folder"),
+        (["train", "--lr", "inf"], 2, "--lr must be a finite number, got inf"),
+        (["plan", "--preset", "tiny", "--budget", "1e400GB"], 2, "'1e400GB' is too large"),
+        (["plan", "--preset", "tiny", "--budget", "1KB"], 1, "nothing fits --budget 1KB: the parameters and optimizer"),
+    ],
+    ids=["plot_suffix", "metrics_under_a_file", "lr_inf", "budget_overflow", "budget_below_the_state"],
+)
+def test_bad_input_is_one_line_before_any_work(argv, code, named, tmp_path, monkeypatch, capsys):
+    from remat_kit.planning import budget
+    from remat_kit.train import loop
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("")
+    work = lambda *a, **k: pytest.fail("work was done before the input was refused")
+    monkeypatch.setattr(loop, "train", work)
+    monkeypatch.setattr(budget, "auto", work)
+    assert cli.main(argv) == code
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and named in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]  # nothing written
+
+
+def test_readme_train_example_runs_on_a_fresh_clone(tmp_path, monkeypatch):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    command = re.search(r"^(remat-kit train --preset tiny .*?)\s+#", readme.replace("\\\n", " "), re.M).group(1)
+    argv = command.split()[1:]
+    argv[argv.index("--steps") + 1] = "1"  # the example as written, one step and a small corpus
+    monkeypatch.chdir(tmp_path)  # no runs/ folder yet
+    assert cli.main([*argv, "--max-corpus-bytes", "65536", "--eval-every", "0", "--batch-size", "2"]) == 0
+    assert (tmp_path / "runs" / "metrics.jsonl").exists() and (tmp_path / "runs" / "ckpt" / "1").is_dir()

@@ -19,8 +19,10 @@ from remat_kit import cli, train
 from remat_kit.cli.train import config_from_args
 from remat_kit.model import loss
 from remat_kit.model.transformer import TransformerConfig
-from remat_kit.train import data
+from remat_kit.train import data, interrupt
+from remat_kit.train import mesh as mesh_lib
 from remat_kit.train import progress as train_progress
+from remat_kit.train import trainer as trainer_lib
 from remat_kit.train.checkpoint import Checkpoints
 
 #: Per-step losses of one seed under two policies agree to this relative error (float32; the
@@ -296,12 +298,13 @@ def test_existing_checkpoints_need_resume(capsys, saved_run):
         ({"steps": 0}, "steps must be a positive integer, got 0"),
         ({"seq_len": 129}, "exceeds the model's max_seq_len=128"),
         ({"warmup_steps": 6}, "warmup_steps=6 must be smaller than steps=6"),
-        ({"learning_rate": -1.0}, "learning_rate must be a number > 0"),
+        ({"learning_rate": -1.0}, "learning_rate must be a finite number > 0"),
+        ({"learning_rate": float("inf")}, "learning_rate must be a finite number > 0, got inf"),
         ({"model": TransformerConfig(vocab_size=100)}, "smaller than the 256 byte-level tokens"),
         ({"loss_chunks": "fused"}, "loss_chunks must be 'auto', 0 .* or a positive integer .*got 'fused'"),
         ({"loss_chunks": -1}, "loss_chunks must be 'auto', 0 .* or a positive integer .*got -1"),
     ],
-    ids=["policy", "steps", "seq_len", "warmup", "lr", "vocab", "loss_chunks", "loss_chunks_negative"],
+    ids=["policy", "steps", "seq_len", "warmup", "lr", "lr_inf", "vocab", "loss_chunks", "loss_chunks_negative"],
 )
 def test_bad_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -349,8 +352,12 @@ def test_ctrl_c_saves_the_current_step_and_exits_130(tmp_path):
     assert last < 12 and f"interrupted after step {last}; saved step {last} in {ckpt / str(last)}" in err
     assert err.count(train_progress._StopOnSignal.MESSAGE) == 1  # acknowledged once, before the step finished
     assert err.index(train_progress._StopOnSignal.MESSAGE) < err.index("interrupted after step")
+    assert "Traceback" not in err and "Exception ignored" not in err, err
     with Checkpoints(ckpt) as ckpts:
         assert ckpts.steps()[-1] == last  # saved although it is not a multiple of --checkpoint-every
+        cfg = config_from_args(cli.build_parser().parse_args(_ARGS))
+        step, restored, _ = ckpts.restore_latest(train.Trainer(cfg).abstract_state())
+    assert step == last == int(restored["step"])
 
 
 def test_stop_on_signal_acknowledges_from_the_wakeup_fd_and_restores_handlers():
@@ -369,3 +376,149 @@ def test_stop_on_signal_acknowledges_from_the_wakeup_fd_and_restores_handlers():
             time.sleep(0.01)
     assert messages == [train_progress._StopOnSignal.MESSAGE]
     assert signal.getsignal(signal.SIGINT) is before[0] and signal.set_wakeup_fd(before[1]) == before[1]
+
+
+def test_divergence_without_checkpoints_says_none_was_saved(corpus):
+    cfg = train.TrainConfig(**{**BASE, "steps": 4, "learning_rate": 1e30}, clip_norm=1e30)
+    with pytest.raises(train.DivergedError, match=r"at step \d; no checkpoint was saved\. Lower --lr"):
+        train.train(cfg, corpus)
+
+
+def test_a_step_that_needs_more_memory_than_there_is_is_refused_before_anything(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer_lib, "available_memory", lambda device: (1000, "this test's machine"))
+    metrics = tmp_path / "m.jsonl"
+    with pytest.raises(
+        ValueError,
+        match=r"the training step needs .* but this test's machine has 1.0 kB; lower "
+        r"--batch-size \(with --grad-accum .*--policy full.*--loss-chunks K.*--lora-rank",
+    ):
+        train.train(train.TrainConfig(**BASE), corpus, metrics_path=metrics)
+    assert not metrics.exists()  # refused before the metrics, the batches or the state
+
+
+def test_compiled_step_need_is_xla_buffer_assignment_and_is_what_runs(corpus):
+    trainer = train.Trainer(train.TrainConfig(**BASE))
+    need = trainer.compile_step()
+    state = trainer.init_state()
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves((state.params, state.opt_state)))
+    assert need > state_bytes  # at least the state and its gradients
+    trainer.step(state, [np.zeros((2, 32), np.int32)])
+    assert trainer.traces["step"] == 1  # the step ran the compiled executable: traced once, by compile_step
+    assert trainer_lib.available_memory(jax.devices()[0])[0] > 0  # MemAvailable on Linux
+
+
+def test_impossible_meshes_are_refused_and_a_simulated_one_is_announced(corpus):
+    cfg = train.TrainConfig(**{**BASE, "batch_size": 1000})
+    with pytest.raises(ValueError, match=r"mesh data=1,fsdp=1000 needs 1000 devices .*at most 64 CPU devices"):
+        train.Trainer(cfg, "fsdp=1000")
+    params = {"w": jax.ShapeDtypeStruct((3, 5), np.float32)}
+    with pytest.raises(ValueError, match=r"fsdp=2: no parameter has a dimension divisible by 2 .*shard nothing"):
+        mesh_lib.check_fsdp_shards(params, mesh_lib.make_mesh("fsdp=2", jax.devices()[:2]))
+    lines = []
+    train.train(
+        train.TrainConfig(**{**BASE, "steps": 1, "batch_size": 4, "eval_every": 0}),
+        corpus,
+        mesh="data=4",
+        log=lines.append,
+    )
+    assert [line for line in lines if "simulated" in line] == [
+        f"note: mesh data=4,fsdp=1 runs on 4 simulated CPU devices ({os.cpu_count()} cores here): it checks the "
+        "sharding, not the speed of a real mesh"
+    ]
+
+
+def test_outputs_are_checked_before_any_work_and_their_folders_created(corpus, tmp_path):
+    with pytest.raises(ValueError, match=r"plot .*plot.txt': cannot write a .txt picture"):
+        train.train(train.TrainConfig(**BASE), corpus, plot_path=tmp_path / "plot.txt")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError, match=r"metrics file .*file/m.jsonl': .*file' is a file, not a folder"):
+        train.train(train.TrainConfig(**BASE), corpus, metrics_path=tmp_path / "file" / "m.jsonl")
+    cfg = train.TrainConfig(**{**BASE, "steps": 1, "eval_every": 0})
+    train.train(cfg, corpus, metrics_path=tmp_path / "runs" / "new" / "m.jsonl", checkpoint_dir=tmp_path / "runs/c")
+    assert (tmp_path / "runs" / "new" / "m.png").exists() and (tmp_path / "runs" / "c" / "1").is_dir()
+
+
+# ---- signals: a Ctrl-C at any moment is acknowledged once, saves what there is and exits 130 ----------
+
+#: The CLI with a line on stderr when the first compile starts, and a slow step (so a signal lands mid-run).
+_SIGNAL_CLI = """
+import sys, time
+from remat_kit import cli
+from remat_kit.train import loop, trainer
+_compile = trainer.Trainer.compile_step
+def compile_step(self):
+    print("COMPILING", file=sys.stderr, flush=True)
+    return _compile(self)
+trainer.Trainer.compile_step = compile_step
+_train = loop.train
+loop.train = lambda *a, **k: _train(*a, callbacks=[lambda step, record: time.sleep(0.3)], **k)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _start(tmp_path, *extra, program=("-c", _SIGNAL_CLI)):
+    return subprocess.Popen(
+        [sys.executable, *program, *_ARGS, "--checkpoint-dir", str(tmp_path / "ckpt"), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _wait_for_handler(pid: int) -> None:
+    # Python catches SIGINT from its first instant, SIGTERM only once remat_kit's handler is in: read
+    # the process's caught-signal mask (Linux) instead of guessing with a sleep.
+    deadline = time.monotonic() + 60
+    while True:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught >> (signal.SIGTERM - 1) & 1:
+            return
+        assert time.monotonic() < deadline, "the CLI never installed its signal handler"
+        time.sleep(0.005)
+
+
+def _wait_for_line(proc, text: str) -> None:
+    deadline = time.monotonic() + 180
+    for line in proc.stderr:
+        if text in line:
+            return
+        assert time.monotonic() < deadline, f"no {text!r} line"
+    raise AssertionError(f"the run ended ({proc.wait()}) without printing {text!r}")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("when", ["start_up", "first_compile", "twice_in_compile"])
+def test_ctrl_c_before_the_first_step_exits_130_without_a_traceback(when, tmp_path):
+    proc = _start(tmp_path, program=("-m", "remat_kit.cli") if when == "start_up" else ("-c", _SIGNAL_CLI))
+    if when == "start_up":
+        _wait_for_handler(proc.pid)  # then at once: while the CLI imports JAX, before any progress line
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=180)[1]
+    else:
+        _wait_for_line(proc, "COMPILING")
+        proc.send_signal(signal.SIGINT)
+        if when == "twice_in_compile":
+            _wait_for_line(proc, interrupt.StopOnSignal.MESSAGE.split("…")[0])
+            proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=180)[1]
+    assert proc.returncode == interrupt.EXIT_INTERRUPTED, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    if when == "twice_in_compile":
+        assert interrupt.StopOnSignal.AT_ONCE in err
+    else:
+        assert err.count(interrupt.StopOnSignal.MESSAGE) == 1, err
+        assert "interrupted before step 1 (nothing to save)" in err and "remat-kit train: interrupted" in err
+    assert not list((tmp_path / "ckpt").glob("[0-9]*"))  # nothing trained, nothing saved
+
+
+@pytest.mark.integration
+def test_a_second_writer_on_a_checkpoint_dir_is_refused_and_the_first_finishes_intact(tmp_path, capsys):
+    first = _start(tmp_path, "--seed", "3")
+    _wait_for_line(first, "COMPILING")  # the first run holds the lock from before its compile
+    rc = cli.main([*_ARGS, "--seed", "4", "--checkpoint-dir", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"is in use by another run (pid {first.pid} on " in err and "choose another --checkpoint-dir" in err
+    _, rest = first.communicate(timeout=300)
+    assert first.returncode == 0, rest
+    with Checkpoints(tmp_path / "ckpt") as ckpts:
+        assert ckpts.steps()[-1] == 12 and ckpts.read_meta(12)["config"]["seed"] == 3  # the first run's, whole

@@ -70,6 +70,17 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"warning: {message}", file=file or sys.stderr)
 
 
+def _stop_on_signal(command: str):
+    """``train``: Ctrl-C only sets a flag from the very start, before JAX is imported (remat_kit.train.interrupt)."""
+    import contextlib
+
+    if command != "train":
+        return contextlib.nullcontext()
+    from remat_kit.train.interrupt import StopOnSignal
+
+    return StopOnSignal(exit_at_once=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 success, 1 nothing fits, 2 bad input, 130 interrupted)."""
     import contextlib
@@ -84,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     common.JSON_STDOUT = sys.stdout if to_stderr else None
     try:
         redirect = contextlib.redirect_stdout(sys.stderr) if to_stderr else contextlib.nullcontext()
-        with redirect, warnings.catch_warnings():
+        with redirect, warnings.catch_warnings(), _stop_on_signal(args.command):
             warnings.showwarning = _one_line_warning
             if hasattr(args, "mesh"):
                 from remat_kit.train.distributed import Processes, initialize_processes

@@ -223,6 +223,17 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     pool = parse_policies(args.policies, config.num_layers) if args.policies else list(budget.candidates_for(config))
     planner = Planner(config, loss_chunks=args.loss_chunks, mesh=mesh,
                              progress=None if args.no_progress else compile_progress)  # fmt: skip
+    floor = planner.state_bytes()
+    if not Budget(budget_bytes, margin).fits(floor):  # no policy can fit: say so before compiling any
+        per = " per device" if mesh is not None else ""
+        print(
+            f"remat-kit plan: nothing fits --budget {args.budget}: the parameters and optimizer state alone take "
+            f"{fmt_bytes(floor)}{per} ({fmt_bytes(floor * (1 + margin))} with the {margin:.0%} margin), before any "
+            "activation; raise --budget, train LoRA adapters (--lora-rank, --quantize int8) or shard over a mesh "
+            "(--mesh fsdp=N)",
+            file=sys.stderr,
+        )
+        return 1
     if not args.no_progress:
         print(f"[plan] compiling {len(pool)} candidates, {args.jobs} at a time ...", file=sys.stderr, flush=True)
     result = budget.auto(

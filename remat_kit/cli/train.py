@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
 from remat_kit import constants
 from remat_kit.cli.common import add_lora_args, add_parser, add_shape_args, lora_overrides, loss_chunks_arg
+from remat_kit.train.outputs import PLOT_SUFFIXES, check_output
 
 #: ``TrainConfig``'s defaults, spelled out so that ``--help`` needs no jax (tests/test_cli.py checks they agree).
 
@@ -127,9 +129,16 @@ def check_outputs(args: argparse.Namespace) -> None:
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file, not a directory")
     if args.resume and args.overwrite:
         raise ValueError("--resume appends to --metrics and --overwrite replaces it; give one of them")
+    for flag in ("lr", "weight_decay", "clip_norm", "dropout", "val_fraction"):
+        value = getattr(args, flag)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, got {value!r}")
+    plot = args.plot or (str(Path(args.metrics).with_suffix(".png")) if args.metrics else None)
+    check_output(args.metrics, "--metrics")
+    check_output(plot, "--plot", suffixes=PLOT_SUFFIXES)
     if args.metrics is None or args.resume or args.overwrite:
         return
-    outputs = [args.metrics, args.plot or str(Path(args.metrics).with_suffix(".png"))]
+    outputs = [args.metrics, plot]
     existing = [p for p in outputs if os.path.exists(p)]
     if existing:
         raise ValueError(

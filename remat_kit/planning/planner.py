@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -242,5 +243,20 @@ class Planner(StepPlanner):
             return loss, params, (jax.ShapeDtypeStruct((batch, seq), jnp.int32),)
 
         super().__init__(build, optimizer, mesh, progress)
+        self._params = params
         if grad_accum > 1:
             self.opt = optax.MultiSteps(self.opt, every_k_schedule=grad_accum)
+
+    def state_bytes(self) -> int:
+        """Bytes of the parameters and optimizer state on each device, from shapes alone (nothing compiled).
+
+        Every policy's step holds at least these, so a budget below them fits none.
+        """
+        state = step_lib.abstract_state(self._params, self.opt)
+        leaves = jax.tree.leaves(state)
+        if self.mesh is None:
+            shapes = [leaf.shape for leaf in leaves]
+        else:
+            shardings = jax.tree.leaves(mesh_lib.tree_shardings(state, self.mesh))
+            shapes = [s.shard_shape(leaf.shape) for leaf, s in zip(leaves, shardings, strict=True)]
+        return sum(math.prod(shape) * leaf.dtype.itemsize for shape, leaf in zip(shapes, leaves, strict=True))

@@ -15,6 +15,7 @@ import gc
 import hashlib
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -79,6 +80,14 @@ def _quiet_failed_reads():
         gc.collect()
         sys.excepthook, sys.unraisablehook, threading.excepthook = hooks
         logger.removeFilter(drop)
+
+
+class _DropOrbaxLogs(logging.Filter):
+    """Orbax logs through absl (``WARNING:absl:``/``ERROR:absl:`` with tracebacks): remat_kit reports
+    what matters itself, in one line (a failed save, a step moved aside)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
 def prepare_directory(directory: str | os.PathLike) -> Path:
@@ -158,7 +167,10 @@ class Checkpoints:
         check_int("keep", keep)
         self.directory = prepare_directory(directory)
         self.keep = keep
+        self._quiet = _DropOrbaxLogs()
+        logging.getLogger("absl").addFilter(self._quiet)
         self._manager = self._open()
+        self._failed = False
 
     def _open(self) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True)
@@ -169,13 +181,28 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Save ``state`` (a pytree of arrays) and ``meta`` (JSON) as ``step`` (written asynchronously)."""
+        """Save ``state`` (a pytree of arrays) and ``meta`` (JSON) as ``step``, and wait until it is on disk.
+
+        Orbax writes in background threads; waiting here reports a failed write (a full disk) at the
+        save that failed, not at the next one.
+
+        Raises:
+          OSError: the step could not be written (one line, naming the last good step, which is kept).
+        """
         meta = {**meta, "step": int(step), "state_sha256": tree_digest(state)}
-        self._manager.save(
-            int(step),
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
+        try:
+            self._manager.save(
+                int(step),
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+            self._manager.wait_until_finished()
+        except Exception as err:  # orbax re-raises the writer's error (OSError, or tensorstore's ValueError)
+            self._failed = True
+            kept = [s for s in self.steps() if s != int(step)]
+            last = f"the last good checkpoint, step {kept[-1]}, is kept" if kept else "no checkpoint was saved"
+            why = getattr(err, "strerror", None) or _describe(err)
+            raise OSError(f"could not save step {step} in {self.directory}: {why}; {last}") from None
 
     def wait(self) -> None:
         """Block until pending saves are on disk."""
@@ -183,8 +210,16 @@ class Checkpoints:
 
     def close(self) -> None:
         """Finish pending saves and release orbax's resources."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            if self._failed:  # reported once, by save; orbax would raise it again here
+                with contextlib.suppress(Exception):
+                    self._manager.close()
+            else:
+                self._manager.wait_until_finished()
+                self._manager.close()
+        finally:
+            if not self._failed:  # after a failure orbax's background threads may still log its echoes
+                logging.getLogger("absl").removeFilter(self._quiet)
 
     def __enter__(self) -> Checkpoints:
         return self
@@ -301,5 +336,18 @@ class Checkpoints:
         return self.directory / bytes(np.asarray(name)).rstrip(b"\0").decode()
 
 
+#: What tensorstore and pybind11 append to an error that says nothing to a user: the whole JSON spec of
+#: the store, source locations, and reprs of bound C++ methods.
+_NOISE = re.compile(r"\s*\[(tensorstore_spec|source locations)=.*$|\s*<bound method [^<>]*(<[^<>]*>[^<>]*)*>")
+
+
 def _describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    """``"Type: first line of the message"``, without tensorstore's spec or pybind11's method reprs.
+
+    >>> _describe(ValueError("NOT_FOUND: no file [tensorstore_spec='{\\"driver\\": \\"zarr\\"}']"))
+    'ValueError: NOT_FOUND: no file'
+    >>> _describe(TypeError("cannot read <bound method pybind11_object.read of <Store at 0x7f>> here"))
+    'TypeError: cannot read here'
+    """
+    text = _NOISE.sub("", str(err).splitlines()[0] if str(err) else "")
+    return f"{type(err).__name__}: {text[:200]}"

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax
@@ -110,8 +111,9 @@ class TrainConfig:
             ("val_fraction", "in (0, 1)", lambda v: 0 < v < 1),
         ):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-                raise ValueError(f"{field} must be a number {allowed}, got {value!r}")
+            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            if not number or not ok(value):
+                raise ValueError(f"{field} must be a finite number {allowed}, got {value!r}")
 
     @property
     def tokens_per_step(self) -> int:

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from remat_kit import __version__
-from remat_kit.train import data, distributed
-from remat_kit.train.checkpoint import Checkpoints
+from remat_kit.train import data, distributed, interrupt, outputs
+from remat_kit.train import mesh as mesh_lib
+from remat_kit.train.checkpoint import Checkpoints, prepare_directory
 from remat_kit.train.config import (
     DivergedError,
     TrainConfig,
@@ -37,7 +38,9 @@ from remat_kit.train.config import (
     check_compatible,
     schedule_changes,
 )
-from remat_kit.train.progress import _any_process, _progress, _StopOnSignal, write_loss_plot
+from remat_kit.train.interrupt import stop_requests
+from remat_kit.train.lock import DirectoryInUseError, DirectoryLock
+from remat_kit.train.progress import _any_process, _progress, write_loss_plot
 from remat_kit.train.trainer import Trainer
 from remat_kit.units import check_int
 
@@ -97,23 +100,51 @@ def train(
     check_int("checkpoint_every", checkpoint_every, 1)
     if resume and checkpoint_dir is None:
         raise ValueError("resume needs a checkpoint directory")
-    if corpus is None:
-        corpus = data.load_corpus(data_paths, max_bytes=max_corpus_bytes)
-    train_tokens, val_tokens = corpus.split(config.val_fraction)
-    batches = data.Batches(train_tokens, config.batch_size, config.seq_len, config.seed)
-    val_windows = data.eval_windows(
-        val_tokens, batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches
-    )
     metrics_path = Path(metrics_path) if metrics_path is not None else None
     if plot_path is None and metrics_path is not None:
         plot_path = metrics_path.with_suffix(".png")
-    for out in (metrics_path, plot_path):
-        if out is not None and not Path(out).absolute().parent.is_dir():
-            raise OSError(f"cannot write {str(out)!r}: folder {str(Path(out).absolute().parent)!r} does not exist")
+    outputs.check_output(metrics_path, "metrics file")
+    outputs.check_output(plot_path, "plot", suffixes=outputs.PLOT_SUFFIXES)
     if not distributed.is_main_process():  # process 0 alone writes metrics, the plot and progress
         metrics_path = plot_path = None
         progress = False
+    # A signal from here on only sets a flag (never an exception inside JAX), read where stopping is safe.
+    with stop_requests(log) as stop, contextlib.ExitStack() as held:
+        if checkpoint_dir is not None:
+            prepare_directory(checkpoint_dir)
+            held.enter_context(_lock(checkpoint_dir))
+        return _train(config, corpus, data_paths, max_corpus_bytes, checkpoint_dir, resume, checkpoint_every, keep,
+                      metrics_path, plot_path, progress, log, callbacks, mesh, stop)  # fmt: skip
 
+
+@contextlib.contextmanager
+def _lock(checkpoint_dir):
+    """One writer per checkpoint directory: process 0 holds the lock; every process learns if it was refused."""
+    lock, refused = DirectoryLock(checkpoint_dir), None
+    if distributed.is_main_process():
+        try:
+            lock.acquire()
+        except DirectoryInUseError as err:
+            refused = err
+    if _any_process(refused is not None):
+        raise refused or DirectoryInUseError(f"process 0 could not lock the checkpoint directory {checkpoint_dir}")
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+def _stop_if_asked(stop, log, where: str) -> None:
+    # Across processes all stop together, when any of them was signalled.
+    interrupt.check(_any_process(stop.requested), log, where)
+
+
+def _train(config, corpus, data_paths, max_corpus_bytes, checkpoint_dir, resume, checkpoint_every, keep,
+           metrics_path, plot_path, progress, log, callbacks, mesh, stop):  # fmt: skip
+    nothing = "before step 1 (nothing to save)"
+    if corpus is None:
+        corpus = data.load_corpus(data_paths, max_bytes=max_corpus_bytes)
+    _stop_if_asked(stop, log, nothing)
     meta = {
         "format": 1,
         "remat_kit": __version__,
@@ -139,6 +170,16 @@ def train(
                 "that run or choose another --checkpoint-dir"
             )
         trainer = Trainer(config, mesh)
+        note = mesh_lib.simulated_note(trainer.mesh) if trainer.mesh is not None else None
+        if note and distributed.is_main_process():
+            log(note)
+        _check_memory(trainer)  # compiles the step (nothing allocated): before the batches and the state
+        _stop_if_asked(stop, log, nothing)
+        train_tokens, val_tokens = corpus.split(config.val_fraction)
+        batches = data.Batches(train_tokens, config.batch_size, config.seq_len, config.seed)
+        val_windows = data.eval_windows(
+            val_tokens, batch_size=config.batch_size, seq_len=config.seq_len, num_batches=config.eval_batches
+        )
         state, resumed_from = None, None
         if ckpts is not None and resume:
             # Shapes only (nothing allocated), so a mismatched checkpoint is reported at once.
@@ -157,11 +198,14 @@ def train(
         if state is None:
             state = trainer.init_state()
         state = trainer.place(state)
+        _stop_if_asked(stop, log, f"before step {int(state.step) + 1} (nothing new to save)")
         val_windows = val_windows[:, trainer.local_rows]  # each process feeds only its rows
+        for out in (metrics_path, plot_path):
+            outputs.make_parent(out)
         history = _start_metrics(metrics_path, resumed_from or 0)
         state, history = _loop(
             trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, metrics_path, history, progress,
-            log, callbacks,
+            log, callbacks, stop,
         )  # fmt: skip
     finally:
         if ckpts is not None:
@@ -171,6 +215,17 @@ def train(
     return TrainResult(
         state=state, history=tuple(history), resumed_from=resumed_from, step_traces=trainer.traces["step"]
     )
+
+
+def _check_memory(trainer: Trainer) -> None:
+    # Every process checks its own host or devices; all refuse together, so none waits in a collective.
+    refused = None
+    try:
+        trainer.check_memory()
+    except ValueError as err:
+        refused = err
+    if _any_process(refused is not None):
+        raise refused or ValueError("another process of this run has too little memory for the training step")
 
 
 def _title(config: TrainConfig) -> str:
@@ -197,13 +252,13 @@ def _start_metrics(path: Path | None, resume_step: int) -> list[dict[str, Any]]:
 
 
 def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, metrics_path, history, progress,
-          log, callbacks):  # fmt: skip
+          log, callbacks, stop):  # fmt: skip
     config = trainer.config
     first = int(state.step) + 1
     metrics_file = open(metrics_path, "a") if metrics_path is not None else None  # noqa: SIM115
     bar = _progress(progress, config.steps, first - 1, log)
     try:
-        with _StopOnSignal(log) as stop, bar:
+        with bar:
             for step in range(first, config.steps + 1):
                 t0 = time.perf_counter()
                 pos = int(state.data_position)
@@ -214,10 +269,8 @@ def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, m
                     what = (
                         f"loss is {out['loss']}" if not math.isfinite(out["loss"]) else "parameters became non-finite"
                     )
-                    raise DivergedError(
-                        f"{what} at step {step}; nothing saved after step {last}. "
-                        "Lower --lr (or --clip-norm) and resume"
-                    )
+                    saved = f"nothing saved after step {last}" if last is not None else "no checkpoint was saved"
+                    raise DivergedError(f"{what} at step {step}; {saved}. Lower --lr (or --clip-norm) and resume")
                 state = new_state
                 dt = time.perf_counter() - t0
                 record = {

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import os
 from collections.abc import Sequence
 
 import jax
@@ -29,6 +30,10 @@ from jax.sharding import PartitionSpec as P
 from remat_kit.units import check_int
 
 AXES: tuple[str, ...] = ("data", "fsdp")
+
+#: The most CPU devices a mesh simulates on one host (``--mesh`` without accelerators): enough to check any
+#: sharding a real run would use, while XLA's per-device threads and buffers still fit one machine.
+MAX_SIMULATED_DEVICES = 64
 
 #: The key under which the scan core stores stacked layer parameters (see remat_kit.scan.Stack).
 STACKED_KEY = "layers"
@@ -95,9 +100,12 @@ def make_mesh(spec: str | MeshSpec | None = None, devices: Sequence[jax.Device] 
     spec = MeshSpec.parse(spec)
     devices = list(jax.devices() if devices is None else devices)
     if spec.size != len(devices):
+        cap = ""
+        if devices[0].platform == "cpu" and spec.size > MAX_SIMULATED_DEVICES:
+            cap = f" (at most {MAX_SIMULATED_DEVICES} CPU devices are simulated; a larger mesh needs real devices)"
         raise ValueError(
             f"mesh {spec} needs {spec.size} devices but {len(devices)} are available "
-            f"({', '.join(str(d) for d in devices[:4])}{', ...' if len(devices) > 4 else ''}); "
+            f"({', '.join(str(d) for d in devices[:4])}{', ...' if len(devices) > 4 else ''}){cap}; "
             f"the axis sizes must multiply to the device count"
         )
     grid = np.asarray(devices, dtype=object).reshape(spec.data, spec.fsdp)
@@ -112,6 +120,31 @@ def check_batch(batch: int, mesh: Mesh) -> None:
             f"batch {batch} is not divisible by the data-parallel device count {ways} "
             f"(data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}); use a multiple of {ways}"
         )
+
+
+def simulated_note(mesh: Mesh) -> str | None:
+    """The one line saying a mesh runs on simulated CPU devices (None for real accelerators or one device)."""
+    if mesh.size == 1 or mesh.devices.flat[0].platform != "cpu":
+        return None
+    return (
+        f"note: mesh {MeshSpec(mesh.shape['data'], mesh.shape['fsdp'])} runs on {mesh.size} simulated CPU devices "
+        f"({os.cpu_count()} cores here): it checks the sharding, not the speed of a real mesh"
+    )
+
+
+def check_fsdp_shards(params, mesh: Mesh) -> None:
+    """Raise ValueError when ``fsdp`` > 1 but no parameter has a dimension it divides (nothing would be sharded)."""
+    fsdp = mesh.shape["fsdp"]
+    if fsdp == 1:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if any("fsdp" in leaf_spec(tuple(leaf.shape), fsdp, _is_stacked(path)) for path, leaf in leaves):
+        return
+    largest = max((max(leaf.shape, default=1) for _, leaf in leaves), default=1)
+    raise ValueError(
+        f"mesh fsdp={fsdp}: no parameter has a dimension divisible by {fsdp} (the largest is {largest}), so FSDP "
+        "would shard nothing; use an fsdp size that divides the model's widths (e.g. 2, 4, 8)"
+    )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -186,7 +219,7 @@ def ensure_cpu_devices(spec: str | MeshSpec | None) -> None:
     Lets ``--mesh data=8`` plan an 8-device run on a laptop. Must run before the first device query.
     """
     size = MeshSpec.parse(spec).size
-    if size > 1:
+    if 1 < size <= MAX_SIMULATED_DEVICES:  # more: make_mesh refuses the mesh, naming the cap
         # Once backends are up JAX refuses the change; make_mesh then reports the real device count.
         with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", size)

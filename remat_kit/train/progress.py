@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import sys
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+
+from remat_kit.train.interrupt import StopOnSignal
 
 
 def _any_process(flag: bool) -> bool:
@@ -24,65 +22,8 @@ def _any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
 
-class _StopOnSignal:
-    """First Ctrl-C (SIGINT) or SIGTERM: finish and save the current step, then stop; second: stop now.
-
-    The first signal is acknowledged at once ("stopping after this step…"), even while the main thread
-    is inside XLA's compiler, where Python runs no signal handler until the compile returns: the C-level
-    handler writes the signal to a wake-up socket (``signal.set_wakeup_fd``) that a thread watches.
-    """
-
-    MESSAGE = "stopping after this step… (press Ctrl-C again to stop at once, without saving)"
-
-    def __init__(self, log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)):
-        self.requested = False
-        self._log = log
-        self._acknowledged = threading.Event()
-        self._old: dict[int, Any] = {}
-        self._old_wakeup = None
-        self._sockets = None
-
-    def _acknowledge(self) -> None:
-        if not self._acknowledged.is_set():
-            self._acknowledged.set()
-            self._log(self.MESSAGE)
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        self._acknowledge()
-
-    def _watch(self, sock) -> None:
-        with contextlib.suppress(OSError):
-            while byte := sock.recv(1):  # b"" once the writing end is closed on exit
-                if byte[0] in (signal.SIGINT, signal.SIGTERM):
-                    self._acknowledge()
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-            import socket
-
-            read, write = socket.socketpair()
-            write.setblocking(False)
-            self._sockets = (read, write)
-            self._old_wakeup = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
-            self._watcher = threading.Thread(target=self._watch, args=(read,), daemon=True, name="remat-kit-signal")
-            self._watcher.start()
-        return self
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        if self._sockets is not None:
-            signal.set_wakeup_fd(self._old_wakeup if self._old_wakeup is not None else -1)
-            read, write = self._sockets
-            write.close()  # the watcher reads EOF and returns; only then is its socket closed
-            self._watcher.join(timeout=5)
-            read.close()
-        return False
+#: Kept under its old name: the loop's Ctrl-C handling lives in :mod:`remat_kit.train.interrupt` (no jax).
+_StopOnSignal = StopOnSignal
 
 
 class _NoBar:

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from remat_kit import units
+from remat_kit.inspection import CompiledMemory
 from remat_kit.model import loss as loss_lib
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, init_params
@@ -50,6 +52,7 @@ class Trainer:
             mesh_lib.check_batch(config.batch_size, self.mesh)
             self.local_rows = mesh_lib.local_rows(config.batch_size, self.mesh)
             abstract = jax.eval_shape(self.init_state)
+            mesh_lib.check_fsdp_shards(abstract.params, self.mesh)
             params = mesh_lib.tree_shardings(abstract.params, self.mesh)
             opt_state = mesh_lib.tree_shardings(abstract.opt_state, self.mesh)
             tokens = mesh_lib.batch_sharding(self.mesh)
@@ -66,7 +69,57 @@ class Trainer:
         # The step plan, auto and bench compile (remat_kit.train.step); parameters and optimizer state donated.
         micro_step = step_lib.make_step(self._loss, self.optimizer, on_trace=lambda: self._count_trace("step"))
         self._micro_step = jax.jit(micro_step, **step_kw)
+        self._compiled_step = None  # set by compile_step: the executable later steps run
         self._eval = jax.jit(self._eval_impl, **eval_kw)
+
+    def compile_step(self) -> int:
+        """Compile the training micro-step for this run's shapes now, allocating and running nothing.
+
+        Later :meth:`step` calls run this executable (it is compiled once either way).
+
+        Returns:
+          The bytes the step needs at its peak on each device (XLA's buffer assignment: arguments +
+          outputs - donated + temporaries).
+        """
+        if self._compiled_step is None:
+            abstract = jax.eval_shape(self.init_state)
+            params, opt_state = abstract.params, abstract.opt_state
+            tokens_sharding = None
+            if self._shardings is not None:
+                params_s, opt_s, tokens_sharding = self._shardings
+                with_s = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                params, opt_state = jax.tree.map(with_s, params, params_s), jax.tree.map(with_s, opt_state, opt_s)
+            shape = (self.config.batch_size, self.config.seq_len)
+            tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=tokens_sharding)
+            key = jax.eval_shape(lambda: jax.random.key(0))
+            self._compiled_step = self._micro_step.lower(params, opt_state, tokens, key).compile()
+        return CompiledMemory.from_compiled(self._compiled_step).total
+
+    def check_memory(self, available: tuple[int, str] | None = None) -> None:
+        """Refuse, before anything is allocated, a step that needs more memory than there is.
+
+        Args:
+          available: ``(bytes, what)`` free for the step (default :func:`available_memory` of the
+            first local device; on CPU all simulated devices share it). None when unknown: no check.
+
+        Raises:
+          ValueError: naming the need, the memory there is and the levers that lower the need.
+        """
+        devices = jax.local_devices() if self.mesh is None else list(self.mesh.local_devices)
+        available = available or available_memory(devices[0])
+        if available is None:
+            return
+        per_device = self.compile_step()
+        cpu = devices[0].platform == "cpu"
+        need = per_device * (len(devices) if cpu and self.mesh is not None else 1)
+        if need > available[0]:
+            c = self.config
+            raise ValueError(
+                f"the training step needs {units.fmt_bytes(need)} (batch {c.batch_size} x seq {c.seq_len}, policy "
+                f"{c.policy}) but {available[1]} has {units.fmt_bytes(available[0])}; lower --batch-size (with "
+                "--grad-accum to keep the tokens per step), remat more (--policy full), --loss-chunks K, or train "
+                "LoRA adapters (--lora-rank)"
+            )
 
     def state_shardings(self) -> dict[str, Any] | None:
         """Shardings of :meth:`TrainState.to_dict`'s leaves on the mesh (None without a mesh).
@@ -162,9 +215,10 @@ class Trainer:
         base = jax.random.wrap_key_data(state.rng)
         params, opt_state = state.params, state.opt_state
         losses, norms, finite = [], [], []
+        micro_step = self._compiled_step or self._micro_step
         for micro, tokens in enumerate(batches):
             key = jax.random.fold_in(jax.random.fold_in(base, step), micro)
-            params, opt_state, loss, norm, ok = self._micro_step(params, opt_state, self._tokens(tokens), key)
+            params, opt_state, loss, norm, ok = micro_step(params, opt_state, self._tokens(tokens), key)
             losses.append(loss)
             norms.append(norm)
             finite.append(ok)
@@ -187,3 +241,24 @@ class Trainer:
         Across processes ``windows`` may hold only this process's rows (``[:, local_rows]``).
         """
         return float(np.mean([float(self._eval(params, self._tokens(w))) for w in windows]))
+
+
+def available_memory(device: jax.Device) -> tuple[int, str] | None:
+    """``(bytes, what)`` free for a training step on ``device``; None where it cannot be known.
+
+    CPU: ``MemAvailable`` of ``/proc/meminfo`` (Linux). Accelerators: the device's limit less what is
+    in use, where its ``memory_stats()`` reports them.
+    """
+    if device.platform == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, "this machine (MemAvailable)"
+        except OSError:
+            return None
+        return None
+    stats = getattr(device, "memory_stats", lambda: None)() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device.device_kind} {device.id}"

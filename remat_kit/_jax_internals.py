@@ -74,8 +74,8 @@ def _offload_supported(remat3: bool) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Residual:
-    """One value the backward pass keeps.
+class RawResidual:
+    """One value the backward pass keeps, as JAX reports it (before :mod:`remat_kit.inspection` labels it).
 
     Attributes:
       shape: the residual's shape (stacked residuals of a scan carry the layer axis first).
@@ -106,14 +106,14 @@ class Residual:
         return None
 
 
-def saved_residuals(fn: Callable, *args: Any) -> list[Residual]:
+def saved_residuals(fn: Callable, *args: Any) -> list[RawResidual]:
     """List what the backward pass of ``fn(*args)`` keeps (args may be ShapeDtypeStructs)."""
     out = []
     for aval, source in _saved_residuals(fn, *args):
         # MemorySpace.Host when offloaded (only the "pinned_host" memory kind maps there).
         space = str(getattr(aval, "memory_space", "")).lower()
         out.append(
-            Residual(
+            RawResidual(
                 shape=tuple(int(d) for d in aval.shape),
                 dtype=str(aval.dtype),
                 nbytes=_nbytes(aval),

@@ -267,8 +267,7 @@ class Transformer(nn.Module):
         # Validate before any tracing so bad input never surfaces as a JAX traceback.
         if not isinstance(self.config, TransformerConfig):
             raise TypeError(f"config must be a TransformerConfig, got {type(self.config).__name__}")
-        object.__setattr__(self, "policy", policies.parse(self.policy))
-        self.policy.validate_depth(self.config.num_layers)
+        object.__setattr__(self, "policy", policies.parse(self.policy, num_layers=self.config.num_layers))
         attention.resolve(self.config.attention, self.config.dtype, self.config.head_dim)  # backend checks
         super().__post_init__()
 

@@ -325,8 +325,7 @@ def layer_stack_bytes(
     (65552, 0)
     """
     check_shape(config, batch, seq)
-    policy = policies.parse(policy)
-    policy.validate_depth(config.num_layers)
+    policy = policies.parse(policy, num_layers=config.num_layers)
     layers = _stack_residuals(Transformer(config=config, policy=policy), abstract_params(config), batch, seq)
     return inspection.split_saved(layers)
 
@@ -467,8 +466,7 @@ def analyze_compiled(
       returns ``(params, opt_state, loss, grad_norm, params_finite)``.
     """
     check_shape(config, batch, seq, loss_chunks)
-    policy = policies.parse(policy)
-    policy.validate_depth(config.num_layers)
+    policy = policies.parse(policy, num_layers=config.num_layers)
     if isinstance(mesh, (str, mesh_lib.MeshSpec)):
         mesh = mesh_lib.make_mesh(mesh)
     if mesh is not None:

@@ -307,9 +307,7 @@ def auto(
             raise TypeError("auto(config, ...) needs batch= and seq=")
         analysis.check_shape(model, batch, seq, loss_chunks)
         planner = planner or Planner(model, optimizer, loss_chunks)
-        pool = [policies.parse(p) for p in (wanted or candidates_for(model))]
-        for p in pool:
-            p.validate_depth(model.num_layers)
+        pool = [policies.parse(p, num_layers=model.num_layers) for p in (wanted or candidates_for(model))]
         return search(planner, pool, budget, exhaustive=exhaustive, batch=batch, seq=seq,
                       loss_chunks=loss_chunks, jobs=jobs,
                       num_layers=model.num_layers if mixes else None)  # fmt: skip

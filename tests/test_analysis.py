@@ -69,7 +69,7 @@ def test_selective_keeps_only_its_tags_and_the_layer_inputs(results):
 
 
 def test_every_n_keeps_no_weight_slices(results):
-    # Its non-rematerialized layers run under policies.keep_all (issue 13): views are recomputed.
+    # Its non-rematerialized layers run under _layers.keep_all: views are recomputed.
     assert not [r for r in results["every_n:2"].residuals if r.label.startswith("weight ")]
 
 

@@ -1,7 +1,8 @@
 """One writer per checkpoint directory: a lock file held with ``fcntl.flock`` for the length of a run.
 
 The kernel releases a ``flock`` when its holder dies, however it dies (``kill -9`` included), so a lock
-is never left stuck: the file stays, with the last holder's details, but holds nothing. A second run on
+is never left stuck: the file stays (with a killed holder's details, emptied by one that ends) but holds
+nothing. A second run on
 the same directory is refused at start, naming the holder. In a multi-process run, which shares one
 directory by design, process 0 alone takes the lock (:func:`remat_kit.train.loop.train`).
 
@@ -66,9 +67,10 @@ class DirectoryLock:
         return self
 
     def release(self) -> None:
-        """Give the lock back (the file stays; it holds nothing once unlocked)."""
+        """Give the lock back: the holder's details are cleared, so a run that ends leaves the file empty."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            os.ftruncate(fd, 0)  # a finished or refused run changes nothing in the directory it visited
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 

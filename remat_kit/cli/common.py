@@ -73,6 +73,19 @@ def check_writable(path: str | None, what: str) -> None:
         raise OSError(f"{what} {path!r} is not writable")
 
 
+def check_png(path: str | None, what: str) -> None:
+    """Raise ValueError now unless ``path`` (a plot) ends in ``.png``: matplotlib would add ``.png`` to a bare
+    name, or fail on another suffix only after the work."""
+    if path is not None and not path.lower().endswith(".png"):
+        raise ValueError(f"{what} {path!r}: the plot is a PNG; give a path ending in .png")
+
+
+def check_jobs(jobs: int) -> None:
+    """``--jobs``: at least one compile at a time."""
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+
+
 def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None:
     """The model and shape options plan and bench share."""
     parser.add_argument("--preset", default=default_preset, help=f"model preset: {', '.join(constants.PRESET_NAMES)}")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from remat_kit import constants
-from remat_kit.cli.common import add_lora_args, add_parser, add_shape_args, lora_overrides, loss_chunks_arg
+from remat_kit.cli.common import add_lora_args, add_parser, add_shape_args, check_png, lora_overrides, loss_chunks_arg
 
 #: ``TrainConfig``'s defaults, spelled out so that ``--help`` needs no jax (tests/test_cli.py checks they agree).
 
@@ -59,8 +59,14 @@ def add_cli(subparsers) -> None:
         action="store_true",
         help="continue from the newest good checkpoint in --checkpoint-dir (which must exist), appending to --metrics",
     )
-    p.add_argument("--metrics", metavar="FILE.jsonl", help="write one JSON line of metrics per step")
-    p.add_argument("--plot", metavar="FILE.png", help="loss-curve PNG (default: beside --metrics)")
+    p.add_argument(
+        "--metrics",
+        metavar="FILE.jsonl",
+        help="write one JSON line of metrics per step to this file ('-' is refused: a file, not stdout)",
+    )
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="loss-curve PNG, a path ending in .png (default: beside --metrics)"
+    )
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing --metrics file and its plot (a fresh run)"
     )
@@ -115,6 +121,13 @@ def config_from_args(args: argparse.Namespace):
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before anything is compiled, to clobber an earlier run's metrics or resume from nowhere."""
+    if args.metrics == "-":
+        raise ValueError("--metrics '-': metrics are written to a file (one JSON line per step); give a file path")
+    if args.metrics is not None and os.path.isdir(args.metrics):
+        raise ValueError(
+            f"--metrics {args.metrics!r} is a directory; give a file path, e.g. {args.metrics}/metrics.jsonl"
+        )
+    check_png(args.plot, "--plot")
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (the run to continue)")
     if args.resume and not os.path.exists(args.checkpoint_dir):

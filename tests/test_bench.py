@@ -105,6 +105,52 @@ def test_pareto_front():
     assert bench.pareto_front(rs) == ["a", "b", "d"]
 
 
+def _timed(policy, times, mem):
+    return bench.BenchRecord(policy, 0, 0, 0, 0, 0, mem, 0, "rss", 0, 0.0, sorted(times)[len(times) // 2],
+                             tuple(times), 1.0, 0.0, 0.0, None, None)  # fmt: skip
+
+
+def test_pareto_front_is_drawn_over_the_spread_not_the_medians():
+    # Two runs of one command: medians shuffle within overlapping min–max ranges. A front over the
+    # medians differs between them (none is on it in run 1 only); the front over the spread does not.
+    run1 = [_timed("none", (1.00, 1.02, 1.20), 300), _timed("full", (1.01, 1.05, 1.25), 100),
+            _timed("sqrt_n", (2.00, 2.10, 2.20), 90)]  # fmt: skip
+    run2 = [_timed("none", (1.00, 1.10, 1.20), 300), _timed("full", (1.01, 1.04, 1.25), 100),
+            _timed("sqrt_n", (2.00, 2.05, 2.20), 90)]  # fmt: skip
+    from remat_kit.planning.pareto import pareto_front as by_medians
+
+    fronts = [[rs[i].policy for i in by_medians([(r.step_time_s, r.step_bytes) for r in rs])] for rs in (run1, run2)]
+    assert fronts == [["none", "full", "sqrt_n"], ["full", "sqrt_n"]]
+    assert bench.pareto_front(run1) == bench.pareto_front(run2) == ["full", "sqrt_n"]
+    # Memory within MEMORY_NOISE is a tie: a faster policy with 3 % more memory stays on the front.
+    tie = [_timed("a", (1.0, 1.0, 1.0), 103), _timed("b", (2.0, 2.0, 2.0), 100)]
+    assert bench.pareto_front(tie) == ["a"]
+    assert bench.pareto_front([_timed("a", (1.0,), 110), _timed("b", (2.0,), 100)]) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("records", "expected"),
+    [
+        ([_timed("none", (1.0, 1.02, 1.04), 300), _timed("full", (1.01, 1.03, 1.05), 100),
+          _timed("sqrt_n", (2.0, 2.1, 2.2), 50)],
+         "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); "
+         "for less memory: sqrt_n (50 B, ×1.00 time); sure"),
+        ([_timed("none", (1.0, 1.02, 1.04), 300), _timed("full", (1.1, 1.2, 1.3), 100)],
+         "recommended: none (least step memory, 300 B, at the speed of the fastest within its 1000–1040 ms); "
+         "for less memory: full (100 B, ×1.00 time); sure"),
+        ([_timed("none", (1.0, 1.5, 2.0), 300), _timed("full", (1.0, 1.2, 1.3), 100)],
+         "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1300 ms); "
+         "unsure: step times of none, full spread over 25% (rerun with more --steps on an idle machine)"),
+        ([_timed("none", (1.0, 1.02, 1.04), 102), _timed("full", (1.01, 1.03, 1.05), 100)],
+         "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); "
+         "unsure: none within 5% of its memory (rerun with more --steps on an idle machine)"),
+    ],
+    ids=["full-free-sqrt_n-leaner", "full-costs-time", "noisy", "memory-tie"],
+)  # fmt: skip
+def test_recommendation_names_one_policy_and_how_sure(records, expected):
+    assert bench.recommend(records) == expected
+
+
 def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     out = {ext: tmp_path / f"bench.{ext}" for ext in ("json", "md", "png")}
     argv = ["bench", "--preset", "tiny", "--policies", "full", "--steps", "1", "--warmup", "0", "--in-process"]

@@ -32,6 +32,7 @@ from remat_kit.bench.report import (
     noise_warnings,
     pareto_front,
     plot,
+    recommend,
 )
 from remat_kit.bench.worker import _MemoryProbe, measure, measure_model
 from remat_kit.model.transformer import TransformerConfig
@@ -51,6 +52,7 @@ __all__ = [
     "noise_warnings",
     "pareto_front",
     "plot",
+    "recommend",
     "run_bench",
 ]
 

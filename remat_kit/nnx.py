@@ -222,7 +222,13 @@ def stack(
     >>> grads["layers"]["lin"]["kernel"].shape
     (6, 8, 8)
     """
-    if not callable(make_block) or isinstance(make_block, nnx.Module):
+    if isinstance(make_block, nnx.Module):
+        name = type(make_block).__name__
+        raise TypeError(
+            f"make_block: pass the class (or a factory such as lambda rngs: {name}(..., rngs=rngs)), "
+            f"not an instance: got {name}(...); stack builds each layer's own"
+        )
+    if not callable(make_block):
         raise TypeError(f"make_block must be a callable make_block(rngs) -> nnx.Module, got {make_block!r}")
     policy = parse(policy)
     if isinstance(policy, Mix):

@@ -163,3 +163,17 @@ def test_unpinned_host_stays_on_the_device(remat3):
 def test_offload_supported(remat3):
     old = jax.__version_info__ < (0, 11)
     assert internals.offload_supported() is not (remat3 and old), f"{JAX} (remat3={remat3})"
+
+
+def test_under_transform_sees_grad_jit_and_vmap():
+    seen = []
+
+    def probe(x):
+        seen.append(internals.under_transform())
+        return x
+
+    probe(1.0)
+    jax.grad(probe)(1.0)
+    jax.jit(probe)(1.0)
+    jax.vmap(probe)(jnp.ones(2))
+    assert seen == [False, True, True, True], JAX

@@ -19,6 +19,14 @@ NOISY_SPREAD = 0.25
 MEMORY_NOISE = 0.05
 
 
+#: Relative gradient difference from ``none`` (worst leaf) up to which a policy's gradients are float32
+#: rounding of ``none``'s; above it ``bench`` says where a larger difference comes from (:func:`grad_note`).
+GRAD_RTOL = 1e-5
+
+#: The check for a model with bfloat16 parts, which the README and :func:`grad_note` give.
+EXACT_BF16_FLAGS = "XLA_FLAGS=--xla_allow_excess_precision=false"
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchRecord:
     """One policy's measurement.
@@ -192,6 +200,30 @@ def noise_warnings(records: list[BenchRecord], threshold: float = NOISY_SPREAD) 
     ]
 
 
+def grad_note(records: list[BenchRecord]) -> str | None:
+    """What a gradient difference above float32 rounding means, when there is one (None otherwise).
+
+    A float32 model's policies match ``none`` to float32 rounding. With bfloat16 parts (MaxText's RoPE
+    runs in bfloat16 even in a float32 model) any two compilations of one forward differ by up to ~1e-2
+    relative, remat or not: XLA keeps excess (float32) precision inside the fusions it forms, and the
+    fusions differ. ``XLA_FLAGS=--xla_allow_excess_precision=false`` rounds every bfloat16 result.
+
+    >>> r = BenchRecord("full", *[0] * 7, "rss", 0, 0.0, 1.0, (1.0,), 1.0, 0.0, 0.0, 0.1, 6e-3)
+    >>> grad_note([r]).split(";")[0]
+    "full: gradients differ from none's by up to 6.0e-03 relative, more than float32 rounding"
+    """
+    over = [r for r in records if r.max_grad_rel_diff is not None and r.max_grad_rel_diff > GRAD_RTOL]
+    if not over:
+        return None
+    worst = max(r.max_grad_rel_diff for r in over)
+    return (
+        f"{', '.join(r.policy for r in over)}: gradients differ from none's by up to {worst:.1e} relative, more "
+        "than float32 rounding; a model with bfloat16 parts (e.g. RoPE in bfloat16) differs this much between any "
+        "two compilations of one forward, remat or not (XLA keeps excess precision where it fuses): rerun with "
+        f"{EXACT_BF16_FLAGS} to round every bfloat16 result"
+    )
+
+
 def format_markdown(records: list[BenchRecord], header: str) -> str:
     """A Markdown report: the command and setting, then the table."""
     rows = [[name for name, _ in _COLUMNS]] + [[fn(r) for _, fn in _COLUMNS] for r in records]
@@ -211,6 +243,9 @@ def format_markdown(records: list[BenchRecord], header: str) -> str:
         "GFLOPs: matmul FLOPs per step counted from the jaxpr (scan trip counts applied); step: median; min–max: ms;",
         "loss and gradients at the same initial parameters and tokens, compared with `none`.",
     ]
+    note = grad_note(records)
+    if note:
+        notes += ["", f"Note: {note}."]
     return "\n".join([header, "", *table, *notes]) + "\n"
 
 
@@ -239,4 +274,3 @@ def plot(records: list[BenchRecord], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-

@@ -24,11 +24,13 @@ from typing import Any
 
 from remat_kit import constants
 from remat_kit.bench.report import (
+    EXACT_BF16_FLAGS,
     NOISY_SPREAD,
     RECORD_KEYS,
     BenchRecord,
     format_markdown,
     format_table,
+    grad_note,
     noise_warnings,
     pareto_front,
     plot,
@@ -41,12 +43,14 @@ from remat_kit.units import check_int
 
 __all__ = [
     "DEFAULT_POLICIES",
+    "EXACT_BF16_FLAGS",
     "NOISY_SPREAD",
     "RECORD_KEYS",
     "BenchRecord",
     "_MemoryProbe",
     "format_markdown",
     "format_table",
+    "grad_note",
     "measure",
     "measure_model",
     "noise_warnings",

@@ -79,13 +79,24 @@ def _bench_command(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, command: str, setting: str, records: list, title: str) -> int:
     """Print the table and write the ``--json``/``--markdown``/``--plot`` files both bench forms offer."""
-    from remat_kit.bench.run import format_markdown, format_table, noise_warnings, pareto_front, plot, recommend
+    from remat_kit.bench.run import (
+        format_markdown,
+        format_table,
+        grad_note,
+        noise_warnings,
+        pareto_front,
+        plot,
+        recommend,
+    )
 
     print(setting)
     print("\n".join(format_table(records)))
     print(f"Pareto front (time vs measured memory, over the min–max spread): {', '.join(pareto_front(records))}")
     for line in noise_warnings(records):
         print(f"warning: {line}")
+    note = grad_note(records)
+    if note:
+        print(f"note: {note}")
     print(recommend(records))
     if args.json:
         write_json(

@@ -23,7 +23,7 @@ def parse_policies(text: str, num_layers: int | None) -> list[policies.Policy]:
     ``every_n:2,selective:q_proj;strict=false`` is two specs: a comma splits specs only where the
     next piece starts a new policy kind. An empty list or an empty item (``none,,full``) is refused.
     """
-    if not text.strip():
+    if not text.replace(",", "").strip():
         raise ValueError(f"--policies {text!r} names no policy; e.g. none,full,selective (omit it for the defaults)")
     pieces: list[str] = []
     for piece in (p.strip() for p in text.split(",")):

@@ -104,6 +104,7 @@ def test_policies_card_is_generated_from_the_policies_module(capsys):
     assert card["policies"]["full"] == policies.full.__doc__.strip().splitlines()[0]
     assert card["maxtext_presets"]["minimal"] == str(policies.parse("minimal"))
     assert "qkv_proj" in card["aliases"]
+    assert card["grammar"] == policies.SPEC_GRAMMAR  # the grammar the parser's errors print
 
 
 @pytest.mark.parametrize(

@@ -230,6 +230,15 @@ def stack(
         )
     if not callable(make_block):
         raise TypeError(f"make_block must be a callable make_block(rngs) -> nnx.Module, got {make_block!r}")
+    from remat_kit.wrap import captured_nnx_modules  # late, as policies does: wrap imports flax.linen
+
+    held = captured_nnx_modules(make_block)
+    if held:  # one module built outside is not L layers: Flax fails deep in nnx.vmap ("different trace level")
+        name = type(held[0]).__name__
+        raise TypeError(
+            f"make_block closes over the NNX module {name}; stack builds each layer's own inside nnx.vmap: "
+            f"pass a factory that builds it, e.g. lambda rngs: {name}(..., rngs=rngs)"
+        )
     policy = parse(policy)
     if isinstance(policy, Mix):
         raise ValueError(

@@ -267,6 +267,9 @@ def test_stack_bad_input_raises_before_tracing():
         rk_nnx.stack(3, 2, "full", rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match=r"make_block: pass the class \(or a factory .*\), not an instance"):
         rk_nnx.stack(TinyBlock(nnx.Rngs(0)), 2, "full", rngs=nnx.Rngs(0))
+    built_outside = TinyBlock(nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"make_block closes over the NNX module TinyBlock; .* lambda rngs: TinyBlock"):
+        rk_nnx.stack(lambda rngs: built_outside, 2, "full", rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="num_layers must be a positive integer"):
         rk_nnx.stack(make_block, 2.5, "full", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_layers must be a positive integer"):

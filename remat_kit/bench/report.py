@@ -142,7 +142,8 @@ def recommend(records: list[BenchRecord], threshold: float = NOISY_SPREAD) -> st
         f"recommended: {pick.policy} (least step memory, {fmt_bytes(pick.step_bytes)}, at the speed of the fastest "
         f"within its {fastest.step_time_min_s * 1e3:.0f}–{fastest.step_time_max_s * 1e3:.0f} ms)"
     )
-    leaner = [r for r in records if r.policy in pareto_front(records) and _smaller(r, pick)]
+    front = pareto_front(records)
+    leaner = [r for r in records if r.policy in front and _smaller(r, pick)]
     if leaner:
         lean = min(leaner, key=lambda r: r.step_bytes)
         line += f"; for less memory: {lean.policy} ({fmt_bytes(lean.step_bytes)}, ×{lean.step_time_ratio:.2f} time)"

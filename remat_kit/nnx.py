@@ -37,6 +37,7 @@ from flax import nnx
 from remat_kit import tags as _tags
 from remat_kit import wrap_nnx
 from remat_kit.policies import Mix, Policy, keep_all, parse
+from remat_kit.wrap import captured_nnx_modules
 
 
 class Stack(nnx.Module):
@@ -230,8 +231,6 @@ def stack(
         )
     if not callable(make_block):
         raise TypeError(f"make_block must be a callable make_block(rngs) -> nnx.Module, got {make_block!r}")
-    from remat_kit.wrap import captured_nnx_modules  # late, as policies does: wrap imports flax.linen
-
     held = captured_nnx_modules(make_block)
     if held:  # one module built outside is not L layers: Flax fails deep in nnx.vmap ("different trace level")
         name = type(held[0]).__name__

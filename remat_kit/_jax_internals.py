@@ -48,6 +48,19 @@ _REMAT3_NAME_CLASSES = tuple(
 )
 
 
+def under_transform() -> bool:
+    """Whether a JAX transform (grad, jit, vmap, ...) is tracing the running Python code.
+
+    Private: ``jax._src.core.trace_state_clean`` (JAX has no public query for it).
+
+    >>> under_transform(), jax.jit(lambda x: (under_transform(), x)[1])(1.0) is not None
+    (False, True)
+    """
+    from jax._src import core as _core
+
+    return not _core.trace_state_clean()
+
+
 def remat3_enabled() -> bool:
     """Whether ``jax.checkpoint`` currently runs JAX's remat3 implementation (``JAX_REMAT3=true``)."""
     return bool(getattr(jax.config, "jax_remat3", False))

@@ -357,7 +357,18 @@ class Comparison:
     base_flops: int
 
     def __getitem__(self, policy) -> Inspection:
-        return self.reports[self.policies.index(str(policy))]
+        """The report of ``policy`` (a spec or a Policy); a KeyError names the policies compared."""
+        spec = str(policy)
+        if spec not in self.policies:
+            raise KeyError(f"policy {spec!r} was not compared; compared: {', '.join(self.policies)}")
+        return self.reports[self.policies.index(spec)]
+
+    def __iter__(self):
+        """The reports, in the order asked: ``for r in comparison: r.policy, r.peak_bytes``."""
+        return iter(self.reports)
+
+    def __len__(self) -> int:
+        return len(self.reports)
 
     @property
     def recompute_flops(self) -> dict[str, int]:

@@ -39,6 +39,7 @@ from flax import nnx
 from remat_kit import _layers, wrap_nnx
 from remat_kit import tags as _tags
 from remat_kit.policies import Mix, Policy, parse
+from remat_kit.wrap import captured_nnx_modules
 
 
 class Stack(nnx.Module):
@@ -191,8 +192,21 @@ def stack(
     >>> grads["layers"]["lin"]["kernel"].shape
     (6, 8, 8)
     """
-    if not callable(make_block) or isinstance(make_block, nnx.Module):
+    if isinstance(make_block, nnx.Module):
+        name = type(make_block).__name__
+        raise TypeError(
+            f"make_block: pass the class (or a factory such as lambda rngs: {name}(..., rngs=rngs)), "
+            f"not an instance: got {name}(...); stack builds each layer's own"
+        )
+    if not callable(make_block):
         raise TypeError(f"make_block must be a callable make_block(rngs) -> nnx.Module, got {make_block!r}")
+    held = captured_nnx_modules(make_block)
+    if held:  # one module built outside is not L layers: Flax fails deep in nnx.vmap ("different trace level")
+        name = type(held[0]).__name__
+        raise TypeError(
+            f"make_block closes over the NNX module {name}; stack builds each layer's own inside nnx.vmap: "
+            f"pass a factory that builds it, e.g. lambda rngs: {name}(..., rngs=rngs)"
+        )
     policy = parse(policy)
     policy.validate_depth(num_layers)
     if not isinstance(rngs, nnx.Rngs):

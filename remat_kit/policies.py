@@ -327,6 +327,7 @@ def every_n(n: int) -> Policy:
     >>> every_n(2)
     Policy(kind='every_n', period=2, group_size=0, save=(), offload=(), dst='pinned_host', strict=True)
     """
+    _check_count("every_n(period)", n)
     return Policy("every_n", period=n)
 
 
@@ -342,10 +343,16 @@ def selective(save=SELECTIVE_DEFAULT, *, strict: bool = True) -> Policy:
       strict: check at trace time that the wrapped code emits every tag in ``save`` (see
         :attr:`Policy.strict`).
 
+    Raises:
+      ValueError: ``save`` is empty (that would be :func:`full` under another name).
+
     >>> str(selective(["query_proj", "key_proj"])), str(selective(["my_tag"]))
     ('selective:q_proj,k_proj', 'selective:my_tag')
     """
-    return Policy("selective", save=_names.resolve(save), strict=strict)
+    tags = _names.resolve(save)
+    if not tags:
+        raise ValueError(f"selective(save={save!r}) names no tag to keep; name at least one, or use full()")
+    return Policy("selective", save=tags, strict=strict)
 
 
 def offload(names=(_names.LAYER_INPUT,), save=(), dst: str = DEFAULT_OFFLOAD_DST, *, strict: bool = True) -> Policy:
@@ -378,6 +385,7 @@ def segments(k: int) -> Policy:
     >>> str(segments(4))
     'segments:4'
     """
+    _check_count("segments(group_size)", k)
     return Policy("segments", group_size=k)
 
 
@@ -544,12 +552,36 @@ MAXTEXT_ALIASES: dict[str, Callable[[], Policy]] = {
     "minimal_offloaded": lambda: offload(_MAXTEXT_MINIMAL),
 }
 
-_SPEC_HELP = (
-    "none, full, dots, sqrt_n, every_n:N, segments:K, selective[:TAG,...][;strict=false], "
-    "offload[:TAG,...[;save=TAG,...][;dst=KIND][;strict=false]], or a MaxText preset ("
+#: The largest every_n period or segments size a spec may give: the scan's trip counts are int32.
+MAX_COUNT = 2**31 - 1
+
+#: The options each tag-taking kind accepts after ``;``, with the value each shows in the grammar.
+#: The one table of the spec grammar: :func:`parse` reads it, and :data:`SPEC_GRAMMAR` is made from it.
+SPEC_OPTIONS: dict[str, dict[str, str]] = {
+    "selective": {"strict": "false"},
+    "offload": {"save": "TAG,...", "dst": "KIND", "strict": "false"},
+}
+
+#: Kinds that take no argument, and those that take one integer (with its name in the grammar).
+_PLAIN_KINDS = ("none", "full", "dots", "sqrt_n")
+_COUNT_KINDS = {"every_n": "N", "segments": "K"}
+
+#: The spec grammar, one line, as the errors and ``remat-kit policies`` print it.
+SPEC_GRAMMAR = (
+    ", ".join([*_PLAIN_KINDS, *(f"{k}:{n}" for k, n in _COUNT_KINDS.items())])
+    + ", "
+    + ", ".join(f"{k}[:TAG,...]" + "".join(f"[;{o}={v}]" for o, v in opts.items()) for k, opts in SPEC_OPTIONS.items())
+    + ", or a MaxText preset ("
     + ", ".join(MAXTEXT_ALIASES)
     + "); or a mix SPEC*COUNT+SPEC*COUNT..."
 )
+
+
+def _check_count(what: str, value) -> None:
+    """The every_n period or segments size: an integer 1 <= value <= :data:`MAX_COUNT`."""
+    check_int(what, value)
+    if value > MAX_COUNT:
+        raise ValueError(f"{what} must be 1 <= n <= {MAX_COUNT} (and at most the depth), got {value!r}")
 
 
 def parse(spec: str | Policy | Mix, num_layers: int | None = None) -> Policy | Mix:
@@ -586,33 +618,36 @@ def parse(spec: str | Policy | Mix, num_layers: int | None = None) -> Policy | M
     text = spec.strip()
     if "*" in text or "+" in text:
         return _parse_mix(spec)
-    kind, sep, rest = text.partition(":")
+    # The kind ends at the first ":" (tags follow) or ";" (options follow, the default tags kept).
+    cut = min((i for i in (text.find(":"), text.find(";")) if i >= 0), default=len(text))
+    kind, sep, rest = text[:cut], text[cut : cut + 1], text[cut + 1 :]
     if not sep and kind in MAXTEXT_ALIASES:
         return MAXTEXT_ALIASES[kind]()
-    if kind in ("none", "dots", "sqrt_n") and not sep:
-        return {"none": none, "dots": dots, "sqrt_n": sqrt_n}[kind]()
-    if kind in ("every_n", "segments") and sep:
+    if kind in _PLAIN_KINDS and not sep:
+        return {"none": none, "dots": dots, "sqrt_n": sqrt_n, "full": full}[kind]()
+    if kind in _COUNT_KINDS and sep == ":":
         try:
             n = int(rest)
         except ValueError:
             raise ValueError(f"policy spec {spec!r}: {kind} needs an integer, e.g. {kind}:2") from None
+        if not 1 <= n <= MAX_COUNT:
+            raise ValueError(f"policy spec {spec!r}: {kind}:{_COUNT_KINDS[kind]} must be 1 <= {_COUNT_KINDS[kind]} "
+                             f"<= {MAX_COUNT} (and at most the depth), got {n}")  # fmt: skip
         return every_n(n) if kind == "every_n" else segments(n)
-    if kind == "selective":
-        if not sep:
-            return selective()
-        positional, opts = _split_options(spec, rest, allowed=("strict",))
-        return selective(positional, strict=opts.get("strict", "true") != "false")
-    if kind == "offload":
-        if not sep:
-            return offload()
-        positional, opts = _split_options(spec, rest, allowed=("save", "dst", "strict"))
+    if kind in SPEC_OPTIONS:
+        if sep == ":" and not rest.split(";")[0].strip():
+            raise ValueError(f"policy spec {spec!r}: no tag after ':'; name one (e.g. {kind}:q_proj), or drop the ':'")
+        positional, opts = _split_options(spec, rest if sep == ":" else sep + rest, allowed=tuple(SPEC_OPTIONS[kind]))
+        strict = opts.get("strict", "true") != "false"
+        if kind == "selective":
+            return selective(positional or SELECTIVE_DEFAULT, strict=strict)
         return offload(
-            positional,
-            save=_tag_list(opts.get("save", "")),
+            positional or (_names.LAYER_INPUT,),
+            save=_tag_list(spec, opts["save"], empty_ok=False) if "save" in opts else (),
             dst=opts.get("dst", DEFAULT_OFFLOAD_DST),
-            strict=opts.get("strict", "true") != "false",
+            strict=strict,
         )
-    raise ValueError(f"unknown policy spec {spec!r}; allowed: {_SPEC_HELP}")
+    raise ValueError(f"unknown policy spec {spec!r}; allowed: {SPEC_GRAMMAR}")
 
 
 def _parse_mix(spec: str) -> Mix:
@@ -633,8 +668,16 @@ def _parse_mix(spec: str) -> Mix:
     return Mix(tuple(parts))
 
 
-def _tag_list(text: str) -> tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
+def _tag_list(spec: str, text: str, *, empty_ok: bool = True) -> tuple[str, ...]:
+    """The comma-separated tags of ``text`` (empty: none, if ``empty_ok``); an empty item is refused, not dropped."""
+    if not text.strip():
+        if empty_ok:
+            return ()
+        raise ValueError(f"policy spec {spec!r}: an option names no tag; give at least one or drop the option")
+    tags = tuple(t.strip() for t in text.split(","))
+    if not all(tags):
+        raise ValueError(f"policy spec {spec!r}: an empty tag in {text.strip()!r}; tags are separated by one ','")
+    return tags
 
 
 def _split_options(spec: str, rest: str, allowed: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:
@@ -650,7 +693,7 @@ def _split_options(spec: str, rest: str, allowed: tuple[str, ...]) -> tuple[tupl
         opts[key] = value.strip().lower() if key == "strict" else value.strip()
     if opts.get("strict", "true") not in ("true", "false"):
         raise ValueError(f"policy spec {spec!r}: strict must be true or false")
-    return _tag_list(head), opts
+    return _tag_list(spec, head), opts
 
 
 def _check_offload_dst(dst: str) -> None:

@@ -184,6 +184,11 @@ def stack(
     >>> params["params"]["layers"]["Dense_0"]["kernel"].shape
     (6, 8, 8)
     """
+    if isinstance(block, nn.Module):  # an instance is callable too; it would fail deep in Flax ("parent")
+        raise TypeError(
+            f"block: pass the class (or a factory such as functools.partial({type(block).__name__}, ...)), "
+            f"not an instance: got {type(block).__name__}(...)"
+        )
     if not callable(block):
         raise TypeError(f"block must be a Flax module class or a partial of one, got {block!r}")
     policy = parse("none" if policy is None else policy)

@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from remat_kit import tags
+from remat_kit import _jax_internals, tags
 
 
 def target_kind(target: Any) -> str:
@@ -100,8 +100,51 @@ def _split_static(args: tuple, static_argnums: tuple[int, ...]):
     return bind, dynamic, static
 
 
+def captured_nnx_modules(fn: Callable) -> list[nnx.Module]:
+    """The NNX modules ``fn`` holds without taking them as arguments: in its closure or the module-level
+    names its code reads, a bound method's ``self``, or a ``functools.partial``'s arguments.
+
+    >>> from flax import nnx
+    >>> lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    >>> [type(m).__name__ for m in captured_nnx_modules(lambda x: lin(x))], captured_nnx_modules(lambda m, x: m(x))
+    (['Linear'], [])
+    """
+    held = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if c.cell_contents is not None]
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    held += [scope[n] for n in (code.co_names if code else ()) if n in scope]  # module-level names it reads
+    held += [getattr(fn, "__self__", None)]
+    if isinstance(fn, functools.partial):
+        held += [*fn.args, *fn.keywords.values(), *captured_nnx_modules(fn.func)]
+    return [m for m in held if isinstance(m, nnx.Module)]
+
+
+def _check_not_captured(fn: Callable, modules: list[nnx.Module], args: tuple, kwargs: dict) -> None:
+    """Raise when a captured module's parameters are constants of the transform the call runs under
+    (its state holds no tracer: it was captured outside ``nnx.grad``/``nnx.jit``, not inside)."""
+    if not _jax_internals.under_transform():
+        return  # a plain eager call: the captured module runs as it is
+    for module in modules:
+        leaves = jax.tree.leaves(nnx.state(module))
+        if leaves and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            name = type(module).__name__
+            raise ValueError(
+                f"function {getattr(fn, '__qualname__', repr(fn))} closes over the NNX module {name}, so its "
+                f"parameters never reach the transform (nnx.grad would return all-zero gradients); apply the "
+                f"policy to the module instead: policy({name.lower()}), or wrap inside the transformed function"
+            )
+
+
 def _remat_function(policy, fn: Callable, static_argnums: tuple[int, ...], prevent_cse: bool) -> Callable:
     checkpointed = jax.checkpoint(fn, policy=policy.jax_policy, prevent_cse=prevent_cse, static_argnums=static_argnums)
+    captured = captured_nnx_modules(fn)
+    if captured:  # checked at each call: captured under a transform is fine, captured outside it is not
+        inner = checkpointed
+
+        @functools.wraps(fn)
+        def checkpointed(*args, **kwargs):
+            _check_not_captured(fn, captured, args, kwargs)
+            return inner(*args, **kwargs)
+
     if not tags.needs_check(policy):
         return checkpointed
     where = f"function {getattr(fn, '__qualname__', repr(fn))}"

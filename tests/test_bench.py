@@ -2,12 +2,15 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from remat_kit import cli
 from remat_kit.bench import run as bench
 from remat_kit.model.transformer import TransformerConfig
+
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 CFG = TransformerConfig.preset("tiny")
 #: Keys the issue requires in every JSON record.
@@ -105,6 +108,52 @@ def test_pareto_front():
     assert bench.pareto_front(rs) == ["a", "b", "d"]
 
 
+def _timed(policy, times, mem):
+    return bench.BenchRecord(policy, 0, 0, 0, 0, 0, mem, 0, "rss", 0, 0.0, sorted(times)[len(times) // 2],
+                             tuple(times), 1.0, 0.0, 0.0, None, None)  # fmt: skip
+
+
+def test_pareto_front_is_drawn_over_the_spread_not_the_medians():
+    # Two runs of one command: medians shuffle within overlapping min–max ranges. A front over the
+    # medians differs between them (none is on it in run 1 only); the front over the spread does not.
+    run1 = [_timed("none", (1.00, 1.02, 1.20), 300), _timed("full", (1.01, 1.05, 1.25), 100),
+            _timed("sqrt_n", (2.00, 2.10, 2.20), 90)]  # fmt: skip
+    run2 = [_timed("none", (1.00, 1.10, 1.20), 300), _timed("full", (1.01, 1.04, 1.25), 100),
+            _timed("sqrt_n", (2.00, 2.05, 2.20), 90)]  # fmt: skip
+    from remat_kit.planning.pareto import pareto_front as by_medians
+
+    fronts = [[rs[i].policy for i in by_medians([(r.step_time_s, r.step_bytes) for r in rs])] for rs in (run1, run2)]
+    assert fronts == [["none", "full", "sqrt_n"], ["full", "sqrt_n"]]
+    assert bench.pareto_front(run1) == bench.pareto_front(run2) == ["full", "sqrt_n"]
+    # Memory within MEMORY_NOISE is a tie: a faster policy with 3 % more memory stays on the front.
+    tie = [_timed("a", (1.0, 1.0, 1.0), 103), _timed("b", (2.0, 2.0, 2.0), 100)]
+    assert bench.pareto_front(tie) == ["a"]
+    assert bench.pareto_front([_timed("a", (1.0,), 110), _timed("b", (2.0,), 100)]) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("records", "expected"),
+    [
+        ([_timed("none", (1.0, 1.02, 1.04), 300), _timed("full", (1.01, 1.03, 1.05), 100),
+          _timed("sqrt_n", (2.0, 2.1, 2.2), 50)],
+         "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); "
+         "for less memory: sqrt_n (50 B, ×1.00 time); sure"),
+        ([_timed("none", (1.0, 1.02, 1.04), 300), _timed("full", (1.1, 1.2, 1.3), 100)],
+         "recommended: none (least step memory, 300 B, at the speed of the fastest within its 1000–1040 ms); "
+         "for less memory: full (100 B, ×1.00 time); sure"),
+        ([_timed("none", (1.0, 1.5, 2.0), 300), _timed("full", (1.0, 1.2, 1.3), 100)],
+         "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1300 ms); "
+         "unsure: step times of none, full spread over 25% (rerun with more --steps on an idle machine)"),
+        ([_timed("none", (1.0, 1.02, 1.04), 102), _timed("full", (1.01, 1.03, 1.05), 100)],
+         "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); "
+         "unsure: none within 5% of its memory (rerun with more --steps on an idle machine)"),
+    ],
+    ids=["full-free-sqrt_n-leaner", "full-costs-time", "noisy", "memory-tie"],
+)  # fmt: skip
+def test_recommendation_names_one_policy_and_how_sure(records, expected):
+    assert bench.recommend(records) == expected
+
+
 def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     out = {ext: tmp_path / f"bench.{ext}" for ext in ("json", "md", "png")}
     argv = ["bench", "--preset", "tiny", "--policies", "full", "--steps", "1", "--warmup", "0", "--in-process"]
@@ -185,3 +234,43 @@ def test_cli_bench_model_factory(tmp_path, capsys):
     records = json.loads(out.read_text())["records"]
     assert [r["policy"] for r in records] == ["none", "full"]
     assert records[1]["max_grad_rel_diff"] <= 1e-5 and records[1]["xla_peak_bytes"] < records[0]["xla_peak_bytes"]
+
+
+def test_gradient_note_only_above_float32_rounding():
+    exact, off = _timed("full", (1.0,), 1), _timed("selective", (1.0,), 1)
+    exact = dataclasses.replace(exact, max_grad_rel_diff=2.7e-8)
+    off = dataclasses.replace(off, max_grad_rel_diff=6e-3)
+    assert bench.grad_note([exact]) is None and bench.grad_note([_timed("x", (1.0,), 1)]) is None
+    note = bench.grad_note([exact, off])
+    assert note.startswith("selective: gradients differ from none's by up to 6.0e-03 relative")
+    assert bench.EXACT_BF16_FLAGS in note and bench.EXACT_BF16_FLAGS in README.read_text()
+
+
+# A bfloat16 chain in a float32 function: jit fuses it (keeping float32 between its ops unless told not
+# to); op by op, each bfloat16 result is rounded. Prints their largest relative difference.
+_BF16_PROBE = """
+import jax, jax.numpy as jnp, numpy as np
+x = jax.random.normal(jax.random.key(0), (4096,)) * 3
+def f(x):
+    hb = x.astype(jnp.bfloat16)
+    return (hb * jnp.cos(hb) + jnp.sin(hb) * hb).astype(jnp.float32)
+with jax.disable_jit():
+    eager = np.asarray(f(x))
+fused = np.asarray(jax.jit(f)(x))
+print(float(np.max(np.abs(fused - eager)) / np.max(np.abs(eager))))
+"""
+
+
+@pytest.mark.integration
+def test_exact_bf16_flag_makes_two_compilations_agree():
+    import os
+    import subprocess
+    import sys
+
+    def rel(flags):
+        env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+        out = subprocess.run([sys.executable, "-c", _BF16_PROBE], env=env, capture_output=True, text=True, check=True)
+        return float(out.stdout.split()[-1])
+
+    assert rel(bench.EXACT_BF16_FLAGS.split("=", 1)[1]) == 0.0  # bit for bit with the README's flag
+    assert rel("") > 1e-4  # XLA's default: the fused chain keeps excess precision (1.9e-3 on CPU, jax 0.10-0.12)

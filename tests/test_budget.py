@@ -211,3 +211,40 @@ def test_cpu_plan_compiles_give_the_same_bytes_as_default_compiles(planner):
     fast = planner.compiled_memory(P.full(), BATCH, SEQ)
     default = planner._trace(P.full(), BATCH, SEQ).lower().compile()
     assert fast == CompiledMemory.from_compiled(default)
+
+
+def test_pareto_plot_labels_stay_apart_and_inside_the_figure(tmp_path, monkeypatch):
+    # Sixteen candidates in clusters (as the tiny preset's are): equal points, near points, long specs.
+    from matplotlib.figure import Figure
+
+    specs = ["none", "selective", "selective:q_proj,k_proj,v_proj,attn_out,mlp_gate,mlp_up,mlp_out", "dots",
+             "offload:q_proj,k_proj,v_proj,attn_out,mlp_gate,mlp_up,mlp_out", "every_n:4", "selective:mlp_gate,mlp_up",
+             "every_n:2", "every_n:3", "selective:q_proj,k_proj,v_proj,attn_out", "selective:q_proj,k_proj,v_proj",
+             "offload:q_proj,k_proj,v_proj", "full", "offload", "sqrt_n", "segments:2"]  # fmt: skip
+    points = [(0, 5.0), (0, 4.7), (2.1, 4.6), (2.1, 4.6), (2.1, 4.6), (5.0, 6.0), (8.4, 4.4), (10.0, 4.8), (10.0, 5.8),
+              (13.6, 4.4), (15.7, 4.4), (15.7, 4.4), (19.9, 4.4), (19.9, 4.4), (25.7, 5.7), (25.0, 5.6)]  # fmt: skip
+    cands = tuple(
+        A.Candidate(s, int(x * 1e6), int(x * 1e6), int(y * 1e6), 0, True)
+        for s, (x, y) in zip(specs, points, strict=True)
+    )
+    r = A.AutoResult(P.parse("selective"), 50_000_000, 0.1, 2, 32, 0, "adamw", cands, "", 16, 1.0)
+    seen = {}
+    real = Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        real(fig, *args, **kwargs)
+        renderer = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        seen["figure"] = fig.bbox
+        seen["ylabel"] = ax.yaxis.label.get_window_extent(renderer)
+        seen["labels"] = [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts]
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    r.plot(str(tmp_path / "p.png"))
+    fig, ylabel = seen["figure"], seen["ylabel"]
+    assert fig.x0 <= ylabel.x0 and fig.y0 <= ylabel.y0 and ylabel.y1 <= fig.y1, (ylabel, fig)  # not cut off
+    labels = seen["labels"]
+    assert sorted(int(n) for text, _ in labels for n in text.split(",")) == list(range(1, 17))  # each point named
+    for i, (a, box_a) in enumerate(labels):
+        for b, box_b in labels[i + 1 :]:
+            assert not box_a.overlaps(box_b), (a, b)

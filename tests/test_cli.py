@@ -105,6 +105,7 @@ def test_policies_card_is_generated_from_the_policies_module(capsys):
     assert card["policies"]["full"] == policies.full.__doc__.strip().splitlines()[0]
     assert card["maxtext_presets"]["minimal"] == str(policies.parse("minimal"))
     assert "qkv_proj" in card["aliases"]
+    assert card["grammar"] == policies.SPEC_GRAMMAR  # the grammar the parser's errors print
 
 
 @pytest.mark.parametrize(
@@ -275,3 +276,60 @@ def test_readme_train_example_runs_on_a_fresh_clone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no runs/ folder yet
     assert cli.main([*argv, "--max-corpus-bytes", "65536", "--eval-every", "0", "--batch-size", "2"]) == 0
     assert (tmp_path / "runs" / "metrics.jsonl").exists() and (tmp_path / "runs" / "ckpt" / "1").is_dir()
+
+
+# ---- bad input: one line, exit 2, before any work -------------------------------------------------------------
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Make every entry to real work (compiling, benchmarking, training, planning) fail the test loudly."""
+    import jax
+
+    from remat_kit.bench import run as bench_run
+    from remat_kit.planning import analysis, budget
+    from remat_kit.train import loop
+
+    def work(*_, **__):
+        raise AssertionError("work started before the input was checked")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", work)
+    for module, name in ((analysis, "analyze_policies"), (budget, "auto"), (bench_run, "run_bench"), (loop, "train")):
+        monkeypatch.setattr(module, name, work)
+
+
+BAD_INPUTS = [
+    (["policies", "every_n:99999999999999999999"], "every_n:N must be 1 <= N <= 2147483647"),
+    (["policies", "selective:"], "'selective:': no tag after ':'"),
+    (["plan", "--preset", "tiny", "--policies", "selective:,full"], "'selective:': no tag after ':'"),
+    (["plan", "--preset", "tiny", "--policies", "none,,full"], "--policies 'none,,full' has an empty item"),
+    (["plan", "--preset", "tiny", "--policies", ""], "--policies '' names no policy"),
+    (["plan", "--preset", "tiny", "--budget", "50MB", "--policies", ""], "--policies '' names no policy"),
+    (["bench", "--preset", "tiny", "--policies", ""], "--policies '' names no policy"),
+    (["bench", "--preset", "tiny", "--policies", "none,,full"], "--policies 'none,,full' has an empty item"),
+    (["plan", "--preset", "tiny", "--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["plan", "--preset", "tiny", "--budget", "50MB", "--jobs", "0"], "--jobs must be >= 1, got 0"),
+    (["plan", "--preset", "tiny", "--budget", "50MB", "--plot", "{tmp}/noext"], "'noext': cannot write a picture"),
+    (["bench", "--preset", "tiny", "--plot", "{tmp}/noext"], "--plot 'noext': cannot write a picture"),
+    (["train", "--metrics", "{tmp}/m.jsonl", "--plot", "{tmp}/noext"], "--plot 'noext': cannot write a picture"),
+    (["train", "--metrics", "-"], "--metrics '-': metrics are written to a file"),
+    (["train", "--metrics", "{tmp}/adir"], "--metrics '{tmp}/adir' is a directory; give a file path"),
+    (["train", "--policy", "every_n:99999999999999999999"], "every_n:N must be 1 <= N <= 2147483647"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    BAD_INPUTS,
+    ids=["policies-huge-every_n", "policies-empty-tags", "plan-empty-tags", "plan-empty-item", "plan-empty-list",
+         "budget-empty-list", "bench-empty-list", "bench-empty-item", "plan-jobs-0", "budget-jobs-0",
+         "budget-plot-noext", "bench-plot-noext", "train-plot-noext", "train-metrics-dash", "train-metrics-dir",
+         "train-huge-every_n"],
+)  # fmt: skip
+def test_bad_input_is_one_line_exit_2_before_any_work(argv, message, tmp_path, capsys, no_work, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a file named "-" would land here
+    (tmp_path / "adir").mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    err = _error([a.format(tmp=tmp_path) for a in argv], capsys)
+    assert message.format(tmp=tmp_path) in err, err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written

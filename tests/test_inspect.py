@@ -75,6 +75,14 @@ def test_report_fields_table_and_json(comparison):
     assert "peak" in str(r) and "residuals" in str(r)
 
 
+def test_comparison_iterates_over_its_reports_in_order(comparison):
+    assert list(comparison) == list(comparison.reports) and len(comparison) == 3
+    assert [r.policy for r in comparison] == ["full", "none", "dots"]
+    assert dict(zip(comparison.policies, comparison, strict=True))["dots"] is comparison["dots"]
+    with pytest.raises(KeyError, match="policy 'sqrt_n' was not compared; compared: full, none, dots"):
+        comparison["sqrt_n"]
+
+
 def test_compare_without_none_traces_it_for_the_base():
     c = remat_kit.compare(_make_loss, ["full"], *ARGS)
     assert c.policies == ("full",) and c.flops_ratio["full"] == 3.5 / 3

@@ -182,3 +182,17 @@ def test_scan_length_reads_the_trip_count(remat3):
     (scan,) = internals.eqns(jax.make_jaxpr(f)(jnp.ones(2)))
     assert internals.primitive_name(scan) == "scan" and internals.scan_length(scan) == 7, f"{JAX} (remat3={remat3})"
     assert all(internals.scan_length(e) is None for sub in internals.subjaxprs(scan) for e in internals.iter_eqns(sub))
+
+
+def test_under_transform_sees_grad_jit_and_vmap():
+    seen = []
+
+    def probe(x):
+        seen.append(internals.under_transform())
+        return x
+
+    probe(1.0)
+    jax.grad(probe)(1.0)
+    jax.jit(probe)(1.0)
+    jax.vmap(probe)(jnp.ones(2))
+    assert seen == [False, True, True, True], JAX

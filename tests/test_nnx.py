@@ -325,6 +325,11 @@ def test_stack_bad_input_raises_before_tracing():
 
     with pytest.raises(TypeError, match="make_block must be a callable"):
         rk_nnx.stack(3, 2, "full", rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"make_block: pass the class \(or a factory .*\), not an instance"):
+        rk_nnx.stack(TinyBlock(nnx.Rngs(0)), 2, "full", rngs=nnx.Rngs(0))
+    built_outside = TinyBlock(nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"make_block closes over the NNX module TinyBlock; .* lambda rngs: TinyBlock"):
+        rk_nnx.stack(lambda rngs: built_outside, 2, "full", rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="num_layers must be a positive integer"):
         rk_nnx.stack(make_block, 2.5, "full", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_layers must be a positive integer"):
@@ -353,3 +358,22 @@ def test_stack_block_with_wrong_output_raises():
 
     with pytest.raises(TypeError, match="Widen must return one array shaped like its input"):
         rk_nnx.stack(Widen, 2, "full", rngs=nnx.Rngs(0))(X)
+
+
+# ---- a module captured in a closure ---------------------------------------------------------------------------
+
+
+def test_function_closing_over_a_module_is_refused_under_a_transform():
+    block = nnx.Linear(8, 8, rngs=nnx.Rngs(0))  # no state that a call mutates
+    x = jnp.ones((2, 8))
+    captured = policies.full()(lambda x: block(x))  # the module is a closure cell, not an argument
+    bound = policies.full()(block.__call__)
+    assert captured(x).shape == x.shape  # eager, outside any transform: it runs as it is
+    for fn in (captured, bound):
+        with pytest.raises(ValueError, match=r"closes over the NNX module Linear, .* all-zero gradients"):
+            nnx.grad(lambda m, fn=fn: fn(x).sum())(block)
+    # Wrapped inside the transform, the closure holds the traced module: gradients flow as without remat.
+    inside = nnx.grad(lambda m: policies.full()(lambda x: m(x))(x).sum())(block)
+    bare = nnx.grad(lambda m: m(x).sum())(block)
+    assert max_rel_err(jax.tree.leaves(inside), jax.tree.leaves(bare)) <= RTOL_F32
+    assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(inside))

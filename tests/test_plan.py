@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from remat_kit import cli
+from remat_kit import cli, policies
 from remat_kit.cli import plan_report as plan
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.units import fmt_count
@@ -102,6 +102,11 @@ def test_parse_policies_keeps_tag_lists_together():
     assert got == ["none", "selective:q_proj,k_proj", "every_n:2"]
     with pytest.raises(ValueError, match="names no policy"):
         plan.parse_policies(" , ", 4)
+    # Options after ';' without tags start a new spec too; an empty item is refused, not dropped.
+    got = [str(p) for p in plan.parse_policies("selective:q_proj,offload;save=mlp_up,selective;strict=false", 4)]
+    assert got == ["selective:q_proj", "offload:layer_input;save=mlp_up", str(policies.selective(strict=False))]
+    with pytest.raises(ValueError, match=r"--policies 'none,,full' has an empty item"):
+        plan.parse_policies("none,,full", 4)
 
 
 # ---- plan --budget (remat_kit.planning.budget through the CLI) ---------------------------------------------------

@@ -21,7 +21,6 @@ CONSTRUCTED = [
     P.every_n(3),
     P.selective(),
     P.selective(["q_proj", "k_proj"]),
-    P.selective(()),
     P.selective(["my_tag"]),
     P.selective(["my_tag"], strict=False),
     P.offload(),
@@ -239,6 +238,14 @@ def test_applying_to_an_instance_is_a_type_error():
         (lambda: P.parse("offload:q_proj;dst=device"), ValueError, r"'device' is not a memory kind"),
         (lambda: P.parse("selective:q_proj;strict=no"), ValueError, r"strict must be true or false"),
         (lambda: P.offload(()), ValueError, r"at least one tag"),
+        (lambda: P.selective(()), ValueError, r"selective\(save=\(\)\) names no tag to keep; .* use full\(\)"),
+        (lambda: P.parse("selective:"), ValueError, r"'selective:': no tag after ':'"),
+        (lambda: P.parse("offload:;save=mlp_up"), ValueError, r"'offload:;save=mlp_up': no tag after ':'"),
+        (lambda: P.parse("offload;save="), ValueError, r"'offload;save=': an option names no tag"),
+        (lambda: P.parse("selective:q_proj,,k_proj"), ValueError, r"an empty tag in 'q_proj,,k_proj'"),
+        (lambda: P.parse("every_n:99999999999999999999"), ValueError, r"every_n:N must be 1 <= N <= 2147483647"),
+        (lambda: P.parse("segments:0"), ValueError, r"segments:K must be 1 <= K <= 2147483647 .*got 0"),
+        (lambda: P.every_n(2**40), ValueError, r"every_n\(period\) must be 1 <= n <= 2147483647"),
     ],
     ids=[
         "every_n-0",
@@ -257,11 +264,47 @@ def test_applying_to_an_instance_is_a_type_error():
         "dst-device",
         "strict-not-bool",
         "offload-empty",
+        "selective-empty",
+        "selective-colon-only",
+        "offload-colon-then-option",
+        "offload-save-empty",
+        "empty-tag-in-list",
+        "every_n-huge",
+        "segments-0-spec",
+        "every_n-huge-constructed",
     ],
 )
 def test_bad_input_raises_clear_errors(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def _grammar_examples() -> list[str]:
+    """Every spec the printed grammar shows: each form with each subset of its ``[...]`` parts, filled in."""
+    text = P.SPEC_GRAMMAR.split(", or a MaxText preset")[0]
+    fill = {":N": ":2", ":K": ":2", ":TAG,...": ":q_proj,k_proj", "save=TAG,...": "save=mlp_up", "KIND": "pinned_host"}
+    examples = []
+    for form in re.split(r", (?![^\[]*\])", text):
+        head, optional = form.split("[")[0], re.findall(r"\[([^\]]*)\]", form)
+        for mask in range(2 ** len(optional)):
+            spec = head + "".join(part for i, part in enumerate(optional) if mask >> i & 1)
+            for placeholder, value in fill.items():
+                spec = spec.replace(placeholder, value)
+            examples.append(spec)
+    return examples
+
+
+def test_grammar_shows_the_forms_the_parser_accepts():
+    examples = _grammar_examples()
+    # Each optional part of selective/offload is shown: 6 + 2**2 + 2**4 specs.
+    assert len(examples) == 26 and "selective;strict=false" in examples and "offload;save=mlp_up" in examples
+    for spec in examples:
+        policy = P.parse(spec)
+        assert P.parse(str(policy)) == policy, spec
+    assert P.parse("selective;strict=false") == P.selective(strict=False)
+    assert P.parse("offload;save=mlp_up;dst=pinned_host") == P.offload(save=["mlp_up"])
+    for kind, options in P.SPEC_OPTIONS.items():  # the table the parser reads is the one the grammar shows
+        assert all(f"[;{o}=" in P.SPEC_GRAMMAR for o in options), kind
 
 
 @pytest.mark.parametrize("policy", [P.every_n(5), P.segments(9)], ids=str)

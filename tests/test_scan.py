@@ -341,8 +341,9 @@ def test_block_output_not_shaped_like_its_input_is_a_clear_error():
         ((Block, 4, "segments:0"), ValueError, r"got 0"),
         ((Block, 4, "bogus"), ValueError, r"unknown policy spec 'bogus'"),
         (("Block", 4, "full"), TypeError, r"block must be a Flax module class"),
+        ((Block(), 4, "full"), TypeError, r"block: pass the class \(or a factory .*\), not an instance: got Block"),
     ],
-    ids=["depth-0", "depth-float", "every_n-too-big", "segments-0", "bad-spec", "block-not-callable"],
+    ids=["depth-0", "depth-float", "every_n-too-big", "segments-0", "bad-spec", "block-not-callable", "block-instance"],
 )
 def test_stack_rejects_bad_input_before_tracing(args, error, match):
     with pytest.raises(error, match=match):

@@ -1,18 +1,30 @@
 """A bench measurement (:class:`BenchRecord`) and its reports.
 
-The terminal table, Markdown, the plot, the Pareto front and the warning when step times are too
-noisy for their ratios to mean anything."""
+The terminal table, Markdown, the plot, the Pareto front drawn over the measured noise, the one-line
+recommendation, and the warning when step times are too noisy for their ratios to mean anything."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from remat_kit.planning.pareto import pareto_front as _front_of_points
 from remat_kit.units import fmt_bytes
 
 #: Step-time spread, (max − min) / median, above which a policy's timing is too noisy for its ratio
 #: to ``none`` to mean anything: ``bench`` then says so (run more --steps on a quieter machine).
 NOISY_SPREAD = 0.25
+
+#: Relative difference in measured step memory below which two policies count as equal. Memory is
+#: measured once per policy (no spread to read), and a process's peak RSS moves by a few percent
+#: between identical runs (allocator, thread stacks).
+MEMORY_NOISE = 0.05
+
+
+#: Relative gradient difference from ``none`` (worst leaf) up to which a policy's gradients are float32
+#: rounding of ``none``'s; above it ``bench`` says where a larger difference comes from (:func:`grad_note`).
+GRAD_RTOL = 1e-5
+
+#: The check for a model with bfloat16 parts, which the README and :func:`grad_note` give.
+EXACT_BF16_FLAGS = "XLA_FLAGS=--xla_allow_excess_precision=false"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +94,66 @@ class BenchRecord:
 RECORD_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BenchRecord))
 
 
+def _faster(a: BenchRecord, b: BenchRecord) -> bool:
+    """``a`` is faster than ``b`` beyond the noise: its slowest timed step beats ``b``'s fastest."""
+    return a.step_time_max_s < b.step_time_min_s
+
+
+def _smaller(a: BenchRecord, b: BenchRecord) -> bool:
+    """``a`` needs less step memory than ``b`` by more than :data:`MEMORY_NOISE` of ``b``'s."""
+    return a.step_bytes < b.step_bytes - MEMORY_NOISE * abs(b.step_bytes)
+
+
+def _dominates(a: BenchRecord, b: BenchRecord) -> bool:
+    """``a`` is clearly better than ``b`` on one measure and not clearly worse on the other."""
+    return (_faster(a, b) and not _smaller(b, a)) or (_smaller(a, b) and not _faster(b, a))
+
+
 def pareto_front(records: list[BenchRecord]) -> list[str]:
-    """Policies no other policy beats on both step time and measured step memory."""
-    return [records[i].policy for i in _front_of_points([(r.step_time_s, r.step_bytes) for r in records])]
+    """Policies no other policy beats on step time or measured step memory without losing on the other.
+
+    Drawn over the noise: one policy is faster than another only when their min–max step times do not
+    overlap, and needs less memory only by more than :data:`MEMORY_NOISE`; so a rerun of the same
+    command, whose medians shuffle within the spread, draws the same front.
+    """
+    return [b.policy for b in records if not any(_dominates(a, b) for a in records if a is not b)]
+
+
+def recommend(records: list[BenchRecord], threshold: float = NOISY_SPREAD) -> str:
+    """One line: the policy to use, why, and how sure the measurement makes it.
+
+    The rule: among the policies as fast as the fastest within the measured spread (their min–max step
+    times overlap its own), the one with the least measured step memory; when another policy of the
+    front needs clearly less memory at a measurable time cost, the line names it too. "sure" when no
+    timing involved spreads more than ``threshold`` of its median and the chosen policy's memory is
+    clearly below that of every policy as fast; otherwise "unsure", with the reason.
+
+    >>> def r(p, times, mem):
+    ...     return BenchRecord(p, *[0] * 5, mem, 0, "rss", 0, 0.0, sorted(times)[1], times, 1.0, 0.0, 0.0, None, None)
+    >>> recommend([r("none", (1.0, 1.02, 1.04), 300), r("full", (1.01, 1.03, 1.05), 100)])
+    'recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); sure'
+    """
+    if not records:
+        return "recommended: nothing measured"
+    fastest = min(records, key=lambda r: r.step_time_s)
+    as_fast = [r for r in records if not _faster(fastest, r)]
+    pick = min(as_fast, key=lambda r: r.step_bytes)
+    line = (
+        f"recommended: {pick.policy} (least step memory, {fmt_bytes(pick.step_bytes)}, at the speed of the fastest "
+        f"within its {fastest.step_time_min_s * 1e3:.0f}–{fastest.step_time_max_s * 1e3:.0f} ms)"
+    )
+    front = pareto_front(records)
+    leaner = [r for r in records if r.policy in front and _smaller(r, pick)]
+    if leaner:
+        lean = min(leaner, key=lambda r: r.step_bytes)
+        line += f"; for less memory: {lean.policy} ({fmt_bytes(lean.step_bytes)}, ×{lean.step_time_ratio:.2f} time)"
+    noisy = [r.policy for r in as_fast if len(r.step_times_s) > 1 and r.step_time_spread > threshold]
+    close = [r.policy for r in as_fast if r is not pick and not _smaller(pick, r)]
+    if not noisy and not close:
+        return line + "; sure"
+    why = [f"step times of {', '.join(noisy)} spread over {threshold:.0%}"] if noisy else []
+    why += [f"{', '.join(close)} within {MEMORY_NOISE:.0%} of its memory"] if close else []
+    return line + f"; unsure: {'; '.join(why)} (rerun with more --steps on an idle machine)"
 
 
 _COLUMNS = (
@@ -132,6 +201,30 @@ def noise_warnings(records: list[BenchRecord], threshold: float = NOISY_SPREAD) 
     ]
 
 
+def grad_note(records: list[BenchRecord]) -> str | None:
+    """What a gradient difference above float32 rounding means, when there is one (None otherwise).
+
+    A float32 model's policies match ``none`` to float32 rounding. With bfloat16 parts (MaxText's RoPE
+    runs in bfloat16 even in a float32 model) any two compilations of one forward differ by up to ~1e-2
+    relative, remat or not: XLA keeps excess (float32) precision inside the fusions it forms, and the
+    fusions differ. ``XLA_FLAGS=--xla_allow_excess_precision=false`` rounds every bfloat16 result.
+
+    >>> r = BenchRecord("full", *[0] * 7, "rss", 0, 0.0, 1.0, (1.0,), 1.0, 0.0, 0.0, 0.1, 6e-3)
+    >>> grad_note([r]).split(";")[0]
+    "full: gradients differ from none's by up to 6.0e-03 relative, more than float32 rounding"
+    """
+    over = [r for r in records if r.max_grad_rel_diff is not None and r.max_grad_rel_diff > GRAD_RTOL]
+    if not over:
+        return None
+    worst = max(r.max_grad_rel_diff for r in over)
+    return (
+        f"{', '.join(r.policy for r in over)}: gradients differ from none's by up to {worst:.1e} relative, more "
+        "than float32 rounding; a model with bfloat16 parts (e.g. RoPE in bfloat16) differs this much between any "
+        "two compilations of one forward, remat or not (XLA keeps excess precision where it fuses): rerun with "
+        f"{EXACT_BF16_FLAGS} to round every bfloat16 result"
+    )
+
+
 def format_markdown(records: list[BenchRecord], header: str) -> str:
     """A Markdown report: the command and setting, then the table."""
     rows = [[name for name, _ in _COLUMNS]] + [[fn(r) for _, fn in _COLUMNS] for r in records]
@@ -140,7 +233,9 @@ def format_markdown(records: list[BenchRecord], header: str) -> str:
     source = records[0].peak_source if records else "rss"
     notes = [
         "",
-        f"Pareto front (step time vs peak−base memory): {', '.join(pareto_front(records))}.",
+        f"Pareto front (step time vs peak−base memory, over the min–max spread): {', '.join(pareto_front(records))}.",
+        "",
+        recommend(records) + ".",
         "",
         "saved/host: residuals the backward pass keeps (JAX's residual analysis); XLA temp: compiled scratch;",
         "XLA peak: the compiled step's arguments + outputs − aliased + temp (what plan and auto hold to a budget);",
@@ -149,6 +244,9 @@ def format_markdown(records: list[BenchRecord], header: str) -> str:
         "GFLOPs: matmul FLOPs per step counted from the jaxpr (scan trip counts applied); step: median; min–max: ms;",
         "loss and gradients at the same initial parameters and tokens, compared with `none`.",
     ]
+    note = grad_note(records)
+    if note:
+        notes += ["", f"Note: {note}."]
     return "\n".join([header, "", *table, *notes]) + "\n"
 
 
@@ -177,4 +275,3 @@ def plot(records: list[BenchRecord], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-

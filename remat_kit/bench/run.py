@@ -24,14 +24,17 @@ from typing import Any
 
 from remat_kit import constants
 from remat_kit.bench.report import (
+    EXACT_BF16_FLAGS,
     NOISY_SPREAD,
     RECORD_KEYS,
     BenchRecord,
     format_markdown,
     format_table,
+    grad_note,
     noise_warnings,
     pareto_front,
     plot,
+    recommend,
 )
 from remat_kit.bench.worker import _MemoryProbe, measure, measure_model
 from remat_kit.model.transformer import TransformerConfig
@@ -40,17 +43,20 @@ from remat_kit.units import check_int
 
 __all__ = [
     "DEFAULT_POLICIES",
+    "EXACT_BF16_FLAGS",
     "NOISY_SPREAD",
     "RECORD_KEYS",
     "BenchRecord",
     "_MemoryProbe",
     "format_markdown",
     "format_table",
+    "grad_note",
     "measure",
     "measure_model",
     "noise_warnings",
     "pareto_front",
     "plot",
+    "recommend",
     "run_bench",
 ]
 

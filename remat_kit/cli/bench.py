@@ -11,6 +11,7 @@ from remat_kit.cli.common import (
     add_json_arg,
     add_model_args,
     add_parser,
+    check_plot,
     check_writable,
     command_line,
     config_from_args,
@@ -36,8 +37,10 @@ def _bench_command(args: argparse.Namespace) -> int:
     from remat_kit.cli.plan_report import parse_policies
     from remat_kit.train import mesh as mesh_lib
 
+    check_plot(args.plot)
     config, batch, seq = config_from_args(args)
-    specs = [str(p) for p in parse_policies(args.policies or ",".join(DEFAULT_POLICIES), config.num_layers)]
+    text = ",".join(DEFAULT_POLICIES) if args.policies is None else args.policies
+    specs = [str(p) for p in parse_policies(text, config.num_layers)]
     if args.mesh:
         mesh_lib.check_batch(batch, mesh_lib.make_mesh(args.mesh))
     for path, what in ((args.json, "--json"), (args.markdown, "--markdown"), (args.plot, "--plot")):
@@ -76,13 +79,25 @@ def _bench_command(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, command: str, setting: str, records: list, title: str) -> int:
     """Print the table and write the ``--json``/``--markdown``/``--plot`` files both bench forms offer."""
-    from remat_kit.bench.run import format_markdown, format_table, noise_warnings, pareto_front, plot
+    from remat_kit.bench.run import (
+        format_markdown,
+        format_table,
+        grad_note,
+        noise_warnings,
+        pareto_front,
+        plot,
+        recommend,
+    )
 
     print(setting)
     print("\n".join(format_table(records)))
-    print(f"Pareto front (time vs measured memory): {', '.join(pareto_front(records))}")
+    print(f"Pareto front (time vs measured memory, over the min–max spread): {', '.join(pareto_front(records))}")
     for line in noise_warnings(records):
         print(f"warning: {line}")
+    note = grad_note(records)
+    if note:
+        print(f"note: {note}")
+    print(recommend(records))
     if args.json:
         write_json(
             args.json,
@@ -110,6 +125,7 @@ def _bench_model_command(args: argparse.Namespace) -> int:
     given = [f"--{k.replace('_', '-')}" for k in PRESET_ONLY if getattr(args, k, None) not in (None, 0)]
     if given:
         raise ValueError(f"{', '.join(given)} shape the built-in model; with --model the factory gives the shapes")
+    check_plot(args.plot)
     specs = [str(p) for p in parse_model_policies(args.policies)]
     for path, what in ((args.json, "--json"), (args.markdown, "--markdown"), (args.plot, "--plot")):
         check_writable(path, what)
@@ -160,6 +176,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--mesh", default=None, help="run sharded over a device mesh, e.g. data=4 or data=2,fsdp=2")
     add_json_arg(p, "one record per policy")
     p.add_argument("--markdown", default=None, metavar="PATH", help="write a Markdown report")
-    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of memory against step time")
+    p.add_argument(
+        "--plot", default=None, metavar="PATH", help="write a PNG of memory against step time (PATH ends in .png)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_bench_command)

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from remat_kit import constants
+from remat_kit.train.outputs import PLOT_SUFFIXES, check_output
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -71,6 +72,17 @@ def check_writable(path: str | None, what: str) -> None:
         raise OSError(f"{what} {path!r}: directory {parent!r} does not exist")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise OSError(f"{what} {path!r} is not writable")
+
+
+def check_plot(path: str | None, what: str = "--plot") -> None:
+    """Raise now, before any work, unless a plot can be written at ``path`` (a picture suffix, a writable place)."""
+    check_output(path, what, suffixes=PLOT_SUFFIXES)
+
+
+def check_jobs(jobs: int) -> None:
+    """``--jobs``: at least one compile at a time."""
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None:

@@ -12,6 +12,8 @@ from remat_kit.cli.common import (
     add_json_arg,
     add_model_args,
     add_parser,
+    check_jobs,
+    check_plot,
     check_writable,
     command_line,
     config_from_args,
@@ -90,6 +92,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     from remat_kit.planning.analysis import analyze_policies
     from remat_kit.train import mesh as mesh_lib
 
+    check_jobs(args.jobs)
+    check_plot(args.plot)
     if args.model:
         return _model_command(args)
     config, batch, seq = config_from_args(args)
@@ -101,7 +105,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     for flag in ("margin", "limits", "plot"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag} goes with --budget")
-    specs = parse_policies(args.policies or ",".join(DEFAULT_POLICIES), config.num_layers)
+    specs = parse_policies(",".join(DEFAULT_POLICIES) if args.policies is None else args.policies, config.num_layers)
     if args.top < 0:
         raise ValueError(f"--top must be >= 0, got {args.top}")
     check_writable(args.json, "--json")
@@ -110,8 +114,6 @@ def _plan_command(args: argparse.Namespace) -> int:
         if not args.no_progress:
             print(f"[{i + 1}/{n}] {spec}: tracing and compiling ...", file=sys.stderr, flush=True)
 
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     results = analyze_policies(
         config, batch, seq, specs, loss_chunks=args.loss_chunks, jobs=args.jobs, progress=progress, mesh=mesh
     )
@@ -197,8 +199,13 @@ def add_cli(subparsers) -> None:
         "(default: chosen), the Pareto-optimal policies (pareto; a dominated one is never the best choice), "
         "every policy, or none",
     )
-    p.add_argument("--plot", default=None, metavar="PNG", help="with --budget: Pareto plot of memory vs recompute")
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="policies compiled at once")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="with --budget: Pareto plot of memory vs recompute (PNG ends in .png)",
+    )
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="policies compiled at once (>= 1)")
     add_json_arg(p, "the figures")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_plan_command)
@@ -220,7 +227,10 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     limits = args.limits or "chosen"
     check_writable(args.json, "--json")
     check_writable(args.plot, "--plot")
-    pool = parse_policies(args.policies, config.num_layers) if args.policies else list(budget.candidates_for(config))
+    if args.policies is None:
+        pool = list(budget.candidates_for(config))
+    else:
+        pool = parse_policies(args.policies, config.num_layers)
     planner = Planner(config, loss_chunks=args.loss_chunks, mesh=mesh,
                              progress=None if args.no_progress else compile_progress)  # fmt: skip
     floor = planner.state_bytes()

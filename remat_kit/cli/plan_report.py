@@ -21,25 +21,32 @@ def parse_policies(text: str, num_layers: int | None) -> list[policies.Policy]:
     """Comma-separated specs (``;`` options stay inside a spec) → policies valid for the depth (None: unchecked).
 
     ``every_n:2,selective:q_proj;strict=false`` is two specs: a comma splits specs only where the
-    next piece starts a new policy kind.
+    next piece starts a new policy kind. An empty list or an empty item (``none,,full``) is refused.
     """
+    if not text.replace(",", "").strip():
+        raise ValueError(f"--policies {text!r} names no policy; e.g. none,full,selective (omit it for the defaults)")
     pieces: list[str] = []
     for piece in (p.strip() for p in text.split(",")):
-        starts_policy = piece.partition(":")[0] in policies.KINDS or piece in policies.MAXTEXT_ALIASES
-        takes_tags = pieces and pieces[-1].partition(":")[0] in ("selective", "offload") and ":" in pieces[-1]
+        if not piece:
+            raise ValueError(f"--policies {text!r} has an empty item; separate the specs with one ','")
+        starts_policy = _kind(piece) in policies.KINDS or piece in policies.MAXTEXT_ALIASES
+        takes_tags = pieces and _kind(pieces[-1]) in policies.SPEC_OPTIONS and ":" in pieces[-1]
         if takes_tags and not starts_policy:
             pieces[-1] += "," + piece  # a tag list: selective:q_proj,k_proj
-        elif piece:
+        else:
             pieces.append(piece)
-    if not pieces:
-        raise ValueError(f"--policies {text!r} names no policy; e.g. none,full,selective")
     return [policies.parse(spec, num_layers=num_layers) for spec in pieces]
+
+
+def _kind(spec: str) -> str:
+    """The kind a spec starts with: up to its first ``:`` (tags) or ``;`` (options)."""
+    return spec.split(":")[0].split(";")[0]
 
 
 def parse_model_policies(text: str | None) -> list[policies.Policy]:
     """``--policies`` for ``--model`` (default :data:`remat_kit.planning.constants.GENERIC_CANDIDATES`); the depth is
     the model's own business, so it is not checked here."""
-    return parse_policies(text or ",".join(constants.GENERIC_CANDIDATES), num_layers=None)
+    return parse_policies(",".join(constants.GENERIC_CANDIDATES) if text is None else text, num_layers=None)
 
 
 def plan_record(a: analysis.Analysis, top: int) -> dict[str, Any]:
@@ -152,4 +159,3 @@ def format_table(results: dict[str, analysis.Analysis]) -> list[str]:
 def compile_progress(done: int, total: int, what: str) -> None:
     """Progress on stderr: compiles done, out of those done and expected, and how many are left."""
     print(f"[plan] compiled {done}/{total} ({total - done} left): {what}", file=sys.stderr, flush=True)
-

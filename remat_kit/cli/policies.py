@@ -22,6 +22,7 @@ def card() -> dict:
 
     return {
         "policies": {kind: summary(kind) for kind in policies.KINDS},
+        "grammar": policies.SPEC_GRAMMAR,
         "maxtext_presets": {name: str(policies.parse(name)) for name in policies.MAXTEXT_ALIASES},
         "selective_default": list(policies.SELECTIVE_DEFAULT),
         "tags": list(names.VOCABULARY),
@@ -115,6 +116,7 @@ def _policies_command(args: argparse.Namespace) -> int:
     print("default selective keeps: " + ",".join(c["selective_default"]))
     print("\ncheckpoint tags: " + ", ".join(c["tags"]))
     print("aliases: " + ", ".join(f"{a}={'+'.join(t)}" for a, t in c["aliases"].items()))
+    print("\nspec grammar: " + c["grammar"])
     print("\n`remat-kit policies SPEC` explains one spec, e.g. every_n:2 or selective:q_proj,k_proj")
     return 0
 

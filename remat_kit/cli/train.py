@@ -61,8 +61,14 @@ def add_cli(subparsers) -> None:
         action="store_true",
         help="continue from the newest good checkpoint in --checkpoint-dir (which must exist), appending to --metrics",
     )
-    p.add_argument("--metrics", metavar="FILE.jsonl", help="write one JSON line of metrics per step")
-    p.add_argument("--plot", metavar="FILE.png", help="loss-curve PNG (default: beside --metrics)")
+    p.add_argument(
+        "--metrics",
+        metavar="FILE.jsonl",
+        help="write one JSON line of metrics per step to this file ('-' is refused: a file, not stdout)",
+    )
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="loss-curve PNG, a path ending in .png (default: beside --metrics)"
+    )
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing --metrics file and its plot (a fresh run)"
     )
@@ -117,6 +123,12 @@ def config_from_args(args: argparse.Namespace):
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before anything is compiled, to clobber an earlier run's metrics or resume from nowhere."""
+    if args.metrics == "-":
+        raise ValueError("--metrics '-': metrics are written to a file (one JSON line per step); give a file path")
+    if args.metrics is not None and os.path.isdir(args.metrics):
+        raise ValueError(
+            f"--metrics {args.metrics!r} is a directory; give a file path, e.g. {args.metrics}/metrics.jsonl"
+        )
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir DIR (the run to continue)")
     if args.resume and not os.path.exists(args.checkpoint_dir):

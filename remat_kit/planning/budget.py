@@ -177,20 +177,17 @@ class AutoResult:
         import matplotlib.pyplot as plt
 
         rows = [c for c in self.candidates if c.need_bytes is not None]
+        # One unit for the axis: GB when the figures reach it, MB below (a tiny model's 0.004 GB reads badly).
+        scale, unit = (1e9, "GB") if max([c.need_bytes for c in rows] + [self.budget.target]) >= 1e9 else (1e6, "MB")
         xs = [c.recompute_flops / 1e9 for c in rows]
-        ys = [c.need_bytes / 1e9 for c in rows]
-        fig, ax = plt.subplots(figsize=(8, 5))
+        ys = [c.need_bytes / scale for c in rows]
+        # The axes on the left, the numbered key of the points on the right: a number beside each point, not its
+        # (long, often overlapping) spec.
+        fig = plt.figure(figsize=(11, 5.5))
+        ax = fig.add_axes((0.08, 0.11, 0.55, 0.77))
         one = [i for i, c in enumerate(rows) if "*" not in c.policy]  # single policies; mixes are drawn below
         colors = ["tab:green" if rows[i].fits else "tab:red" for i in one]
         ax.scatter([xs[i] for i in one], [ys[i] for i in one], c=colors, zorder=3)
-        for c, x, y in zip(rows, xs, ys, strict=True):
-            ax.annotate(
-                c.policy if len(c.policy) < 28 else c.policy[:25] + "…",
-                (x, y),
-                fontsize=7,
-                xytext=(4, 3),
-                textcoords="offset points",
-            )
         front = sorted((one[j] for j in pareto_front([(xs[i], ys[i]) for i in one])), key=lambda i: xs[i])
         # Mixes of neighbours on the front lie (very nearly) on the segments between them: the mixed front.
         label = "mixed front (mixes of neighbouring policies)" if self.mixed_front else "Pareto front"
@@ -200,28 +197,23 @@ class AutoResult:
             ax.scatter([xs[i] for i in mixed], [ys[i] for i in mixed], marker="D", s=40, facecolors="none",
                        edgecolors=["tab:green" if rows[i].fits else "tab:red" for i in mixed], label="mixes compiled",
                        zorder=3)  # fmt: skip
-        ax.axhline(
-            self.budget.target / 1e9,
-            color="tab:orange",
-            label=f"budget / (1 + {self.margin:.0%} margin)",
-        )
+        ax.axhline(self.budget.target / scale, color="tab:orange", label=f"budget / (1 + {self.margin:.0%} margin)")
         if self.chosen is not None:
             win = next(i for i, c in enumerate(rows) if c.policy == str(self.chosen))
-            ax.scatter(
-                [xs[win]],
-                [ys[win]],
-                s=250,
-                facecolors="none",
-                edgecolors="black",
-                linewidths=2,
-                label=f"chosen: {self.chosen}",
-                zorder=4,
-            )
+            ax.scatter([xs[win]], [ys[win]], s=250, facecolors="none", edgecolors="black", linewidths=2,
+                       label=f"chosen: {_short(str(self.chosen))}", zorder=4)  # fmt: skip
         ax.set_xlabel("recompute per step (GFLOP, matmuls beyond `none`)")
-        ax.set_ylabel("compiled peak of the step (GB): arguments + outputs − aliased + temp")
-        ax.set_title(f"policies at batch {self.batch} x seq {self.seq} (green fits, red does not)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
+        ax.set_ylabel(f"compiled step peak ({unit})")
+        ax.set_title(
+            f"policies at batch {self.batch} x seq {self.seq} (green fits, red does not)\n"
+            "peak = arguments + outputs − aliased + temp",
+            fontsize=9,
+        )
+        ax.grid(alpha=0.3)
+        _number_points(fig, ax, xs, ys, ringed=[] if self.chosen is None else [win])
+        key = "\n".join(f"{i + 1:>2}  {_short(c.policy)}" for i, c in enumerate(rows))
+        fig.text(0.65, 0.88, key, va="top", ha="left", fontsize=7, family="monospace")
+        fig.legend(*ax.get_legend_handles_labels(), loc="lower left", bbox_to_anchor=(0.645, 0.1), fontsize=8)
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
@@ -376,9 +368,7 @@ def search(
     table = tuple(rows[str(p)] for p in order)
     front: tuple = ()
     if num_layers is not None and chosen is not None:
-        found, tried, front = best_mix(
-            planner, table, rows[str(chosen)], num_layers, budget, batch=batch, seq=seq
-        )
+        found, tried, front = best_mix(planner, table, rows[str(chosen)], num_layers, budget, batch=batch, seq=seq)
         table += tuple(c for c in tried if c.policy not in rows)
         if found is not None:
             chosen = found
@@ -544,3 +534,45 @@ def _reason(chosen, table: Sequence[Candidate], budget: Budget, loss_chunks: int
         f"{fmt_bytes(budget.bytes)}. "
         f"Next levers: {'; '.join(levers)}."
     )
+
+
+def _short(spec: str, width: int = 48) -> str:
+    """A spec cut to ``width`` characters for the plot's key."""
+    return spec if len(spec) <= width else spec[: width - 1] + "…"
+
+
+def _number_points(fig, ax, xs: list[float], ys: list[float], ringed: Sequence[int] = (), fontsize: float = 7) -> None:
+    """Write each point's number beside it where it overlaps no other number, point or ring (``ringed``).
+
+    Points closer than a marker's width share one label ("3,4"). Each label tries the places around its
+    point in turn and takes the first free one; when all are taken it goes further up, with a line to its point.
+    """
+    ax.set_xlim(ax.get_xlim())  # freeze the limits: the placement works in display points
+    ax.set_ylim(ax.get_ylim())
+    to_pt = 72 / fig.dpi
+    pts = [tuple(p * to_pt for p in ax.transData.transform((x, y))) for x, y in zip(xs, ys, strict=True)]
+    groups: list[list[int]] = []
+    for i, (px, py) in enumerate(pts):
+        near = next((g for g in groups if abs(pts[g[0]][0] - px) < 6 and abs(pts[g[0]][1] - py) < 6), None)
+        (near.append(i) if near is not None else groups.append([i]))
+    marker = 4.0  # half a marker, in points
+    taken = [(px - marker, py - marker, px + marker, py + marker) for px, py in pts]
+    ring = 9.0  # the chosen point's ring (s=250), in points
+    taken += [(pts[i][0] - ring, pts[i][1] - ring, pts[i][0] + ring, pts[i][1] + ring) for i in ringed]
+    height = fontsize * 1.25
+    for group in groups:
+        text = ",".join(str(i + 1) for i in group)
+        width = 0.62 * fontsize * len(text)
+        px, py = pts[group[0]]
+        pad = ring + 1 if set(group) & set(ringed) else 5.0  # a ringed point's label goes outside its ring
+        tries = [(pad, 2), (pad, -height - 2), (-width - pad, 2), (-width - pad, -height - 2), (-width / 2, pad + 1),
+                 (-width / 2, -height - pad - 1)]  # fmt: skip
+        tries += [(pad, 2 + k * height) for k in range(2, 30)]
+        for dx, dy in tries:
+            box = (px + dx, py + dy, px + dx + width, py + dy + height)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in taken):
+                break
+        taken.append(box)
+        arrow = {"arrowstyle": "-", "lw": 0.5, "color": "gray"} if abs(dy) > 2 * height else None
+        ax.annotate(text, (xs[group[0]], ys[group[0]]), xytext=(dx, dy), textcoords="offset points",
+                    fontsize=fontsize, va="bottom", ha="left", arrowprops=arrow)  # fmt: skip

@@ -2,7 +2,7 @@
 
 import pytest
 
-from remat_kit import memory
+from remat_kit import _jax_internals, memory
 from remat_kit import policies as P
 from remat_kit.memory import CompiledMemory
 from remat_kit.model.transformer import TransformerConfig
@@ -124,7 +124,7 @@ def test_candidates_cover_the_policy_families():
 def test_offload_candidates_follow_what_jax_can_offload(monkeypatch):
     # A JAX whose remat cannot offload (jax 0.10's remat3) gets no offload candidates by default.
     cfg = TransformerConfig.preset("tiny")
-    monkeypatch.setattr(A._jax_internals, "offload_supported", lambda: False)
+    monkeypatch.setattr(_jax_internals, "offload_supported", lambda: False)
     assert not memory.host_offload().available
     assert not any(p.kind == "offload" for p in A.candidates_for(cfg))
 

@@ -47,8 +47,8 @@ def test_offload_is_host_placed_in_the_compiled_program_only_where_the_backend_e
     g = P.offload(["u"])(f)
     assert _kept(g, w, x) == [((8, 64), True)]  # JAX's analysis: the tagged value goes to host memory
     compiled = jax.jit(jax.grad(g)).lower(w, x).compile()
-    memory = compiled.memory_analysis()
-    host_bytes = memory.host_temp_size_in_bytes + memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
+    stats = compiled.memory_analysis()
+    host_bytes = stats.host_temp_size_in_bytes + stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes
     on_host = host_bytes > 0 or "S(5)" in compiled.as_text()  # S(5): XLA's host memory space
     assert on_host == memory.host_offload().enforced
     if not on_host:  # CPU: the program keeps it on the device, and every report says so

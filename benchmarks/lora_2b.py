@@ -2,8 +2,8 @@
 
 Compile-only (abstract shapes; nothing is allocated). The 2b preset with rank-R adapters on every
 Block projection and an int8 (or, ``--quantize nf4``, a 4-bit NF4) frozen base: per policy, the
-compiled step's device bytes at batch 2 × 1,024 and the longest sequence that fits 24 GB and 16 GB (with remat_kit.auto's 10% margin), and
-the policy :func:`remat_kit.auto` picks at 2 × 1,024 under 24 GB.
+compiled step's device bytes at batch 2 × 1,024 and the longest sequence that fits 24 GB and 16 GB
+(with remat_kit.auto's 10% margin), and the policy :func:`remat_kit.auto` picks at 2 × 1,024 under 24 GB.
 
 The longest sequence is found from two compiles per policy (bytes are affine in the sequence length
 under chunked attention and a chunked loss, to within a few percent): the affine fit's answer,
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     )
     print(
         f"parameters: frozen base {fmt_bytes(pb.frozen)} ({args.quantize} Block kernels: "
-        f"{fmt_bytes(kernel_bytes)}, {kernel_bytes / kernels:.3f} byte per weight; + {cfg.param_dtype} embeddings/norms {fmt_bytes(rest)}), "
+        f"{fmt_bytes(kernel_bytes)}, {kernel_bytes / kernels:.3f} byte per weight; "
+        f"+ {cfg.param_dtype} embeddings/norms {fmt_bytes(rest)}), "
         f"adapters {fmt_bytes(pb.trainable)}; adapter gradients + AdamW state "
         f"{fmt_bytes(3 * pb.trainable)}. Full fine-tuning needs 39.33 GB at 2 x 1,024 under full remat "
         "(benchmarks/results/auto_budgets_2b.txt).\n"

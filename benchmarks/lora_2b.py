@@ -1,9 +1,9 @@
 """LoRA over a quantized base on the 2b preset, compile-only: need per policy and the longest sequence fitting 24/16 GB.
 
 Compile-only (abstract shapes; nothing is allocated). The 2b preset with rank-R adapters on every
-Block projection and an int8 frozen base: per policy, the compiled step's device bytes at batch 2 ×
-1,024 and the longest sequence that fits 24 GB and 16 GB (with remat_kit.auto's 10% margin), and
-the policy :func:`remat_kit.auto` picks at 2 × 1,024 under 24 GB.
+Block projection and an int8 (or, ``--quantize nf4``, a 4-bit NF4) frozen base: per policy, the
+compiled step's device bytes at batch 2 × 1,024 and the longest sequence that fits 24 GB and 16 GB
+(with remat_kit.auto's 10% margin), and the policy :func:`remat_kit.auto` picks at 2 × 1,024 under 24 GB.
 
 The longest sequence is found from two compiles per policy (bytes are affine in the sequence length
 under chunked attention and a chunked loss, to within a few percent): the affine fit's answer,
@@ -12,12 +12,16 @@ rounded down to a multiple of ``--round``, is then compiled once more to verify 
 Usage::
 
     python benchmarks/lora_2b.py --policies none,dots,selective,full > benchmarks/results/lora_2b.txt
+    python benchmarks/lora_2b.py --quantize nf4 --policies none,dots,selective,full \
+        > benchmarks/results/lora_2b_nf4.txt
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+
+import numpy as np
 
 from remat_kit import policies
 from remat_kit.model import lora
@@ -36,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--targets", default="all")
-    ap.add_argument("--quantize", default="int8")
+    ap.add_argument("--quantize", default="int8", choices=[m for m in lora.QUANTIZE_MODES if m != "none"])
     ap.add_argument("--loss-chunks", type=int, default=64, help="chunked loss: the [b, s, V] logits never live at once")
     ap.add_argument("--policies", default="none,dots,selective,full")
     ap.add_argument("--probe-seq", type=int, default=4096, help="second point of the affine fit")
@@ -56,6 +60,9 @@ def main(argv=None) -> int:
     )
     full = TransformerConfig.preset(args.preset)
     pb = lora.param_bytes(cfg)
+    kernels = sum(a * b for a, b in lora.kernel_shapes(cfg).values()) * cfg.num_layers
+    rest = (full.num_params() - kernels) * np.dtype(cfg.param_dtype).itemsize  # embeddings, norms: unquantized
+    kernel_bytes = pb.frozen - rest
     margin = planner_lib.DEFAULT_MARGIN
     planner = planner_lib.Planner(cfg, loss_chunks=args.loss_chunks)
     b = args.batch
@@ -66,7 +73,9 @@ def main(argv=None) -> int:
         f"AdamW on the adapters only, loss chunks {args.loss_chunks}, compute {cfg.dtype}, margin {margin:.0%}"
     )
     print(
-        f"parameters: frozen base {fmt_bytes(pb.frozen)} (int8 Block kernels + float32 embeddings/norms), "
+        f"parameters: frozen base {fmt_bytes(pb.frozen)} ({args.quantize} Block kernels: "
+        f"{fmt_bytes(kernel_bytes)}, {kernel_bytes / kernels:.3f} byte per weight; "
+        f"+ {cfg.param_dtype} embeddings/norms {fmt_bytes(rest)}), "
         f"adapters {fmt_bytes(pb.trainable)}; adapter gradients + AdamW state "
         f"{fmt_bytes(3 * pb.trainable)}. Full fine-tuning needs 39.33 GB at 2 x 1,024 under full remat "
         "(benchmarks/results/auto_budgets_2b.txt).\n"

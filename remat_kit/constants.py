@@ -21,7 +21,7 @@ ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "chunked", "cudnn")
 
 #: Layers a LoRA adapter can target, and the frozen base's storage modes (:mod:`remat_kit.model.lora`).
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out")
-QUANTIZE_MODES: tuple[str, ...] = ("none", "int8")
+QUANTIZE_MODES: tuple[str, ...] = ("none", "int8", "nf4")
 
 #: The policies ``plan`` compares by default: one of each kind.
 PLAN_POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "selective", "offload", "segments:4", "sqrt_n", "dots")

@@ -196,7 +196,10 @@ def add_lora_args(parser) -> None:
         + ")",
     )
     parser.add_argument(
-        "--quantize", choices=constants.QUANTIZE_MODES, default=None, help="store the frozen base as int8"
+        "--quantize",
+        choices=constants.QUANTIZE_MODES,
+        default=None,
+        help="store the frozen base as int8 (per channel) or nf4 (QLoRA's 4-bit NormalFloat); needs --lora-rank",
     )
 
 

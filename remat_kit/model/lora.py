@@ -1,4 +1,4 @@
-"""LoRA adapters on a frozen (optionally int8-quantized) base, for fine-tuning under any policy.
+"""LoRA adapters on a frozen (optionally int8- or NF4-quantized) base, for fine-tuning under any policy.
 
 ``TransformerConfig(lora_rank=r, lora_alpha=a, lora_targets=("q_proj", "v_proj"))`` replaces the
 targeted Dense layers of :class:`remat_kit.model.transformer.Block` by :class:`LoRADense`: the base kernel keeps
@@ -15,8 +15,11 @@ state at all (not zeros). A tree without adapters is all trainable, so full fine
 
 ``quantize="int8"`` (QLoRA-style) stores every Block kernel as int8 with a per-output-channel
 absmax scale and keeps it int8 in the backward pass under every policy (:func:`int8_project`).
+``quantize="nf4"`` is QLoRA's own format (:mod:`remat_kit.model.nf4`: 4-bit NormalFloat codes packed
+two per byte, an absmax per 64 weights, those scales double-quantized to int8 per 256), about 0.52
+byte per base weight; the backward pass keeps the packed codes and scales (:func:`nf4_project`).
 
-The layer itself (:class:`LoRADense`, the int8 path, the config check) and the trainable/frozen split
+The layer itself (:class:`LoRADense`, the int8 and NF4 paths, the config check) and the trainable/frozen split
 beside the adapter names it defines live in :mod:`remat_kit.model.lora_layer`, below the transformer
 (the generic training step needs the split, not the model); this module re-exports them and holds what
 needs the model (:func:`from_base`, :func:`param_bytes`).
@@ -57,8 +60,11 @@ from remat_kit.model.lora_layer import enabled as enabled
 from remat_kit.model.lora_layer import init_optimizer as init_optimizer
 from remat_kit.model.lora_layer import int8_project as int8_project
 from remat_kit.model.lora_layer import is_adapter as is_adapter
+from remat_kit.model.lora_layer import kernel_shapes as kernel_shapes
+from remat_kit.model.lora_layer import nf4_project as nf4_project
 from remat_kit.model.lora_layer import partition as partition
 from remat_kit.model.lora_layer import quantize_int8 as quantize_int8
+from remat_kit.model.lora_layer import quantize_nf4 as quantize_nf4
 from remat_kit.model.lora_layer import update as update
 from remat_kit.model.transformer import abstract_params, init_params
 
@@ -74,26 +80,18 @@ def num_trainable(config: Any) -> int:
     """Adapter parameter count of a TransformerConfig (0 without adapters)."""
     if not config.lora_rank:
         return 0
-    d, hd = config.d_model, config.head_dim
-    shapes = {
-        "q_proj": (d, config.num_heads * hd),
-        "k_proj": (d, config.num_kv_heads * hd),
-        "v_proj": (d, config.num_kv_heads * hd),
-        "attn_out": (config.num_heads * hd, d),
-        "mlp_gate": (d, config.d_ff),
-        "mlp_up": (d, config.d_ff),
-        "mlp_out": (config.d_ff, d),
-    }
+    shapes = kernel_shapes(config)
     per_layer = sum(config.lora_rank * (shapes[t][0] + shapes[t][1]) for t in config.lora_targets)
     return config.num_layers * per_layer
 
 
 def from_base(base_params: Mapping, config: Any, key: jax.Array) -> dict:
-    """Parameters of ``config`` (with adapters / int8 base) from a full model's parameters.
+    """Parameters of ``config`` (with adapters / an int8 or NF4 base) from a full model's parameters.
 
-    Base weights are copied (quantized where ``config.quantize`` says so); adapters are freshly
-    initialized from ``key`` (``B = 0``), so the result computes exactly what the base did (up to
-    quantization).
+    Base weights are copied (quantized where ``config.quantize`` says so: int8 per channel, or NF4
+    per 64-block of each layer's kernel); adapters are freshly initialized from ``key`` (``B = 0``),
+    so the result computes exactly what the base did (up to quantization: exactly what the base
+    with :func:`dequantize`'d kernels does).
 
     Args:
       base_params: the ``params`` of a model of the same shape without adapters (e.g. restored
@@ -110,18 +108,22 @@ def from_base(base_params: Mapping, config: Any, key: jax.Array) -> dict:
     if any(is_adapter(k) for k in fresh):
         init = traverse_util.flatten_dict(partition(init_params(config, key))[0])
         adapters = dict(init)
+    quantizer = {"int8": quantize_int8, "nf4": quantize_nf4}.get(config.quantize)
+    quantized_kernels: dict[tuple, dict] = {}  # one quantization per kernel, read once per leaf
     out = {}
     for k, spec in fresh.items():
         if is_adapter(k):
             out[k] = adapters[k]
             continue
-        quantized = k[-1] in ("qvalue", "scale") and k[-2] == "kernel"
+        quantized = quantizer is not None and len(k) > 1 and k[-2] == "kernel"
         src = k[:-1] if quantized else k
         if src not in base:
             raise ValueError(f"base parameters lack {'/'.join(src)}; they are not of this model's shape")
         value = base[src]
         if quantized:
-            value = quantize_int8(value)[k[-1]]
+            if src not in quantized_kernels:
+                quantized_kernels[src] = quantizer(value)
+            value = quantized_kernels[src][k[-1]]
         if tuple(value.shape) != tuple(spec.shape):
             raise ValueError(f"base parameter {'/'.join(src)} has shape {value.shape}, the model needs {spec.shape}")
         out[k] = jnp.asarray(value, spec.dtype)
@@ -134,7 +136,8 @@ class ParamBytes:
 
     Attributes:
       trainable: adapter (or, without adapters, all) parameter bytes.
-      frozen: frozen base bytes (int8 kernels count one byte per entry).
+      frozen: frozen base bytes (int8 kernels count one byte per entry, NF4 kernels half a byte
+        plus their scales).
     """
 
     trainable: int

@@ -1,4 +1,4 @@
-"""The LoRA layer: :class:`LoRADense`, a Dense with a low-rank adapter and an optional int8 base.
+"""The LoRA layer: :class:`LoRADense`, a Dense with a low-rank adapter and an optional int8 or NF4 base.
 
 This is what :class:`remat_kit.model.transformer.Block` builds when its config asks for adapters or a quantized
 base (:func:`dense`, :func:`enabled`, :func:`check_config`); training with it (``partition``,
@@ -12,6 +12,13 @@ absmax scale (``{"qvalue": int8 [d_in, d_out], "scale": float32 [1, d_out]}``) a
 policy, ``none`` included, the backward pass keeps the int8 kernel and casts it again, never a
 dequantized or compute-dtype copy.
 
+``quantize="nf4"`` (QLoRA's own format, :mod:`remat_kit.model.nf4`) stores every Block kernel as
+4-bit NormalFloat codes packed two per byte, with a double-quantized absmax per 64 weights
+(``{"codes": uint8 [d_in, d_out/2], "absmax_q": int8, "absmax_scale": f32, "absmax_offset": f32}``).
+:func:`nf4_project` dequantizes it inside the block (a temporary in the compute dtype, as
+bitsandbytes does per matmul) and its backward pass keeps the packed codes and the scales and
+dequantizes again: no dequantized kernel is ever saved, under any policy, ``none`` included.
+
 Why not a library: qwix 0.1.8 (Google's JAX quantization library) installs and imports on jax
 0.10.2 and quantizes a plain Linen ``nn.Dense`` weight-only to int8 per channel
 (``QtRule(weight_qtype="int8")`` → ``QArray(qvalue int8, scale [1, out])``), but it works by
@@ -20,8 +27,7 @@ each layer with ``layer.init`` inside ``self.param`` and applies it with ``layer
 ``lax.scan`` + ``jax.checkpoint``; there qwix's ``quantize_model(Transformer(...), PtqProvider(...))``
 fails at ``init`` with ``ValueError: It seems you're feeding an unquantized param to a quantized
 model.`` (``qwix/_src/providers/ptq.py``, ``create_quantized_param``), for the PTQ and the LoRA
-providers alike. So this module carries the smallest correct int8 path instead; 4-bit (nf4) is
-not offered.
+providers alike. So this module carries the smallest correct int8 and NF4 paths instead.
 """
 
 from __future__ import annotations
@@ -38,16 +44,19 @@ from flax import traverse_util
 from flax.core import FrozenDict
 
 from remat_kit import constants
-from remat_kit.model.ops import project
+from remat_kit.model import nf4
+from remat_kit.model.ops import matmul, project, weight_grad
 
 #: The Dense layers of :class:`remat_kit.model.transformer.Block` an adapter may target.
 TARGETS: tuple[str, ...] = constants.LORA_TARGETS
 
-#: Base-weight storage: ``none`` (param dtype) or ``int8`` (per-output-channel absmax scale).
+#: Base-weight storage: ``none`` (param dtype), ``int8`` (per-output-channel absmax scale) or ``nf4``
+#: (QLoRA's 4-bit NormalFloat, :mod:`remat_kit.model.nf4`).
 QUANTIZE_MODES: tuple[str, ...] = constants.QUANTIZE_MODES
 
-#: Compute dtypes the int8 path supports: the matmul runs on unscaled int8 values (up to 127x the
-#: real output) before the scale, which float16's range (65504) cannot hold at d_model in the thousands.
+#: Compute dtypes the quantized paths support. int8's matmul runs on unscaled int8 values (up to 127x
+#: the real output) before the scale, which float16's range (65504) cannot hold at d_model in the
+#: thousands; nf4 keeps the same list (one rule for a quantized base; float16 is untested there).
 QUANTIZE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 
@@ -77,7 +86,7 @@ def check_config(config: Any) -> None:
     if rank and not targets:
         raise ValueError(f"lora_rank={rank} needs at least one lora_target; allowed: {', '.join(TARGETS)}")
     if config.quantize not in QUANTIZE_MODES:
-        raise ValueError(f"quantize={config.quantize!r}; allowed: {', '.join(QUANTIZE_MODES)} (nf4 is not supported)")
+        raise ValueError(f"quantize={config.quantize!r}; allowed: {', '.join(QUANTIZE_MODES)}")
     if config.quantize != "none":
         if not rank:
             raise ValueError(f"quantize={config.quantize!r} needs lora_rank > 0: a quantized base is frozen")
@@ -86,6 +95,26 @@ def check_config(config: Any) -> None:
                 f"quantize={config.quantize!r} does not support compute dtype {config.dtype!r}; "
                 f"allowed: {', '.join(QUANTIZE_DTYPES)}"
             )
+    if config.quantize == "nf4":
+        for name, shape in kernel_shapes(config).items():
+            try:
+                nf4.check_shape(shape)
+            except ValueError as err:
+                raise ValueError(f"quantize='nf4' cannot store {name}: {err}") from None
+
+
+def kernel_shapes(config: Any) -> dict[str, tuple[int, int]]:
+    """``{layer name: (d_in, d_out)}`` of the Block's Dense layers under ``config`` (one layer's kernels)."""
+    d, hd = config.d_model, config.head_dim
+    return {
+        "q_proj": (d, config.num_heads * hd),
+        "k_proj": (d, config.num_kv_heads * hd),
+        "v_proj": (d, config.num_kv_heads * hd),
+        "attn_out": (config.num_heads * hd, d),
+        "mlp_gate": (d, config.d_ff),
+        "mlp_up": (d, config.d_ff),
+        "mlp_out": (config.d_ff, d),
+    }
 
 
 # ---- quantization ---------------------------------------------------------------------------------------
@@ -149,11 +178,57 @@ def _int8_project_bwd(dtype, residuals, g):
 int8_project.defvjp(_int8_project_fwd, _int8_project_bwd)
 
 
+def quantize_nf4(kernel: jax.Array) -> dict[str, jax.Array]:
+    """QLoRA's NF4 with double-quantized scales (:func:`remat_kit.model.nf4.quantize`; its docstring has the format)."""
+    return nf4.quantize(kernel)
+
+
+def _nf4_kernel(codes, absmax_q, absmax_scale, absmax_offset, dtype):
+    q = {"codes": codes, "absmax_q": absmax_q, "absmax_scale": absmax_scale, "absmax_offset": absmax_offset}
+    return nf4.dequantize(q, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def nf4_project(x, codes, absmax_q, absmax_scale, absmax_offset, dtype):
+    """``x @ dequantize(nf4 kernel)`` in ``dtype`` whose backward pass keeps ``x``, the packed codes and the scales.
+
+    The dequantized kernel is a temporary of the forward pass and dequantized again in the backward
+    pass; autodiff would keep it (2 or 4 bytes per weight instead of the stored 0.52).
+
+    >>> q = quantize_nf4(jax.random.normal(jax.random.key(0), (64, 8)))
+    >>> x = jnp.ones((2, 64))
+    >>> y = nf4_project(x, *(q[k] for k in nf4.LEAVES), jnp.dtype("float32"))
+    >>> bool(jnp.allclose(y, x @ nf4.dequantize(q)))
+    True
+    """
+    return matmul(x, _nf4_kernel(codes, absmax_q, absmax_scale, absmax_offset, dtype), 0, None)
+
+
+def _nf4_project_fwd(x, codes, absmax_q, absmax_scale, absmax_offset, dtype):
+    # The same one dot_general as ops.project's forward, so a policy that keeps dots sees it.
+    y = matmul(x, _nf4_kernel(codes, absmax_q, absmax_scale, absmax_offset, dtype), 0, None)
+    return y, (x, codes, absmax_q, absmax_scale, absmax_offset)
+
+
+def _nf4_project_bwd(dtype, residuals, g):
+    x, codes, absmax_q, absmax_scale, absmax_offset = residuals
+    w = _nf4_kernel(codes, absmax_q, absmax_scale, absmax_offset, dtype)
+    (dx,) = jax.linear_transpose(lambda x_: matmul(x_, w, 0, None), x)(g)
+    # The scales are frozen in LoRA training (XLA drops this then); computed anyway so the rule is right.
+    dw = weight_grad(x, g, 0, jnp.float32).astype(jnp.float32)
+    _, scale_vjp = jax.vjp(lambda s, o: _nf4_kernel(codes, absmax_q, s, o, jnp.float32), absmax_scale, absmax_offset)
+    dscale, doffset = scale_vjp(dw)
+    return dx, None, None, dscale, doffset  # None: integer inputs have no cotangent
+
+
+nf4_project.defvjp(_nf4_project_fwd, _nf4_project_bwd)
+
+
 # ---- the layer ------------------------------------------------------------------------------------------
 
 
 class LoRADense(nn.Module):
-    """A bias-free Dense with an optional low-rank adapter and an optional int8 base kernel.
+    """A bias-free Dense with an optional low-rank adapter and an optional int8 or NF4 base kernel.
 
     A drop-in for ``nn.Dense(features, use_bias=False)`` in your own Flax model: the base kernel
     keeps the name ``kernel``. Train it with :func:`partition` / :func:`update` so only the
@@ -197,6 +272,11 @@ class LoRADense(nn.Module):
             # Scale after the matmul (it is per output channel), so no dequantized kernel is ever
             # materialized; the backward pass keeps the int8 kernel, not its compute-dtype cast.
             y = int8_project(x, q["qvalue"], q["scale"], dtype)
+        elif self.quantize == "nf4":
+            q = self.param("kernel", lambda key: quantize_nf4(self.kernel_init(key, shape, jnp.float32)))
+            # Dequantized inside the block, so inside the policy's rematerialized region; the backward
+            # pass keeps the packed codes and scales, not the dequantized kernel.
+            y = nf4_project(x, *(q[k] for k in nf4.LEAVES), dtype)
         elif self.quantize == "none":
             y = project(x, self.param("kernel", self.kernel_init, shape, self.param_dtype), 0, dtype)
         else:

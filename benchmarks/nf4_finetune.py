@@ -1,0 +1,137 @@
+"""LoRA fine-tuning over an int8 base and over an NF4 base from the same full checkpoint: loss curves, the gap.
+
+The ``small`` preset is first trained briefly in full (``--base-steps`` on the Python standard
+library's sources, as ``examples/lora_finetune.py`` does); from those same parameters
+:func:`remat_kit.model.lora.from_base` builds two adapted models, one with an int8 base and one
+with an NF4 base, with the same adapter initialization, and both are fine-tuned on the same
+batches of remat_kit's own sources under the same policy. Prints the losses, the validation loss
+before and after, and the final gap; ``--plot`` draws the two curves side by side. Usage::
+
+    python benchmarks/nf4_finetune.py --plot benchmarks/results/nf4_finetune.png \\
+        > benchmarks/results/nf4_finetune.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import remat_kit
+from remat_kit import train
+from remat_kit.model import TransformerConfig, lora
+from remat_kit.train import data
+from remat_kit.train.checkpoint import Checkpoints
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--policy", default="full")
+    ap.add_argument("--base-steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--smooth", type=int, default=20, help="moving-average window of the plotted curves")
+    ap.add_argument("--plot", type=Path, default=None)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+
+    base_config = train.TrainConfig(
+        model=TransformerConfig.preset(args.preset), policy=args.policy, steps=args.base_steps,
+        batch_size=args.batch_size, seq_len=args.seq_len, eval_every=0,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        train.train(base_config, max_corpus_bytes=2 * 2**20, checkpoint_dir=Path(tmp) / "base")
+        abstract = jax.eval_shape(lambda: train.Trainer(base_config).init_state().to_dict())
+        with Checkpoints(Path(tmp) / "base") as ckpts:
+            step, state, _ = ckpts.restore_latest(abstract)
+    base_params = jax.tree.map(np.asarray, state["params"])  # host copies: each run's step donates its inputs
+    print(f"base: {args.preset} trained in full for {step} steps on the standard library "
+          f"[{time.perf_counter() - t0:.0f} s]")  # fmt: skip
+
+    corpus = data.load_corpus([Path(remat_kit.__file__).parent])
+    curves, vals = {}, {}
+    for quantize in ("int8", "nf4"):
+        model = dataclasses.replace(
+            base_config.model, lora_rank=args.rank, lora_targets=lora.TARGETS, quantize=quantize
+        )
+        config = train.TrainConfig(
+            model=model, policy=args.policy, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+            learning_rate=args.lr, eval_every=0, weight_decay=0.0,
+        )  # fmt: skip
+        train_tokens, val_tokens = corpus.split(config.val_fraction)
+        batches = data.Batches(train_tokens, config.batch_size, config.seq_len, config.seed)
+        val = data.eval_windows(val_tokens, batch_size=config.batch_size, seq_len=config.seq_len, num_batches=4)
+        trainer = train.Trainer(config)
+        params = lora.from_base(base_params, model, jax.random.key(config.seed))  # same adapters for both
+        state = dataclasses.replace(
+            trainer.init_state(), params=params, opt_state=lora.init_optimizer(trainer.optimizer, params)
+        )
+        before = trainer.evaluate(state.params, val)
+        losses = []
+        for i in range(config.steps):
+            state, out = trainer.step(state, [batches.batch(i)])
+            losses.append(float(out["loss"]))
+        after = trainer.evaluate(state.params, val)
+        curves[quantize], vals[quantize] = losses, (before, after)
+        pb = lora.param_bytes(model)
+        print(
+            f"{quantize}: frozen base {pb.frozen / 1e6:.2f} MB; step 1 loss {losses[0]:.4f}, last-20 mean "
+            f"{np.mean(losses[-20:]):.4f}; validation {before:.4f} -> {after:.4f} [{time.perf_counter() - t0:.0f} s]",
+            flush=True,
+        )
+
+    print("\nstep   int8 loss   nf4 loss")
+    for i in range(0, args.steps, max(1, args.steps // 15)):
+        print(f"{i + 1:4d}   {curves['int8'][i]:9.4f}  {curves['nf4'][i]:9.4f}")
+    gap_train = np.mean(curves["nf4"][-20:]) - np.mean(curves["int8"][-20:])
+    gap_val = vals["nf4"][1] - vals["int8"][1]
+    print(
+        f"\nfinal gap (nf4 - int8): training loss (mean of the last 20 steps) {gap_train:+.4f}, "
+        f"validation loss {gap_val:+.4f} ({vals['int8'][1]:.4f} vs {vals['nf4'][1]:.4f}); "
+        f"at the start (validation, before fine-tuning) {vals['nf4'][0] - vals['int8'][0]:+.4f}"
+    )
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        k = max(1, args.smooth)
+        for ax, quantize, color in zip(axes, ("int8", "nf4"), ("tab:blue", "tab:orange"), strict=True):
+            raw = np.asarray(curves[quantize])
+            smooth = np.convolve(raw, np.ones(k) / k, mode="valid")
+            ax.plot(np.arange(1, len(raw) + 1), raw, color=color, alpha=0.25, lw=0.8, label="per step")
+            ax.plot(np.arange(k, len(raw) + 1), smooth, color=color, lw=2, label=f"mean of {k} steps")
+            other = "nf4" if quantize == "int8" else "int8"
+            ax.plot(np.arange(k, len(raw) + 1), np.convolve(curves[other], np.ones(k) / k, mode="valid"),
+                    color="gray", lw=1, ls="--", label=f"{other} (mean of {k})")  # fmt: skip
+            before, after = vals[quantize]
+            ax.set_title(f"LoRA r={args.rank} over an {quantize} base: val {before:.3f} → {after:.3f}")
+            ax.set_xlabel("fine-tuning step")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        axes[0].set_ylabel("training loss (nats/byte)")
+        fig.suptitle(
+            f"{args.preset} preset, base trained {args.base_steps} steps in full, then LoRA on every projection, "
+            f"policy {args.policy}; final val gap nf4 - int8 = {gap_val:+.4f}",
+            fontsize=10,
+        )
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        print(f"wrote {args.plot}")
+    print(f"\n{time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -185,3 +185,44 @@ def count_primitive(jaxpr, name: str, *, top_level: bool = False) -> int:
     """
     eqns = getattr(jaxpr, "jaxpr", jaxpr).eqns if top_level else iter_eqns(jaxpr)
     return sum(1 for e in eqns if e.primitive.name == name)
+
+
+def weighted_leaf_eqns(jaxpr, times: int = 1) -> Iterator[tuple[Any, int]]:
+    """Every leaf equation of a (closed) jaxpr with how many times one run executes it.
+
+    A ``scan`` body counts ``length`` times per run of the scan; remat/checkpoint bodies (both
+    representations), pjit and custom-derivative calls are walked once per call; every ``cond``
+    branch is walked (an upper bound), a ``while`` body once (its trip count is unknown). Container
+    equations (those holding sub-jaxprs) are not yielded themselves.
+    """
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        subs = list(subjaxprs(eqn))
+        if not subs:
+            yield eqn, times
+            continue
+        inner = times * int(eqn.params["length"]) if eqn.primitive.name == "scan" else times
+        for sub in subs:
+            yield from weighted_leaf_eqns(sub, inner)
+
+
+def aval_nbytes(var) -> int:
+    """Bytes of one jaxpr variable's (or literal's) abstract value; 0 for tokens and other non-arrays."""
+    aval = getattr(var, "aval", None)
+    if aval is None or not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
+        return 0
+    try:
+        return _nbytes(aval)
+    except (TypeError, AttributeError):
+        return 0
+
+
+def is_host_transfer(eqn) -> bool:
+    """Whether an equation copies between device and host memory (an offload's ``device_put`` either way).
+
+    Remat's offload binds ``device_put`` with ``devices=(MemorySpace.Host,)`` going out and
+    ``(MemorySpace.Device,)`` coming back; a plain ``device_put`` names devices or shardings instead.
+    """
+    if eqn.primitive.name != "device_put":
+        return False
+    return any(type(d).__name__ == "MemorySpace" for d in eqn.params.get("devices", ()))

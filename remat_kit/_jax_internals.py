@@ -226,3 +226,46 @@ def is_host_transfer(eqn) -> bool:
     if eqn.primitive.name != "device_put":
         return False
     return any(type(d).__name__ == "MemorySpace" for d in eqn.params.get("devices", ()))
+
+
+# The rematerialized-call primitives whose params["jaxpr"] is the body: classic remat ("checkpoint" is
+# jax.checkpoint's public name for the same primitive in some versions) and remat3's RematTraced.
+_REMAT_PRIMITIVES = ("remat2", "checkpoint")
+_REMAT3_CALL_CLASS_NAME = "RematTraced"
+
+
+def first_remat_body(jaxpr):
+    """The body of the first rematerialized call in a (closed) jaxpr, as a ClosedJaxpr, or None.
+
+    Either representation: a ``remat2`` equation's ``params["jaxpr"]`` or a remat3
+    ``call_hi_primitive`` whose ``_prim`` is ``RematTraced``.
+    """
+    from jax.extend import core as _core  # ClosedJaxpr: public in jax.extend, its constructor is not
+
+    for eqn in iter_eqns(jaxpr):
+        name = eqn.primitive.name
+        body = None
+        if name in _REMAT_PRIMITIVES:
+            body = eqn.params["jaxpr"]
+        elif name == _HI_PRIMITIVE and type(eqn.params.get(_HI_PRIM_PARAM)).__name__ == _REMAT3_CALL_CLASS_NAME:
+            body = eqn.params[_HI_PRIM_PARAM].params["jaxpr"]
+        if body is not None:
+            return body if hasattr(body, "consts") else _core.ClosedJaxpr(body, ())
+    return None
+
+
+def vjp_jaxpr(body, policy: Callable | None):
+    """The jaxpr of the forward and backward pass of ``body`` (a ClosedJaxpr) under ``jax.checkpoint(policy)``
+    (no checkpoint for None): ``jax.vjp`` of the body with its outputs as cotangents."""
+    from jax.extend import core as _core
+
+    fn = _core.jaxpr_as_fun(body)
+    if policy is not None:
+        fn = jax.checkpoint(fn, policy=policy)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars]
+
+    def forward_backward(*args):
+        out, pull = jax.vjp(fn, *args)
+        return pull(out)
+
+    return jax.make_jaxpr(forward_backward)(*avals)

@@ -40,6 +40,7 @@ step (the same pricing :func:`remat_kit.planning.budget.auto` ranks by).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -196,8 +197,7 @@ def per_tensor(
     analysis.check_shape(config, batch, seq, loss_chunks)
     start = time.perf_counter()
     L = config.num_layers
-    body = block_body(config, batch, seq, loss_chunks)
-    sizes = tag_bytes(config, batch, seq, loss_chunks, body=body)
+    sizes = _block(config, batch, seq, loss_chunks)[1]
     if groups is None:
         groups = default_groups(list(sizes))
     groups = tuple(tuple(_names.resolve(g)) for g in groups)
@@ -207,13 +207,8 @@ def per_tensor(
     planner = planner or Planner(config, optimizer, loss_chunks)
     hardware = hardware or cost.default_hardware(planner_platform(planner))
     price = Pricer(planner, hardware, batch, seq)
-    # One layer's forward and backward, traced per subset from the layer's jaxpr (no model tracing): what
-    # the layer recomputes over `none` is what the stack recomputes per layer (tests/test_tensors.py).
-    base = cost.work_of(_jax_internals.vjp_jaxpr(body, None))
-
     def layer_recompute_s(policy: policies.Policy) -> float:
-        work = cost.work_of(_jax_internals.vjp_jaxpr(body, policy.jax_policy))
-        return cost.estimate(work, base, hardware).recompute_s
+        return _layer_recompute_s(config, batch, seq, loss_chunks, hardware, policy)
 
     options = [Option(policies.none(), -1, 0.0)]  # none's bytes are filled in from its compile below
     for r in range(len(groups) + 1):
@@ -315,6 +310,26 @@ def per_tensor(
         traces=traces,
         source=source,
     )
+
+
+@functools.cache
+def _block(config: TransformerConfig, batch: int, seq: int, loss_chunks: int):
+    body = block_body(config, batch, seq, loss_chunks)
+    return body, tag_bytes(config, batch, seq, loss_chunks, body=body)
+
+
+@functools.cache
+def _layer_work(config: TransformerConfig, batch: int, seq: int, loss_chunks: int, policy) -> cost.Work:
+    # One layer's forward and backward, traced from the layer's jaxpr (no model tracing): what the layer
+    # recomputes over `none` is what the stack recomputes per layer (tests/test_tensors.py). Memoized: every
+    # budget at one shape prices the same subsets.
+    body, _ = _block(config, batch, seq, loss_chunks)
+    return cost.work_of(_jax_internals.vjp_jaxpr(body, None if policy is None else policy.jax_policy))
+
+
+def _layer_recompute_s(config, batch, seq, loss_chunks, hardware: cost.Hardware, policy: policies.Policy) -> float:
+    base = _layer_work(config, batch, seq, loss_chunks, None)
+    return cost.estimate(_layer_work(config, batch, seq, loss_chunks, policy), base, hardware).recompute_s
 
 
 def _plan_policy(parts: tuple, num_layers: int) -> str:

@@ -242,3 +242,87 @@ def count_primitive(jaxpr, name: str, *, top_level: bool = False) -> int:
     """
     found = eqns(jaxpr) if top_level else iter_eqns(jaxpr)
     return sum(1 for e in found if e.primitive.name == name)
+
+
+def weighted_leaf_eqns(jaxpr, times: int = 1) -> Iterator[tuple[Any, int]]:
+    """Every leaf equation of a (closed) jaxpr with how many times one run executes it.
+
+    A ``scan`` body counts ``length`` times per run of the scan; remat/checkpoint bodies (both
+    representations), pjit and custom-derivative calls are walked once per call; every ``cond``
+    branch is walked (an upper bound), a ``while`` body once (its trip count is unknown). Container
+    equations (those holding sub-jaxprs) are not yielded themselves.
+    """
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        subs = list(subjaxprs(eqn))
+        if not subs:
+            yield eqn, times
+            continue
+        inner = times * int(eqn.params["length"]) if eqn.primitive.name == "scan" else times
+        for sub in subs:
+            yield from weighted_leaf_eqns(sub, inner)
+
+
+def aval_nbytes(var) -> int:
+    """Bytes of one jaxpr variable's (or literal's) abstract value; 0 for tokens and other non-arrays."""
+    aval = getattr(var, "aval", None)
+    if aval is None or not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
+        return 0
+    try:
+        return _nbytes(aval)
+    except (TypeError, AttributeError):
+        return 0
+
+
+def is_host_transfer(eqn) -> bool:
+    """Whether an equation copies between device and host memory (an offload's ``device_put`` either way).
+
+    Remat's offload binds ``device_put`` with ``devices=(MemorySpace.Host,)`` going out and
+    ``(MemorySpace.Device,)`` coming back; a plain ``device_put`` names devices or shardings instead.
+    """
+    if eqn.primitive.name != "device_put":
+        return False
+    return any(type(d).__name__ == "MemorySpace" for d in eqn.params.get("devices", ()))
+
+
+# The rematerialized-call primitives whose params["jaxpr"] is the body: classic remat ("checkpoint" is
+# jax.checkpoint's public name for the same primitive in some versions) and remat3's RematTraced.
+_REMAT_PRIMITIVES = ("remat2", "checkpoint")
+_REMAT3_CALL_CLASS_NAME = "RematTraced"
+
+
+def first_remat_body(jaxpr):
+    """The body of the first rematerialized call in a (closed) jaxpr, as a ClosedJaxpr, or None.
+
+    Either representation: a ``remat2`` equation's ``params["jaxpr"]`` or a remat3
+    ``call_hi_primitive`` whose ``_prim`` is ``RematTraced``.
+    """
+    from jax.extend import core as _core  # ClosedJaxpr: public in jax.extend, its constructor is not
+
+    for eqn in iter_eqns(jaxpr):
+        name = eqn.primitive.name
+        body = None
+        if name in _REMAT_PRIMITIVES:
+            body = eqn.params["jaxpr"]
+        elif name == _HI_PRIMITIVE and type(eqn.params.get(_HI_PRIM_PARAM)).__name__ == _REMAT3_CALL_CLASS_NAME:
+            body = eqn.params[_HI_PRIM_PARAM].params["jaxpr"]
+        if body is not None:
+            return body if hasattr(body, "consts") else _core.ClosedJaxpr(body, ())
+    return None
+
+
+def vjp_jaxpr(body, policy: Callable | None):
+    """The jaxpr of the forward and backward pass of ``body`` (a ClosedJaxpr) under ``jax.checkpoint(policy)``
+    (no checkpoint for None): ``jax.vjp`` of the body with its outputs as cotangents."""
+    from jax.extend import core as _core
+
+    fn = _core.jaxpr_as_fun(body)
+    if policy is not None:
+        fn = jax.checkpoint(fn, policy=policy)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars]
+
+    def forward_backward(*args):
+        out, pull = jax.vjp(fn, *args)
+        return pull(out)
+
+    return jax.make_jaxpr(forward_backward)(*avals)

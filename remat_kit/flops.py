@@ -26,6 +26,11 @@ def _dot_flops(dot: _jax_internals.DotShapes) -> int:
     return 2 * math.prod(dot.lhs) * math.prod(rhs_free)
 
 
+def eqn_matmul_flops(eqn) -> int:
+    """FLOPs of one ``dot_general`` equation (2 · M · N · K, batch dimensions included); 0 for any other."""
+    return _dot_flops(eqn) if eqn.primitive.name == "dot_general" else 0
+
+
 def jaxpr_flops(jaxpr) -> int:
     """Matmul FLOPs of a (closed) jaxpr, with every ``scan`` body counted ``length`` times.
 

@@ -237,6 +237,10 @@ class Policy:
             self, target, static_argnums=_argnums(static_argnums), methods=methods, prevent_cse=prevent_cse
         )
 
+    def to_maxtext(self) -> dict[str, str]:
+        """This policy as MaxText's ``remat_policy: custom`` settings (see :func:`to_maxtext`)."""
+        return to_maxtext(self)
+
     # ---- how the scan core groups layers ----------------------------------------------------------
 
     def validate_depth(self, num_layers: int) -> None:
@@ -545,6 +549,9 @@ MAXTEXT_ALIASES: dict[str, Callable[[], Policy]] = {
     "full": full,
     "minimal": lambda: selective(_MAXTEXT_MINIMAL),
     "minimal_with_context": lambda: selective((*_MAXTEXT_MINIMAL, _names.CONTEXT)),
+    "minimal_flash": lambda: selective((*_MAXTEXT_MINIMAL, _names.CONTEXT)),  # MaxText's deprecated name
+    "save_dot_with_context_except_mlp": lambda: selective(("q_proj", "k_proj", "v_proj", _names.CONTEXT, "attn_out")),
+    "save_dot_except_mlpwi": lambda: selective(("q_proj", "k_proj", "v_proj", "attn_out", "mlp_out")),
     "save_dot_except_mlp": lambda: selective(("q_proj", "k_proj", "v_proj", "attn_out")),
     "save_qkv_proj": lambda: selective(("q_proj", "k_proj", "v_proj")),
     "save_out_proj": lambda: selective(("attn_out",)),
@@ -717,3 +724,101 @@ def _argnums(value) -> tuple[int, ...]:
         if isinstance(i, bool) or not isinstance(i, int) or i < 0:
             raise ValueError(f"static_argnums must be non-negative ints, got {value!r}")
     return items
+
+
+# ---- MaxText's per-tensor settings (remat_policy: custom) -------------------------------------------
+
+#: MaxText's ``custom`` remat settings: each named tensor is recomputed, kept on the device or offloaded.
+MAXTEXT_SETTINGS: tuple[str, ...] = ("remat", "device", "offload")
+
+#: The MaxText tensor names :func:`to_maxtext` writes, each one remat_kit tag (the canonical names; the
+#: groups ``qkv_proj`` and ``mlpwi`` are accepted by :func:`from_maxtext` too, see :data:`remat_kit.names.ALIASES`).
+MAXTEXT_TENSORS: dict[str, str] = {
+    "decoder_layer_input": _names.LAYER_INPUT,
+    "query_proj": _names.Q_PROJ,
+    "key_proj": _names.K_PROJ,
+    "value_proj": _names.V_PROJ,
+    "context": _names.CONTEXT,
+    "out_proj": _names.ATTN_OUT,
+    "mlpwi_0": _names.MLP_GATE,
+    "mlpwi_1": _names.MLP_UP,
+    "mlpwo": _names.MLP_OUT,
+}
+
+_MAXTEXT_GROUPS = ("qkv_proj", "mlpwi")
+
+
+def from_maxtext(settings: dict[str, str]) -> Policy:
+    """A policy from MaxText's per-tensor ``custom`` remat settings.
+
+    Args:
+      settings: ``{maxtext_tensor: "remat" | "device" | "offload"}``; tensors are the keys of
+        :data:`MAXTEXT_TENSORS` or the groups ``qkv_proj`` and ``mlpwi``; a tensor not named is
+        recomputed (MaxText's ``remat``). ``decoder_layer_input`` may be ``device`` (what every
+        rematerialized layer keeps anyway) or ``offload``.
+
+    Returns:
+      ``selective`` of the ``device`` tensors (``full`` when there are none), or ``offload`` of the
+      ``offload`` tensors saving the ``device`` ones; tags in block order.
+
+    Raises:
+      ValueError: an unknown tensor or setting, naming the allowed ones.
+
+    >>> str(from_maxtext({"query_proj": "offload", "mlpwo": "device", "mlpwi": "remat"}))
+    'offload:q_proj;save=mlp_out'
+    >>> from_maxtext(parse("save_qkv_proj").to_maxtext()) == parse("save_qkv_proj")
+    True
+    """
+    if not isinstance(settings, dict):
+        raise TypeError(f"from_maxtext takes a dict of tensor name -> setting, got {type(settings).__name__}")
+    allowed = (*MAXTEXT_TENSORS, *_MAXTEXT_GROUPS)
+    chosen: dict[str, str] = {}
+    for tensor, setting in settings.items():
+        if tensor not in allowed:
+            raise ValueError(f"unknown MaxText tensor {tensor!r}; allowed: {', '.join(allowed)}")
+        if setting not in MAXTEXT_SETTINGS:
+            raise ValueError(f"MaxText tensor {tensor!r}: setting {setting!r}; allowed: {', '.join(MAXTEXT_SETTINGS)}")
+        for t in _names.resolve((tensor,)):
+            chosen[t] = setting
+    order = [t for t in _names.VOCABULARY if t in chosen]
+    save = tuple(t for t in order if chosen[t] == "device" and t != _names.LAYER_INPUT)
+    out = tuple(t for t in order if chosen[t] == "offload")
+    if out:
+        return offload(out, save=save)
+    return selective(save) if save else full()
+
+
+def to_maxtext(policy: Policy | Mix | str) -> dict[str, str]:
+    """MaxText's ``custom`` settings for a policy: ``{tensor: "remat" | "device" | "offload"}`` for every
+    tensor of :data:`MAXTEXT_TENSORS` (``decoder_layer_input`` is ``device`` unless offloaded).
+
+    ``none`` is every tensor on the device. A policy MaxText cannot say per tensor is refused: a mix or a
+    grouping policy (MaxText applies one setting to every layer), ``dots`` (use MaxText's own policy
+    names), or one that saves or offloads a tag MaxText has no name for (norms, ``attn_probs``, ``mlp_act``).
+
+    Raises:
+      ValueError: the policy has no MaxText equivalent, saying why.
+
+    >>> s = to_maxtext("save_dot_except_mlp")
+    >>> s["query_proj"], s["out_proj"], s["mlpwo"]
+    ('device', 'device', 'remat')
+    """
+    policy = parse(policy)
+    if isinstance(policy, Mix):
+        raise ValueError(f"mix {policy} runs layers under different policies; MaxText's custom remat applies one "
+                         f"setting per tensor to every layer: convert each part on its own")  # fmt: skip
+    if policy.kind in ("every_n", "segments", "sqrt_n", "dots"):
+        raise ValueError(f"policy {policy} has no per-tensor MaxText equivalent; allowed: none, full, selective "
+                         f"or offload of MaxText-named tensors")  # fmt: skip
+    tags = {t: "device" for t in policy.save} | {t: "offload" for t in policy.offload}
+    known = set(MAXTEXT_TENSORS.values())
+    unknown = [t for t in tags if t not in known]
+    if unknown:
+        raise ValueError(f"policy {policy}: MaxText has no tensor name for {unknown}; allowed tags: {sorted(known)}")
+    out = {}
+    for tensor, tag in MAXTEXT_TENSORS.items():
+        if policy.kind == "none" or tag == _names.LAYER_INPUT:
+            out[tensor] = "device" if policy.kind == "none" else tags.get(tag, "device")
+        else:
+            out[tensor] = tags.get(tag, "remat")
+    return out

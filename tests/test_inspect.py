@@ -136,7 +136,7 @@ def test_auto_chooses_what_fits_and_nothing_cheaper_does(auto_table):
 
 def test_auto_ample_budget_recomputes_nothing(auto_table):
     assert auto_table.chosen is not None and auto_table.candidates[0].recompute_flops == 0
-    assert str(auto_table.chosen) in ("none", "dots")
+    assert str(auto_table.chosen) == "none"  # dots recomputes elementwise work: the cost model says so
 
 
 def test_auto_counts_the_optimizer_state(auto_table):

@@ -196,3 +196,39 @@ def test_under_transform_sees_grad_jit_and_vmap():
     jax.jit(probe)(1.0)
     jax.vmap(probe)(jnp.ones(2))
     assert seen == [False, True, True, True], JAX
+
+
+# ---- the cost model's walks (added for remat_kit.planning.cost and .tensors) --------------------------------
+
+
+def test_weighted_leaf_eqns_multiply_scan_bodies_and_enter_remat():
+    def f(x):
+        body = jax.checkpoint(lambda c, _: (jnp.sin(c) * c, None))  # its backward needs sin(c)
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x))))(jnp.ones(4))
+    sins = sum(t for e, t in internals.weighted_leaf_eqns(jaxpr) if e.primitive.name == "sin")
+    assert sins == 2 * 3  # forward, and again in the backward pass under remat, per trip
+    assert all(not list(internals.subjaxprs(e)) for e, _ in internals.weighted_leaf_eqns(jaxpr))
+
+
+def test_host_transfers_and_bytes():
+    def f(x):
+        return jnp.sum(jnp.sin(tag(jnp.sin(x), "h")))
+
+    jaxpr = jax.make_jaxpr(jax.grad(policies.offload(["h"])(f)))(jnp.ones(8, jnp.float32))
+    moves = [e for e, _ in internals.weighted_leaf_eqns(jaxpr) if internals.is_host_transfer(e)]
+    assert len(moves) == 2 and all(internals.aval_nbytes(e.invars[0]) == 32 for e in moves)
+    plain = jax.make_jaxpr(lambda x: jax.device_put(x, jax.devices()[0]))(jnp.ones(2))
+    assert not any(internals.is_host_transfer(e) for e in plain.jaxpr.eqns)
+
+
+def test_first_remat_body_and_its_vjp():
+    fn = jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)))
+    body = internals.first_remat_body(jax.make_jaxpr(fn)(jnp.ones(4)))
+    assert body is not None and [v.aval.shape for v in body.jaxpr.invars] == [(4,)]
+    recomputed = internals.vjp_jaxpr(body, jax.checkpoint_policies.nothing_saveable)
+    kept = internals.vjp_jaxpr(body, None)
+    count = lambda j: sum(t for e, t in internals.weighted_leaf_eqns(j) if e.primitive.name == "sin")
+    assert (count(kept), count(recomputed)) == (2, 3)  # the backward needs the inner sin again
+    assert internals.first_remat_body(jax.make_jaxpr(jnp.sin)(1.0)) is None

@@ -211,7 +211,7 @@ def test_auto_answers_a_mix_with_strictly_less_recompute_than_the_best_preset():
     k = r.chosen.parts[0][1]
     more = rows.get(str(P.mix([("none", k + 1), ("full", 3 - k)]))) if k < 3 else None
     assert more is None or not more.fits
-    assert "recomputes less than full, the best single policy that fits" in r.reason
+    assert "costs less than full, the best single policy that fits" in r.reason
     assert r.mixed_front == (("none", "full", need["none"], need["full"], 0, full.recompute_flops),)
     # Without mixes, the answer is the preset.
     plain = A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=budget, candidates=["none", "full"], planner=planner,

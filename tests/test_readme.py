@@ -34,8 +34,18 @@ def _stack(ns):
 
 
 def _budget(ns):
-    """remat_kit.auto on the tiny preset: a generous budget fits a policy with no recompute."""
-    assert ns["r"].chosen is not None and ns["r"].chosen.kind in ("none", "selective")
+    """remat_kit.auto on the tiny preset: a generous budget answers none (no recompute of any kind)."""
+    assert ns["r"].chosen is not None and ns["r"].chosen.kind == "none"
+
+
+def _per_tensor(ns):
+    """per_tensor on tiny: an ample budget answers none, compiled and fitting."""
+    assert str(ns["t"].chosen) == "none" and ns["t"].fits and ns["t"].cost_s == 0.0
+
+
+def _maxtext(ns):
+    """MaxText's custom settings: the policy they make, and back."""
+    assert str(ns["p"]) == "offload:q_proj;save=mlp_out" and ns["p"].to_maxtext()["mlpwi_0"] == "remat"
 
 
 def _nnx(ns):
@@ -68,6 +78,8 @@ KNOWN = {
     "RematBlock = policy(MyBlock": _linen_loop,
     "remat_kit.stack(NormBlock": _stack,
     "remat_kit.auto(cfg": _budget,
+    "per_tensor(cfg": _per_tensor,
+    "policies.from_maxtext(": _maxtext,
     "remat_kit.inspect(make_loss": _plan_own,
     "lora.update(loss_fn": _lora,
     "remat_kit.nnx.stack(Block": _nnx,

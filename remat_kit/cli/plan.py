@@ -105,6 +105,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     for flag in ("margin", "limits", "plot"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag} goes with --budget")
+    for flag in ("calibrate", "per_tensor"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} goes with --budget")
     specs = parse_policies(",".join(DEFAULT_POLICIES) if args.policies is None else args.policies, config.num_layers)
     if args.top < 0:
         raise ValueError(f"--top must be >= 0, got {args.top}")
@@ -205,6 +208,12 @@ def add_cli(subparsers) -> None:
         metavar="PNG",
         help="with --budget: Pareto plot of memory vs recompute (PNG ends in .png)",
     )
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --budget: price recompute with this machine's measured FLOP/s and bandwidth (a timed "
+                        "matmul and copy, a few hundred ms) instead of the backend's defaults")  # fmt: skip
+    p.add_argument("--per-tensor", action="store_true",
+                   help="with --budget: also choose save/recompute/offload per tag of the block and per layer range "
+                        "(remat_kit.planning.tensors), compiled to check")  # fmt: skip
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="policies compiled at once (>= 1)")
     add_json_arg(p, "the figures")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
@@ -215,7 +224,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     """``plan --budget``: every candidate's need against the budget, the choice, and the limits that fit."""
     from remat_kit import policies
     from remat_kit.cli.plan_report import compile_progress, parse_policies
-    from remat_kit.planning import budget, pareto
+    from remat_kit.planning import budget, cost, pareto, tensors
     from remat_kit.planning import fit as fit_lib
     from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner
 
@@ -246,10 +255,18 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         return 1
     if not args.no_progress:
         print(f"[plan] compiling {len(pool)} candidates, {args.jobs} at a time ...", file=sys.stderr, flush=True)
+    hardware = cost.calibrate(mesh.devices.flat[0].platform if mesh is not None else None) if args.calibrate else None
     result = budget.auto(
         config, batch=batch, seq=seq, budget_bytes=budget_bytes, margin=margin, candidates=pool,
-        exhaustive=True, planner=planner, jobs=args.jobs,
+        exhaustive=True, planner=planner, jobs=args.jobs, hardware=hardware,
     )  # fmt: skip
+    per = None
+    if args.per_tensor:
+        if not args.no_progress:
+            print("[plan] per-tensor search ...", file=sys.stderr, flush=True)
+        per = tensors.per_tensor(config, batch=batch, seq=seq, budget_bytes=budget_bytes, margin=margin,
+                                 loss_chunks=args.loss_chunks, planner=planner, hardware=result.hardware,
+                                 baseline=result.chosen)  # fmt: skip
     wanted = [c.policy for c in result.candidates] if limits == "all" else []
     if limits == "pareto":  # a dominated policy is never the best answer at any budget: skip its searches
         points = [(c.recompute_flops, c.need_bytes) for c in result.candidates]
@@ -286,6 +303,21 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         print(f"(cap): the preset's max_seq_len ({config.max_seq_len}); memory would allow more")
     print(f"\nchosen: {result.chosen}" if result.chosen is not None else "")
     print(result.reason)  # when nothing fits, it says so (once)
+    if per is not None:
+        groups = ", ".join("+".join(g) for g in per.groups)
+        print(f"\nper tensor ({len(per.options)} Pareto-optimal layer options of the {per.traces} subsets of: "
+              f"{groups}):")  # fmt: skip
+        if per.chosen is None:
+            print("  nothing fits")
+        else:
+            won = "the per-tensor search's own answer" if per.source == "per-tensor" else "auto's answer: none cheaper"
+            print(f"  {per.chosen}: est. {per.cost_s * 1e3:.3g} ms over none, needs {fmt_bytes(per.need_bytes)} "
+                  f"(compiled, fits; {won})")  # fmt: skip
+            if per.chosen.kind != "mix":
+                try:
+                    print(f"  as MaxText custom remat: {policies.to_maxtext(per.chosen)}")
+                except ValueError as e:
+                    print(f"  no MaxText equivalent: {e}")
     if args.plot:
         result.plot(args.plot)
         print(f"wrote {args.plot}")
@@ -294,6 +326,11 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
                    "mesh": args.mesh, **result.to_dict()}  # fmt: skip
         for row in payload["candidates"]:
             row["max_batch"], row["max_seq"] = fit.get(row["policy"], (None, None))
+        if per is not None:
+            payload["per_tensor"] = {"chosen": None if per.chosen is None else str(per.chosen), "cost_s": per.cost_s,
+                                     "need_bytes": per.need_bytes, "source": per.source,
+                                     "groups": [list(g) for g in per.groups],
+                                     "compiled": [list(c) for c in per.compiled]}  # fmt: skip
         write_json(args.json, payload)
         if args.json != "-":
             print(f"wrote {args.json}")

@@ -1,20 +1,23 @@
 """The fastest policy that fits a memory budget, and what it takes to fit — compile-only.
 
 :func:`auto` (also ``remat_kit.auto``) answers "I have X GB: which policy?". Every candidate
-policy's training step is traced (cheap) to count its recompute FLOPs — the matmul FLOPs beyond
-those of ``none`` — and candidates are then compiled in order of increasing recompute, from
-ShapeDtypeStructs, until the cheapest group that fits is found. "Fits" means the compiled step's
-device bytes — weights, gradients, optimizer state and activations (arguments + outputs − aliased
-+ temp of ``Compiled.memory_analysis()``) — times ``1 + margin`` are at most the budget. The
-winner is the fitting candidate with the least recompute FLOPs, ties going to less memory.
+policy's training step is traced (cheap) and priced by the cost model (:mod:`remat_kit.planning.cost`):
+the estimated step time of every op it recomputes over ``none`` (softmax, norms and activations
+included, not matmuls alone) plus its exposed host transfers. Candidates are then compiled in order of
+increasing cost, from ShapeDtypeStructs, until the cheapest group that fits is found. "Fits" means the
+compiled step's device bytes — weights, gradients, optimizer state and activations (arguments + outputs
+− aliased + temp of ``Compiled.memory_analysis()``) — times ``1 + margin`` are at most the budget. The
+winner is the fitting candidate with the least estimated cost, ties going to less recompute of any kind
+(FLOPs, then bytes, then offloaded bytes) and then to less memory. On a backend where offload moves
+nothing (XLA:CPU) an offload candidate saves no memory and is never chosen.
 :func:`remat_kit.planning.fit.max_fit` finds the largest batch or the longest sequence a policy fits;
 :meth:`AutoResult.table` and :meth:`AutoResult.plot` show the candidates. The compiles are
 :class:`remat_kit.planning.planner.StepPlanner`'s.
 
 >>> from remat_kit.model.transformer import TransformerConfig
 >>> r = auto(TransformerConfig.preset("tiny"), batch=2, seq=32, budget_bytes=parse_bytes("1GB"))
->>> r.chosen is not None and r.candidates[0].recompute_flops == 0  # ample budget: nothing recomputed
-True
+>>> str(r.chosen), r.candidates[0].cost_s  # ample budget: nothing recomputed
+('none', 0.0)
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import optax
 
 from remat_kit import constants, inspection, memory, policies
 from remat_kit.model.transformer import TransformerConfig
-from remat_kit.planning import analysis
+from remat_kit.planning import analysis, cost
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner
 from remat_kit.units import fmt_bytes, fmt_flops
@@ -49,6 +53,8 @@ def candidates_for(config: TransformerConfig, *, offload: bool | None = None) ->
         policies.selective(),
         policies.parse("minimal"),
         policies.parse("save_dot_except_mlp"),
+        policies.parse("save_dot_with_context_except_mlp"),
+        policies.parse("save_dot_except_mlpwi"),
         policies.selective(["q_proj", "k_proj", "v_proj", "context"]),
         policies.parse("save_qkv_proj"),
         policies.selective(["mlp_gate", "mlp_up"]),
@@ -67,7 +73,8 @@ def candidates_for(config: TransformerConfig, *, offload: bool | None = None) ->
 BUDGET_LEGEND = (
     "peak = the compiled step's device bytes at its peak, arguments + outputs − aliased + temp (weights, gradients, "
     "optimizer state, activations and the recompute working set): what must fit; recompute = matmul FLOPs beyond "
-    "`none`.\n"
+    "`none`; est. = the cost model's step-time cost over `none` (every recomputed op at max(FLOPs/peak, "
+    "bytes/bandwidth), plus exposed host transfers): what ranks the candidates.\n"
 )
 
 
@@ -82,6 +89,10 @@ class Candidate:
       need_bytes: device bytes of the compiled step (None when it was not compiled).
       host_bytes: host-memory bytes (offloaded residuals), None when not compiled.
       fits: ``need_bytes · (1 + margin) <= budget``; None when not compiled.
+      recompute_s: the cost model's seconds of the ops recomputed over ``none``.
+      offload_s: its exposed seconds of host transfers (0 where offload moves nothing).
+      recompute_bytes: bytes the recomputed ops read and write.
+      rank: the sort key (:attr:`remat_kit.planning.cost.Estimate.rank`).
     """
 
     policy: str
@@ -90,6 +101,15 @@ class Candidate:
     need_bytes: int | None = None
     host_bytes: int | None = None
     fits: bool | None = None
+    recompute_s: float = 0.0
+    offload_s: float = 0.0
+    recompute_bytes: int = 0
+    rank: tuple = ()
+
+    @property
+    def cost_s(self) -> float:
+        """The estimated step-time cost over ``none``: recompute plus exposed offload."""
+        return self.recompute_s + self.offload_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +141,8 @@ class AutoResult:
     #: The mixed front: ``(a, b, need_a, need_b, recompute_a, recompute_b)`` for each Pareto-optimal pair a mix
     #: was interpolated on (a recomputes less, b needs less); what a plot draws between presets.
     mixed_front: tuple[tuple[str, str, int, int, int, int], ...] = ()
+    #: The throughputs the candidates were priced against (:class:`remat_kit.planning.cost.Hardware`).
+    hardware: cost.Hardware | None = None
 
     @property
     def budget(self) -> Budget:
@@ -134,7 +156,8 @@ class AutoResult:
         fit = fit or {}
         budget = self.budget
         width = max(len(c.policy) for c in self.candidates) + 1
-        head = f"{'policy':{width + 1}} {'recompute':>10} {'peak':>10} {'+margin':>10} {'host':>10} {'fits':>5}"
+        head = (f"{'policy':{width + 1}} {'recompute':>10} {'est.':>10} {'peak':>10} {'+margin':>10} {'host':>10} "
+                f"{'fits':>5}")  # fmt: skip
         if fit:
             head += f" {'max batch @seq ' + str(self.seq):>18} {'max seq @batch ' + str(self.batch):>18}"
         rows = [head, "-" * len(head)]
@@ -143,7 +166,7 @@ class AutoResult:
             compiled = c.need_bytes is not None
             fits = "-" if c.fits is None else "yes" if c.fits else "no"
             row = (
-                f"{mark}{c.policy:{width}} {fmt_flops(c.recompute_flops):>10} "
+                f"{mark}{c.policy:{width}} {fmt_flops(c.recompute_flops):>10} {_fmt_seconds(c.cost_s):>10} "
                 f"{fmt_bytes(c.need_bytes) if compiled else '-':>10} "
                 f"{fmt_bytes(budget.with_margin(c.need_bytes)) if compiled else '-':>10} "
                 f"{fmt_bytes(c.host_bytes) if compiled else '-':>10} {fits:>5}"
@@ -157,8 +180,10 @@ class AutoResult:
                 f"mixed front (mixes of neighbours, policies.mix): {pairs}; rows with '*COUNT' are mixes compiled."
             )
         note = memory.host_offload().note
-        if note and any(policies.parse(c.policy).kind == "offload" for c in self.candidates):
-            rows.append(f"note: {note}.")
+        if note and any(_has_offload(policies.parse(c.policy)) for c in self.candidates):
+            rows.append(f"note: {note}; offload candidates are never chosen here.")
+        if self.hardware is not None:
+            rows.append(self.hardware.describe() + ".")
         return rows
 
     def plot(self, path: str) -> str:
@@ -179,7 +204,7 @@ class AutoResult:
         rows = [c for c in self.candidates if c.need_bytes is not None]
         # One unit for the axis: GB when the figures reach it, MB below (a tiny model's 0.004 GB reads badly).
         scale, unit = (1e9, "GB") if max([c.need_bytes for c in rows] + [self.budget.target]) >= 1e9 else (1e6, "MB")
-        xs = [c.recompute_flops / 1e9 for c in rows]
+        xs = [c.cost_s * 1e3 for c in rows]
         ys = [c.need_bytes / scale for c in rows]
         # The axes on the left, the numbered key of the points on the right: a number beside each point, not its
         # (long, often overlapping) spec.
@@ -202,7 +227,7 @@ class AutoResult:
             win = next(i for i, c in enumerate(rows) if c.policy == str(self.chosen))
             ax.scatter([xs[win]], [ys[win]], s=250, facecolors="none", edgecolors="black", linewidths=2,
                        label=f"chosen: {_short(str(self.chosen))}", zorder=4)  # fmt: skip
-        ax.set_xlabel("recompute per step (GFLOP, matmuls beyond `none`)")
+        ax.set_xlabel("estimated recompute cost per step (ms over `none`, cost model)")
         ax.set_ylabel(f"compiled step peak ({unit})")
         ax.set_title(
             f"policies at batch {self.batch} x seq {self.seq} (green fits, red does not)\n"
@@ -231,8 +256,9 @@ class AutoResult:
             "reason": self.reason,
             "compiled": self.compiled,
             "seconds": self.seconds,
-            "candidates": [dataclasses.asdict(c) for c in self.candidates],
+            "candidates": [{**dataclasses.asdict(c), "cost_s": c.cost_s} for c in self.candidates],
             "mixed_front": [list(pair) for pair in self.mixed_front],
+            "hardware": None if self.hardware is None else dataclasses.asdict(self.hardware),
         }
 
 
@@ -255,8 +281,9 @@ def auto(
     seq: int | None = None,
     loss_chunks: int = 0,
     mixes: bool = True,
+    hardware: cost.Hardware | None = None,
 ) -> AutoResult:
-    """Choose the policy with the least recompute whose training step fits ``budget_bytes``.
+    """Choose the policy with the least estimated recompute time whose training step fits ``budget_bytes``.
 
     Two forms, told apart by the first argument:
 
@@ -282,6 +309,8 @@ def auto(
       mixes: for a config, also consider mixes (:func:`remat_kit.policies.mix`) of two Pareto-optimal
         candidates on either side of the budget (see :func:`best_mix`): between two presets' needs the
         answer is then the mix with the least recompute that fits, measured by one more compile or a few.
+      hardware: what recompute is priced against (default: :func:`remat_kit.planning.cost.default_hardware`
+        of the backend; :func:`remat_kit.planning.cost.calibrate` measures this machine).
 
     Returns:
       An :class:`AutoResult`; ``chosen`` (a Policy or a Mix) is None when nothing fits, and ``reason`` then says what is
@@ -301,7 +330,7 @@ def auto(
         planner = planner or Planner(model, optimizer, loss_chunks)
         pool = [policies.parse(p, num_layers=model.num_layers) for p in (wanted or candidates_for(model))]
         return search(planner, pool, budget, exhaustive=exhaustive, batch=batch, seq=seq,
-                      loss_chunks=loss_chunks, jobs=jobs,
+                      loss_chunks=loss_chunks, jobs=jobs, hardware=hardware,
                       num_layers=model.num_layers if mixes else None)  # fmt: skip
     if not callable(model):
         raise TypeError(f"auto's first argument must be a TransformerConfig or make_loss(policy), got {model!r}")
@@ -313,7 +342,7 @@ def auto(
     pool = [policies.parse(p) for p in (wanted or GENERIC_CANDIDATES)]
     inspection.check_loss(make_loss_checked(model, pool[0]), inputs)
     planner = planner or StepPlanner(lambda p, b, s: (model(p), inputs[0], inputs[1:]), optimizer)
-    return search(planner, pool, budget, exhaustive=exhaustive, jobs=jobs)
+    return search(planner, pool, budget, exhaustive=exhaustive, jobs=jobs, hardware=hardware)
 
 
 def make_loss_checked(make_loss: Callable, policy: policies.Policy) -> Callable:
@@ -335,14 +364,16 @@ def search(
     loss_chunks: int = 0,
     jobs: int = 1,
     num_layers: int | None = None,
+    hardware: cost.Hardware | None = None,
 ) -> AutoResult:
     """:func:`auto`'s search over ``pool`` with ``planner`` at one shape: candidates in order of
-    recompute (traced, cheap), compiled group by group until the cheapest group that fits; then, given
+    estimated cost (traced, cheap), compiled group by group until the cheapest group that fits; then, given
     the stack's ``num_layers``, the best mix of two compiled Pareto-optimal candidates (:func:`best_mix`)."""
     start = time.perf_counter()
-    base = planner.flops(policies.none(), batch, seq)
+    hardware = hardware or cost.default_hardware(planner_platform(planner))
+    price = Pricer(planner, hardware, batch, seq)
     compiles_before = planner.compiles
-    order = sorted(pool, key=lambda p: planner.flops(p, batch, seq))
+    order = sorted(pool, key=lambda p: price.rank(p))
     if exhaustive:
         planner.precompile([(p, batch, seq) for p in order], jobs=jobs)
 
@@ -350,25 +381,25 @@ def search(
     chosen = None
     i = 0
     while i < len(order):
-        group_flops = planner.flops(order[i], batch, seq)
-        group = [p for p in order[i:] if planner.flops(p, batch, seq) == group_flops]
+        group_rank = price.rank(order[i])
+        group = [p for p in order[i:] if price.rank(p) == group_rank]
         i += len(group)
         for p in group:
-            device, host = planner.memory(p, batch, seq)
-            rows[str(p)] = Candidate(str(p), group_flops, group_flops - base, device, host, budget.fits(device))
-        fitting = [p for p in group if rows[str(p)].fits]
+            rows[str(p)] = price.candidate(p, budget)
+        fitting = [p for p in group if rows[str(p)].fits and price.choosable(p)]
         if fitting and chosen is None:
             chosen = min(fitting, key=lambda p: rows[str(p)].need_bytes)
             if not exhaustive:
                 break
     for p in order:  # the ones the search never needed to compile
         if str(p) not in rows:
-            f = planner.flops(p, batch, seq)
-            rows[str(p)] = Candidate(str(p), f, f - base)
+            rows[str(p)] = price.candidate(p, None)
     table = tuple(rows[str(p)] for p in order)
     front: tuple = ()
     if num_layers is not None and chosen is not None:
-        found, tried, front = best_mix(planner, table, rows[str(chosen)], num_layers, budget, batch=batch, seq=seq)
+        found, tried, front = best_mix(
+            planner, table, rows[str(chosen)], num_layers, budget, batch=batch, seq=seq, price=price
+        )
         table += tuple(c for c in tried if c.policy not in rows)
         if found is not None:
             chosen = found
@@ -385,7 +416,70 @@ def search(
         compiled=planner.compiles - compiles_before,
         seconds=time.perf_counter() - start,
         mixed_front=front,
+        hardware=hardware,
     )
+
+
+def planner_platform(planner: StepPlanner) -> str:
+    """The backend a planner compiles for (its mesh's devices, or JAX's default)."""
+    return planner.mesh.devices.flat[0].platform if planner.mesh is not None else jax.default_backend()
+
+
+def _has_offload(policy: policies.Policy | policies.Mix) -> bool:
+    parts = policy.policies if isinstance(policy, policies.Mix) else (policy,)
+    return any(p.kind == "offload" for p in parts)
+
+
+def _fmt_seconds(s: float) -> str:
+    if s == 0:
+        return "0"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+class Pricer:
+    """Prices policies on one planner at one shape: the cost model's estimate over ``none`` and the compiled need.
+
+    Args:
+      planner: whose traces (op counts) and compiles are used, memoized there.
+      hardware: the throughputs (:class:`remat_kit.planning.cost.Hardware`).
+      batch, seq: the shape (None for a model planned at one fixed shape).
+    """
+
+    def __init__(self, planner: StepPlanner, hardware: cost.Hardware, batch: int | None, seq: int | None):
+        self.planner, self.hardware, self.batch, self.seq = planner, hardware, batch, seq
+        self.host_moves = memory.host_offload(
+            planner.mesh.devices.flat[0] if planner.mesh is not None else None
+        ).enforced
+        self._base = planner.work(policies.none(), batch, seq)
+        self._base_flops = planner.flops(policies.none(), batch, seq)
+        self._estimates: dict[str, cost.Estimate] = {}
+
+    def estimate(self, policy) -> cost.Estimate:
+        """The cost model's estimate of ``policy`` over ``none`` (trace only)."""
+        key = str(policy)
+        if key not in self._estimates:
+            work = self.planner.work(policy, self.batch, self.seq)
+            self._estimates[key] = cost.estimate(work, self._base, self.hardware, host_moves=self.host_moves)
+        return self._estimates[key]
+
+    def rank(self, policy) -> tuple:
+        """The sort key: estimated cost, then less recompute of any kind."""
+        return self.estimate(policy).rank
+
+    def choosable(self, policy) -> bool:
+        """False for an offload policy on a backend where offload moves nothing (it saves no memory there)."""
+        return self.host_moves or not _has_offload(policy)
+
+    def candidate(self, policy, budget: Budget | None) -> Candidate:
+        """``policy``'s row; compiled (need, host, fits) when ``budget`` is given."""
+        f = self.planner.flops(policy, self.batch, self.seq)
+        e = self.estimate(policy)
+        extra = {"recompute_s": e.recompute_s, "offload_s": e.offload_s, "recompute_bytes": e.recompute_bytes,
+                 "rank": e.rank}  # fmt: skip
+        if budget is None:
+            return Candidate(str(policy), f, f - self._base_flops, **extra)
+        device, host = self.planner.memory(policy, self.batch, self.seq)
+        return Candidate(str(policy), f, f - self._base_flops, device, host, budget.fits(device), **extra)
 
 
 def _mix_range(a: policies.Policy, b: policies.Policy, num_layers: int) -> range:
@@ -410,48 +504,50 @@ def best_mix(
     batch: int | None = None,
     seq: int | None = None,
     max_compiles: int = 6,
+    price: Pricer | None = None,
 ) -> tuple[policies.Mix | None, tuple[Candidate, ...], tuple]:
-    """The mix with the least recompute that fits, when it recomputes strictly less than ``best``.
+    """The mix with the least estimated cost that fits, when it costs strictly less than ``best``.
 
-    The compiled candidates' Pareto front (need vs recompute) is cut by the budget: every pair of a
-    front point over it (``a``, less recompute) and one under it (``b``) is a line of mixes
-    ``a*k+b*(L-k)``, whose need and recompute are very nearly linear in k. The k with the least
-    recompute whose interpolated need fits is then compiled (the answer is measured, never
+    The compiled candidates' Pareto front (need vs estimated cost) is cut by the budget: every pair of a
+    front point over it (``a``, less cost) and one under it (``b``) is a line of mixes
+    ``a*k+b*(L-k)``, whose need and cost are very nearly linear in k. The k with the least
+    cost whose interpolated need fits is then compiled (the answer is measured, never
     interpolated); if it does not fit, k steps down (along the line through the measured point),
     and if it fits, k + 1 is compiled to show that one more layer of ``a`` does not.
 
     Args:
       planner: the planner whose compiles ``table`` holds (the mixes are compiled with it).
-      table: the single candidates, compiled or not; ``best``: the fitting one with least recompute.
+      table: the single candidates, compiled or not; ``best``: the fitting one with least cost.
       num_layers: the depth of the stack the mixes apply to.
       max_compiles: at most this many mixes are compiled.
+      price: the :class:`Pricer` the table was priced with (default: the backend's default hardware).
 
     Returns:
       ``(mix or None, the mixes compiled as Candidates, the mixed front)``: see :attr:`AutoResult.mixed_front`.
     """
+    price = price or Pricer(planner, cost.default_hardware(planner_platform(planner)), batch, seq)
     target = budget.target
-    base = best.flops - best.recompute_flops
-    compiled = [c for c in table if c.need_bytes is not None]
-    front = [compiled[i] for i in pareto_front([(c.recompute_flops, c.need_bytes) for c in compiled])]
-    over = [c for c in front if not c.fits and c.recompute_flops < best.recompute_flops]
+    compiled = [c for c in table if c.need_bytes is not None and price.choosable(policies.parse(c.policy))]
+    front = [compiled[i] for i in pareto_front([(c.cost_s, c.need_bytes) for c in compiled])]
+    over = [c for c in front if not c.fits and c.cost_s < best.cost_s]
     under = [c for c in front if c.fits]
-    ordered = sorted(front, key=lambda c: (c.recompute_flops, -c.need_bytes))
+    ordered = sorted(front, key=lambda c: (c.cost_s, -c.need_bytes))
     lines = tuple(
         (a.policy, b.policy, a.need_bytes, b.need_bytes, a.recompute_flops, b.recompute_flops)
         for a, b in itertools.pairwise(ordered)
-        if a.recompute_flops < b.recompute_flops and a.need_bytes > b.need_bytes
+        if a.cost_s < b.cost_s and a.need_bytes > b.need_bytes
     )
     options = []
     for a in over:
         for b in under:
-            if a.recompute_flops >= b.recompute_flops or a.need_bytes <= b.need_bytes:
+            if a.cost_s >= b.cost_s or a.need_bytes <= b.need_bytes:
                 continue
             ks = _mix_range(policies.parse(a.policy), policies.parse(b.policy), num_layers)
             # need(k) = need_b + k / L · (need_a − need_b): the largest k that fits the target.
             k = min(int((target - b.need_bytes) * num_layers // (a.need_bytes - b.need_bytes)), ks.stop - 1)
-            flops_k = b.recompute_flops + k * (a.recompute_flops - b.recompute_flops) / num_layers
-            if k >= ks.start and flops_k < best.recompute_flops:
-                options.append((flops_k, b.need_bytes + k * (a.need_bytes - b.need_bytes) / num_layers, a, b, k, ks))
+            cost_k = b.cost_s + k * (a.cost_s - b.cost_s) / num_layers
+            if k >= ks.start and cost_k < best.cost_s:
+                options.append((cost_k, b.need_bytes + k * (a.need_bytes - b.need_bytes) / num_layers, a, b, k, ks))
     if not options:
         return None, (), lines
     _, _, a, b, k, ks = min(options, key=lambda o: (o[0], o[1]))
@@ -460,17 +556,14 @@ def best_mix(
 
     def measure(k: int) -> Candidate:
         if k not in measured:
-            m = policies.mix([(pa, k), (pb, num_layers - k)])
-            f = planner.flops(m, batch, seq)
-            device, host = planner.memory(m, batch, seq)
-            measured[k] = Candidate(str(m), f, f - base, device, host, budget.fits(device))
+            measured[k] = price.candidate(policies.mix([(pa, k), (pb, num_layers - k)]), budget)
         return measured[k]
 
     winner = None
     while ks.start <= k < ks.stop and len(measured) < max_compiles:
         c = measure(k)
         if c.fits:
-            if c.recompute_flops < best.recompute_flops and (winner is None or k > winner):
+            if c.rank < best.rank and (winner is None or k > winner):
                 winner = k
             if k + 1 >= ks.stop or (k + 1) in measured:
                 break
@@ -494,29 +587,30 @@ def _reason(chosen, table: Sequence[Candidate], budget: Budget, loss_chunks: int
     margin = budget.margin
     if chosen is not None:
         win = next(c for c in table if c.policy == str(chosen))
-        cheaper = [c for c in table if c.recompute_flops < win.recompute_flops]
+        cheaper = [c for c in table if c.rank < win.rank and "*" not in c.policy]
         text = (
             f"{win.policy} needs {fmt_bytes(win.need_bytes)} (+{margin:.0%} margin: "
-            f"{fmt_bytes(budget.with_margin(win.need_bytes))}) of the {fmt_bytes(budget.bytes)} budget and recomputes "
-            f"{win.recompute_flops / 1e9:.3g} GFLOP per step"
+            f"{fmt_bytes(budget.with_margin(win.need_bytes))}) of the {fmt_bytes(budget.bytes)} budget and costs an "
+            f"estimated {_fmt_seconds(win.cost_s)} per step over `none` ({win.recompute_flops / 1e9:.3g} GFLOP "
+            f"of matmuls recomputed)"
         )
         if cheaper:
-            text += (
-                f"; every candidate that recomputes less ({', '.join(c.policy for c in cheaper)}) "
-                f"needs more than the budget"
-            )
+            blocked = ", ".join(c.policy for c in cheaper if c.fits)
+            why = f"needs more than the budget or is an offload that moves nothing here ({blocked})" if blocked else (
+                "needs more than the budget")  # fmt: skip
+            text += f"; every candidate estimated cheaper ({', '.join(c.policy for c in cheaper)}) {why}"
         if isinstance(chosen, policies.Mix):
             single = [c for c in table if c.fits and "*" not in c.policy]
             if single:
-                alone = min(single, key=lambda c: (c.recompute_flops, c.need_bytes))
+                alone = min(single, key=lambda c: (c.rank, c.need_bytes))
                 text += (
-                    f"; as a mix of {' and '.join(str(p) for p in chosen.policies)} it recomputes less than "
-                    f"{alone.policy}, the best single policy that fits ({alone.recompute_flops / 1e9:.3g} GFLOP)"
+                    f"; as a mix of {' and '.join(str(p) for p in chosen.policies)} it costs less than "
+                    f"{alone.policy}, the best single policy that fits ({_fmt_seconds(alone.cost_s)})"
                 )
             return text + "."
-        ties = [c for c in table if c.recompute_flops == win.recompute_flops and c.policy != win.policy and c.fits]
+        ties = [c for c in table if c.rank == win.rank and c.policy != win.policy and c.fits]
         if ties:
-            text += f"; among equal recompute it needs the least memory (vs {', '.join(c.policy for c in ties)})"
+            text += f"; among equal cost it needs the least memory (vs {', '.join(c.policy for c in ties)})"
         return text + "."
     compiled = [c for c in table if c.need_bytes is not None]
     least = min(compiled, key=lambda c: c.need_bytes)

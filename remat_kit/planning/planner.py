@@ -22,7 +22,7 @@ from remat_kit.constants import DEFAULT_MARGIN
 from remat_kit.memory import CompiledMemory
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig
-from remat_kit.planning import analysis
+from remat_kit.planning import analysis, cost
 from remat_kit.train import mesh as mesh_lib
 from remat_kit.train import step as step_lib
 from remat_kit.units import check_int
@@ -123,6 +123,7 @@ class StepPlanner:
         self._traced: dict[tuple, Any] = {}
         self._lowered: dict[tuple, Any] = {}
         self._flops: dict[tuple, int] = {}
+        self._work: dict[tuple, cost.Work] = {}
         self._memory: dict[tuple, CompiledMemory] = {}
         self._lock = threading.Lock()
         self.compiles = 0
@@ -152,8 +153,22 @@ class StepPlanner:
         """Matmul FLOPs of one step (trace only; no compile)."""
         key = self._key(policy, batch, seq)
         if key not in self._flops:
-            self._flops[key] = flops.jaxpr_flops(self._trace(policy, batch, seq).jaxpr)
+            self._count(policy, batch, seq)
         return self._flops[key]
+
+    def work(self, policy: policies.Policy, batch: int | None = None, seq: int | None = None) -> cost.Work:
+        """The ops of one step, counted for the cost model (:class:`remat_kit.planning.cost.Work`; trace only)."""
+        key = self._key(policy, batch, seq)
+        if key not in self._work:
+            self._count(policy, batch, seq)
+        return self._work[key]
+
+    def _count(self, policy, batch, seq) -> None:
+        # One walk of the traced jaxpr fills both FLOPs and the cost model's op counts.
+        key = self._key(policy, batch, seq)
+        jaxpr = self._trace(policy, batch, seq).jaxpr
+        self._flops[key] = flops.jaxpr_flops(jaxpr)
+        self._work[key] = cost.work_of(jaxpr)
 
     def compiled_memory(self, policy: policies.Policy, batch=None, seq=None) -> CompiledMemory:
         """XLA's memory figures of the compiled step (per device under a mesh)."""

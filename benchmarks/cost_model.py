@@ -1,0 +1,179 @@
+"""The cost model against measured CPU step times, and the per-tensor planner against the best preset and mix.
+
+Part 1 (``--rank``): on ``small`` at its default shape, every candidate preset's estimated step-time cost
+(:mod:`remat_kit.planning.cost`, calibrated on this machine) against its measured median CPU step time
+(:func:`remat_kit.bench.run.run_bench`, a few steps each, in this process); Spearman's rank correlation.
+
+Part 2 (``--budgets``): at 8 budgets from ``full``'s need to ``none``'s, the estimated cost of the best single
+preset (``auto(mixes=False)``), the best mix (``auto``) and the per-tensor answer
+(:func:`remat_kit.planning.tensors.per_tensor`, its own search, no baseline), all compiled and fitting; for
+``small`` (``--measure``) the measured step times of the answers. Usage::
+
+    python benchmarks/cost_model.py --rank --budgets --measure --presets small \
+        --out benchmarks/results/cost_model_small.txt
+    python benchmarks/cost_model.py --budgets --presets 2b --out benchmarks/results/cost_model_2b.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shlex
+import sys
+import time
+
+from remat_kit import policies as P
+from remat_kit.bench.run import run_bench
+from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
+from remat_kit.planning import budget as A
+from remat_kit.planning import cost, tensors
+from remat_kit.planning import planner as planner_lib
+from remat_kit.units import fmt_bytes
+
+#: The 2b pool (as benchmarks/budget_mixed.py): the whole default pool costs 19 compiles of a 2B step.
+POOL_2B = ("none", "selective", "selective:mlp_gate,mlp_up", "save_dot_except_mlp", "save_qkv_proj", "every_n:2",
+           "full")  # fmt: skip
+
+
+def spearman(xs, ys) -> float:
+    """Spearman's rank correlation, ties given their average rank."""
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den
+
+
+def measure(cfg, batch, seq, specs, steps):
+    records = run_bench(cfg, batch, seq, list(specs), steps=steps, warmup=1, subprocesses=False, grad_check=False)
+    return {r.policy: r.step_time_s for r in records}
+
+
+def rank_part(out, hw, steps):
+    cfg = TransformerConfig.preset("small")
+    batch, seq = PRESET_SHAPES["small"]
+    planner = planner_lib.Planner(cfg)
+    pool = list(A.candidates_for(cfg, offload=False))
+    price = A.Pricer(planner, hw, batch, seq)
+    est = {str(p): price.estimate(p) for p in pool}
+    base_step = planner.work(P.none(), batch, seq).seconds(hw)
+    t = time.perf_counter()
+    times = measure(cfg, batch, seq, [str(p) for p in pool], steps)
+    print(f"\n## cost model vs measured step time: small, batch {batch} x seq {seq}, {steps} timed steps each "
+          f"(median), measured in {time.perf_counter() - t:.0f} s", file=out)  # fmt: skip
+    print(f"estimated none step (roofline of every op): {base_step * 1e3:.1f} ms", file=out)
+    print(f"{'policy':64} {'est. cost':>10} {'est. step':>10} {'measured':>10} {'GFLOP':>8}", file=out)
+    specs = sorted(est, key=lambda s: est[s].rank)
+    for s in specs:
+        e = est[s]
+        print(f"{s:64} {e.cost_s * 1e3:8.1f}ms {(base_step + e.cost_s) * 1e3:8.1f}ms {times[s] * 1e3:8.1f}ms "
+              f"{e.recompute_flops / 1e9:8.2f}", file=out)  # fmt: skip
+    rho = spearman([est[s].cost_s for s in specs], [times[s] for s in specs])
+    rho_flops = spearman([est[s].recompute_flops for s in specs], [times[s] for s in specs])
+    print(f"Spearman(estimated cost, measured step time) over {len(specs)} presets: {rho:.3f} "
+          f"({'meets' if rho >= 0.8 else 'misses'} >= 0.8); FLOPs-only ranking: {rho_flops:.3f}", file=out)
+    out.flush()
+
+
+def budgets_part(name, out, hw, measure_steps, max_compiles):
+    cfg = TransformerConfig.preset(name)
+    batch, seq = PRESET_SHAPES[name]
+    planner = planner_lib.Planner(cfg)
+    pool = [P.parse(s) for s in POOL_2B] if name == "2b" else list(A.candidates_for(cfg, offload=False))
+    t = time.perf_counter()
+    full = planner.memory(P.full(), batch, seq)[0]
+    none = planner.memory(P.none(), batch, seq)[0]
+    m = planner_lib.DEFAULT_MARGIN
+    budgets = [int((full + i / 7 * (none - full)) * (1 + m)) + 1 for i in range(8)]
+    print(f"\n## budgets: {name}, {cfg.num_layers} layers, batch {batch} x seq {seq}, margin {m:.0%}; "
+          f"full needs {fmt_bytes(full)}, none {fmt_bytes(none)}; {hw.describe()}", file=out)  # fmt: skip
+    print(f"{'budget':>10}  {'best preset':34} {'est.':>9}  {'best mix':44} {'est.':>9}  {'per-tensor':60} "
+          f"{'est.':>9} {'peak':>10} {'s':>5} {'<=':>3}", file=out)  # fmt: skip
+    answers = set()
+    for b in budgets:
+        plain = A.auto(cfg, batch=batch, seq=seq, budget_bytes=b, candidates=pool, planner=planner, mixes=False,
+                       hardware=hw)  # fmt: skip
+        mixed = A.auto(cfg, batch=batch, seq=seq, budget_bytes=b, candidates=pool, planner=planner, hardware=hw)
+        row = lambda r: next(c for c in r.candidates if c.policy == str(r.chosen))
+        t0 = time.perf_counter()
+        q = tensors.per_tensor(cfg, batch=batch, seq=seq, budget_bytes=b, planner=planner, hardware=hw,
+                               max_compiles=max_compiles)  # fmt: skip
+        took = time.perf_counter() - t0
+        best = min(row(plain).cost_s, row(mixed).cost_s)
+        ok = q.cost_s is not None and q.cost_s <= best + 1e-12
+        print(f"{fmt_bytes(b):>10}  {plain.chosen!s:34} {row(plain).cost_s * 1e3:7.2f}ms  {mixed.chosen!s:44} "
+              f"{row(mixed).cost_s * 1e3:7.2f}ms  {q.chosen!s:60} "
+              f"{(q.cost_s or 0) * 1e3:7.2f}ms {fmt_bytes(q.need_bytes or 0):>10} {took:5.0f} "
+              f"{'yes' if ok else 'NO':>3}",
+              file=out)  # fmt: skip
+        out.flush()
+        answers.update({str(plain.chosen), str(mixed.chosen), str(q.chosen)})
+    print(f"({time.perf_counter() - t:.0f} s, {planner.compiles} compiles)", file=out)
+    if measure_steps:
+        t = time.perf_counter()
+        times = measure(cfg, batch, seq, sorted(answers), measure_steps)
+        price = A.Pricer(planner, hw, batch, seq)
+        print(f"\nmeasured step times of the answers ({measure_steps} timed steps, median; "
+              f"{time.perf_counter() - t:.0f} s):", file=out)  # fmt: skip
+        for s in sorted(answers, key=lambda s: price.estimate(P.parse(s)).rank):
+            print(f"  {s:64} est. {price.estimate(P.parse(s)).cost_s * 1e3:8.2f}ms  measured "
+                  f"{times[s] * 1e3:8.1f}ms", file=out)  # fmt: skip
+    out.flush()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="small")
+    ap.add_argument("--rank", action="store_true")
+    ap.add_argument("--budgets", action="store_true")
+    ap.add_argument("--measure", action="store_true", help="measure the answers' step times (part 2)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--max-compiles", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    buf = io.StringIO()
+
+    class Tee:
+        def write(self, text):
+            sys.stdout.write(text)
+            buf.write(text)
+
+        def flush(self):
+            sys.stdout.flush()
+            if args.out:  # partial results survive a run cut short
+                with open(args.out, "w") as f:
+                    f.write(f"$ {command}\n(in progress)\n{buf.getvalue()}")
+
+    command = "python benchmarks/cost_model.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    out = Tee()
+    hw = cost.calibrate()
+    print(hw.describe(), file=out)
+    if args.rank:
+        rank_part(out, hw, args.steps)
+    if args.budgets:
+        for name in args.presets.split(","):
+            budgets_part(name, out, hw, args.steps if args.measure else 0, args.max_compiles)
+    wall = time.perf_counter() - start
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"$ {command}\nwall time: {wall:.0f} s (2 shared CPU cores)\n{buf.getvalue()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

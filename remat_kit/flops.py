@@ -28,7 +28,8 @@ def _dot_flops(dot: _jax_internals.DotShapes) -> int:
 
 def eqn_matmul_flops(eqn) -> int:
     """FLOPs of one ``dot_general`` equation (2 · M · N · K, batch dimensions included); 0 for any other."""
-    return _dot_flops(eqn) if eqn.primitive.name == "dot_general" else 0
+    dot = _jax_internals.dot_shapes(eqn)
+    return 0 if dot is None else _dot_flops(dot)
 
 
 def jaxpr_flops(jaxpr) -> int:

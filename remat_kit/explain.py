@@ -45,6 +45,7 @@ GROUPS: tuple[str, ...] = (
     "inputs",
     "gradients",
     "saved residuals",
+    "weight copies",
     "logits / loss",
     "forward temporaries",
     "backward temporaries",
@@ -120,8 +121,10 @@ class Explanation:
         ``total`` (``reserved`` holds what XLA reserves but no value uses at the peak instruction).
       largest_at_peak: the ten largest buffers live there, largest first.
       total: the compiled peak (:attr:`remat_kit.memory.CompiledMemory.total`).
-      peak_op: the op_name (or instruction) at the peak and its phase.
+      peak_op, peak_phase: the op at the peak (op and source line) and its phase.
       timeline: the :class:`Timeline`.
+      kept: sorted ``(shape, dtype)`` of the forward buffers live when the backward pass starts: the saved
+        set as compiled (after XLA's CSE, which may merge a recompute away), for :func:`noop_warning`.
     """
 
     at_peak: dict[str, int]
@@ -130,6 +133,12 @@ class Explanation:
     peak_op: str
     peak_phase: str
     timeline: Timeline
+    kept: tuple = ()
+
+    @property
+    def peak_at(self) -> str:
+        """Where the peak is: ``"backward: dot_general at model.py:12"``."""
+        return f"{self.peak_phase}: {self.peak_op}"
 
     @property
     def live_bytes(self) -> int:
@@ -138,9 +147,7 @@ class Explanation:
 
     def table(self) -> str:
         """The groups at the peak, then the largest buffers."""
-        return f"peak in the {self.peak_phase} ({self.peak_op})\n" + format_at_peak(
-            self.at_peak, self.largest_at_peak, self.total
-        )
+        return f"peak in {self.peak_at}\n" + format_at_peak(self.at_peak, self.largest_at_peak, self.total)
 
 
 def format_at_peak(at_peak: Mapping[str, int], largest: Sequence[PeakBuffer], total: int) -> str:
@@ -203,7 +210,7 @@ def explain(
       memory: the same compile's :class:`remat_kit.memory.CompiledMemory`.
       parameter_groups: entry parameter number -> group (``"parameters"``, ``"optimizer state"``, ``"inputs"``).
       gradient_shapes: ``(shape, dtype)`` of the differentiated leaves: a backward value of such a shape is a
-        gradient, any other a backward temporary.
+        gradient, any other a backward temporary; a forward value of such a shape (any axis order) a weight copy.
       tags: ``(shape, dtype)`` -> ``checkpoint_name`` of the saved residuals (from JAX's residual analysis).
       top: how many of the largest buffers to name.
 
@@ -215,10 +222,10 @@ def explain(
     position = {i.name: t for t, i in enumerate(program.sequence)}
     _hlo_dtype = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32", "pred": "bool"}
     grads = {(tuple(s), str(d)) for s, d in gradient_shapes}
+    # A weight's element count in any layout: a forward copy of that size is a cast or transposed weight copy.
+    weight_sizes = {tuple(sorted(s)) for s, _ in gradient_shapes if len(s) >= 2}
     tags = dict(tags or {})
     phases = [phase(i.op_name, i.source) for i in program.sequence]
-    # A forward value still live when the backward pass starts is one the backward pass reads: a saved residual.
-    first_backward = min((t for t, p in enumerate(phases) if p == "backward"), default=len(phases))
     last_backward = max((t for t, p in enumerate(phases) if p == "backward"), default=-1)
     # After the backward pass, un-differentiated ops are the optimizer's; before it, bookkeeping ops (copies,
     # tuples, loop counters) carry no AD marker and take the phase of the op before them.
@@ -229,6 +236,14 @@ def explain(
         filled.append(p)
         before = p
     phases = filled
+    # A forward value live across a backward instruction is one the backward pass reads: a saved residual.
+    backward_before = [0]
+    for p in phases:
+        backward_before.append(backward_before[-1] + (p == "backward"))
+
+    def spans_backward(b: _xla_dump.Buffer) -> bool:
+        return backward_before[min(b.end, len(phases) - 1) + 1] > backward_before[max(b.start, 0)]
+
     at = program.peak_position
     # A phi (a loop-carried alias) has no op of its own: its phase is its loop's, its producer the real value
     # sharing its slice nearest in time to the peak (a slice is reused over time by unrelated values).
@@ -261,19 +276,30 @@ def explain(
             made = i
         if b.host:
             return "host memory", tags.get(key) or _producer(made)
-        p = phase(i.op_name, i.source) if i else "other"
-        if p == "backward":
-            return ("gradients" if key in grads else "backward temporaries"), _producer(made)
-        if p == "loss":
+        # An op with no AD marker of its own (an XLA copy or convert) belongs to the phase it runs in.
+        p = phases[position[i.name]] if i is not None and i.name in position else "other"
+        if p == "backward" and key in grads:
+            return "gradients", _producer(made)
+        # The loss's buffers and their gradients (what a chunked loss removes), forward or backward.
+        if p == "loss" or (p in ("forward", "backward") and made is not None and _is_loss(made.op_name, made.source)):
             return "logits / loss", _producer(made)
+        if p == "backward":
+            return "backward temporaries", _producer(made)
+        if p in ("forward", "other") and tuple(sorted(b.shape)) in weight_sizes:
+            return "weight copies", _producer(made)
         if p == "forward":
-            if b.end >= first_backward:
+            if spans_backward(b):
                 return "saved residuals", tags.get(key) or _producer(made)
             return "forward temporaries", _producer(made)
-        if i is not None and position.get(i.name, -1) > last_backward >= 0:
+        if p == "optimizer":
             return "optimizer update", _producer(made)
         return "other", _producer(made)
 
+    kept = [
+        (b.shape, _hlo_dtype.get(b.dtype, b.dtype))
+        for b in program.buffers
+        if b.kind != "parameter" and spans_backward(b) and classify(b)[0] in ("saved residuals", "logits / loss")
+    ]
     totals = dict.fromkeys(GROUPS, 0)
     rows = []
     for b in program.live_at(at):
@@ -290,9 +316,10 @@ def explain(
         at_peak={g: n for g, n in totals.items() if n},
         largest_at_peak=tuple(rows[:top]),
         total=int(memory.total),
-        peak_op=(peak_ins.op_name or peak_ins.name) if peak_ins else "",
+        peak_op=_producer(peak_ins) if peak_ins else "",
         peak_phase=phases[at] if phases else "",
         timeline=timeline,
+        kept=tuple(sorted(kept)),
     )
 
 
@@ -348,7 +375,8 @@ def plot_timelines(timelines: Mapping[str, Timeline], path: str, title: str = "l
     from matplotlib.patches import Patch
 
     phase_handles = [Patch(color=c, label=p) for p, c in _PHASE_COLORS.items() if p in first.phases]
-    ax.legend(handles=handles + phase_handles, loc="upper left", fontsize=8, ncol=2)
+    ax.legend(handles=handles + phase_handles, loc="lower right", fontsize=8, ncol=2,
+              title=f"phases shaded for {next(iter(timelines))}", title_fontsize=8)  # fmt: skip
     ax.set_xlabel("executed instruction sequence (0 = start, 1 = end; scan bodies repeated once per trip)")
     ax.set_ylabel(f"live device memory ({unit})")
     ax.set_ylim(bottom=0)
@@ -374,8 +402,9 @@ def _unit(peak: int) -> tuple[float, str]:
 def noop_warning(policy: str, peak: int, saved: Any, base_peak: int, base_saved: Any) -> str | None:
     """A warning when a remat policy compiles to ``none``'s peak and saved set: the policy did nothing.
 
-    ``saved`` / ``base_saved`` are comparable signatures of the saved residuals (e.g. sorted
-    ``(shape, dtype)`` tuples).
+    ``saved`` / ``base_saved`` are comparable signatures of the saved set: :attr:`Explanation.kept` (as
+    compiled: catches a recompute XLA merged away in unrolled code) or :func:`saved_signature` of JAX's
+    residuals.
 
     >>> noop_warning("full", 10, ((4,), "f32"), 10, ((4,), "f32")) is not None
     True
@@ -443,7 +472,8 @@ def dominance_warnings(at_peak: Mapping[str, int], total: int, *, has_optimizer:
     out = []
     if total <= 0:
         return out
-    state = sum(at_peak.get(g, 0) for g in ("parameters", "optimizer state", "gradients", "optimizer update"))
+    untouched = ("parameters", "optimizer state", "gradients", "optimizer update", "weight copies")
+    state = sum(at_peak.get(g, 0) for g in untouched)
     if state / total >= DOMINANCE_SHARE:
         levers = "LoRA (--lora-rank), a mesh sharding the state (--mesh fsdp=N)"
         levers += ", optimizer-state offload" if has_optimizer else ""

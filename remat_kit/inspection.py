@@ -124,6 +124,8 @@ class Inspection:
       warnings: one-line guardrails: offload that moves nothing, a peak no policy touches, and (from
         :func:`compare`) a policy that did nothing.
       timeline: with ``explain=True``, live bytes over the step (:meth:`plot_timeline`).
+      kept: with ``explain=True``, the saved set as compiled (:attr:`remat_kit.explain.Explanation.kept`).
+      peak_at: with ``explain=True``, the phase and op at the peak (:attr:`remat_kit.explain.Explanation.peak_at`).
     """
 
     residuals: tuple[Residual, ...]
@@ -146,6 +148,8 @@ class Inspection:
     largest_at_peak: tuple[explain_lib.PeakBuffer, ...] = ()
     warnings: tuple[str, ...] = ()
     timeline: explain_lib.Timeline | None = dataclasses.field(default=None, repr=False, compare=False)
+    kept: tuple = dataclasses.field(default=(), repr=False)
+    peak_at: str = ""
 
     def plot_timeline(self, path: str) -> str:
         """Write this step's memory timeline (live bytes over the instruction sequence, peak marked) as a PNG.
@@ -169,6 +173,7 @@ class Inspection:
         out["largest_at_peak"] = [dataclasses.asdict(b) for b in self.largest_at_peak]
         out["warnings"] = list(self.warnings)
         out.pop("timeline", None)
+        out.pop("kept", None)
         return out
 
     def table(self, top: int = 10) -> str:
@@ -187,6 +192,7 @@ class Inspection:
             lines.append(f"{fmt_bytes(rest):>10}  ... {len(self.residuals) - top} more")
         lines += [f"note: {n}" for n in self.notes]
         if self.at_peak:
+            lines.append(f"peak in {self.peak_at}")
             lines.append(explain_lib.format_at_peak(self.at_peak, self.largest_at_peak, self.peak_bytes))
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -349,6 +355,8 @@ def inspect(
         largest_at_peak=found.largest_at_peak if found else (),
         warnings=tuple(warnings),
         timeline=found.timeline if found else None,
+        kept=found.kept if found else (),
+        peak_at=found.peak_at if found else "",
     )
 
 
@@ -472,10 +480,13 @@ def _with_noop_warnings(specs: tuple[str, ...], reports: tuple[Inspection, ...])
     if "none" not in specs:
         return reports
     base = reports[specs.index("none")]
-    sig = explain_lib.saved_signature
+
+    def sig(r):
+        return r.kept or explain_lib.saved_signature(r.residuals)
+
     out = []
     for spec, r in zip(specs, reports, strict=True):
-        w = explain_lib.noop_warning(spec, r.peak_bytes, sig(r.residuals), base.peak_bytes, sig(base.residuals))
+        w = explain_lib.noop_warning(spec, r.peak_bytes, sig(r), base.peak_bytes, sig(base))
         out.append(dataclasses.replace(r, warnings=(w, *r.warnings)) if w else r)
     return tuple(out)
 

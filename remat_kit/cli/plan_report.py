@@ -152,7 +152,7 @@ def format_explain(results: dict[str, analysis.Analysis]) -> list[str]:
     for name, a in results.items():
         if not a.at_peak:
             continue
-        lines.append(f"  {name}:")
+        lines.append(f"  {name}: peak in {a.peak_at}")
         table = explain.format_at_peak(a.at_peak, a.largest_at_peak, a.peak_bytes)
         lines += ["    " + line for line in table.splitlines()]
         live = a.peak_bytes - a.at_peak.get("reserved", 0)

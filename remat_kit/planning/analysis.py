@@ -98,7 +98,7 @@ class Analysis:
         (:func:`remat_kit.memory.host_offload`).
       at_peak, largest_at_peak, timeline: with ``explain=True``, what is live at the compiled peak (group ->
         bytes, summing to ``peak_bytes``), the ten largest buffers there and the memory timeline
-        (:mod:`remat_kit.explain`); empty otherwise.
+        (:mod:`remat_kit.explain`); empty otherwise. kept: the saved set as compiled; peak_at: where the peak is.
       warnings: one-line guardrails (:mod:`remat_kit.explain`): offload that moves nothing, a peak no policy
         touches, a policy that did nothing (set by :func:`analyze_policies` beside ``none``).
     """
@@ -127,6 +127,8 @@ class Analysis:
     largest_at_peak: tuple[explain_lib.PeakBuffer, ...] = ()
     warnings: tuple[str, ...] = ()
     timeline: explain_lib.Timeline | None = dataclasses.field(default=None, repr=False, compare=False)
+    kept: tuple = dataclasses.field(default=(), repr=False)
+    peak_at: str = ""
 
     @property
     def peak_bytes(self) -> int:
@@ -184,6 +186,7 @@ class Analysis:
             "saved_bytes_per_device": self.saved_bytes_per_device,
             "notes": list(self.notes),
             "at_peak": dict(self.at_peak),
+            "peak_at": self.peak_at,
             "largest_at_peak": [dataclasses.asdict(b) for b in self.largest_at_peak],
             "warnings": list(self.warnings),
             "residuals": [dataclasses.asdict(r) for r in residuals],
@@ -544,6 +547,8 @@ def analyze_compiled(
         largest_at_peak=found.largest_at_peak if found else (),
         warnings=tuple(warnings),
         timeline=found.timeline if found else None,
+        kept=found.kept if found else (),
+        peak_at=found.peak_at if found else "",
     )
     return analysis, compiled
 
@@ -558,10 +563,9 @@ def _explain(program, memory, config, batch, seq, learning_rate, model, residual
 
     grads = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)]
     seen: dict = {}
-    for r in residuals:
-        if r.region == "layers" and len(r.tags) == 1:
-            seen.setdefault((tuple(r.shape), str(r.dtype)), set()).add(r.tags[0])
-    tags = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1}
+    for r in residuals:  # a label names candidate tags ("mlp_gate|mlp_up") where only the shape tells them apart
+        seen.setdefault((tuple(r.shape), str(r.dtype)), set()).add(r.label if r.tags else "")
+    tags = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1 and "" not in v}
     return explain_lib.explain(program, memory, parameter_groups=group, gradient_shapes=grads, tags=tags)
 
 
@@ -605,9 +609,12 @@ def with_noop_warnings(results: dict[str, Analysis]) -> dict[str, Analysis]:
     base = results.get("none")
     if base is None:
         return results
-    sig = explain_lib.saved_signature
+
+    def sig(r):
+        return r.kept or explain_lib.saved_signature(r.residuals)
+
     out = {}
     for name, a in results.items():
-        w = explain_lib.noop_warning(name, a.peak_bytes, sig(a.residuals), base.peak_bytes, sig(base.residuals))
+        w = explain_lib.noop_warning(name, a.peak_bytes, sig(a), base.peak_bytes, sig(base))
         out[name] = dataclasses.replace(a, warnings=(w, *a.warnings)) if w else a
     return out

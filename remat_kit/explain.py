@@ -62,8 +62,11 @@ PHASES: tuple[str, ...] = ("forward", "loss", "backward", "optimizer", "other")
 #: built-in model and the tests' scanned models; a report says when it does not.
 RESERVED_TOLERANCE = 0.10
 
-#: Words in an op's innermost source function or op name that mark the logits and the loss.
-LOSS_MARKERS: tuple[str, ...] = ("loss", "logits", "cross_entropy", "log_softmax", "logsumexp")
+#: Words in an op's name scopes or innermost function name that mark the logits and the loss.
+LOSS_MARKERS: tuple[str, ...] = ("logits", "cross_entropy", "log_softmax", "logsumexp")
+
+#: Source files whose ops are the loss (the built-in model's ``remat_kit/model/loss.py``).
+LOSS_FILES: tuple[str, ...] = ("loss.py", "losses.py")
 
 #: Share of the peak above which a group no remat policy touches earns a warning.
 DOMINANCE_SHARE = 0.5
@@ -178,10 +181,11 @@ def phase(op_name: str, source: str = "") -> str:
 
 
 def _is_loss(op_name: str, source: str) -> bool:
-    leaf = op_name.rsplit("/", 1)[-1]
-    func = source.rsplit("(", 1)[-1] if source.endswith(")") else ""
+    # A marker in the op's name scopes (``jit(log_softmax)``) or its innermost function's own name, or a loss
+    # file: not a function merely *named* loss, which may hold the whole model.
+    func = source.rsplit("(", 1)[-1].rstrip(")").rsplit(".", 1)[-1] if source.endswith(")") else ""
     file = source.split(":", 1)[0]
-    return any(m in leaf or m in func or m in file for m in LOSS_MARKERS)
+    return any(m in op_name or m in func for m in LOSS_MARKERS) or file in LOSS_FILES
 
 
 def _producer(ins: _xla_dump.Instruction | None) -> str:

@@ -83,6 +83,9 @@ def _report(args: argparse.Namespace, command: str, setting: str, records: list,
     print(f"Pareto front (time vs measured memory): {', '.join(pareto_front(records))}")
     for line in noise_warnings(records):
         print(f"warning: {line}")
+    for r in records:
+        for line in r.warnings:
+            print(f"warning ({r.policy}): {line}")
     if args.json:
         write_json(
             args.json,

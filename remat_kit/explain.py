@@ -205,6 +205,7 @@ def explain(
     parameter_groups: Mapping[int, str] | Callable[[int], str],
     gradient_shapes: Sequence[tuple[tuple[int, ...], str]] = (),
     tags: Mapping[tuple[tuple[int, ...], str], str] | None = None,
+    has_optimizer: bool = False,
     top: int = 10,
 ) -> Explanation:
     """Group the buffers live at ``program``'s peak and draw its timeline.
@@ -216,6 +217,7 @@ def explain(
       gradient_shapes: ``(shape, dtype)`` of the differentiated leaves: a backward value of such a shape is a
         gradient, any other a backward temporary; a forward value of such a shape (any axis order) a weight copy.
       tags: ``(shape, dtype)`` -> ``checkpoint_name`` of the saved residuals (from JAX's residual analysis).
+      has_optimizer: the program is a training step: what runs after the backward pass is the optimizer.
       top: how many of the largest buffers to name.
 
     Returns:
@@ -236,7 +238,7 @@ def explain(
     filled, before = [], "other"
     for t, p in enumerate(phases):
         if p == "other":
-            p = "optimizer" if t > last_backward >= 0 else before
+            p = ("optimizer" if has_optimizer else "other") if t > last_backward >= 0 else before
         filled.append(p)
         before = p
     phases = filled
@@ -379,7 +381,7 @@ def plot_timelines(timelines: Mapping[str, Timeline], path: str, title: str = "l
     from matplotlib.patches import Patch
 
     phase_handles = [Patch(color=c, label=p) for p, c in _PHASE_COLORS.items() if p in first.phases]
-    ax.legend(handles=handles + phase_handles, loc="lower right", fontsize=8, ncol=2,
+    ax.legend(handles=handles + phase_handles, loc="best", fontsize=8, ncol=2,
               title=f"phases shaded for {next(iter(timelines))}", title_fontsize=8)  # fmt: skip
     ax.set_xlabel("executed instruction sequence (0 = start, 1 = end; scan bodies repeated once per trip)")
     ax.set_ylabel(f"live device memory ({unit})")

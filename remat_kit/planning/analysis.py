@@ -566,7 +566,9 @@ def _explain(program, memory, config, batch, seq, learning_rate, model, residual
     for r in residuals:  # a label names candidate tags ("mlp_gate|mlp_up") where only the shape tells them apart
         seen.setdefault((tuple(r.shape), str(r.dtype)), set()).add(r.label if r.tags else "")
     tags = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1 and "" not in v}
-    return explain_lib.explain(program, memory, parameter_groups=group, gradient_shapes=grads, tags=tags)
+    return explain_lib.explain(
+        program, memory, parameter_groups=group, gradient_shapes=grads, tags=tags, has_optimizer=True
+    )
 
 
 def analyze_policies(

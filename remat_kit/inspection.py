@@ -34,7 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from remat_kit import _jax_internals, memory
+from remat_kit import _jax_internals, _xla_dump, memory
+from remat_kit import explain as explain_lib
 from remat_kit import policies as policies_lib
 from remat_kit.flops import jaxpr_flops
 from remat_kit.memory import CompiledMemory
@@ -117,6 +118,14 @@ class Inspection:
       platform: the backend compiled for; host_offload_enforced: the host rule there.
       notes: caveats a reader needs (e.g. that no memory moves on CPU).
       policy: the policy spec, for reports made by :func:`compare` (None otherwise).
+      at_peak: with ``explain=True``, group -> bytes live at the compiled peak (:mod:`remat_kit.explain`;
+        sums to ``peak_bytes``); empty otherwise.
+      largest_at_peak: with ``explain=True``, the ten largest buffers live there.
+      warnings: one-line guardrails: offload that moves nothing, a peak no policy touches, and (from
+        :func:`compare`) a policy that did nothing.
+      timeline: with ``explain=True``, live bytes over the step (:meth:`plot_timeline`).
+      kept: with ``explain=True``, the saved set as compiled (:attr:`remat_kit.explain.Explanation.kept`).
+      peak_at: with ``explain=True``, the phase and op at the peak (:attr:`remat_kit.explain.Explanation.peak_at`).
     """
 
     residuals: tuple[Residual, ...]
@@ -135,6 +144,21 @@ class Inspection:
     host_offload_enforced: bool
     notes: tuple[str, ...] = ()
     policy: str | None = None
+    at_peak: dict[str, int] = dataclasses.field(default_factory=dict)
+    largest_at_peak: tuple[explain_lib.PeakBuffer, ...] = ()
+    warnings: tuple[str, ...] = ()
+    timeline: explain_lib.Timeline | None = dataclasses.field(default=None, repr=False, compare=False)
+    kept: tuple = dataclasses.field(default=(), repr=False)
+    peak_at: str = ""
+
+    def plot_timeline(self, path: str) -> str:
+        """Write this step's memory timeline (live bytes over the instruction sequence, peak marked) as a PNG.
+
+        A scan body is drawn once per trip (see :class:`remat_kit.explain.Timeline`). Needs ``explain=True``.
+        """
+        if self.timeline is None:
+            raise ValueError("this report has no timeline: inspect(..., explain=True) records one")
+        return explain_lib.plot_timelines({self.policy or "step": self.timeline}, path)
 
     def largest(self, n: int = 5) -> tuple[Residual, ...]:
         """The ``n`` largest residuals: what to target next."""
@@ -146,6 +170,10 @@ class Inspection:
         out["residuals"] = [dataclasses.asdict(r) for r in self.residuals]
         out["notes"] = list(self.notes)
         out["xla_flops"] = None if math.isnan(self.xla_flops) else self.xla_flops
+        out["largest_at_peak"] = [dataclasses.asdict(b) for b in self.largest_at_peak]
+        out["warnings"] = list(self.warnings)
+        out.pop("timeline", None)
+        out.pop("kept", None)
         return out
 
     def table(self, top: int = 10) -> str:
@@ -163,6 +191,10 @@ class Inspection:
             rest = sum(r.nbytes for r in self.residuals[top:])
             lines.append(f"{fmt_bytes(rest):>10}  ... {len(self.residuals) - top} more")
         lines += [f"note: {n}" for n in self.notes]
+        if self.at_peak:
+            lines.append(f"peak in {self.peak_at}")
+            lines.append(explain_lib.format_at_peak(self.at_peak, self.largest_at_peak, self.peak_bytes))
+        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -252,7 +284,9 @@ def residuals(loss_fn: Callable, *args, argnums=0) -> tuple[Residual, ...]:
 # ---- inspect and compare ---------------------------------------------------------------------------
 
 
-def inspect(loss_fn: Callable, *args, argnums: int | Sequence[int] = 0, policy: str | None = None) -> Inspection:
+def inspect(
+    loss_fn: Callable, *args, argnums: int | Sequence[int] = 0, policy: str | None = None, explain: bool = False
+) -> Inspection:
     """Measure the gradient of any scalar loss, compile-only.
 
     Args:
@@ -262,6 +296,8 @@ def inspect(loss_fn: Callable, *args, argnums: int | Sequence[int] = 0, policy: 
         machine's memory are fine: nothing is allocated).
       argnums: which arguments the gradient is taken with respect to (as ``jax.grad``).
       policy: a label to carry in the report (used by :func:`compare`).
+      explain: also read XLA's dump of the compile (:mod:`remat_kit.explain`): ``at_peak``,
+        ``largest_at_peak`` and the ``timeline`` (the dump makes the compile a little slower).
 
     Returns:
       An :class:`Inspection`.
@@ -277,7 +313,10 @@ def inspect(loss_fn: Callable, *args, argnums: int | Sequence[int] = 0, policy: 
     rows = residuals(loss_fn, *args, argnums=nums)
     grad = jax.value_and_grad(loss_fn, argnums=nums if len(nums) > 1 else nums[0])
     traced = jax.jit(grad).trace(*args)
-    compiled = traced.lower().compile()
+    if explain:
+        compiled, program = _xla_dump.compile_with_dump(traced.lower())
+    else:
+        compiled, program = traced.lower().compile(), None
     seconds = time.perf_counter() - start
     held = CompiledMemory.from_compiled(compiled)
     cost = compiled.cost_analysis()
@@ -289,6 +328,12 @@ def inspect(loss_fn: Callable, *args, argnums: int | Sequence[int] = 0, policy: 
     notes = []
     if any(r.host for r in rows) and not enforced:
         notes.append(rule.note)
+    found = _explain(program, held, args, nums, rows) if program is not None else None
+    warnings = explain_lib.offload_warnings(
+        sum(r.nbytes for r in rows if r.host), enforced, explain_lib.policy_offloads(policy or ""), held.host
+    )
+    if found is not None:
+        warnings += explain_lib.dominance_warnings(found.at_peak, found.total)
     return Inspection(
         residuals=rows,
         saved_bytes=saved,
@@ -306,7 +351,36 @@ def inspect(loss_fn: Callable, *args, argnums: int | Sequence[int] = 0, policy: 
         host_offload_enforced=enforced,
         notes=tuple(notes),
         policy=policy,
+        at_peak=found.at_peak if found else {},
+        largest_at_peak=found.largest_at_peak if found else (),
+        warnings=tuple(warnings),
+        timeline=found.timeline if found else None,
+        kept=found.kept if found else (),
+        peak_at=found.peak_at if found else "",
     )
+
+
+def _explain(program, held: CompiledMemory, args, nums: tuple[int, ...], rows) -> explain_lib.Explanation:
+    """The at-peak groups of an inspected gradient: the differentiated arguments' leaves are parameters."""
+    groups, n = {}, 0
+    grads = []
+    for i, a in enumerate(args):
+        for leaf in jax.tree.leaves(a):
+            groups[n] = "parameters" if i in nums else "inputs"
+            if i in nums:
+                grads.append((tuple(leaf.shape), str(leaf.dtype)))
+            n += 1
+    tags = _unique_tags(rows)
+    return explain_lib.explain(program, held, parameter_groups=groups, gradient_shapes=grads, tags=tags)
+
+
+def _unique_tags(rows) -> dict:
+    """``(shape, dtype) -> tag`` for residual shapes that only one tag has (a shape two tags share is ambiguous)."""
+    seen: dict = {}
+    for r in rows:
+        key = (tuple(r.shape), str(r.dtype))
+        seen.setdefault(key, set()).add(r.tag or "")
+    return {k: next(iter(v)) for k, v in seen.items() if len(v) == 1 and "" not in v}
 
 
 def gradient_flops(loss_fn: Callable, *args, argnums=0) -> int:
@@ -370,6 +444,14 @@ class Comparison:
     def __len__(self) -> int:
         return len(self.reports)
 
+    def plot_timeline(self, path: str, title: str = "live device memory per policy") -> str:
+        """One memory-timeline line per policy on one PNG (needs ``compare(..., explain=True)``; a scan body is
+        drawn once per trip, see :class:`remat_kit.explain.Timeline`)."""
+        if any(r.timeline is None for r in self.reports):
+            raise ValueError("these reports have no timeline: compare(..., explain=True) records them")
+        lines = dict(zip(self.policies, (r.timeline for r in self.reports), strict=True))
+        return explain_lib.plot_timelines(lines, path, title)
+
     @property
     def recompute_flops(self) -> dict[str, int]:
         """Matmul FLOPs each policy spends beyond ``none``."""
@@ -390,7 +472,8 @@ class Comparison:
                           r.compile_s)
             )  # fmt: skip
         notes = dict.fromkeys(n for r in self.reports for n in r.notes)
-        return "\n".join(rows + [f"note: {n}" for n in notes])
+        warnings = [f"warning ({p}): {w}" for p, r in zip(self.policies, self.reports, strict=True) for w in r.warnings]
+        return "\n".join(rows + [f"note: {n}" for n in notes] + warnings)
 
     def __str__(self) -> str:
         return self.table()
@@ -403,17 +486,36 @@ class Comparison:
         return {"base_flops": self.base_flops, "records": records}
 
 
-def compare(make_loss: Callable, policies: Sequence[Any], *args, argnums: int | Sequence[int] = 0) -> Comparison:
+def _with_noop_warnings(specs: tuple[str, ...], reports: tuple[Inspection, ...]) -> tuple[Inspection, ...]:
+    """``reports`` with a warning on each policy that compiles to ``none``'s peak and saved set."""
+    if "none" not in specs:
+        return reports
+    base = reports[specs.index("none")]
+
+    def sig(r):
+        return r.kept or explain_lib.saved_signature(r.residuals)
+
+    out = []
+    for spec, r in zip(specs, reports, strict=True):
+        w = explain_lib.noop_warning(spec, r.peak_bytes, sig(r), base.peak_bytes, sig(base))
+        out.append(dataclasses.replace(r, warnings=(w, *r.warnings)) if w else r)
+    return tuple(out)
+
+
+def compare(
+    make_loss: Callable, policies: Sequence[Any], *args, argnums: int | Sequence[int] = 0, explain: bool = False
+) -> Comparison:
     """Inspect ``make_loss(policy)`` for each policy, in order, compile-only.
 
     Args:
       make_loss: ``make_loss(policy) -> loss_fn``, where ``policy`` is a :class:`remat_kit.Policy`.
       policies: Policy objects or spec strings (``"none"``, ``"full"``, ``"sqrt_n"`` ...).
-      *args, argnums: as :func:`inspect`.
+      *args, argnums, explain: as :func:`inspect`.
 
     Returns:
       A :class:`Comparison`; recompute FLOPs are measured against ``none`` (traced for the
-      purpose when it is not in ``policies``).
+      purpose when it is not in ``policies``). With ``none`` among the policies, one that compiles to its
+      peak and saved set carries a warning: it did nothing (:func:`remat_kit.explain.noop_warning`).
     """
     if not callable(make_loss):
         raise TypeError(f"make_loss must be callable (policy -> loss_fn), got {type(make_loss).__name__}")
@@ -422,8 +524,9 @@ def compare(make_loss: Callable, policies: Sequence[Any], *args, argnums: int | 
     pool = [policies_lib.parse(p) for p in policies]
     check_argnums(argnums, len(args))
     args = abstract(args)
-    reports = tuple(inspect(make_loss(p), *args, argnums=argnums, policy=str(p)) for p in pool)
+    reports = tuple(inspect(make_loss(p), *args, argnums=argnums, policy=str(p), explain=explain) for p in pool)
     specs = tuple(str(p) for p in pool)
+    reports = _with_noop_warnings(specs, reports)
     if "none" in specs:
         base = reports[specs.index("none")].flops
     else:

@@ -73,6 +73,13 @@ def _lora(ns):
     assert max_rel_err(frozen, before) == 0.0
 
 
+def _explain(ns):
+    """Why doesn't it fit: the groups at the peak sum to it, and every parameter byte is live there."""
+    r = ns["r"]
+    assert sum(r.at_peak.values()) == r.peak_bytes
+    assert r.at_peak["parameters"] == 4 * 64 * 64 * 4 and len(r.largest_at_peak) == 10
+
+
 #: A marker found in a block → what to assert after running it.
 KNOWN = {
     "RematBlock = policy(MyBlock": _linen_loop,
@@ -83,6 +90,7 @@ KNOWN = {
     "remat_kit.inspect(make_loss": _plan_own,
     "lora.update(loss_fn": _lora,
     "remat_kit.nnx.stack(Block": _nnx,
+    "jax.ShapeDtypeStruct((32, 64), jnp.float32), explain=True)": _explain,
 }
 
 

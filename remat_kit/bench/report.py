@@ -48,6 +48,8 @@ class BenchRecord:
       loss: the loss at the initial parameters; loss_diff: its difference from ``none``'s.
       max_grad_diff: max |g − g_none| over every parameter; max_grad_rel_diff: the same over
         each leaf's max |g_none|, worst leaf (None when the gradient check was skipped).
+      warnings: the compiled step's guardrails (:mod:`remat_kit.explain`): offload that moves nothing, a
+        policy that compiles to ``none``'s peak and saved set.
     """
 
     policy: str
@@ -68,6 +70,7 @@ class BenchRecord:
     loss_diff: float
     max_grad_diff: float | None
     max_grad_rel_diff: float | None
+    warnings: tuple[str, ...] = ()
 
     @property
     def step_bytes(self) -> int:

@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from remat_kit import constants
+from remat_kit import constants, explain
 from remat_kit.bench.report import (
     EXACT_BF16_FLAGS,
     NOISY_SPREAD,
@@ -187,8 +187,9 @@ def run_bench(
             grad_abs, grad_rel = _grad_diffs(paths[spec], paths["none"]) if grad_check else (None, None)
             records.append(
                 BenchRecord(
-                    **{k: r[k] for k in r if k in RECORD_KEYS and k != "step_times_s"},
+                    **{k: r[k] for k in r if k in RECORD_KEYS and k not in ("step_times_s", "warnings")},
                     step_times_s=tuple(r["step_times_s"]),
+                    warnings=_noop(spec, r, base) + tuple(r.get("warnings", ())),
                     step_time_ratio=r["step_time_s"] / base["step_time_s"],
                     loss_diff=abs(r["loss"] - base["loss"]),
                     max_grad_diff=grad_abs,
@@ -196,3 +197,9 @@ def run_bench(
                 )
             )
     return records
+
+
+def _noop(spec: str, r: dict, base: dict) -> tuple[str, ...]:
+    """The no-op guardrail for one benchmarked policy: its compiled peak and saved bytes equal ``none``'s."""
+    w = explain.noop_warning(spec, r["xla_peak_bytes"], r["saved_bytes"], base["xla_peak_bytes"], base["saved_bytes"])
+    return (w,) if w else ()

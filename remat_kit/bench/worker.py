@@ -161,6 +161,7 @@ def measure(
         "step_time_s": statistics.median(times),
         "step_times_s": times,
         "loss": first_loss,
+        "warnings": list(a.warnings),
     }
 
 
@@ -236,6 +237,7 @@ def measure_model(
         "step_time_s": statistics.median(times),
         "step_times_s": times,
         "loss": first_loss,
+        "warnings": list(report.warnings),
     }
 
 

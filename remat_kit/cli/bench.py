@@ -94,6 +94,9 @@ def _report(args: argparse.Namespace, command: str, setting: str, records: list,
     print(f"Pareto front (time vs measured memory, over the min–max spread): {', '.join(pareto_front(records))}")
     for line in noise_warnings(records):
         print(f"warning: {line}")
+    for r in records:
+        for line in r.warnings:
+            print(f"warning ({r.policy}): {line}")
     note = grad_note(records)
     if note:
         print(f"note: {note}")

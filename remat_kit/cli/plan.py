@@ -88,7 +88,15 @@ def _model_command(args: argparse.Namespace) -> int:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    from remat_kit.cli.plan_report import DEFAULT_POLICIES, against_theory, format_table, parse_policies, plan_record
+    from remat_kit.cli.plan_report import (
+        DEFAULT_POLICIES,
+        against_theory,
+        format_explain,
+        format_table,
+        format_warnings,
+        parse_policies,
+        plan_record,
+    )
     from remat_kit.planning.analysis import analyze_policies
     from remat_kit.train import mesh as mesh_lib
 
@@ -108,6 +116,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     for flag in ("calibrate", "per_tensor"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} goes with --budget")
+    check_plot(args.timeline, "--timeline")
+    explain = args.explain or args.timeline is not None
     specs = parse_policies(",".join(DEFAULT_POLICIES) if args.policies is None else args.policies, config.num_layers)
     if args.top < 0:
         raise ValueError(f"--top must be >= 0, got {args.top}")
@@ -118,8 +128,9 @@ def _plan_command(args: argparse.Namespace) -> int:
             print(f"[{i + 1}/{n}] {spec}: tracing and compiling ...", file=sys.stderr, flush=True)
 
     results = analyze_policies(
-        config, batch, seq, specs, loss_chunks=args.loss_chunks, jobs=args.jobs, progress=progress, mesh=mesh
-    )
+        config, batch, seq, specs, loss_chunks=args.loss_chunks, jobs=args.jobs, progress=progress, mesh=mesh,
+        explain=explain,
+    )  # fmt: skip
     a0 = next(iter(results.values()))
     print(
         f"remat-kit plan: preset {args.preset} ({fmt_count(config.num_params())} params, L={config.num_layers}, "
@@ -148,6 +159,19 @@ def _plan_command(args: argparse.Namespace) -> int:
             for r in a.largest(args.top):
                 where = "host" if r.host else r.region
                 print(f"    {fmt_bytes(r.nbytes):>10}  {where:6} {r.dtype:9} {r.shape!s:28} {r.label}")
+    if args.explain:
+        print()
+        print("\n".join(format_explain(results)))
+    warnings = format_warnings(results)
+    if warnings:
+        print()
+        print("\n".join(warnings))
+    if args.timeline:
+        from remat_kit import explain as explain_lib
+
+        title = f"preset {args.preset}, batch {batch} × seq {seq}: live device memory per policy"
+        explain_lib.plot_timelines({n: a.timeline for n, a in results.items()}, args.timeline, title)
+        print(f"\nwrote {args.timeline}")
     if args.json:
         payload = {
             "command": command_line("plan", args),
@@ -189,6 +213,14 @@ def add_cli(subparsers) -> None:
         "candidate)",
     )
     p.add_argument("--top", type=int, default=3, help="largest residuals listed per policy")
+    p.add_argument(
+        "--explain", action="store_true",
+        help="what is live at each policy's compiled peak (groups summing to it, the ten largest buffers)",
+    )  # fmt: skip
+    p.add_argument(
+        "--timeline", default=None, metavar="PNG",
+        help="plot live device memory over the step, one line per policy (implies reading XLA's dump)",
+    )  # fmt: skip
     p.add_argument("--mesh", default=None, help="plan per device over a mesh, e.g. data=4 or data=2,fsdp=2")
     p.add_argument("--budget", default=None, help="device memory budget (any unit: 80GB, 24GiB): choose a policy")
     p.add_argument(

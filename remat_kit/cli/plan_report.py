@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from remat_kit import constants, inspection, policies
+from remat_kit import constants, explain, inspection, policies
 from remat_kit.planning import analysis
 from remat_kit.units import fmt_bytes
 
@@ -148,6 +148,29 @@ def format_table(results: dict[str, analysis.Analysis]) -> list[str]:
         )  # fmt: skip
     rows += [f"note: {n}" for n in dict.fromkeys(n for a in results.values() for n in a.notes)]
     return rows
+
+
+def format_explain(results: dict[str, analysis.Analysis]) -> list[str]:
+    """``plan --explain``: per policy, the groups live at the compiled peak (summing to it) and the largest buffers."""
+    lines = [
+        "what is live at each policy's compiled peak (XLA's buffer assignment and live ranges, compile-only; "
+        "'reserved' = bytes XLA holds but no value uses at that instruction, so the groups sum to the peak):"
+    ]
+    for name, a in results.items():
+        if not a.at_peak:
+            continue
+        lines.append(f"  {name}: peak in {a.peak_at}")
+        table = explain.format_at_peak(a.at_peak, a.largest_at_peak, a.peak_bytes)
+        lines += ["    " + line for line in table.splitlines()]
+        live = a.peak_bytes - a.at_peak.get("reserved", 0)
+        lines.append(f"    groups without 'reserved': {fmt_bytes(live)} = {100 * live / max(a.peak_bytes, 1):.2f}% "
+                     "of the compiled peak")  # fmt: skip
+    return lines
+
+
+def format_warnings(results: dict[str, Any]) -> list[str]:
+    """One ``warning:`` line per policy's guardrail (:mod:`remat_kit.explain`), policy named."""
+    return [f"warning ({name}): {w}" for name, a in results.items() for w in a.warnings]
 
 
 # ---- --model MODULE:FACTORY: any model -------------------------------------------------------------------

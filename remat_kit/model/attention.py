@@ -462,24 +462,36 @@ def _forward(q, k, v, block: int, chains: int):
     return jnp.concatenate(outs), jnp.concatenate(lses)
 
 
-def _tagged_forward(q, k, v, block: int, chains: int):
-    # Tag inside the custom_vjp so the tagged values are the very residuals the backward reads.
-    return names.tag(_forward(q, k, v, block, chains), names.CONTEXT)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _flash(q, k, v, block: int, chains: int):
-    return _tagged_forward(q, k, v, block, chains)[0]
+    """The flat attention output, differentiated by :func:`_flash_bwd` (FlashAttention's backward pass).
+
+    The forward runs outside the ``custom_vjp``, behind ``stop_gradient``, and its output and logsumexp are
+    tagged ``context`` there; the ``custom_vjp`` receives them as inputs and keeps them as its residuals. So
+    both of JAX's remat implementations see the tag: the classic one, and remat3 (which treats a
+    ``custom_vjp`` as one unit and would not see a tag inside its forward rule). A policy that keeps
+    ``context`` saves them; one that does not recomputes this forward in the backward pass.
+    """
+    out, lse = names.tag(jax.lax.stop_gradient(_forward(q, k, v, block, chains)), names.CONTEXT)
+    return _flash_grad(q, k, v, out, lse, block, chains)
 
 
-def _flash_fwd(q, k, v, block: int, chains: int):
-    out, lse = _tagged_forward(q, k, v, block, chains)
-    # The concatenated output and logsumexp are kept (once), never the chains' pieces.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash_grad(q, k, v, out, lse, block: int, chains: int):
+    del q, k, v, lse, block, chains  # the output is computed already; this unit only defines the gradient
+    return out
+
+
+def _flash_fwd(q, k, v, out, lse, block: int, chains: int):
+    # The output and logsumexp are kept (once, as computed), never the chains' pieces.
     return out, (q, k, v, out, lse)
 
 
 def _flash_bwd(block: int, chains: int, residuals, d_out):
     q, k, v, out, lse = residuals
+    return (*_flash_qkv_grads(block, chains, q, k, v, out, lse, d_out), None, None)  # out, lse: behind stop_gradient
+
+
+def _flash_qkv_grads(block: int, chains: int, q, k, v, out, lse, d_out):
     parts = _chain_slices(q.shape[0], chains)
     if len(parts) == 1:
         return _backward_chain(block, q, k, v, out, lse, d_out)
@@ -535,4 +547,4 @@ def _backward_chain(block: int, q, k, v, out, lse, d_out):
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash_grad.defvjp(_flash_fwd, _flash_bwd)

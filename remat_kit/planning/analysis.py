@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit import _jax_internals, flops, inspection, policies
+from remat_kit import _jax_internals, _xla_dump, flops, inspection, policies
+from remat_kit import explain as explain_lib
 from remat_kit.memory import CompiledMemory, host_offload
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params
@@ -95,6 +96,11 @@ class Analysis:
       batch_devices: devices the batch is split over (``data`` × ``fsdp``).
       notes: caveats, e.g. that offloaded bytes stay on the device on CPU
         (:func:`remat_kit.memory.host_offload`).
+      at_peak, largest_at_peak, timeline: with ``explain=True``, what is live at the compiled peak (group ->
+        bytes, summing to ``peak_bytes``), the ten largest buffers there and the memory timeline
+        (:mod:`remat_kit.explain`); empty otherwise. kept: the saved set as compiled; peak_at: where the peak is.
+      warnings: one-line guardrails (:mod:`remat_kit.explain`): offload that moves nothing, a peak no policy
+        touches, a policy that did nothing (set by :func:`analyze_policies` beside ``none``).
     """
 
     policy: str
@@ -117,6 +123,12 @@ class Analysis:
     mesh: str | None = None
     batch_devices: int = 1
     notes: tuple[str, ...] = ()
+    at_peak: dict[str, int] = dataclasses.field(default_factory=dict)
+    largest_at_peak: tuple[explain_lib.PeakBuffer, ...] = ()
+    warnings: tuple[str, ...] = ()
+    timeline: explain_lib.Timeline | None = dataclasses.field(default=None, repr=False, compare=False)
+    kept: tuple = dataclasses.field(default=(), repr=False)
+    peak_at: str = ""
 
     @property
     def peak_bytes(self) -> int:
@@ -173,8 +185,18 @@ class Analysis:
             "mesh": self.mesh,
             "saved_bytes_per_device": self.saved_bytes_per_device,
             "notes": list(self.notes),
+            "at_peak": dict(self.at_peak),
+            "peak_at": self.peak_at,
+            "largest_at_peak": [dataclasses.asdict(b) for b in self.largest_at_peak],
+            "warnings": list(self.warnings),
             "residuals": [dataclasses.asdict(r) for r in residuals],
         }
+
+    def plot_timeline(self, path: str) -> str:
+        """Write this step's memory timeline as a PNG (needs ``explain=True``; a scan body drawn once per trip)."""
+        if self.timeline is None:
+            raise ValueError("this analysis has no timeline: analyze(..., explain=True) records one")
+        return explain_lib.plot_timelines({self.policy: self.timeline}, path)
 
 
 # ---- validation ------------------------------------------------------------------------------------
@@ -227,8 +249,9 @@ def abstract_inputs(
 
 
 def compile_step(
-    model: Transformer, batch: int, seq: int, loss_chunks: int = 0, learning_rate: float = 1e-3, mesh=None
-):
+    model: Transformer, batch: int, seq: int, loss_chunks: int = 0, learning_rate: float = 1e-3, mesh=None,
+    *, dump: list | None = None,
+):  # fmt: skip
     """Lower and compile the donated, jitted training step for abstract inputs.
 
     With a ``mesh`` (:mod:`remat_kit.train.mesh`) the step is compiled sharded (FSDP state, batch over
@@ -236,7 +259,8 @@ def compile_step(
 
     Returns:
       ``(compiled, jaxpr_flops, seconds)``: the compiled step (callable on real arrays of those
-      shapes), its matmul FLOPs from the jaxpr, and the lower+compile time.
+      shapes), its matmul FLOPs from the jaxpr, and the lower+compile time. With a ``dump`` list, XLA's dump
+      of the compile is parsed (:mod:`remat_kit._xla_dump`) and appended to it.
     """
     opt = optimizer(learning_rate)
     args = abstract_inputs(model.config, batch, seq, opt, model)
@@ -245,7 +269,11 @@ def compile_step(
         mesh_lib.check_batch(batch, mesh)
     kwargs = step_lib.jit_kwargs(args[0], args[1], mesh)
     traced = jax.jit(train_step(model, opt, loss_chunks), **kwargs).trace(*args)
-    compiled = traced.lower().compile()
+    if dump is None:
+        compiled = traced.lower().compile()
+    else:
+        compiled, program = _xla_dump.compile_with_dump(traced.lower())
+        dump.append(program)
     seconds = time.perf_counter() - start
     return compiled, flops.jaxpr_flops(traced.jaxpr), seconds
 
@@ -426,6 +454,7 @@ def analyze(
     loss_chunks: int = 0,
     learning_rate: float = 1e-3,
     mesh=None,
+    explain: bool = False,
 ) -> Analysis:
     """Measure one AdamW training step of ``config`` under ``policy``, compile-only.
 
@@ -437,6 +466,7 @@ def analyze(
       learning_rate: AdamW's learning rate (does not change any figure; kept for the bench).
       mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``): XLA's memory is then per device,
         and ``saved_bytes_per_device`` splits the residuals over the devices sharing the batch.
+      explain: also read XLA's dump of the compile: ``at_peak``, ``largest_at_peak``, ``timeline``.
 
     Returns:
       An :class:`Analysis`.
@@ -445,7 +475,7 @@ def analyze(
       ValueError/TypeError: a bad shape, chunk count or policy, before anything is traced.
     """
     return analyze_compiled(
-        config, policy, batch, seq, loss_chunks=loss_chunks, learning_rate=learning_rate, mesh=mesh
+        config, policy, batch, seq, loss_chunks=loss_chunks, learning_rate=learning_rate, mesh=mesh, explain=explain
     )[0]
 
 
@@ -458,6 +488,7 @@ def analyze_compiled(
     loss_chunks: int = 0,
     learning_rate: float = 1e-3,
     mesh=None,
+    explain: bool = False,
 ):
     """:func:`analyze`, also returning the compiled step so a benchmark can run it without recompiling.
 
@@ -473,7 +504,8 @@ def analyze_compiled(
         mesh_lib.check_batch(batch, mesh)
     model = Transformer(config=config, policy=policy)
     residuals, layers, param_bytes = _residuals(config, policy, batch, seq, loss_chunks)
-    compiled, count, seconds = compile_step(model, batch, seq, loss_chunks, learning_rate, mesh)
+    dump: list | None = [] if explain else None
+    compiled, count, seconds = compile_step(model, batch, seq, loss_chunks, learning_rate, mesh, dump=dump)
     memory = CompiledMemory.from_compiled(compiled)
     # One host rule (memory.host_offload): on CPU offloaded residuals stay device bytes.
     saved, saved_host = inspection.split_saved(residuals)
@@ -481,6 +513,13 @@ def analyze_compiled(
     note = host_offload().note if any(r.host for r in residuals) else None
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    found = _explain(dump[0], memory, config, batch, seq, learning_rate, model, residuals) if dump else None
+    warnings = explain_lib.offload_warnings(
+        sum(r.nbytes for r in residuals if r.host), host_offload().enforced, explain_lib.policy_offloads(policy),
+        memory.host,
+    )  # fmt: skip
+    if found is not None:
+        warnings += explain_lib.dominance_warnings(found.at_peak, found.total, has_optimizer=True)
     analysis = Analysis(
         policy=str(policy),
         config=config,
@@ -502,8 +541,32 @@ def analyze_compiled(
         mesh=None if mesh is None else f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
         batch_devices=1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"],
         notes=() if note is None else (note,),
+        at_peak=found.at_peak if found else {},
+        largest_at_peak=found.largest_at_peak if found else (),
+        warnings=tuple(warnings),
+        timeline=found.timeline if found else None,
+        kept=found.kept if found else (),
+        peak_at=found.peak_at if found else "",
     )
     return analysis, compiled
+
+
+def _explain(program, memory, config, batch, seq, learning_rate, model, residuals) -> explain_lib.Explanation:
+    """The at-peak groups of the training step: its arguments are (params, opt_state, tokens), flattened."""
+    params, opt_state, _ = abstract_inputs(config, batch, seq, optimizer(learning_rate), model)
+    n_params, n_state = len(jax.tree.leaves(params)), len(jax.tree.leaves(opt_state))
+
+    def group(n: int) -> str:
+        return "parameters" if n < n_params else "optimizer state" if n < n_params + n_state else "inputs"
+
+    grads = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)]
+    seen: dict = {}
+    for r in residuals:  # a label names candidate tags ("mlp_gate|mlp_up") where only the shape tells them apart
+        seen.setdefault((tuple(r.shape), str(r.dtype)), set()).add(r.label if r.tags else "")
+    tags = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1 and "" not in v}
+    return explain_lib.explain(
+        program, memory, parameter_groups=group, gradient_shapes=grads, tags=tags, has_optimizer=True
+    )
 
 
 def analyze_policies(
@@ -516,21 +579,42 @@ def analyze_policies(
     jobs: int = 1,
     progress=None,
     mesh=None,
+    explain: bool = False,
 ) -> dict[str, Analysis]:
     """Analyze every policy in ``specs``, ``jobs`` at a time; ``progress(i, n, spec)`` is called before each.
 
     XLA compiles mostly on one core, so two jobs nearly halve the wall time on two cores; results
-    do not depend on ``jobs`` (only each policy's ``compile_s`` does).
+    do not depend on ``jobs`` (only each policy's ``compile_s`` does). With ``none`` among ``specs``, a
+    policy that compiles to ``none``'s peak and saved set gets a warning (:func:`remat_kit.explain.noop_warning`);
+    ``explain`` is :func:`analyze`'s.
     """
     check_int("jobs", jobs)
 
     def one(i: int, p: policies.Policy) -> Analysis:
         if progress:
             progress(i, len(specs), str(p))
-        return analyze(config, p, batch, seq, loss_chunks=loss_chunks, mesh=mesh)
+        return analyze(config, p, batch, seq, loss_chunks=loss_chunks, mesh=mesh, explain=explain)
 
     if jobs == 1:
-        return {str(p): one(i, p) for i, p in enumerate(specs)}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(one, i, p) for i, p in enumerate(specs)]
-        return {str(p): f.result() for p, f in zip(specs, futures, strict=True)}
+        results = {str(p): one(i, p) for i, p in enumerate(specs)}
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = [pool.submit(one, i, p) for i, p in enumerate(specs)]
+            results = {str(p): f.result() for p, f in zip(specs, futures, strict=True)}
+    return with_noop_warnings(results)
+
+
+def with_noop_warnings(results: dict[str, Analysis]) -> dict[str, Analysis]:
+    """``results`` with a warning on each policy that compiles to ``none``'s peak and saved set (needs ``none``)."""
+    base = results.get("none")
+    if base is None:
+        return results
+
+    def sig(r):
+        return r.kept or explain_lib.saved_signature(r.residuals)
+
+    out = {}
+    for name, a in results.items():
+        w = explain_lib.noop_warning(name, a.peak_bytes, sig(a), base.peak_bytes, sig(base))
+        out[name] = dataclasses.replace(a, warnings=(w, *a.warnings)) if w else a
+    return out

@@ -1,0 +1,496 @@
+"""Why a compiled step does not fit: what is live at its peak, its memory over time, and warnings for silent no-ops.
+
+Everything here reads one compile's XLA dump (:mod:`remat_kit._xla_dump`, compile-only, nothing runs):
+
+* :func:`explain` groups the buffers live at the peak (:data:`GROUPS`) and names the largest;
+* :class:`Timeline` is live device bytes over the executed instruction sequence, phases marked from JAX's
+  ``op_name`` metadata (``jvp(...)`` forward, ``transpose(...)`` backward, the rest after the backward the
+  optimizer); :func:`plot_timelines` draws one line per policy;
+* :func:`noop_warning`, :func:`offload_warnings` and :func:`dominance_warnings` are the guardrails every
+  report (``inspect``, ``compare``, ``plan``, ``bench``) prints.
+
+**The groups sum to the compiled peak.** :attr:`Explanation.at_peak` sums exactly to
+:attr:`remat_kit.memory.CompiledMemory.total`: the buffers live at the peak instruction, plus one group,
+``reserved``, for the bytes XLA's buffer assignment holds but no value occupies at that instruction (the
+temp block is sized for its fullest moment and packed with gaps; outputs are reserved whole). The live
+groups alone are within :data:`RESERVED_TOLERANCE` of the compiled peak on the built-in model and the tests'
+scanned models (``tests/test_explain.py``, ``benchmarks/results/explain_2b.txt``); the measured ``reserved``
+is printed, never hidden.
+
+>>> import jax, jax.numpy as jnp
+>>> from remat_kit import _xla_dump
+>>> f = jax.jit(jax.value_and_grad(lambda w, x: jnp.sum(jnp.sin(x @ w))))
+>>> lowered = f.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((8, 64), jnp.float32))
+>>> compiled, program = _xla_dump.compile_with_dump(lowered)
+>>> from remat_kit.memory import CompiledMemory
+>>> e = explain(program, CompiledMemory.from_compiled(compiled), parameter_groups={0: "parameters", 1: "inputs"})
+>>> sum(e.at_peak.values()) == CompiledMemory.from_compiled(compiled).total
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from remat_kit import _xla_dump
+from remat_kit.units import fmt_bytes
+
+#: The groups a buffer live at the peak falls in, in the order reports print them.
+GROUPS: tuple[str, ...] = (
+    "parameters",
+    "optimizer state",
+    "inputs",
+    "gradients",
+    "saved residuals",
+    "weight copies",
+    "logits / loss",
+    "forward temporaries",
+    "backward temporaries",
+    "optimizer update",
+    "other",
+    "host memory",
+    "reserved",
+)
+
+#: The phases of a training step the timeline marks.
+PHASES: tuple[str, ...] = ("forward", "loss", "backward", "optimizer", "other")
+
+#: ``reserved`` (bytes XLA holds but no value uses at the peak) stays under this share of the compiled peak on the
+#: built-in model and the tests' scanned models; a report says when it does not.
+RESERVED_TOLERANCE = 0.10
+
+#: Words in an op's name scopes or innermost function name that mark the logits and the loss.
+LOSS_MARKERS: tuple[str, ...] = ("logits", "cross_entropy", "log_softmax", "logsumexp")
+
+#: Source files whose ops are the loss (the built-in model's ``remat_kit/model/loss.py``).
+LOSS_FILES: tuple[str, ...] = ("loss.py", "losses.py")
+
+#: Share of the peak above which a group no remat policy touches earns a warning.
+DOMINANCE_SHARE = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBuffer:
+    """One buffer live at the peak.
+
+    Attributes:
+      shape, dtype, nbytes: as XLA assigned it.
+      group: one of :data:`GROUPS`.
+      producer: its ``checkpoint_name`` tag where one fits, else the producing op and source line.
+      host: True in host memory.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    group: str
+    producer: str
+    host: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Live device bytes over the executed instruction sequence of one compiled step.
+
+    A scan (XLA ``while``) body is drawn once per trip: its instructions repeat ``trip count`` times
+    along the x axis (nested loops multiply), each repeat with the bytes XLA's allocation holds during
+    that body (a scan's stacked residuals are allocated whole before the loop, so every trip shows them).
+
+    Attributes:
+      live: bytes live at each executed step.
+      phases: the phase (:data:`PHASES`) of each step.
+      peak_index: the step with the most live bytes.
+    """
+
+    live: tuple[int, ...]
+    phases: tuple[str, ...]
+    peak_index: int
+
+    @property
+    def peak(self) -> int:
+        """The most bytes live at once."""
+        return self.live[self.peak_index] if self.live else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What is live at a compiled step's peak, and its timeline.
+
+    Attributes:
+      at_peak: group -> bytes at the peak (:data:`GROUPS` order, empty groups left out); sums exactly to
+        ``total`` (``reserved`` holds what XLA reserves but no value uses at the peak instruction).
+      largest_at_peak: the ten largest buffers live there, largest first.
+      total: the compiled peak (:attr:`remat_kit.memory.CompiledMemory.total`).
+      peak_op, peak_phase: the op at the peak (op and source line) and its phase.
+      timeline: the :class:`Timeline`.
+      kept: sorted ``(shape, dtype)`` of the forward buffers live when the backward pass starts: the saved
+        set as compiled (after XLA's CSE, which may merge a recompute away), for :func:`noop_warning`.
+    """
+
+    at_peak: dict[str, int]
+    largest_at_peak: tuple[PeakBuffer, ...]
+    total: int
+    peak_op: str
+    peak_phase: str
+    timeline: Timeline
+    kept: tuple = ()
+
+    @property
+    def peak_at(self) -> str:
+        """Where the peak is: ``"backward: dot_general at model.py:12"``."""
+        return f"{self.peak_phase}: {self.peak_op}"
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes occupied by values at the peak (the groups without ``reserved``)."""
+        return self.total - self.at_peak.get("reserved", 0)
+
+    def table(self) -> str:
+        """The groups at the peak, then the largest buffers."""
+        return f"peak in {self.peak_at}\n" + format_at_peak(self.at_peak, self.largest_at_peak, self.total)
+
+
+def format_at_peak(at_peak: Mapping[str, int], largest: Sequence[PeakBuffer], total: int) -> str:
+    """The groups at the peak (bytes and share of ``total``), then the largest buffers, one per line."""
+    lines = [f"at the peak, {fmt_bytes(total)} in all:"]
+    for group, n in at_peak.items():
+        lines.append(f"  {group:22} {fmt_bytes(n):>10}  {100 * n / max(total, 1):5.1f}%")
+    lines.append(f"  {'bytes':>10}  {'group':21} {'dtype':9} {'shape':22} producer")
+    for b in largest:
+        lines.append(f"  {fmt_bytes(b.nbytes):>10}  {b.group:21} {b.dtype:9} {b.shape!s:22} {b.producer}")
+    return "\n".join(lines)
+
+
+# ---- phases and producers -------------------------------------------------------------------------
+
+
+def phase(op_name: str, source: str = "") -> str:
+    """The phase of one op from its ``op_name``: ``"jit(f)/jvp()/dot"`` -> ``"forward"``.
+
+    >>> phase("jit(step)/transpose(jvp(loss))/dot_general"), phase("jit(step)/jvp()/log_softmax")
+    ('backward', 'loss')
+    """
+    if "transpose(" in op_name:
+        return "backward"
+    if "jvp(" in op_name:
+        return "loss" if _is_loss(op_name, source) else "forward"
+    return "other"
+
+
+def _is_loss(op_name: str, source: str) -> bool:
+    # A marker in the op's name scopes (``jit(log_softmax)``) or its innermost function's own name, or a loss
+    # file: not a function merely *named* loss, which may hold the whole model.
+    func = source.rsplit("(", 1)[-1].rstrip(")").rsplit(".", 1)[-1] if source.endswith(")") else ""
+    file = source.split(":", 1)[0]
+    return any(m in op_name or m in func for m in LOSS_MARKERS) or file in LOSS_FILES
+
+
+def _producer(ins: _xla_dump.Instruction | None) -> str:
+    if ins is None or not (ins.op_name or ins.source):
+        return ins.name if ins else "?"
+    op = ins.op_name.rsplit("/", 1)[-1] or ins.opcode
+    return f"{op} at {ins.source}" if ins.source else op
+
+
+# ---- the explanation ------------------------------------------------------------------------------
+
+
+def explain(
+    program: _xla_dump.Program,
+    memory: Any,
+    *,
+    parameter_groups: Mapping[int, str] | Callable[[int], str],
+    gradient_shapes: Sequence[tuple[tuple[int, ...], str]] = (),
+    tags: Mapping[tuple[tuple[int, ...], str], str] | None = None,
+    has_optimizer: bool = False,
+    top: int = 10,
+) -> Explanation:
+    """Group the buffers live at ``program``'s peak and draw its timeline.
+
+    Args:
+      program: a parsed dump (:func:`remat_kit._xla_dump.compile_with_dump`).
+      memory: the same compile's :class:`remat_kit.memory.CompiledMemory`.
+      parameter_groups: entry parameter number -> group (``"parameters"``, ``"optimizer state"``, ``"inputs"``).
+      gradient_shapes: ``(shape, dtype)`` of the differentiated leaves: a backward value of such a shape is a
+        gradient, any other a backward temporary; a forward value of such a shape (any axis order) a weight copy.
+      tags: ``(shape, dtype)`` -> ``checkpoint_name`` of the saved residuals (from JAX's residual analysis).
+      has_optimizer: the program is a training step: what runs after the backward pass is the optimizer.
+      top: how many of the largest buffers to name.
+
+    Returns:
+      An :class:`Explanation`.
+    """
+    groups_of = parameter_groups if callable(parameter_groups) else (lambda n: parameter_groups.get(n, "inputs"))
+    ins = {i.name: i for i in program.sequence}
+    position = {i.name: t for t, i in enumerate(program.sequence)}
+    _hlo_dtype = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32", "pred": "bool"}
+    grads = {(tuple(s), str(d)) for s, d in gradient_shapes}
+    # A weight's element count in any layout: a forward copy of that size is a cast or transposed weight copy.
+    weight_sizes = {tuple(sorted(s)) for s, _ in gradient_shapes if len(s) >= 2}
+    tags = dict(tags or {})
+    phases = [phase(i.op_name, i.source) for i in program.sequence]
+    last_backward = max((t for t, p in enumerate(phases) if p == "backward"), default=-1)
+    # After the backward pass, un-differentiated ops are the optimizer's; before it, bookkeeping ops (copies,
+    # tuples, loop counters) carry no AD marker and take the phase of the op before them.
+    filled, before = [], "other"
+    for t, p in enumerate(phases):
+        if p == "other":
+            p = ("optimizer" if has_optimizer else "other") if t > last_backward >= 0 else before
+        filled.append(p)
+        before = p
+    phases = filled
+    # A forward value live across a backward instruction is one the backward pass reads: a saved residual.
+    backward_before = [0]
+    for p in phases:
+        backward_before.append(backward_before[-1] + (p == "backward"))
+
+    def spans_backward(b: _xla_dump.Buffer) -> bool:
+        return backward_before[min(b.end, len(phases) - 1) + 1] > backward_before[max(b.start, 0)]
+
+    at = program.peak_position
+    # A phi (a loop-carried alias) has no op of its own: its phase is its loop's, its producer the real value
+    # sharing its slice nearest in time to the peak (a slice is reused over time by unrelated values).
+    same_slice: dict[tuple[int, int, int], list[_xla_dump.Buffer]] = {}
+    for b in program.buffers:
+        if not b.phi and b.instruction in ins and ins[b.instruction].op_name:
+            same_slice.setdefault((b.allocation, b.offset, b.nbytes), []).append(b)
+
+    def nearest(b: _xla_dump.Buffer) -> _xla_dump.Instruction | None:
+        near = same_slice.get((b.allocation, b.offset, b.nbytes), [])
+        near = [c for c in near if c.start <= b.end and b.start <= c.end] or near
+        best = min(near, key=lambda c: 0 if c.start <= at <= c.end else min(abs(c.start - at), abs(c.end - at)),
+                   default=None)  # fmt: skip
+        return ins[best.instruction] if best else None
+
+    def loop_of(i: _xla_dump.Instruction | None) -> _xla_dump.Instruction | None:
+        if i is not None and i.opcode == "parameter" and i.computation in program.trips:
+            return ins.get(program.trips[i.computation][0], i)
+        return i
+
+    def classify(b: _xla_dump.Buffer) -> tuple[str, str]:
+        i = ins.get(b.instruction)
+        key = (b.shape, _hlo_dtype.get(b.dtype, b.dtype))
+        if b.kind == "parameter" and b.parameter is not None and not b.host:
+            return groups_of(b.parameter), (i.op_name if i and i.op_name else b.instruction)
+        if b.phi or i is None or not i.op_name:
+            made, i = nearest(b), loop_of(i)
+            made = made or i
+        else:
+            made = i
+        if b.host:
+            return "host memory", tags.get(key) or _producer(made)
+        # An op with no AD marker of its own (an XLA copy or convert) belongs to the phase it runs in.
+        p = phases[position[i.name]] if i is not None and i.name in position else "other"
+        if p == "backward" and key in grads:
+            return "gradients", _producer(made)
+        # The loss's buffers and their gradients (what a chunked loss removes), forward or backward.
+        if p == "loss" or (p in ("forward", "backward") and made is not None and _is_loss(made.op_name, made.source)):
+            return "logits / loss", _producer(made)
+        if p == "backward":
+            return "backward temporaries", _producer(made)
+        if p in ("forward", "other") and tuple(sorted(b.shape)) in weight_sizes:
+            return "weight copies", _producer(made)
+        if p == "forward":
+            if spans_backward(b):
+                return "saved residuals", tags.get(key) or _producer(made)
+            return "forward temporaries", _producer(made)
+        if p == "optimizer":
+            return "optimizer update", _producer(made)
+        return "other", _producer(made)
+
+    kept = [
+        (b.shape, _hlo_dtype.get(b.dtype, b.dtype))
+        for b in program.buffers
+        if b.kind != "parameter" and spans_backward(b) and classify(b)[0] in ("saved residuals", "logits / loss")
+    ]
+    totals = dict.fromkeys(GROUPS, 0)
+    rows = []
+    for b in program.live_at(at):
+        group, producer = classify(b)
+        totals[group] += b.nbytes
+        rows.append(PeakBuffer(b.shape, _hlo_dtype.get(b.dtype, b.dtype), b.nbytes, group, producer, b.host))
+    live = sum(totals.values()) - totals["host memory"]
+    # XLA's counted allocations (memory.total) hold at least what is live at any instruction.
+    totals["reserved"] = max(int(memory.total) - live, 0)
+    rows.sort(key=lambda r: -r.nbytes)
+    timeline = _timeline(program, phases)
+    peak_ins = program.sequence[at] if program.sequence else None
+    return Explanation(
+        at_peak={g: n for g, n in totals.items() if n},
+        largest_at_peak=tuple(rows[:top]),
+        total=int(memory.total),
+        peak_op=_producer(peak_ins) if peak_ins else "",
+        peak_phase=phases[at] if phases else "",
+        timeline=timeline,
+        kept=tuple(sorted(kept)),
+    )
+
+
+def _timeline(program: _xla_dump.Program, phases: Sequence[str]) -> Timeline:
+    live = program.live_bytes()
+    order = program.expanded()
+    values = tuple(live[t] for t in order)
+    peak = values.index(max(values)) if values else 0
+    return Timeline(live=values, phases=tuple(phases[t] for t in order), peak_index=peak)
+
+
+# ---- the plot -------------------------------------------------------------------------------------
+
+_PHASE_COLORS = {"forward": "#dbe9f6", "loss": "#fde2c4", "backward": "#e3f1dc", "optimizer": "#eadcf0"}
+
+
+def plot_timelines(timelines: Mapping[str, Timeline], path: str, title: str = "live device memory") -> str:
+    """Draw one line per policy of live bytes over the step (x scaled to 0..1 so programs of different length
+    line up), phases shaded from the first timeline, each peak marked; write a PNG to ``path``.
+
+    Args:
+      timelines: label -> :class:`Timeline`.
+      path: the PNG to write.
+      title: the plot title.
+
+    Returns:
+      ``path``.
+    """
+    if not timelines:
+        raise ValueError("plot_timelines needs at least one timeline, got none")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=120)
+    first = next(iter(timelines.values()))
+    n = len(first.phases)
+    start = 0
+    for t in range(1, n + 1):
+        if t == n or first.phases[t] != first.phases[start]:
+            color = _PHASE_COLORS.get(first.phases[start])
+            if color:
+                ax.axvspan(start / n, t / n, color=color, lw=0)
+            start = t
+    scale, unit = _unit(max(tl.peak for tl in timelines.values()))
+    for label, tl in timelines.items():
+        m = len(tl.live)
+        xs = [i / max(m, 1) for i in range(m)]
+        (line,) = ax.plot(xs, [v / scale for v in tl.live], lw=1.4, label=f"{label} (peak {fmt_bytes(tl.peak)})")
+        ax.plot([tl.peak_index / max(m, 1)], [tl.peak / scale], "v", color=line.get_color(), ms=8)
+    handles, _ = ax.get_legend_handles_labels()
+    from matplotlib.patches import Patch
+
+    phase_handles = [Patch(color=c, label=p) for p, c in _PHASE_COLORS.items() if p in first.phases]
+    ax.legend(handles=handles + phase_handles, loc="best", fontsize=8, ncol=2,
+              title=f"phases shaded for {next(iter(timelines))}", title_fontsize=8)  # fmt: skip
+    ax.set_xlabel("executed instruction sequence (0 = start, 1 = end; scan bodies repeated once per trip)")
+    ax.set_ylabel(f"live device memory ({unit})")
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(0, 1)
+    ax.set_title(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _unit(peak: int) -> tuple[float, str]:
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):  # the units of units.fmt_bytes
+        if peak >= scale:
+            return float(scale), unit
+    return 1.0, "B"
+
+
+# ---- the guardrails -------------------------------------------------------------------------------
+
+
+def noop_warning(policy: str, peak: int, saved: Any, base_peak: int, base_saved: Any) -> str | None:
+    """A warning when a remat policy compiles to ``none``'s peak and saved set: the policy did nothing.
+
+    ``saved`` / ``base_saved`` are comparable signatures of the saved set: :attr:`Explanation.kept` (as
+    compiled: catches a recompute XLA merged away in unrolled code) or :func:`saved_signature` of JAX's
+    residuals.
+
+    >>> noop_warning("full", 10, ((4,), "f32"), 10, ((4,), "f32")) is not None
+    True
+    """
+    if policy == "none" or peak != base_peak or saved != base_saved:
+        return None
+    return (
+        f"policy {policy!r} compiles to the same peak and saved set as 'none': it did nothing here "
+        "(unrolled layers on CPU let XLA merge the recompute away: stack them with remat_kit.stack / a scan; "
+        "or its tags name nothing saveable: check the names with `remat-kit policies`)"
+    )
+
+
+def saved_signature(residuals: Sequence[Any]) -> tuple:
+    """The saved set of a residual list as a comparable signature: sorted ``(shape, dtype, host)``."""
+    return tuple(sorted((tuple(r.shape), str(r.dtype), bool(r.host)) for r in residuals))
+
+
+def policy_offloads(policy: Any) -> bool:
+    """Whether a policy (or spec) asks for host offload: its spec has an ``offload`` part.
+
+    >>> policy_offloads("offload:q_proj"), policy_offloads("full")
+    (True, False)
+    """
+    return "offload" in str(policy)
+
+
+def offload_warnings(offloaded_bytes: int, enforced: bool, policy_offloads: bool, xla_host_bytes: int) -> list[str]:
+    """Warnings when offloaded bytes stay on the device.
+
+    Args:
+      offloaded_bytes: bytes JAX's residual analysis places in host memory.
+      enforced: :attr:`remat_kit.memory.HostOffload.enforced` on this device.
+      policy_offloads: whether the policy asks for offload.
+      xla_host_bytes: bytes XLA's compile placed in host memory.
+
+    >>> offload_warnings(1024, False, True, 0)[0].startswith("offloaded")
+    True
+    """
+    out = []
+    if policy_offloads and offloaded_bytes == 0:
+        out.append(
+            "the policy offloads, but nothing is saved to host memory: this JAX's remat recomputes instead "
+            "(jax 0.10's remat3) or the offloaded names are not saved; only 'pinned_host' moves bytes"
+        )
+    elif offloaded_bytes and not enforced:
+        out.append(
+            f"offloaded {fmt_bytes(offloaded_bytes)} stay on the device: this backend does not enforce host "
+            "memory (XLA:CPU); the figures count them as device bytes, a GPU/TPU moves them"
+        )
+    elif offloaded_bytes and enforced and xla_host_bytes == 0:
+        out.append(
+            f"JAX marks {fmt_bytes(offloaded_bytes)} for host memory but XLA placed none there: "
+            "the destination is one jax.checkpoint ignores (only 'pinned_host' moves)"
+        )
+    return out
+
+
+def dominance_warnings(at_peak: Mapping[str, int], total: int, *, has_optimizer: bool = False) -> list[str]:
+    """Warnings when the peak is mostly something no remat policy touches, naming the lever that does.
+
+    >>> dominance_warnings({"parameters": 70, "saved residuals": 30}, 100)[0].split(":")[0]
+    'the peak is 70% parameters, optimizer state and gradients'
+    """
+    out = []
+    if total <= 0:
+        return out
+    untouched = ("parameters", "optimizer state", "gradients", "optimizer update", "weight copies")
+    state = sum(at_peak.get(g, 0) for g in untouched)
+    if state / total >= DOMINANCE_SHARE:
+        levers = "LoRA (--lora-rank), a mesh sharding the state (--mesh fsdp=N)"
+        levers += ", optimizer-state offload" if has_optimizer else ""
+        out.append(
+            f"the peak is {100 * state / total:.0f}% parameters, optimizer state and gradients: "
+            f"no remat policy changes them; {levers} do"
+        )
+    logits = at_peak.get("logits / loss", 0)
+    if logits / total >= DOMINANCE_SHARE / 2:
+        out.append(
+            f"the peak is {100 * logits / total:.0f}% logits and loss buffers: no remat policy changes them; "
+            "a chunked loss (--loss-chunks K, remat_kit.model.loss) does"
+        )
+    return out

@@ -1,0 +1,226 @@
+"""What is live at the compiled peak, the memory timeline and the guardrails (remat_kit/explain.py), compile-only,
+on users' models (a Linen nn.scan stack and an NNX stack), the built-in model and tiny functions."""
+
+import jax
+import jax.numpy as jnp
+import plan_model_factory as M
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+from test_inspect import _nnx_loss_and_args
+
+import remat_kit
+from remat_kit import explain, policies
+from remat_kit.cli import main
+from remat_kit.model.transformer import TransformerConfig
+from remat_kit.planning import analysis
+
+F32 = 4
+
+
+def _param_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _linen(spec, batch=64):
+    return M.make(policies.parse(spec), batch=batch)
+
+
+def _nnx(spec):
+    return _nnx_loss_and_args(policies.parse(spec), layers=3, batch=32, seq=8, d=16)
+
+
+MODELS = {"linen_scan": _linen, "nnx": _nnx}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS), ids=sorted(MODELS))
+def reports(request):
+    make = MODELS[request.param]
+    out = {}
+    for spec in ("none", "full"):
+        loss, args = make(spec)
+        out[spec] = (remat_kit.inspect(loss, *args, explain=True, policy=spec), args)
+    return out
+
+
+def test_groups_at_the_peak_sum_to_the_compiled_peak(reports):
+    for spec, (r, args) in reports.items():
+        assert set(r.at_peak) <= set(explain.GROUPS), r.at_peak
+        assert sum(r.at_peak.values()) == r.peak_bytes, spec
+        # 'reserved' (held by XLA, used by no value at the peak) stays under the stated tolerance.
+        assert r.at_peak.get("reserved", 0) <= explain.RESERVED_TOLERANCE * r.peak_bytes, (spec, r.at_peak)
+        # Every parameter is live at the peak, to the byte.
+        assert r.at_peak["parameters"] == _param_bytes(args[0]), spec
+
+
+def test_remat_shrinks_the_saved_residuals_at_the_peak(reports):
+    none, full = reports["none"][0], reports["full"][0]
+    assert none.at_peak["saved residuals"] > 0
+    assert full.at_peak.get("saved residuals", 0) < none.at_peak["saved residuals"]
+    assert full.peak_bytes < none.peak_bytes
+
+
+def test_the_ten_largest_buffers_are_named(reports):
+    for spec, (r, _) in reports.items():
+        rows = r.largest_at_peak
+        assert len(rows) == 10, spec
+        assert [b.nbytes for b in rows] == sorted((b.nbytes for b in rows), reverse=True)
+        for b in rows:
+            assert b.group in explain.GROUPS and b.producer, b
+            n = 1
+            for d in b.shape:
+                n *= d
+            assert b.nbytes == n * {"float32": 4, "int32": 4, "bool": 1}[b.dtype], b
+        record = r.to_dict()
+        assert record["at_peak"] == r.at_peak and len(record["largest_at_peak"]) == 10
+
+
+def test_the_timeline_peaks_at_the_live_bytes_and_plots(reports, tmp_path):
+    r = reports["none"][0]
+    tl = r.timeline
+    assert tl.peak == r.peak_bytes - r.at_peak.get("reserved", 0)
+    assert {"forward", "backward"} <= set(tl.phases)
+    # The scan body repeats once per trip: the step is longer than the flattened sequence XLA lists.
+    assert tl.phases.index("backward") > 0
+    path = r.plot_timeline(str(tmp_path / "t.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_scan_body_is_drawn_once_per_trip():
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    def loss(ws, x):
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
+
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    short = remat_kit.inspect(loss, jax.ShapeDtypeStruct((2, 16, 16), jnp.float32), x, explain=True).timeline
+    long = remat_kit.inspect(loss, jax.ShapeDtypeStruct((6, 16, 16), jnp.float32), x, explain=True).timeline
+    # The same program but for the trip count: three times the trips, a longer timeline.
+    assert len(long.live) > len(short.live)
+
+
+def test_compare_plots_one_line_per_policy(tmp_path):
+    c = remat_kit.compare(lambda p: M.make(p)[0], ["none", "full"], *M.make(policies.none())[1], explain=True)
+    path = c.plot_timeline(str(tmp_path / "c.png"))
+    with open(path, "rb") as f:
+        assert f.read(4) == b"\x89PNG"
+    loss, args = M.make(policies.none())
+    with pytest.raises(ValueError, match="explain=True"):
+        remat_kit.inspect(loss, *args).plot_timeline("x.png")
+
+
+# ---- the guardrails -------------------------------------------------------------------------------
+
+
+def _unrolled(policy):
+    """Four layers in a Python loop: on CPU XLA merges full remat's recompute back into the forward pass."""
+
+    def loss(ws, x):
+        for i in range(4):
+            layer = lambda h, w: jnp.tanh(h @ w)
+            if str(policy) != "none":
+                layer = jax.checkpoint(layer, prevent_cse=False)
+            x = layer(x, ws[i])
+        return jnp.sum(x**2)
+
+    return loss
+
+
+UNROLLED = (jax.ShapeDtypeStruct((4, 64, 64), jnp.float32), jax.ShapeDtypeStruct((32, 64), jnp.float32))
+
+
+def test_a_policy_that_did_nothing_is_named():
+    c = remat_kit.compare(_unrolled, ["none", "full"], *UNROLLED, explain=True)
+    assert c["full"].peak_bytes == c["none"].peak_bytes
+    [w] = [w for w in c["full"].warnings if "did nothing" in w]
+    assert "remat_kit.stack" in w and "'full'" in w
+    assert not any("did nothing" in w for w in c["none"].warnings)
+    assert "warning (full)" in c.table()
+
+
+def test_a_working_policy_under_a_scan_gets_no_noop_warning():
+    c = remat_kit.compare(lambda p: M.make(p, batch=64)[0], ["none", "full"], *M.make(policies.none(), batch=64)[1],
+                          explain=True)  # fmt: skip
+    assert not any("did nothing" in w for r in c.reports for w in r.warnings)
+    # Activations dominate at this batch: no lever beyond remat is named either.
+    assert c["none"].warnings == ()
+
+
+_OFFLOAD = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=["h"], offload_src="device", offload_dst="pinned_host"
+)
+
+
+def _offloaded(w, x):
+    return jax.checkpoint(lambda w, x: jnp.sum(jnp.sin(checkpoint_name(jnp.tanh(x @ w), "h"))), policy=_OFFLOAD)(w, x)
+
+
+def test_offload_that_moves_nothing_is_named():
+    r = remat_kit.inspect(_offloaded, jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                          jax.ShapeDtypeStruct((256, 64), jnp.float32))  # fmt: skip
+    offloaded = sum(x.nbytes for x in r.residuals if x.host)
+    if offloaded:  # JAX's remat offloads here: on CPU the bytes stay on the device
+        assert any("stay on the device" in w for w in r.warnings), r.warnings
+    else:  # jax 0.10's remat3 recomputes instead of offloading: nothing to warn about here
+        assert not any("stay on the device" in w for w in r.warnings)
+    w, x = jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    plain = remat_kit.inspect(lambda w, x: jnp.sum(jnp.sin(jnp.tanh(x @ w))), w, x)
+    assert plain.warnings == ()
+
+
+@pytest.mark.parametrize(
+    "warn, enforced, policy, xla_host, expect",
+    [(0, True, True, 0, "nothing is saved"), (1024, False, True, 0, "stay on the device"),
+     (1024, True, True, 0, "ignores"), (1024, True, True, 1024, None), (0, False, False, 0, None)],
+    ids=["remat-recomputes", "cpu", "ignored-destination", "moved", "no-offload"],
+)  # fmt: skip
+def test_offload_warning_cases(warn, enforced, policy, xla_host, expect):
+    out = explain.offload_warnings(warn, enforced, policy, xla_host)
+    assert (out == []) if expect is None else (expect in out[0])
+
+
+def test_a_peak_of_state_names_the_levers():
+    # One token, wide weights: parameters and gradients are most of the peak.
+    loss, args = M.make(policies.none(), batch=1, seq=1, d=64)
+    r = remat_kit.inspect(loss, *args, explain=True)
+    [w] = [w for w in r.warnings if "no remat policy changes them" in w]
+    assert "--lora-rank" in w and "--mesh" in w
+
+
+def test_a_peak_of_logits_names_the_chunked_loss():
+    def loss(w, h, labels):  # a wide vocabulary: the [tokens, V] logits dwarf everything
+        logits = h @ w
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+    args = (jax.ShapeDtypeStruct((16, 8192), jnp.float32), jax.ShapeDtypeStruct((512, 16), jnp.float32),
+            jax.ShapeDtypeStruct((512,), jnp.int32))  # fmt: skip
+    r = remat_kit.inspect(loss, *args, explain=True)
+    assert r.at_peak["logits / loss"] >= 512 * 8192 * F32
+    assert any("--loss-chunks" in w for w in r.warnings), r.warnings
+
+
+# ---- the built-in model and plan --explain ---------------------------------------------------------
+
+
+def test_the_built_in_model_groups_sum_to_the_peak():
+    cfg = TransformerConfig.preset("tiny")
+    a = analysis.analyze(cfg, "none", batch=2, seq=16, explain=True)
+    assert sum(a.at_peak.values()) == a.peak_bytes
+    assert a.at_peak["parameters"] == a.param_bytes
+    # AdamW keeps two moments per parameter (and a step count).
+    assert 2 * a.param_bytes <= a.at_peak["optimizer state"] <= 2 * a.param_bytes + 64
+    assert a.at_peak.get("reserved", 0) <= explain.RESERVED_TOLERANCE * a.peak_bytes
+    assert len(a.largest_at_peak) == 10 and a.peak_at
+    assert a.to_dict()["at_peak"] == a.at_peak
+
+
+def test_plan_explain_prints_the_groups_and_writes_the_timeline(tmp_path, capsys):
+    png = tmp_path / "timeline.png"
+    argv = ["plan", "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--policies", "none,full", "--explain",
+            "--timeline", str(png), "--top", "0", "--no-progress", "--jobs", "1"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("at the peak, ") == 2 and "optimizer state" in out and out.count("peak in ") == 2
+    assert "warning (" in out  # the tiny model's peak is its state: the levers are named
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,95 @@
+"""The fenced XLA dump reader (remat_kit/_xla_dump.py) on tiny jitted functions with known buffers.
+
+Runs on every JAX CI runs (jax 0.10.x and the newest): a change in XLA's dump files breaks here, loudly.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from remat_kit import _xla_dump
+from remat_kit.memory import CompiledMemory
+
+F32 = 4
+W, X = jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((8, 64), jnp.float32)
+
+
+def sin_loss(w, x):
+    return jnp.sum(jnp.sin(x @ w))  # the backward pass keeps cos(x @ w): f32[8, 32]
+
+
+@pytest.fixture(scope="module")
+def sin_program():
+    compiled, program = _xla_dump.compile_with_dump(jax.jit(jax.value_and_grad(sin_loss)).lower(W, X))
+    return CompiledMemory.from_compiled(compiled), program
+
+
+def _layer(h, w):
+    return jnp.tanh(h @ w), None
+
+
+def scan_loss(ws, x):
+    h, _ = jax.lax.scan(jax.checkpoint(_layer), x, ws)
+    return jnp.sum(h**2)
+
+
+TRIPS = 4
+WS = jax.ShapeDtypeStruct((TRIPS, 64, 64), jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def scan_program():
+    compiled, program = _xla_dump.compile_with_dump(jax.jit(jax.value_and_grad(scan_loss)).lower(WS, X))
+    return CompiledMemory.from_compiled(compiled), program
+
+
+def test_parameters_are_buffers_of_their_own_size(sin_program):
+    _, p = sin_program
+    params = {b.parameter: b for b in p.buffers if b.kind == "parameter"}
+    assert (params[0].shape, params[0].dtype, params[0].nbytes) == ((64, 32), "f32", 64 * 32 * F32)
+    assert (params[1].shape, params[1].nbytes) == ((8, 64), 8 * 64 * F32)
+    # Parameters are live from the start to the end of the program.
+    assert params[0].start == 0 and params[0].end >= len(p.sequence) - 1
+
+
+def test_the_saved_cosine_is_a_forward_buffer_read_by_the_backward_pass(sin_program):
+    _, p = sin_program
+    ins = {i.name: i for i in p.sequence}
+    cos = [b for b in p.buffers if "jvp()/cos" in ins.get(b.instruction, ins[p.sequence[0].name]).op_name]
+    assert [(b.shape, b.nbytes) for b in cos] == [((8, 32), 8 * 32 * F32)]
+    users = [i for i in p.sequence[cos[0].start + 1 : cos[0].end + 1] if "transpose(" in i.op_name]
+    assert users, "the cosine lives until the weight gradient's matmul reads it"
+    assert ins[cos[0].instruction].source.startswith("test_xla_dump.py:"), ins[cos[0].instruction].source
+
+
+def test_live_bytes_never_exceed_the_compiled_memory(sin_program, scan_program):
+    for held, p in (sin_program, scan_program):
+        live = p.live_bytes()
+        # XLA's allocations hold at least what is live at any instruction; only small tuple tables are left over.
+        assert max(live) <= held.total
+        assert held.total - max(live) <= 0.02 * held.total, (held.total, max(live))
+
+
+def test_a_scan_body_is_found_with_its_trip_count(scan_program):
+    _, p = scan_program
+    assert sorted({trips for _, trips in p.trips.values()}) == [TRIPS]
+    in_loop = [t for t in range(len(p.sequence)) if p.loops(t)]
+    assert in_loop, "the while bodies' instructions sit in the flattened sequence"
+    # Each body is repeated once per trip in the executed order.
+    assert len(p.expanded()) == len(p.sequence) + (TRIPS - 1) * len(in_loop)
+
+
+def test_host_colour_and_counted_kinds_are_stated():
+    assert _xla_dump.HOST_COLOR == 5
+    assert set(_xla_dump.COUNTED_KINDS) == {"parameter", "output", "temp"}
+
+
+def test_a_missing_or_changed_dump_fails_loudly(tmp_path):
+    with pytest.raises(_xla_dump.DumpFormatError, match="wrote no"):
+        _xla_dump.read_dump(str(tmp_path))
+    with pytest.raises(_xla_dump.DumpFormatError, match="live-range format changed"):
+        _xla_dump.parse_live_ranges("HloLiveRange (max 3):\n  something else\n")
+    with pytest.raises(_xla_dump.DumpFormatError, match="buffer assignment"):
+        _xla_dump.parse_buffer_assignment("BufferAssignment:\nnothing here\n")
+    with pytest.raises(_xla_dump.DumpFormatError, match="HLO"):
+        _xla_dump.parse_hlo("HloModule m\n")

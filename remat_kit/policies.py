@@ -204,7 +204,8 @@ class Policy:
             function they index its arguments (``jax.checkpoint``'s meaning); for a Linen class
             they count ``self`` as 0 (``flax.linen.remat``'s meaning: ``__call__(self, x, train)``
             takes ``static_argnums=(2,)``), and so for an NNX instance (``__call__(self, x, train)``:
-            ``(2,)``).
+            ``(2,)``). A negative index counts from the end of the positional arguments of each call
+            (``-1``: the last), as Python and ``jax.checkpoint`` count (MaxText passes ``(-1, ..., -5)``).
           methods: Linen classes only: the methods to rematerialize (default ``["__call__"]``).
           prevent_cse: passed to ``jax.checkpoint``; keep True outside scans.
 
@@ -664,13 +665,13 @@ def _check_offload_dst(dst: str) -> None:
 
 
 def _argnums(value) -> tuple[int, ...]:
-    """``static_argnums`` as a tuple of non-negative ints (an int is one index)."""
+    """``static_argnums`` as a tuple of ints (an int is one index; a negative one counts from the end)."""
     items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
     try:
         items = tuple(items)
     except TypeError:
         raise TypeError(f"static_argnums must be an int or a tuple of ints, got {value!r}") from None
     for i in items:
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise ValueError(f"static_argnums must be non-negative ints, got {value!r}")
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"static_argnums must be ints, got {value!r}")
     return items

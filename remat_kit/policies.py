@@ -172,12 +172,14 @@ class Policy:
         cp = jax.checkpoint_policies
         if self.kind == "none":
             return cp.everything_saveable
+        # Each tag under every spelling the code may emit it (MaxText's query_proj for q_proj, ...), so an
+        # alias never decides what is kept, whatever strict says.
         if self.kind == "selective":
-            return cp.save_only_these_names(*self.save)
+            return cp.save_only_these_names(*_names.spellings(self.save))
         if self.kind == "offload":
             return cp.save_and_offload_only_these_names(
-                names_which_can_be_saved=list(self.save),
-                names_which_can_be_offloaded=list(self.offload),
+                names_which_can_be_saved=list(_names.spellings(self.save)),
+                names_which_can_be_offloaded=list(_names.spellings(self.offload)),
                 offload_src="device",
                 offload_dst=self.dst,
             )

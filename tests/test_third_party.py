@@ -14,6 +14,7 @@ from conftest import RTOL_F32, max_rel_err
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from remat_kit import _jax_internals as internals
 from remat_kit import policies as P
 
 B, S, D, H, HD, F = 2, 4, 8, 2, 4, 16  # batch, sequence, model width, heads, head width, MLP width
@@ -97,3 +98,75 @@ def test_negative_static_argnums_for_a_function_and_an_nnx_instance():
     want = nnx.grad(lambda m: jnp.sum(m(X, "double") ** 2))(Flagged(nnx.Rngs(0)))
     assert max_rel_err(got, want) <= RTOL_F32
 
+
+# ---- MaxText's names: aliases both ways, presets keep what MaxText's keep --------------------------------
+
+_MINIMAL = ["query_proj", "value_proj", "key_proj", "qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo"]
+_cp = jax.checkpoint_policies
+#: What MaxText's own presets hand jax.checkpoint (its names, as data).
+MAXTEXT_PRESETS = {
+    "minimal": _cp.save_only_these_names(*_MINIMAL),
+    "minimal_with_context": _cp.save_only_these_names(*_MINIMAL, "context"),
+    "save_dot_except_mlp": _cp.save_only_these_names("query_proj", "value_proj", "key_proj", "qkv_proj", "out_proj"),
+    "save_qkv_proj": _cp.save_only_these_names("query_proj", "value_proj", "key_proj", "qkv_proj"),
+    "save_out_proj": _cp.save_only_these_names("out_proj"),
+    "qkv_proj_offloaded": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["query_proj", "value_proj", "key_proj"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
+    "minimal_offloaded": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=_MINIMAL,
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
+}
+
+
+def _kept(cls, **fields):
+    """What the backward pass keeps, as sorted (tag, shape, dtype, host) rows: the inputs left out."""
+    loss, params = _loss(cls, **fields)
+    rows = internals.saved_residuals(loss, params, X)
+    return sorted((r.tag or "", r.shape, r.dtype, r.host) for r in rows if not r.is_argument)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("preset", sorted(MAXTEXT_PRESETS))
+def test_maxtext_preset_keeps_what_maxtext_keeps_on_a_maxtext_layer(preset, fused):
+    fields = {"fused_qkv": fused, "fused_mlp": fused}
+    ours = _kept(P.parse(preset)(MaxTextStyleLayer, static_argnums=(-1, -2)), **fields)
+    theirs = MAXTEXT_PRESETS[preset]
+    if preset == "qkv_proj_offloaded" and fused:
+        # MaxText's list names only the unfused projections, so its preset recomputes a fused qkv_proj
+        # silently; ours offloads the fused value (the one value q/k/v are).
+        theirs = _cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=["qkv_proj"], offload_src="device",
+            offload_dst="pinned_host",
+        )  # fmt: skip
+    theirs = _kept(nn.remat(MaxTextStyleLayer, policy=theirs, static_argnums=(3, 4)), **fields)
+    assert ours == theirs
+    assert any(tag or host for tag, _, _, host in ours)  # it keeps named values, not just inputs
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "strict_false"])
+@pytest.mark.parametrize("name", ["query_proj", "q_proj"])
+def test_alias_keeps_the_value_whichever_spelling_the_code_emits(name, strict):
+    policy = P.selective([name], strict=strict)
+    kept = _kept(policy(MaxTextStyleLayer, static_argnums=(3, 4)))
+    assert [row for row in kept if row[0]] == [("query_proj", (B, S, H, HD), "float32", False)]
+
+
+def test_strict_false_never_changes_what_is_kept():
+    for spec in ("selective:query_proj,mlpwi", "offload:out_proj;save=key_proj"):
+        strict = _kept(P.parse(spec)(MaxTextStyleLayer, static_argnums=(3, 4)))
+        lax = _kept(P.parse(spec + ";strict=false")(MaxTextStyleLayer, static_argnums=(3, 4)))
+        assert strict == lax
+
+
+def test_a_group_alias_matches_the_fused_value_and_a_missing_tag_still_raises():
+    kept = _kept(P.parse("selective:qkv_proj")(MaxTextStyleLayer, static_argnums=(3, 4)), fused_qkv=True)
+    assert [row[:2] for row in kept if row[0]] == [("qkv_proj", (B, S, 3, H, HD))]
+    with pytest.raises(ValueError, match=r"q_proj \(did you mean 'qkv_proj'\?\)"):
+        _kept(P.parse("selective:q_proj")(MaxTextStyleLayer, static_argnums=(3, 4)), fused_qkv=True)

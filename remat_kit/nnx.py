@@ -92,6 +92,7 @@ class Stack(nnx.Module):
         static = [None if not wrap_nnx.is_static(leaf) else leaf for leaf in leaves]
 
         def call(layer, h, dyn):
+            h = _layers.tag_input(h)  # the stack owns the layer input: a policy may keep or offload it
             merged = [d if s is None else s for d, s in zip(dyn, static, strict=True)]
             a, kw = jax.tree.unflatten(treedef, merged)
             return layer(h, *a, **kw)

@@ -3,7 +3,9 @@
 Every variable collection of the block (``params``, ``batch_stats``, …) is created stacked on axis 0
 (``[num_layers, ...]``) under the name ``layers``, the same tree for every policy, so a checkpoint
 trained under one policy loads under any other; mutable collections are updated layer by layer.
-Every RNG stream reaches every layer. The policy only decides how the scan groups the layers (see
+Every RNG stream reaches every layer. The stack owns each layer's input, so it tags it ``layer_input``
+(a policy may keep or offload it on a block that tags nothing). The policy only decides how the scan
+groups the layers (see
 :meth:`remat_kit.policies.Policy.plan`; the driver, :func:`remat_kit._layers.run`, is shared with the
 NNX stack):
 
@@ -96,6 +98,7 @@ class Stack(nn.Module):
         mutable = subtract_filters(self.scope.mutable, "params")
 
         def run_layer(v, h, i):
+            h = _layers.tag_input(h)
             rngs = {s: jax.random.fold_in(k, i) for s, k in keys.items()}
             if mutable is False:
                 y, mutated = layer.apply(v, h, *args, rngs=rngs, **kwargs), {}

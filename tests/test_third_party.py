@@ -170,3 +170,66 @@ def test_a_group_alias_matches_the_fused_value_and_a_missing_tag_still_raises():
     assert [row[:2] for row in kept if row[0]] == [("qkv_proj", (B, S, 3, H, HD))]
     with pytest.raises(ValueError, match=r"q_proj \(did you mean 'qkv_proj'\?\)"):
         _kept(P.parse("selective:q_proj")(MaxTextStyleLayer, static_argnums=(3, 4)), fused_qkv=True)
+
+
+# ---- the stack owns (and tags) each layer's input -------------------------------------------------------
+
+
+class GemmaStyleBlock(nn.Module):
+    """A gm.nn-style block: submodules made in ``setup``, no ``checkpoint_name`` anywhere."""
+
+    width: int = D
+
+    def setup(self):
+        self.pre_attention_norm = nn.RMSNorm()
+        self.attn = nn.Dense(self.width, use_bias=False)
+        self.pre_ffw_norm = nn.RMSNorm()
+        self.mlp = nn.Dense(self.width, use_bias=False)
+
+    def __call__(self, x):
+        x = x + self.attn(self.pre_attention_norm(x))
+        return x + self.mlp(jax.nn.gelu(self.pre_ffw_norm(x)))
+
+
+class NnxGemmaStyleBlock(nnx.Module):
+    """A Flax-NNX-Gemma-style block: untagged, dropout drawn from call-time ``rngs``."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.pre_attention_norm = nnx.RMSNorm(D, rngs=rngs)
+        self.attn = nnx.Linear(D, D, use_bias=False, rngs=rngs)
+        self.mlp = nnx.Linear(D, D, use_bias=False, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs: nnx.Rngs | None = None):
+        x = x + self.attn(self.pre_attention_norm(x))
+        return x + self.dropout(self.mlp(jax.nn.gelu(x)), rngs=rngs, deterministic=rngs is None)
+
+
+def _linen_stack_rows(spec, depth=3):
+    import remat_kit
+
+    layers = remat_kit.stack(GemmaStyleBlock, depth, spec)
+    params = layers.init(jax.random.key(0), X)
+    rows = internals.saved_residuals(lambda p, x: jnp.sum(layers.apply(p, x) ** 2), params, X)
+    return [r for r in rows if not r.is_argument]
+
+
+def _nnx_stack_rows(spec, depth=3):
+    import remat_kit.nnx
+
+    layers = remat_kit.nnx.stack(NnxGemmaStyleBlock, depth, spec, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layers)
+    rows = internals.saved_residuals(lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x) ** 2), state, X)
+    return [r for r in rows if not r.is_argument]
+
+
+@pytest.mark.parametrize("rows", [_linen_stack_rows, _nnx_stack_rows], ids=["linen", "nnx"])
+def test_offload_and_selective_layer_input_apply_to_an_untagged_block_in_a_stack(rows, depth=3):
+    offloaded = rows("offload", depth)
+    assert [(r.shape, r.host) for r in offloaded if r.host] == [((depth, B, S, D), True)]
+    # Keeping the layer input is what full keeps: the stacked inputs [depth, ...] (and the output squared).
+    kept = rows("selective:layer_input", depth)
+    assert (
+        sorted(r.shape for r in kept) == sorted(r.shape for r in rows("full", depth)) == [(B, S, D), (depth, B, S, D)]
+    )
+

@@ -229,3 +229,26 @@ def count_primitive(jaxpr, name: str, *, top_level: bool = False) -> int:
     """
     found = eqns(jaxpr) if top_level else iter_eqns(jaxpr)
     return sum(1 for e in found if e.primitive.name == name)
+
+
+def save_only_names(policy: Any) -> frozenset[str] | None:
+    """The names a policy built by ``jax.checkpoint_policies.save_only_these_names`` saves, else None.
+
+    JAX keeps them privately: jax 0.10 returns a ``SaveOnlyTheseNames`` dataclass (its field
+    ``saveable_names``), jax 0.12 a closure ``save_only_these_names.<locals>.policy`` over a set.
+
+    >>> sorted(save_only_names(jax.checkpoint_policies.save_only_these_names("k", "q")))
+    ['k', 'q']
+    >>> save_only_names(jax.checkpoint_policies.dots_saveable) is None
+    True
+    """
+    names = getattr(policy, "saveable_names", None)
+    if type(policy).__name__ == "SaveOnlyTheseNames" and isinstance(names, (set, frozenset)):
+        return frozenset(names)
+    closure = getattr(policy, "__closure__", None) or ()
+    if getattr(policy, "__qualname__", "").startswith("save_only_these_names."):
+        for cell in closure:
+            value = cell.cell_contents
+            if isinstance(value, (set, frozenset)) and all(isinstance(n, str) for n in value):
+                return frozenset(value)
+    return None

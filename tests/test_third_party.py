@@ -233,3 +233,58 @@ def test_offload_and_selective_layer_input_apply_to_an_untagged_block_in_a_stack
         sorted(r.shape for r in kept) == sorted(r.shape for r in rows("full", depth)) == [(B, S, D), (depth, B, S, D)]
     )
 
+
+# ---- JAX policies, as MaxText / Levanter / Equinox code carries them ------------------------------------
+
+_CP = jax.checkpoint_policies
+
+
+def _same_rows(a, b):
+    return sorted((r.shape, r.dtype, r.host) for r in a) == sorted((r.shape, r.dtype, r.host) for r in b)
+
+
+@pytest.mark.parametrize("rows", [_linen_stack_rows, _nnx_stack_rows], ids=["linen", "nnx"])
+@pytest.mark.parametrize(
+    "theirs, ours",
+    [(_CP.nothing_saveable, "full"), (_CP.dots_with_no_batch_dims_saveable, "dots"), (_CP.everything_saveable, "none")],
+    ids=["nothing_saveable", "dots_no_batch", "everything_saveable"],
+)
+def test_a_stack_takes_a_jax_policy_and_keeps_what_it_saves(rows, theirs, ours):
+    assert _same_rows(rows(theirs), rows(ours))
+
+
+def test_a_stack_under_a_jax_policy_has_the_plain_gradients():
+    import remat_kit
+
+    plain = remat_kit.stack(GemmaStyleBlock, 3, "none")
+    params = plain.init(jax.random.key(0), X)
+    want = jax.grad(lambda p: jnp.sum(plain.apply(p, X) ** 2))(params)
+    for policy in (_CP.dots_saveable, _CP.save_only_these_names("layer_input"), lambda *_, **__: False):
+        layers = remat_kit.stack(GemmaStyleBlock, 3, policy)
+        got = jax.jit(jax.grad(lambda p, layers=layers: jnp.sum(layers.apply(p, X) ** 2)))(params)
+        assert max_rel_err(got, want) <= RTOL_F32
+
+
+def test_compare_and_auto_take_jax_policies_as_rows():
+    import remat_kit
+    from remat_kit.planning.budget import auto
+
+    def make_loss(policy):
+        layers = remat_kit.stack(GemmaStyleBlock, 3, policy)
+        return lambda p, x: jnp.sum(layers.apply(p, x) ** 2)
+
+    params = jax.eval_shape(remat_kit.stack(GemmaStyleBlock, 3).init, jax.random.key(0), X)
+    opaque = lambda *_, **__: False  # a user's own policy: a callable with no JAX name
+    mine = "jax:test_compare_and_auto_take_jax_policies_as_rows.<locals>.<lambda>"  # its qualified name
+    table = remat_kit.compare(make_loss, ["none", "full", _CP.nothing_saveable, opaque], params, X)
+    assert table.policies[2:] == ("jax:nothing_saveable", mine)
+    assert table["jax:nothing_saveable"].saved_bytes == table["full"].saved_bytes < table["none"].saved_bytes
+    assert table[mine].saved_bytes == table["full"].saved_bytes
+    ample = auto(make_loss, params, X, budget_bytes=10**12, candidates=["none", opaque], exhaustive=True)
+    need = {c.policy: c.need_bytes for c in ample.candidates}
+    assert need[mine] < need["none"]
+    budget = (need[mine] + need["none"]) // 2
+    result = auto(make_loss, params, X, budget_bytes=budget, candidates=["none", opaque], margin=0.0)
+    assert str(result.chosen) == mine and result.chosen.jax_policy is opaque
+    assert any(mine in row for row in result.table())
+

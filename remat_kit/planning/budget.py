@@ -157,7 +157,7 @@ class AutoResult:
                 f"mixed front (mixes of neighbours, policies.mix): {pairs}; rows with '*COUNT' are mixes compiled."
             )
         note = memory.host_offload().note
-        if note and any(policies.parse(c.policy).kind == "offload" for c in self.candidates):
+        if note and any(_kind(c.policy) == "offload" for c in self.candidates):
             rows.append(f"note: {note}.")
         return rows
 
@@ -326,6 +326,15 @@ def auto(
     return search(planner, pool, budget, exhaustive=exhaustive, jobs=jobs)
 
 
+def _kind(spec: str) -> str:
+    """The kind of the policy a candidate's spec names, "" for one that cannot be parsed back (a JAX
+    policy given as a callable: :func:`remat_kit.policies.from_jax`)."""
+    try:
+        return policies.parse(spec).kind
+    except ValueError:
+        return ""
+
+
 def make_loss_checked(make_loss: Callable, policy: policies.Policy) -> Callable:
     """``make_loss(policy)``, or a TypeError saying what ``make_loss`` must return."""
     loss_fn = make_loss(policy)
@@ -458,6 +467,8 @@ def best_mix(
         for b in under:
             if a.recompute_flops >= b.recompute_flops or a.need_bytes <= b.need_bytes:
                 continue
+            if not (_kind(a.policy) and _kind(b.policy)):
+                continue  # a JAX policy given as a callable has no spec to rebuild it from, so it is not mixed
             ks = _mix_range(policies.parse(a.policy), policies.parse(b.policy), num_layers)
             # need(k) = need_b + k / L · (need_a − need_b): the largest k that fits the target.
             k = min(int((target - b.need_bytes) * num_layers // (a.need_bytes - b.need_bytes)), ks.stop - 1)

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from remat_kit import _layers, wrap_nnx
@@ -72,58 +73,68 @@ class Stack(nnx.Module):
         """Apply the layers in order; ``args``/``kwargs`` reach every layer unchanged.
 
         Arrays among ``args``/``kwargs`` are traced and broadcast to every layer; other values
-        (``train=True``) are static.
+        (``train=True``) are static. An ``nnx.Rngs`` among them (the NNX Gemma example's
+        ``model(x, rngs=nnx.Rngs(dropout=key))``) is split per layer, as construction-time streams are:
+        each of its streams is drawn once (``key = rngs[stream]()``) and layer ``i`` gets an
+        ``nnx.Rngs`` holding ``jax.random.split(key, num_layers)[i]`` for it, under every policy.
 
         Returns:
           The last layer's output, shaped like ``x``.
 
         Raises:
-          TypeError: an NNX object among ``args``/``kwargs``, or a block whose output is not shaped like ``x``.
+          TypeError: an NNX object other than ``nnx.Rngs`` among ``args``/``kwargs``, or a block whose
+            output is not shaped like ``x``.
           ValueError: the policy names a tag the block never emits (checked once per input signature).
         """
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
-        for leaf in leaves:
-            if nnx.graph.is_graph_node(leaf):
+        # Call-time RNG streams: {leaf position: {stream: [num_layers] keys}}, one key per layer.
+        keys = {}
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, nnx.Rngs):
+                keys[j] = {name: jax.random.split(stream(), self.num_layers) for name, stream in leaf.items()}
+            elif nnx.graph.is_graph_node(leaf):
                 raise TypeError(
-                    f"stack's extra call arguments must be arrays or Python values, got {type(leaf).__name__}; "
-                    f"give the blocks their modules and RNG streams in make_block(rngs)"
+                    f"stack's extra call arguments must be arrays, Python values or nnx.Rngs, got "
+                    f"{type(leaf).__name__}; give the blocks their modules in make_block(rngs)"
                 )
-        dynamic = [leaf if not wrap_nnx.is_static(leaf) else None for leaf in leaves]
-        static = [None if not wrap_nnx.is_static(leaf) else leaf for leaf in leaves]
+        dynamic = [leaf if j not in keys and not wrap_nnx.is_static(leaf) else None for j, leaf in enumerate(leaves)]
+        static = [leaf if j not in keys and wrap_nnx.is_static(leaf) else None for j, leaf in enumerate(leaves)]
 
-        def call(layer, h, dyn):
+        def call(layer, h, dyn, layer_keys):
             h = _layers.tag_input(h)  # the stack owns the layer input: a policy may keep or offload it
             merged = [d if s is None else s for d, s in zip(dyn, static, strict=True)]
+            for j, streams in layer_keys.items():
+                merged[j] = nnx.Rngs(**streams)
             a, kw = jax.tree.unflatten(treedef, merged)
             return layer(h, *a, **kw)
 
-        self._check_once(call, x, dynamic, static)
+        self._check_once(call, x, dynamic, static, _layers.layer_at(keys, jnp.int32(0)))
         if isinstance(self.policy, Policy) and self.policy.plan(self.num_layers).mode == "layer":
-            return self._scan_layers(call, x, dynamic)
-        return self._scan_stacked(call, x, dynamic)
+            return self._scan_layers(call, x, dynamic, keys)
+        return self._scan_stacked(call, x, dynamic, keys)
 
     # ---- "layer": nnx.scan + nnx.remat -----------------------------------------------------------
 
-    def _scan_layers(self, call, x, dynamic):
+    def _scan_layers(self, call, x, dynamic, keys):
         step = call
         if self.policy.remat:
             # prevent_cse is not needed under a scan (XLA does not CSE across loop iterations).
             step = nnx.remat(call, policy=self.policy.jax_policy, prevent_cse=False, graph_updates=False)
 
-        @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry, graph_updates=False)
-        def body(layer, h, dyn):
-            return step(layer, h, dyn)
+        @nnx.scan(in_axes=(0, nnx.Carry, None, 0), out_axes=nnx.Carry, graph_updates=False)
+        def body(layer, h, dyn, layer_keys):
+            return step(layer, h, dyn, layer_keys)
 
-        return body(self.layers, x, dynamic)
+        return body(self.layers, x, dynamic, keys)
 
     # ---- "first" / "group" / a mix: the shared driver over the split layers -------------------------
 
-    def _scan_stacked(self, call, x, dynamic):
+    def _scan_stacked(self, call, x, dynamic, keys):
         graphdef, params, other = nnx.split(self.layers, nnx.Param, ...)
 
         def step(variables, h, i):
             layer = nnx.merge(graphdef, *variables)
-            h = call(layer, h, dynamic)
+            h = call(layer, h, dynamic, _layers.layer_at(keys, i))
             return h, nnx.split(layer, nnx.Param, ...)[2]
 
         h, updated = _layers.run(self.policy, self.num_layers, step, (params, other), x)  # updated: [L, ...]
@@ -132,7 +143,7 @@ class Stack(nnx.Module):
 
     # ---- the tag rule and the output shape, once per input signature -----------------------------
 
-    def _check_once(self, call, x, dynamic, static) -> None:
+    def _check_once(self, call, x, dynamic, static, layer_keys) -> None:
         graphdef, state = nnx.split(self.layers)
         one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
         abstract_x, abstract_dyn = wrap_nnx.abstract((x, dynamic))
@@ -140,7 +151,7 @@ class Stack(nnx.Module):
         shapes = []
 
         def traced(state, h, dyn):
-            out = call(nnx.merge(graphdef, state), h, dyn)
+            out = call(nnx.merge(graphdef, state), h, dyn, layer_keys)
             shapes.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out))
             return out
 

@@ -288,3 +288,44 @@ def test_compare_and_auto_take_jax_policies_as_rows():
     assert str(result.chosen) == mine and result.chosen.jax_policy is opaque
     assert any(mine in row for row in result.table())
 
+
+# ---- call-time nnx.Rngs, as the NNX Gemma example passes dropout keys ------------------------------------
+
+
+def _loop_loss(state, graphdef, x, key, depth):
+    """The unstacked loop the stack stands for: layer i under the i-th split of one draw of the stream."""
+    keys = jax.random.split(nnx.Rngs(dropout=key).dropout(), depth)
+    for i in range(depth):
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+        x = layer(x, rngs=nnx.Rngs(dropout=keys[i]))
+    return jnp.sum(x**2)
+
+
+@pytest.mark.parametrize("spec", ["none", "full", "every_n:2", "selective:layer_input"])
+def test_nnx_stack_takes_call_time_rngs_split_per_layer(spec, depth=3):
+    import remat_kit.nnx
+
+    layers = remat_kit.nnx.stack(NnxGemmaStyleBlock, depth, spec, rngs=nnx.Rngs(0))
+    key = jax.random.key(7)
+    got = nnx.grad(lambda m: jnp.sum(m(X, rngs=nnx.Rngs(dropout=key)) ** 2))(layers)
+    graphdef, state = nnx.split(layers.layers)
+    want = jax.grad(_loop_loss)(state, graphdef, X, key, depth)
+    assert max_rel_err(jax.tree.leaves(got["layers"]), jax.tree.leaves(want)) <= RTOL_F32
+    # Dropout is really on (the gradients differ from the deterministic call's).
+    deterministic = nnx.grad(lambda m: jnp.sum(m(X) ** 2))(layers)
+    assert max_rel_err(jax.tree.leaves(got["layers"]), jax.tree.leaves(deterministic["layers"])) > 1e-3
+
+
+def test_nnx_stack_with_call_time_rngs_trains_under_nnx_jit():
+    import remat_kit.nnx
+
+    layers = remat_kit.nnx.stack(NnxGemmaStyleBlock, 2, "full", rngs=nnx.Rngs(0))
+
+    @nnx.jit
+    def loss(m, key):
+        return jnp.sum(m(X, rngs=nnx.Rngs(dropout=key)) ** 2)
+
+    a, b = loss(layers, jax.random.key(1)), loss(layers, jax.random.key(2))
+    assert float(a) != float(b) and float(loss(layers, jax.random.key(1))) == float(a)
+    with pytest.raises(TypeError, match=r"arrays, Python values or nnx.Rngs, got Linear"):
+        layers(X, nnx.Linear(D, D, rngs=nnx.Rngs(0)))

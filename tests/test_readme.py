@@ -63,6 +63,12 @@ def _lora(ns):
     assert max_rel_err(frozen, before) == 0.0
 
 
+def _nnx_compare(ns):
+    """The NNX recipe for compare: each row measured under its own policy."""
+    table = ns["table"]
+    assert table.policies == ("none", "full") and table["full"].saved_bytes < table["none"].saved_bytes
+
+
 #: A marker found in a block → what to assert after running it.
 KNOWN = {
     "RematBlock = policy(MyBlock": _linen_loop,
@@ -71,6 +77,7 @@ KNOWN = {
     "remat_kit.inspect(make_loss": _plan_own,
     "lora.update(loss_fn": _lora,
     "remat_kit.nnx.stack(Block": _nnx,
+    "remat_kit.compare(make_loss, [\"none\", \"full\"], params, rest": _nnx_compare,
 }
 
 

@@ -296,7 +296,9 @@ def auto(
       needed, what was given and which levers remain.
 
     Raises:
-      TypeError/ValueError: bad budget, margin, inputs or policies, before anything is compiled.
+      TypeError/ValueError: bad budget, margin, inputs or policies, before anything is compiled; an NNX
+        module among the inputs that holds a policy of its own (every row would measure that one:
+        :func:`remat_kit.inspection.refuse_baked_nnx`).
     """
     budget = Budget(budget_bytes, margin)
     wanted = candidates
@@ -319,6 +321,7 @@ def auto(
         raise TypeError("batch=, seq= and loss_chunks= belong to auto(config, ...); give make_loss its inputs")
     if not args:
         raise TypeError("auto(make_loss, params, *batch_args, ...) needs the loss's inputs (params first)")
+    inspection.refuse_baked_nnx(args, "auto")
     inputs = inspection.abstract(args)
     pool = [policies.parse(p) for p in (wanted or GENERIC_CANDIDATES)]
     inspection.check_loss(make_loss_checked(model, pool[0]), inputs)

@@ -329,3 +329,83 @@ def test_nnx_stack_with_call_time_rngs_trains_under_nnx_jit():
     assert float(a) != float(b) and float(loss(layers, jax.random.key(1))) == float(a)
     with pytest.raises(TypeError, match=r"arrays, Python values or nnx.Rngs, got Linear"):
         layers(X, nnx.Linear(D, D, rngs=nnx.Rngs(0)))
+
+
+# ---- Gemma 3's local/global pattern: one stack over a period of block types ------------------------------
+
+
+class LocalAttentionBlock(nn.Module):
+    """Gemma-3-style local block, inline in ``@nn.compact``: causal attention within a sliding window."""
+
+    window: int = 2
+
+    @nn.compact
+    def __call__(self, x):  # x: [b, s, d]
+        h = nn.RMSNorm(name="pre_attention_norm")(x)
+        q, k, v = (nn.Dense(D, use_bias=False, name=n)(h) for n in ("q", "k", "v"))
+        i = jnp.arange(x.shape[1])
+        allowed = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < self.window)
+        scores = jnp.where(allowed, jnp.einsum("bqd,bkd->bqk", q, k) / D**0.5, -1e9)
+        x = x + nn.Dense(D, use_bias=False, name="o")(jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores), v))
+        return x + nn.Dense(D, use_bias=False, name="mlp")(jax.nn.gelu(nn.RMSNorm(name="pre_ffw_norm")(x)))
+
+
+class GlobalAttentionBlock(LocalAttentionBlock):
+    """Gemma-3-style global block: the same layout, attention over the whole causal prefix."""
+
+    window: int = 10**6
+
+
+PERIOD = [LocalAttentionBlock, LocalAttentionBlock, GlobalAttentionBlock]
+
+
+def _unrolled_loss(params, x, depth):
+    """The loop the period stack stands for: layer i is PERIOD[i % 3] with its slice of the stacked params."""
+    for i in range(depth):
+        u, j = divmod(i, len(PERIOD))
+        p = jax.tree.map(lambda a, u=u: a[u], params["params"]["layers"][str(j)])
+        x = PERIOD[j]().apply({"params": p}, x)
+    return jnp.sum(x**2)
+
+
+@pytest.mark.parametrize("spec", ["none", "full", "every_n:2", "selective:layer_input", "segments:2", "full*1+none*1"])
+def test_a_period_stack_has_the_unrolled_loops_gradients(spec, depth=6):
+    import remat_kit
+
+    layers = remat_kit.stack(PERIOD, depth, spec)
+    params = layers.init(jax.random.key(0), X)
+    assert jax.tree.map(lambda a: a.shape[0], params)["params"]["layers"].keys() == {"0", "1", "2"}
+    assert all(a.shape[0] == depth // 3 for a in jax.tree.leaves(params))
+    got = jax.jit(jax.grad(lambda p: jnp.sum(layers.apply(p, X) ** 2)))(params)
+    want = jax.grad(_unrolled_loss)(params, X, depth)
+    assert max_rel_err(got, want) <= RTOL_F32
+    # Each layer has its own parameters: local and global blocks, and the two periods, differ.
+    q = params["params"]["layers"]
+    assert max_rel_err(q["0"]["q"]["kernel"][0], q["1"]["q"]["kernel"][0]) > 0.1
+    assert max_rel_err(q["2"]["q"]["kernel"][0], q["2"]["q"]["kernel"][1]) > 0.1
+
+
+def test_a_period_stack_keeps_per_block_what_full_keeps_and_checks_tags(depth=6):
+    import remat_kit
+
+    def rows(spec):
+        layers = remat_kit.stack(PERIOD, depth, spec)
+        params = layers.init(jax.random.key(0), X)
+        return [r for r in internals.saved_residuals(lambda p: jnp.sum(layers.apply(p, X) ** 2), params)
+                if not r.is_argument]  # fmt: skip
+
+    full, none = rows("full"), rows("none")
+    # full keeps each block's input: three [periods, b, s, d] stacks (one per position), and the output.
+    assert sorted(r.shape for r in full) == sorted([(B, S, D)] + [(depth // 3, B, S, D)] * 3)
+    assert sum(r.nbytes for r in full) < sum(r.nbytes for r in none)
+    with pytest.raises(ValueError, match=r"LocalAttentionBlock\+LocalAttentionBlock\+GlobalAttentionBlock never"):
+        rows("selective:q_proj")
+
+
+def test_a_period_stack_whose_depth_is_not_a_multiple_is_a_clear_error():
+    import remat_kit
+
+    with pytest.raises(ValueError, match=r"num_layers=7 is not a multiple of the period of 3 blocks"):
+        remat_kit.stack(PERIOD, 7, "full")
+    with pytest.raises(ValueError, match=r"every_n:3: period=3 is greater than the depth \(2 layers\)"):
+        remat_kit.stack(PERIOD, 6, "every_n:3")  # every_n counts periods here

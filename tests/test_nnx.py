@@ -191,7 +191,7 @@ def test_instance_misspelt_tag_raises_with_nearest_name():
 
 def test_stack_missing_or_misspelt_tag_raises():
     layers = rk_nnx.stack(Tagged, 2, "selective", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"Tagged never emits: q_proj, k_proj.*; it emits: mlp_up$"):
+    with pytest.raises(ValueError, match=r"Tagged never emits: q_proj, k_proj.*; it emits: layer_input, mlp_up$"):
         layers(X)
     layers = rk_nnx.stack(Tagged, 2, policies.selective(["mlp_upp"]), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"mlp_upp \(did you mean 'mlp_up'\?\)"):

@@ -21,12 +21,14 @@ def parse_policies(text: str, num_layers: int | None) -> list[policies.Policy]:
     """Comma-separated specs (``;`` options stay inside a spec) → policies valid for the depth (None: unchecked).
 
     ``every_n:2,selective:q_proj;strict=false`` is two specs: a comma splits specs only where the
-    next piece starts a new policy kind.
+    next piece starts a new policy kind (and never inside ``jax:save_only_these_names(a,b)``).
     """
     pieces: list[str] = []
     for piece in (p.strip() for p in text.split(",")):
         starts_policy = piece.partition(":")[0] in policies.KINDS or piece in policies.MAXTEXT_ALIASES
         takes_tags = pieces and pieces[-1].partition(":")[0] in ("selective", "offload") and ":" in pieces[-1]
+        # jax:save_only_these_names(a,b): its tag list runs to the closing parenthesis.
+        takes_tags = takes_tags or (pieces and "(" in pieces[-1] and not pieces[-1].endswith(")"))
         if takes_tags and not starts_policy:
             pieces[-1] += "," + piece  # a tag list: selective:q_proj,k_proj
         elif piece:

@@ -25,12 +25,16 @@ RNG keys and counts): parameters are treated as read-only inside the forward pas
 written back after it. RNG streams held by the blocks (e.g. ``nnx.Dropout(rate, rngs=rngs)``) are split
 per layer at construction, so layer ``i`` draws the same numbers under every policy.
 
+Given a list of ``make_block`` callables, :func:`stack` builds a :class:`PeriodStack`: layers repeating
+that period of block types (Gemma 3's local/global), one scan step per period.
+
 A depth not divisible by the group size runs its remainder as one more group. ``offload`` runs in the
 "layer" mode; on CPU, XLA lowers the host transfer to nothing (no memory moves there).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -40,6 +44,7 @@ from flax import nnx
 from remat_kit import _layers, wrap_nnx
 from remat_kit import tags as _tags
 from remat_kit.policies import Mix, Policy, parse
+from remat_kit.units import check_int
 
 
 class Stack(nnx.Module):
@@ -170,6 +175,74 @@ class Stack(nnx.Module):
         _tags.once(key, run_check)
 
 
+class PeriodStack(nnx.Module):
+    """Layers repeating a period of NNX block types (Gemma 3's local/global), under one scan over periods.
+
+    Build it with :func:`stack` given a list of ``make_block`` callables. ``positions[j]`` holds the
+    blocks of position ``j`` of the period, every variable stacked over the periods (axis 0), built as
+    :class:`Stack` builds its layers. Per-layer policies wrap each block on its own; grouping policies
+    and a mix's counts count periods (as :class:`remat_kit.scan.PeriodStack`). Extra call arguments are
+    arrays or Python values (no call-time ``nnx.Rngs`` here yet).
+    """
+
+    def __init__(self, makers, num_layers: int, policy: Policy | Mix, *, rngs):
+        periods = num_layers // len(makers)
+        self.positions = nnx.List([_stacked(make_block, periods)(rngs) for make_block in makers])
+        self.num_layers = num_layers
+        self.policy = policy
+
+    def __call__(self, x, *args, **kwargs):
+        """Apply the layers in order: period by period, position by position. Returns the last output."""
+        for leaf in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node):
+            if nnx.graph.is_graph_node(leaf):
+                raise TypeError(f"a period stack's extra call arguments must be arrays or Python values, got {leaf!r}")
+        periods = self.num_layers // len(self.positions)
+        per_layer = isinstance(self.policy, Policy) and self.policy.plan(periods).mode == "layer"
+        splits = [nnx.split(layers, nnx.Param, ...) for layers in self.positions]
+        graphdefs = [g for g, _, _ in splits]
+
+        def block(graphdef, variables, h):
+            layer = nnx.merge(graphdef, *variables)
+            h = layer(_layers.tag_input(h), *args, **kwargs)
+            return h, nnx.split(layer, nnx.Param, ...)[2]
+
+        blocks = [
+            self.policy.checkpoint(functools.partial(block, g), prevent_cse=False) if per_layer
+            else functools.partial(block, g)
+            for g in graphdefs
+        ]  # fmt: skip
+
+        def step(variables, h, u):
+            updated = []
+            for run, v in zip(blocks, variables, strict=True):
+                h, rest = run(v, h)
+                updated.append(rest)
+            return h, tuple(updated)
+
+        for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
+            if _tags.needs_check(policy):
+                one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), [(p, o) for _, p, o in splits])
+                emitted = _tags.emitted_tags(lambda v, h: step(v, h, 0)[0], one, wrap_nnx.abstract(x))
+                _tags.check(policy, emitted, "+".join(type(layers).__name__ for layers in self.positions))
+        unit = parse("none") if per_layer else self.policy
+        variables = tuple((p, o) for _, p, o in splits)
+        h, updated = _layers.run(unit, periods, step, variables, x)
+        for layers, rest in zip(self.positions, updated, strict=True):
+            nnx.update(layers, rest)
+        return h
+
+
+def _stacked(make_block, count: int):
+    """``create(rngs)``: ``count`` blocks from ``make_block``, every variable stacked on axis 0 (Flax's recipe)."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return make_block(rngs)
+
+    return create
+
+
 def stack(
     make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, policy: Policy | Mix | str, *, rngs: nnx.Rngs
 ) -> Stack:
@@ -203,6 +276,21 @@ def stack(
     >>> grads["layers"]["lin"]["kernel"].shape
     (6, 8, 8)
     """
+    if isinstance(make_block, (list, tuple)):
+        makers = tuple(make_block)
+        if not makers or not all(callable(m) and not isinstance(m, nnx.Module) for m in makers):
+            raise TypeError(f"a period of blocks is a non-empty list of make_block(rngs) callables, got {make_block!r}")
+        check_int("num_layers", num_layers)
+        if num_layers % len(makers):
+            raise ValueError(
+                f"num_layers={num_layers} is not a multiple of the period of {len(makers)} blocks; allowed: "
+                f"{len(makers)}, {2 * len(makers)}, {3 * len(makers)}, ..."
+            )
+        policy = parse(policy)
+        policy.validate_depth(num_layers // len(makers))
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs, e.g. rngs=nnx.Rngs(0), got {rngs!r}")
+        return PeriodStack(makers, num_layers, policy, rngs=rngs)
     if not callable(make_block) or isinstance(make_block, nnx.Module):
         raise TypeError(f"make_block must be a callable make_block(rngs) -> nnx.Module, got {make_block!r}")
     policy = parse(policy)

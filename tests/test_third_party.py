@@ -409,3 +409,45 @@ def test_a_period_stack_whose_depth_is_not_a_multiple_is_a_clear_error():
         remat_kit.stack(PERIOD, 7, "full")
     with pytest.raises(ValueError, match=r"every_n:3: period=3 is greater than the depth \(2 layers\)"):
         remat_kit.stack(PERIOD, 6, "every_n:3")  # every_n counts periods here
+
+
+class NnxLocalBlock(nnx.Module):
+    """NNX-Gemma-3-style local block: causal attention within a sliding window (an untagged block)."""
+
+    window = 2
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.q, self.k, self.v = (nnx.Linear(D, D, use_bias=False, rngs=rngs) for _ in range(3))
+        self.mlp = nnx.Linear(D, D, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        i = jnp.arange(x.shape[1])
+        allowed = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < self.window)
+        scores = jnp.where(allowed, jnp.einsum("bqd,bkd->bqk", self.q(x), self.k(x)) / D**0.5, -1e9)
+        x = x + jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores), self.v(x))
+        return x + self.mlp(jax.nn.gelu(x))
+
+
+class NnxGlobalBlock(NnxLocalBlock):
+    window = 10**6
+
+
+@pytest.mark.parametrize("spec", ["none", "full", "every_n:2", "selective:layer_input"])
+def test_an_nnx_period_stack_has_the_unrolled_loops_gradients(spec, depth=4):
+    import remat_kit.nnx
+
+    layers = remat_kit.nnx.stack([NnxLocalBlock, NnxGlobalBlock], depth, spec, rngs=nnx.Rngs(0))
+    got = nnx.grad(lambda m: jnp.sum(m(X) ** 2))(layers)
+    splits = [nnx.split(p) for p in layers.positions]
+
+    def unrolled(states):
+        x = X
+        for i in range(depth):
+            u, j = divmod(i, 2)
+            x = nnx.merge(splits[j][0], jax.tree.map(lambda a, u=u: a[u], states[j]))(x)
+        return jnp.sum(x**2)
+
+    want = jax.grad(unrolled)([s for _, s in splits])
+    assert max_rel_err(jax.tree.leaves(got["positions"]), jax.tree.leaves(want)) <= RTOL_F32
+    with pytest.raises(ValueError, match=r"num_layers=5 is not a multiple of the period of 2 blocks"):
+        remat_kit.nnx.stack([NnxLocalBlock, NnxGlobalBlock], 5, spec, rngs=nnx.Rngs(0))

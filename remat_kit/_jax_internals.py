@@ -326,3 +326,26 @@ def vjp_jaxpr(body, policy: Callable | None):
         return pull(out)
 
     return jax.make_jaxpr(forward_backward)(*avals)
+
+
+def save_only_names(policy: Any) -> frozenset[str] | None:
+    """The names a policy built by ``jax.checkpoint_policies.save_only_these_names`` saves, else None.
+
+    JAX keeps them privately: jax 0.10 returns a ``SaveOnlyTheseNames`` dataclass (its field
+    ``saveable_names``), jax 0.12 a closure ``save_only_these_names.<locals>.policy`` over a set.
+
+    >>> sorted(save_only_names(jax.checkpoint_policies.save_only_these_names("k", "q")))
+    ['k', 'q']
+    >>> save_only_names(jax.checkpoint_policies.dots_saveable) is None
+    True
+    """
+    names = getattr(policy, "saveable_names", None)
+    if type(policy).__name__ == "SaveOnlyTheseNames" and isinstance(names, (set, frozenset)):
+        return frozenset(names)
+    closure = getattr(policy, "__closure__", None) or ()
+    if getattr(policy, "__qualname__", "").startswith("save_only_these_names."):
+        for cell in closure:
+            value = cell.cell_contents
+            if isinstance(value, (set, frozenset)) and all(isinstance(n, str) for n in value):
+                return frozenset(value)
+    return None

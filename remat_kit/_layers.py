@@ -26,11 +26,26 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from remat_kit import names as _names
 from remat_kit.policies import Mix, Policy, keep_activations
 
 #: ``step(layer_variables, h, i) -> (h, ys)``: one layer; ``h`` keeps its type, ``ys`` is stacked.
 Step = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
+
+
+def tag_input(h: Any) -> Any:
+    """Tag a layer's input ``layer_input`` (every array of it): a stack owns what enters each layer, so
+    ``offload`` (default: the layer inputs) and a ``selective`` naming ``layer_input`` apply to a block
+    that tags nothing. A block that tags its input too names the same value twice; only one is kept.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from remat_kit import tags
+    >>> sorted(tags.emitted_tags(tag_input, jax.ShapeDtypeStruct((2,), jnp.float32)))
+    ['layer_input']
+    """
+    return jax.tree.map(lambda a: checkpoint_name(a, _names.LAYER_INPUT), h)
 
 
 def layer_at(tree: Any, i: jax.Array) -> Any:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -241,6 +242,33 @@ def check_loss(loss_fn: Callable, args: Sequence[Any]) -> None:
         got = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
         dtype = getattr(out, "dtype", "")
         raise ValueError(f"loss_fn must return a floating-point scalar, got {got} {dtype}".rstrip())
+
+
+def refuse_baked_nnx(args: Sequence[Any], where: str) -> None:
+    """Raise TypeError if an argument is an NNX module holding a remat_kit policy of its own.
+
+    ``compare``/``auto`` measure ``make_loss(policy)`` per policy; an NNX model passed as an argument
+    runs the policy its ``remat_kit.nnx.stack`` (or ``policy(instance)`` wrapper) was built with, so every
+    row would measure that one policy under another label. Its state is what to pass instead.
+    """
+    nnx = sys.modules.get("flax.nnx")  # no NNX module exists unless flax.nnx was imported
+    owners = (("remat_kit.nnx", "Stack"), ("remat_kit.wrap_nnx", "Remat"))
+    found = [getattr(sys.modules.get(m), c, None) for m, c in owners]
+    holders = tuple(c for c in found if c is not None)
+    if nnx is None or not holders:
+        return
+    for i, arg in enumerate(args):
+        for leaf in jax.tree.leaves(arg, is_leaf=nnx.graph.is_graph_node):
+            if not nnx.graph.is_graph_node(leaf):
+                continue
+            baked = next((n for _, n in nnx.graph.iter_graph(leaf) if isinstance(n, holders)), None)
+            if baked is not None:
+                raise TypeError(
+                    f"{where}: argument {i} is an NNX module ({type(leaf).__name__}) whose {type(baked).__name__} runs "
+                    f"its own policy {baked.policy}, so every row would measure that one; pass its state instead "
+                    f"(graphdef, params, rest = nnx.split(model, nnx.Param, ...)) and let make_loss(policy) build the "
+                    f"model under the row's policy and nnx.merge it (README, 'Flax NNX')"
+                )
 
 
 def _differentiate_only(loss_fn: Callable, argnums: tuple[int, ...], nargs: int) -> Callable:
@@ -516,6 +544,11 @@ def compare(
       A :class:`Comparison`; recompute FLOPs are measured against ``none`` (traced for the
       purpose when it is not in ``policies``). With ``none`` among the policies, one that compiles to its
       peak and saved set carries a warning: it did nothing (:func:`remat_kit.explain.noop_warning`).
+
+    Raises:
+      TypeError: an argument is an NNX module holding a policy of its own (a ``remat_kit.nnx.stack``
+        or ``policy(instance)``): each row would measure that policy. Pass its state and build the
+        model from the policy in ``make_loss`` (see :func:`refuse_baked_nnx`).
     """
     if not callable(make_loss):
         raise TypeError(f"make_loss must be callable (policy -> loss_fn), got {type(make_loss).__name__}")
@@ -523,6 +556,7 @@ def compare(
         raise ValueError(f"policies must be a non-empty sequence of policies or specs, got {policies!r}")
     pool = [policies_lib.parse(p) for p in policies]
     check_argnums(argnums, len(args))
+    refuse_baked_nnx(args, "compare")
     args = abstract(args)
     reports = tuple(inspect(make_loss(p), *args, argnums=argnums, policy=str(p), explain=explain) for p in pool)
     specs = tuple(str(p) for p in pool)

@@ -23,7 +23,13 @@ tag                   value (shape)                              MaxText alias  
 ``mlp_out``           MLP down projection [b, s, d]              ``mlpwo``                   matmul
 ====================  =========================================  ==========================  ===========
 
-Group aliases expand to several tags: ``qkv_proj`` → q/k/v projections, ``mlpwi`` → gate and up.
+Group aliases expand to several tags: ``qkv_proj`` → q/k/v projections, ``kv_proj`` → k/v,
+``mlpwi`` → gate and up.
+
+An alias is a second spelling, both ways: a policy keeps a tag under whichever spelling the code
+emits (:func:`spellings`), so ``selective:query_proj`` (stored as ``q_proj``) keeps MaxText's
+``query_proj`` on a MaxText layer and ``q_proj`` on remat_kit's block, and a group is kept as the one
+fused value MaxText emits (``qkv_proj``, ``mlpwi``) when the policy keeps all of its members.
 
 ``attn_probs`` exists only under ``attention="xla"``. Under ``chunked`` attention ``context`` also
 tags the per-query logsumexp ``[b, kv, h/kv, s]`` (float32) that its backward pass needs, so keeping
@@ -75,6 +81,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "key_proj": (K_PROJ,),
     "value_proj": (V_PROJ,),
     "qkv_proj": (Q_PROJ, K_PROJ, V_PROJ),
+    "kv_proj": (K_PROJ, V_PROJ),
     "out_proj": (ATTN_OUT,),
     "mlpwi_0": (MLP_GATE,),
     "mlpwi_1": (MLP_UP,),
@@ -112,6 +119,32 @@ def resolve(names) -> tuple[str, ...]:
         expanded = ALIASES.get(name, (name,))
         out.extend(t for t in expanded if t not in out)
     return tuple(out)
+
+
+def spelled(tag: str, within=()) -> tuple[str, ...]:
+    """Every name under which code may emit the value canonical ``tag`` stands for.
+
+    ``tag`` itself, the MaxText names aliased to it alone, and each group alias holding it whose
+    members are all in ``within`` (the other tags of the same policy: a fused value is one value).
+
+    >>> spelled("q_proj"), spelled("q_proj", within=("q_proj", "k_proj", "v_proj"))
+    (('q_proj', 'query_proj'), ('q_proj', 'query_proj', 'qkv_proj'))
+    """
+    within = frozenset(within)
+    out = [tag]
+    for alias, members in ALIASES.items():
+        if alias != tag and tag in members and (members == (tag,) or frozenset(members) <= within):
+            out.append(alias)
+    return tuple(out)
+
+
+def spellings(tags) -> tuple[str, ...]:
+    """The names a policy keeping canonical ``tags`` hands to JAX: each tag under every spelling.
+
+    >>> spellings(("mlp_gate", "mlp_up", "mlp_out"))
+    ('mlp_gate', 'mlpwi_0', 'mlpwi', 'mlp_up', 'mlpwi_1', 'mlp_out', 'mlpwo')
+    """
+    return tuple(dict.fromkeys(name for t in tags for name in spelled(t, tags)))
 
 
 def tag(x, name: str):

@@ -25,20 +25,26 @@ RNG keys and counts): parameters are treated as read-only inside the forward pas
 written back after it. RNG streams held by the blocks (e.g. ``nnx.Dropout(rate, rngs=rngs)``) are split
 per layer at construction, so layer ``i`` draws the same numbers under every policy.
 
+Given a list of ``make_block`` callables, :func:`stack` builds a :class:`PeriodStack`: layers repeating
+that period of block types (Gemma 3's local/global), one scan step per period.
+
 A depth not divisible by the group size runs its remainder as one more group. ``offload`` runs in the
 "layer" mode; on CPU, XLA lowers the host transfer to nothing (no memory moves there).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from remat_kit import _layers, wrap_nnx
 from remat_kit import tags as _tags
 from remat_kit.policies import Mix, Policy, parse
+from remat_kit.units import check_int
 from remat_kit.wrap import captured_nnx_modules
 
 
@@ -73,57 +79,68 @@ class Stack(nnx.Module):
         """Apply the layers in order; ``args``/``kwargs`` reach every layer unchanged.
 
         Arrays among ``args``/``kwargs`` are traced and broadcast to every layer; other values
-        (``train=True``) are static.
+        (``train=True``) are static. An ``nnx.Rngs`` among them (the NNX Gemma example's
+        ``model(x, rngs=nnx.Rngs(dropout=key))``) is split per layer, as construction-time streams are:
+        each of its streams is drawn once (``key = rngs[stream]()``) and layer ``i`` gets an
+        ``nnx.Rngs`` holding ``jax.random.split(key, num_layers)[i]`` for it, under every policy.
 
         Returns:
           The last layer's output, shaped like ``x``.
 
         Raises:
-          TypeError: an NNX object among ``args``/``kwargs``, or a block whose output is not shaped like ``x``.
+          TypeError: an NNX object other than ``nnx.Rngs`` among ``args``/``kwargs``, or a block whose
+            output is not shaped like ``x``.
           ValueError: the policy names a tag the block never emits (checked once per input signature).
         """
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
-        for leaf in leaves:
-            if nnx.graph.is_graph_node(leaf):
+        # Call-time RNG streams: {leaf position: {stream: [num_layers] keys}}, one key per layer.
+        keys = {}
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, nnx.Rngs):
+                keys[j] = {name: jax.random.split(stream(), self.num_layers) for name, stream in leaf.items()}
+            elif nnx.graph.is_graph_node(leaf):
                 raise TypeError(
-                    f"stack's extra call arguments must be arrays or Python values, got {type(leaf).__name__}; "
-                    f"give the blocks their modules and RNG streams in make_block(rngs)"
+                    f"stack's extra call arguments must be arrays, Python values or nnx.Rngs, got "
+                    f"{type(leaf).__name__}; give the blocks their modules in make_block(rngs)"
                 )
-        dynamic = [leaf if not wrap_nnx.is_static(leaf) else None for leaf in leaves]
-        static = [None if not wrap_nnx.is_static(leaf) else leaf for leaf in leaves]
+        dynamic = [leaf if j not in keys and not wrap_nnx.is_static(leaf) else None for j, leaf in enumerate(leaves)]
+        static = [leaf if j not in keys and wrap_nnx.is_static(leaf) else None for j, leaf in enumerate(leaves)]
 
-        def call(layer, h, dyn):
+        def call(layer, h, dyn, layer_keys):
+            h = _layers.tag_input(h)  # the stack owns the layer input: a policy may keep or offload it
             merged = [d if s is None else s for d, s in zip(dyn, static, strict=True)]
+            for j, streams in layer_keys.items():
+                merged[j] = nnx.Rngs(**streams)
             a, kw = jax.tree.unflatten(treedef, merged)
             return layer(h, *a, **kw)
 
-        self._check_once(call, x, dynamic, static)
+        self._check_once(call, x, dynamic, static, _layers.layer_at(keys, jnp.int32(0)))
         if isinstance(self.policy, Policy) and self.policy.plan(self.num_layers).mode == "layer":
-            return self._scan_layers(call, x, dynamic)
-        return self._scan_stacked(call, x, dynamic)
+            return self._scan_layers(call, x, dynamic, keys)
+        return self._scan_stacked(call, x, dynamic, keys)
 
     # ---- "layer": nnx.scan + nnx.remat -----------------------------------------------------------
 
-    def _scan_layers(self, call, x, dynamic):
+    def _scan_layers(self, call, x, dynamic, keys):
         step = call
         if self.policy.remat:
             # prevent_cse is not needed under a scan (XLA does not CSE across loop iterations).
             step = nnx.remat(call, policy=self.policy.jax_policy, prevent_cse=False, graph_updates=False)
 
-        @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry, graph_updates=False)
-        def body(layer, h, dyn):
-            return step(layer, h, dyn)
+        @nnx.scan(in_axes=(0, nnx.Carry, None, 0), out_axes=nnx.Carry, graph_updates=False)
+        def body(layer, h, dyn, layer_keys):
+            return step(layer, h, dyn, layer_keys)
 
-        return body(self.layers, x, dynamic)
+        return body(self.layers, x, dynamic, keys)
 
     # ---- "first" / "group" / a mix: the shared driver over the split layers -------------------------
 
-    def _scan_stacked(self, call, x, dynamic):
+    def _scan_stacked(self, call, x, dynamic, keys):
         graphdef, params, other = nnx.split(self.layers, nnx.Param, ...)
 
         def step(variables, h, i):
             layer = nnx.merge(graphdef, *variables)
-            h = call(layer, h, dynamic)
+            h = call(layer, h, dynamic, _layers.layer_at(keys, i))
             return h, nnx.split(layer, nnx.Param, ...)[2]
 
         h, updated = _layers.run(self.policy, self.num_layers, step, (params, other), x)  # updated: [L, ...]
@@ -132,7 +149,7 @@ class Stack(nnx.Module):
 
     # ---- the tag rule and the output shape, once per input signature -----------------------------
 
-    def _check_once(self, call, x, dynamic, static) -> None:
+    def _check_once(self, call, x, dynamic, static, layer_keys) -> None:
         graphdef, state = nnx.split(self.layers)
         one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
         abstract_x, abstract_dyn = wrap_nnx.abstract((x, dynamic))
@@ -140,7 +157,7 @@ class Stack(nnx.Module):
         shapes = []
 
         def traced(state, h, dyn):
-            out = call(nnx.merge(graphdef, state), h, dyn)
+            out = call(nnx.merge(graphdef, state), h, dyn, layer_keys)
             shapes.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out))
             return out
 
@@ -157,6 +174,74 @@ class Stack(nnx.Module):
                 _tags.check(policy, emitted, self.block_name)
 
         _tags.once(key, run_check)
+
+
+class PeriodStack(nnx.Module):
+    """Layers repeating a period of NNX block types (Gemma 3's local/global), under one scan over periods.
+
+    Build it with :func:`stack` given a list of ``make_block`` callables. ``positions[j]`` holds the
+    blocks of position ``j`` of the period, every variable stacked over the periods (axis 0), built as
+    :class:`Stack` builds its layers. Per-layer policies wrap each block on its own; grouping policies
+    and a mix's counts count periods (as :class:`remat_kit.scan.PeriodStack`). Extra call arguments are
+    arrays or Python values (no call-time ``nnx.Rngs`` here yet).
+    """
+
+    def __init__(self, makers, num_layers: int, policy: Policy | Mix, *, rngs):
+        periods = num_layers // len(makers)
+        self.positions = nnx.List([_stacked(make_block, periods)(rngs) for make_block in makers])
+        self.num_layers = num_layers
+        self.policy = policy
+
+    def __call__(self, x, *args, **kwargs):
+        """Apply the layers in order: period by period, position by position. Returns the last output."""
+        for leaf in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node):
+            if nnx.graph.is_graph_node(leaf):
+                raise TypeError(f"a period stack's extra call arguments must be arrays or Python values, got {leaf!r}")
+        periods = self.num_layers // len(self.positions)
+        per_layer = isinstance(self.policy, Policy) and self.policy.plan(periods).mode == "layer"
+        splits = [nnx.split(layers, nnx.Param, ...) for layers in self.positions]
+        graphdefs = [g for g, _, _ in splits]
+
+        def block(graphdef, variables, h):
+            layer = nnx.merge(graphdef, *variables)
+            h = layer(_layers.tag_input(h), *args, **kwargs)
+            return h, nnx.split(layer, nnx.Param, ...)[2]
+
+        blocks = [
+            self.policy.checkpoint(functools.partial(block, g), prevent_cse=False) if per_layer
+            else functools.partial(block, g)
+            for g in graphdefs
+        ]  # fmt: skip
+
+        def step(variables, h, u):
+            updated = []
+            for run, v in zip(blocks, variables, strict=True):
+                h, rest = run(v, h)
+                updated.append(rest)
+            return h, tuple(updated)
+
+        for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
+            if _tags.needs_check(policy):
+                one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), [(p, o) for _, p, o in splits])
+                emitted = _tags.emitted_tags(lambda v, h: step(v, h, 0)[0], one, wrap_nnx.abstract(x))
+                _tags.check(policy, emitted, "+".join(type(layers).__name__ for layers in self.positions))
+        unit = parse("none") if per_layer else self.policy
+        variables = tuple((p, o) for _, p, o in splits)
+        h, updated = _layers.run(unit, periods, step, variables, x)
+        for layers, rest in zip(self.positions, updated, strict=True):
+            nnx.update(layers, rest)
+        return h
+
+
+def _stacked(make_block, count: int):
+    """``create(rngs)``: ``count`` blocks from ``make_block``, every variable stacked on axis 0 (Flax's recipe)."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return make_block(rngs)
+
+    return create
 
 
 def stack(
@@ -192,6 +277,21 @@ def stack(
     >>> grads["layers"]["lin"]["kernel"].shape
     (6, 8, 8)
     """
+    if isinstance(make_block, (list, tuple)):
+        makers = tuple(make_block)
+        if not makers or not all(callable(m) and not isinstance(m, nnx.Module) for m in makers):
+            raise TypeError(f"a period of blocks is a non-empty list of make_block(rngs) callables, got {make_block!r}")
+        check_int("num_layers", num_layers)
+        if num_layers % len(makers):
+            raise ValueError(
+                f"num_layers={num_layers} is not a multiple of the period of {len(makers)} blocks; allowed: "
+                f"{len(makers)}, {2 * len(makers)}, {3 * len(makers)}, ..."
+            )
+        policy = parse(policy)
+        policy.validate_depth(num_layers // len(makers))
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs, e.g. rngs=nnx.Rngs(0), got {rngs!r}")
+        return PeriodStack(makers, num_layers, policy, rngs=rngs)
     if isinstance(make_block, nnx.Module):
         name = type(make_block).__name__
         raise TypeError(

@@ -28,11 +28,29 @@ from typing import Any, Literal
 
 import jax
 
+from remat_kit import _jax_internals
 from remat_kit import names as _names
 from remat_kit.units import check_int
 
-Kind = Literal["none", "full", "every_n", "selective", "offload", "segments", "sqrt_n", "dots"]
-KINDS: tuple[str, ...] = ("none", "full", "every_n", "selective", "offload", "segments", "sqrt_n", "dots")
+Kind = Literal["none", "full", "every_n", "selective", "offload", "segments", "sqrt_n", "dots", "jax"]
+KINDS: tuple[str, ...] = ("none", "full", "every_n", "selective", "offload", "segments", "sqrt_n", "dots", "jax")
+
+#: The constructor of each kind, where it is not named like the kind (``jax`` is the JAX module here).
+CONSTRUCTORS: dict[str, str] = {"jax": "from_jax"}
+
+#: The ``jax.checkpoint_policies`` that :func:`from_jax` names (``jax:NAME``) and :func:`parse` rebuilds,
+#: each tested for what it saves (tests/test_policies.py). An alias of one (``checkpoint_dots``) is
+#: named by its first entry here. ``save_anything_except_these_names`` is refused: in jax 0.10-0.12 it
+#: saves everything.
+JAX_POLICIES: tuple[str, ...] = (
+    "everything_saveable",
+    "nothing_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+)
+
+#: The ``jax.checkpoint_policies`` factories :func:`from_jax` names with their tags (``jax:NAME(a,b)``).
+JAX_POLICY_FACTORIES: tuple[str, ...] = ("save_only_these_names",)
 
 #: Kinds that group the layers of a stack; they have no meaning for one function or module.
 GROUPING_KINDS: tuple[str, ...] = ("every_n", "segments", "sqrt_n")
@@ -86,6 +104,12 @@ class Policy:
       strict: wherever the policy is applied, check at trace time that the wrapped code emits every
         tag in :attr:`tags` (a ValueError naming the missing ones and the nearest emitted name).
         Turn it off only for one policy shared by blocks that emit different tags.
+      upstream: ``jax`` only: the JAX policy's name (one of :data:`JAX_POLICIES` or
+        :data:`JAX_POLICY_FACTORIES`), or an arbitrary callable's qualified name.
+      names: ``jax`` only: the tags given to a factory (``save_only_these_names``); JAX's policy is
+        opaque, so they are not checked against the code (they name fused and unfused spellings alike).
+      fn: ``jax`` only: the callable itself when it is none of JAX's named policies (it cannot be
+        rebuilt from the spec); None otherwise.
     """
 
     kind: Kind
@@ -95,10 +119,14 @@ class Policy:
     offload: tuple[str, ...] = ()
     dst: str = DEFAULT_OFFLOAD_DST
     strict: bool = True
+    upstream: str = ""
+    names: tuple[str, ...] = ()
+    fn: Callable[..., Any] | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown policy kind {self.kind!r}; allowed: {', '.join(KINDS)}")
+        _check_upstream(self)
         for field, owner in (("period", "every_n"), ("group_size", "segments")):
             value = getattr(self, field)
             if self.kind == owner:
@@ -129,6 +157,9 @@ class Policy:
     # ---- identity -----------------------------------------------------------------------------
 
     def __str__(self) -> str:
+        if self.kind == "jax":
+            args = f"({','.join(self.names)})" if self.upstream in JAX_POLICY_FACTORIES else ""
+            return f"jax:{self.upstream}{args}"
         if self.kind == "every_n":
             return f"every_n:{self.period}"
         if self.kind == "segments":
@@ -170,14 +201,22 @@ class Policy:
     def jax_policy(self) -> Callable[..., Any]:
         """The ``jax.checkpoint`` policy for one rematerialized layer (or group) of this policy."""
         cp = jax.checkpoint_policies
+        if self.kind == "jax":
+            if self.fn is not None:
+                return self.fn
+            if self.upstream in JAX_POLICY_FACTORIES:
+                return getattr(cp, self.upstream)(*self.names)
+            return getattr(cp, self.upstream)
         if self.kind == "none":
             return cp.everything_saveable
+        # Each tag under every spelling the code may emit it (MaxText's query_proj for q_proj, ...), so an
+        # alias never decides what is kept, whatever strict says.
         if self.kind == "selective":
-            return cp.save_only_these_names(*self.save)
+            return cp.save_only_these_names(*_names.spellings(self.save))
         if self.kind == "offload":
             return cp.save_and_offload_only_these_names(
-                names_which_can_be_saved=list(self.save),
-                names_which_can_be_offloaded=list(self.offload),
+                names_which_can_be_saved=list(_names.spellings(self.save)),
+                names_which_can_be_offloaded=list(_names.spellings(self.offload)),
                 offload_src="device",
                 offload_dst=self.dst,
             )
@@ -204,7 +243,8 @@ class Policy:
             function they index its arguments (``jax.checkpoint``'s meaning); for a Linen class
             they count ``self`` as 0 (``flax.linen.remat``'s meaning: ``__call__(self, x, train)``
             takes ``static_argnums=(2,)``), and so for an NNX instance (``__call__(self, x, train)``:
-            ``(2,)``).
+            ``(2,)``). A negative index counts from the end of the positional arguments of each call
+            (``-1``: the last), as Python and ``jax.checkpoint`` count (MaxText passes ``(-1, ..., -5)``).
           methods: Linen classes only: the methods to rematerialize (default ``["__call__"]``).
           prevent_cse: passed to ``jax.checkpoint``; keep True outside scans.
 
@@ -328,8 +368,8 @@ def every_n(n: int) -> Policy:
     Args:
       n: the period, a positive integer no larger than the depth.
 
-    >>> every_n(2)
-    Policy(kind='every_n', period=2, group_size=0, save=(), offload=(), dst='pinned_host', strict=True)
+    >>> every_n(2).period, str(every_n(2))
+    (2, 'every_n:2')
     """
     _check_count("every_n(period)", n)
     return Policy("every_n", period=n)
@@ -409,6 +449,100 @@ def dots() -> Policy:
     'dots'
     """
     return Policy("dots")
+
+
+def from_jax(policy: str | Callable[..., Any], *names: str) -> Policy:
+    """A JAX ``jax.checkpoint`` policy as a remat_kit policy: every layer under it, as MaxText, Levanter or
+    Equinox code passes it.
+
+    Its spec says what it is: ``jax:dots_saveable`` for one of :data:`JAX_POLICIES` (by name or as the
+    object, aliases such as ``checkpoint_dots`` included), ``jax:save_only_these_names(a,b)`` for that
+    factory (its names given here, or read from the policy it built), ``jax:<qualified name>`` for any
+    other callable. The first two round-trip through :func:`parse`; the last cannot (a callable is not
+    rebuilt from a string): parsing it is a ValueError, so pass the Policy itself (``auto``,
+    ``compare``, the stacks take it; ``remat-kit`` commands take specs). JAX's policy is opaque: the tag
+    rule does not check it (MaxText's lists name fused and unfused spellings alike); use
+    :func:`selective` for checked names.
+
+    Args:
+      policy: a ``jax.checkpoint`` policy (a callable ``policy(prim, *args, **params) -> bool``), or the
+        name of one of :data:`JAX_POLICIES` / :data:`JAX_POLICY_FACTORIES`.
+      *names: the tags, with the factory's name only.
+
+    Raises:
+      ValueError: an unknown name, ``save_anything_except_these_names`` (a stub saving everything in
+        jax 0.10-0.12), names with a plain policy.
+      TypeError: neither a name nor a callable (or a class).
+
+    >>> import jax
+    >>> str(from_jax(jax.checkpoint_policies.checkpoint_dots)), str(from_jax("save_only_these_names", "a", "b"))
+    ('jax:dots_saveable', 'jax:save_only_these_names(a,b)')
+    >>> parse(str(from_jax(jax.checkpoint_policies.save_only_these_names("q", "k")))).names  # read back, sorted
+    ('k', 'q')
+    """
+    cp = jax.checkpoint_policies
+    if isinstance(policy, str):
+        if policy in JAX_POLICY_FACTORIES:
+            return Policy("jax", upstream=policy, names=tuple(names))
+        if names:
+            raise ValueError(f"jax policy {policy!r} takes no names; only {', '.join(JAX_POLICY_FACTORIES)} does")
+        if policy in JAX_POLICIES or getattr(cp, policy, None) in [getattr(cp, n) for n in JAX_POLICIES]:
+            return Policy("jax", upstream=_jax_name(getattr(cp, policy)))
+        _refuse_stub(policy)
+        raise ValueError(
+            f"unknown JAX policy {policy!r}; allowed: {', '.join(JAX_POLICIES + JAX_POLICY_FACTORIES)} "
+            f"(or pass the callable itself)"
+        )
+    if isinstance(policy, type) or not callable(policy):
+        raise TypeError(f"a JAX policy is a callable policy(prim, *args, **params), got {policy!r}")
+    if names:
+        raise ValueError("names go with the factory's name: from_jax('save_only_these_names', 'a', 'b')")
+    name = _jax_name(policy)
+    if name:
+        return Policy("jax", upstream=name)
+    saved = _jax_internals.save_only_names(policy)
+    if saved is not None:
+        return Policy("jax", upstream="save_only_these_names", names=tuple(sorted(saved)))
+    qualname = getattr(policy, "__qualname__", None) or type(policy).__qualname__
+    _refuse_stub(qualname.split(".", 1)[0])
+    return Policy("jax", upstream=qualname, fn=policy)
+
+
+def _jax_name(fn) -> str:
+    """The name in :data:`JAX_POLICIES` of the JAX policy object ``fn`` (aliases alike), else ""."""
+    cp = jax.checkpoint_policies
+    return next((n for n in JAX_POLICIES if getattr(cp, n) is fn), "")
+
+
+def _refuse_stub(name: str) -> None:
+    if name == "save_anything_except_these_names":
+        raise ValueError(
+            "jax.checkpoint_policies.save_anything_except_these_names saves everything (a stub in jax 0.10-0.12); "
+            "use selective or jax:save_only_these_names(...) for the names to keep"
+        )
+
+
+def _check_upstream(p: Policy) -> None:
+    """Policy.__post_init__'s rule for the ``jax`` kind's fields (and their absence elsewhere)."""
+    if p.kind != "jax":
+        if p.upstream or p.names or p.fn is not None:
+            raise ValueError(f"policy {p.kind!r} takes no upstream/names/fn (those are the jax kind's)")
+        return
+    if not isinstance(p.upstream, str) or not p.upstream:
+        raise ValueError("a jax policy needs its upstream name; build it with policies.from_jax(policy)")
+    if not isinstance(p.names, tuple) or not all(isinstance(n, str) and n for n in p.names):
+        raise TypeError(f"Policy.names must be a tuple of tag strings, got {p.names!r}")
+    for n in p.names:
+        if n != n.strip() or any(c in n for c in ",;=+*()"):
+            raise ValueError(f"tag {n!r}: a tag is a non-empty name without spaces around it or ',;=+*()'")
+    if p.names and p.upstream not in JAX_POLICY_FACTORIES:
+        raise ValueError(f"jax policy {p.upstream!r} takes no names")
+    if p.fn is None and p.upstream not in JAX_POLICIES + JAX_POLICY_FACTORIES:
+        raise ValueError(f"jax policy {p.upstream!r} is not one of JAX's named policies; pass the callable (fn=)")
+    if p.fn is not None and not callable(p.fn):
+        raise TypeError(f"Policy.fn must be a callable JAX policy, got {p.fn!r}")
+    if p.save or p.offload or p.period or p.group_size or p.dst != DEFAULT_OFFLOAD_DST or not p.strict:
+        raise ValueError("a jax policy takes none of the other kinds' fields")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -578,6 +712,7 @@ SPEC_GRAMMAR = (
     ", ".join([*_PLAIN_KINDS, *(f"{k}:{n}" for k, n in _COUNT_KINDS.items())])
     + ", "
     + ", ".join(f"{k}[:TAG,...]" + "".join(f"[;{o}={v}]" for o, v in opts.items()) for k, opts in SPEC_OPTIONS.items())
+    + ", jax:NAME, jax:save_only_these_names(TAG,...)"
     + ", or a MaxText preset ("
     + ", ".join(MAXTEXT_ALIASES)
     + "); or a mix SPEC*COUNT+SPEC*COUNT..."
@@ -591,8 +726,12 @@ def _check_count(what: str, value) -> None:
         raise ValueError(f"{what} must be 1 <= n <= {MAX_COUNT} (and at most the depth), got {value!r}")
 
 
-def parse(spec: str | Policy | Mix, num_layers: int | None = None) -> Policy | Mix:
+def parse(spec: str | Policy | Mix | Callable[..., Any], num_layers: int | None = None) -> Policy | Mix:
     """Build a policy from its spec string; the inverse of ``str(policy)``.
+
+    A JAX policy (``jax.checkpoint_policies.dots_saveable``, ``save_only_these_names(...)``, any callable)
+    becomes the ``jax`` kind (:func:`from_jax`); so do the specs ``jax:NAME`` and
+    ``jax:save_only_these_names(TAG,...)``. An arbitrary callable's spec ``jax:<name>`` cannot be parsed.
 
     Args:
       spec: e.g. ``"full"``, ``"every_n:2"``, ``"selective:q_proj,k_proj"``, ``"offload"``,
@@ -620,14 +759,18 @@ def parse(spec: str | Policy | Mix, num_layers: int | None = None) -> Policy | M
         return policy
     if isinstance(spec, (Policy, Mix)):
         return spec
+    if callable(spec) and not isinstance(spec, type):
+        return from_jax(spec)  # a jax.checkpoint policy, as MaxText, Levanter and Equinox carry them
     if not isinstance(spec, str):
-        raise TypeError(f"a policy spec must be a string, got {spec!r}")
+        raise TypeError(f"a policy spec must be a string, a Policy or a jax.checkpoint policy, got {spec!r}")
     text = spec.strip()
     if "*" in text or "+" in text:
         return _parse_mix(spec)
     # The kind ends at the first ":" (tags follow) or ";" (options follow, the default tags kept).
     cut = min((i for i in (text.find(":"), text.find(";")) if i >= 0), default=len(text))
     kind, sep, rest = text[:cut], text[cut : cut + 1], text[cut + 1 :]
+    if kind == "jax" and sep == ":":
+        return _parse_jax(spec, rest.strip())
     if not sep and kind in MAXTEXT_ALIASES:
         return MAXTEXT_ALIASES[kind]()
     if kind in _PLAIN_KINDS and not sep:
@@ -655,6 +798,25 @@ def parse(spec: str | Policy | Mix, num_layers: int | None = None) -> Policy | M
             strict=strict,
         )
     raise ValueError(f"unknown policy spec {spec!r}; allowed: {SPEC_GRAMMAR}")
+
+
+def _parse_jax(spec: str, rest: str) -> Policy:
+    name, paren, args = rest.partition("(")
+    if paren:
+        if not args.endswith(")") or name not in JAX_POLICY_FACTORIES:
+            raise ValueError(
+                f"policy spec {spec!r}: write jax:NAME for one of {', '.join(JAX_POLICIES)} or "
+                f"jax:FACTORY(TAG,...) for one of {', '.join(JAX_POLICY_FACTORIES)}"
+            )
+        return from_jax(name, *_tag_list(spec, args[:-1], empty_ok=False))
+    if name in JAX_POLICY_FACTORIES:
+        raise ValueError(f"policy spec {spec!r}: {name} needs its tags, e.g. jax:{name}(query_proj,mlpwo)")
+    if name not in JAX_POLICIES and not hasattr(jax.checkpoint_policies, name):
+        raise ValueError(
+            f"policy spec {spec!r}: a JAX policy that is not one of {', '.join(JAX_POLICIES + JAX_POLICY_FACTORIES)} "
+            f"cannot be rebuilt from its spec; pass the callable itself (or the Policy from_jax made)"
+        )
+    return from_jax(name)
 
 
 def _parse_mix(spec: str) -> Mix:
@@ -714,15 +876,15 @@ def _check_offload_dst(dst: str) -> None:
 
 
 def _argnums(value) -> tuple[int, ...]:
-    """``static_argnums`` as a tuple of non-negative ints (an int is one index)."""
+    """``static_argnums`` as a tuple of ints (an int is one index; a negative one counts from the end)."""
     items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
     try:
         items = tuple(items)
     except TypeError:
         raise TypeError(f"static_argnums must be an int or a tuple of ints, got {value!r}") from None
     for i in items:
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise ValueError(f"static_argnums must be non-negative ints, got {value!r}")
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"static_argnums must be ints, got {value!r}")
     return items
 
 

@@ -3,7 +3,9 @@
 Every variable collection of the block (``params``, ``batch_stats``, …) is created stacked on axis 0
 (``[num_layers, ...]``) under the name ``layers``, the same tree for every policy, so a checkpoint
 trained under one policy loads under any other; mutable collections are updated layer by layer.
-Every RNG stream reaches every layer. The policy only decides how the scan groups the layers (see
+Every RNG stream reaches every layer. The stack owns each layer's input, so it tags it ``layer_input``
+(a policy may keep or offload it on a block that tags nothing). The policy only decides how the scan
+groups the layers (see
 :meth:`remat_kit.policies.Policy.plan`; the driver, :func:`remat_kit._layers.run`, is shared with the
 NNX stack):
 
@@ -33,7 +35,7 @@ survives XLA:CPU's CSE (which strips it from unrolled code).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -43,6 +45,7 @@ from flax.core.scope import subtract_filters
 
 from remat_kit import _layers, tags
 from remat_kit.policies import Mix, Policy, parse
+from remat_kit.units import check_int
 
 
 class Stack(nn.Module):
@@ -96,6 +99,7 @@ class Stack(nn.Module):
         mutable = subtract_filters(self.scope.mutable, "params")
 
         def run_layer(v, h, i):
+            h = _layers.tag_input(h)
             rngs = {s: jax.random.fold_in(k, i) for s, k in keys.items()}
             if mutable is False:
                 y, mutated = layer.apply(v, h, *args, rngs=rngs, **kwargs), {}
@@ -155,15 +159,117 @@ def _block_key(block, streams, args, kwargs):
     return tags.hashable((block, tuple(streams), tags.signature((args, kwargs))))
 
 
+class PeriodStack(nn.Module):
+    """Runs ``num_layers`` layers that repeat a period of block types under one scan; build it with :func:`stack`.
+
+    Gemma 3's pattern (five local sliding-window blocks, then one global) is ``blocks = (Local,) * 5 +
+    (Global,)``: layer ``i`` is ``blocks[i % len(blocks)]``. The scan runs ``num_layers // len(blocks)``
+    steps, each one period; the variables of position ``j`` of the period are stacked over the periods
+    under ``layers/<j>`` (``{"layers": {"0": [periods, ...], "1": ...}}`` per collection). Layer ``i``
+    draws its RNG streams folded with ``i``, as in :class:`Stack`.
+
+    The policy's unit: per-layer policies (none, full, selective, offload, dots, jax) wrap each block of
+    the period on its own, exactly as for one block type; grouping policies (``every_n:N``,
+    ``segments:K``, ``sqrt_n``) and a mix's counts count *periods* (``every_n:2`` rematerializes every
+    other period as a whole).
+
+    Attributes:
+      blocks: the block types of one period, in order (classes or partials).
+      num_layers: the depth, a multiple of ``len(blocks)``.
+      policy: the rematerialization policy.
+    """
+
+    blocks: tuple[Callable[..., nn.Module], ...]
+    num_layers: int
+    policy: Policy | Mix
+
+    @nn.compact
+    def __call__(self, x, *args, **kwargs):
+        """Apply the layers in order; ``args``/``kwargs`` reach every layer. Returns the last layer's output."""
+        layers = [b(parent=None) for b in self.blocks]
+        period = len(layers)
+        periods = self.num_layers // period
+        streams = sorted(self.scope.rngs)
+        if self.is_initializing():
+            keys = jax.random.split(self.make_rng("params"), self.num_layers).reshape(periods, period)
+            created: dict[str, dict[str, Any]] = {}
+            for j, layer in enumerate(layers):
+
+                def init_one(k, layer=layer):
+                    return layer.init({"params": k, "dropout": k, **{s: k for s in streams}}, x, *args, **kwargs)
+
+                for col, tree in jax.vmap(init_one)(keys[:, j]).items():
+                    created.setdefault(col, {})[str(j)] = tree
+            for col, tree in created.items():
+                if col == "params":
+                    self.param("layers", lambda _, t=tree: t)
+                else:
+                    self.variable(col, "layers", lambda t=tree: t)
+        variables = {col: tree["layers"] for col, tree in self.variables.items() if "layers" in tree}
+        keys = {s: self.make_rng(s) for s in streams}
+        mutable = subtract_filters(self.scope.mutable, "params")
+        per_layer = isinstance(self.policy, Policy) and self.policy.plan(periods).mode == "layer"
+
+        def run_period(v, h, u):
+            mutated_all: dict[str, dict[str, Any]] = {}
+            for j, layer in enumerate(layers):
+                mine = {col: tree[str(j)] for col, tree in v.items() if str(j) in tree}
+
+                def one(mine, h, i, layer=layer):
+                    h = _layers.tag_input(h)
+                    rngs = {s: jax.random.fold_in(k, i) for s, k in keys.items()}
+                    if mutable is False:
+                        return layer.apply(mine, h, *args, rngs=rngs, **kwargs), {}
+                    return layer.apply(mine, h, *args, rngs=rngs, mutable=mutable, **kwargs)
+
+                if per_layer:
+                    one = self.policy.checkpoint(one, prevent_cse=False)
+                y, mutated = one(mine, h, u * period + j)
+                if not _same_type(y, h):
+                    raise ValueError(
+                        f"{type(layer).__name__} returns {_describe(y)} for an input {_describe(h)}; a block of a "
+                        f"period stack must return a value with its input's shape and dtype"
+                    )
+                h = y
+                for col, tree in mutated.items():
+                    mutated_all.setdefault(col, {})[str(j)] = tree
+            return h, mutated_all
+
+        names = "+".join(type(layer).__name__ for layer in layers)
+        for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
+            if tags.needs_check(policy):
+                one_period = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
+                tags.check_traced(
+                    policy,
+                    names,
+                    lambda v, h: run_period(v, h, jnp.int32(0)),
+                    one_period,
+                    jax.ShapeDtypeStruct(x.shape, x.dtype),
+                    key=_block_key(tuple(self.blocks), streams, args, kwargs),
+                )
+        # Per-layer policies wrap each block above; the scan over periods then adds nothing (none).
+        unit_policy = parse("none") if per_layer else self.policy
+        out, mutated = _layers.run(unit_policy, periods, run_period, variables, x)
+        if not self.is_initializing():
+            for col, tree in mutated.items():
+                self.put_variable(col, "layers", tree)
+        return out
+
+
 def stack(
-    block: Callable[..., nn.Module], num_layers: int, policy: Policy | str | None = None, **module_kwargs: Any
-) -> Stack:
+    block: Callable[..., nn.Module] | Sequence[Callable[..., nn.Module]],
+    num_layers: int,
+    policy: Policy | str | None = None,
+    **module_kwargs: Any,
+) -> Stack | PeriodStack:
     """Stack ``num_layers`` copies of a Flax block under one scan, rematerialized per ``policy``.
 
     Args:
       block: a Flax module class, or ``functools.partial(BlockClass, **fields)``; its ``__call__``
-        takes ``(x, *args, **kwargs)`` and returns a value shaped like ``x``.
-      num_layers: the depth (a positive integer).
+        takes ``(x, *args, **kwargs)`` and returns a value shaped like ``x``. Or a list of them: the
+        period of block types the layers repeat (Gemma 3's local/global pattern), run by a
+        :class:`PeriodStack` (each block then returns a value shaped like ``x``, no aux).
+      num_layers: the depth (a positive integer; a multiple of the period for a list).
       policy: a :class:`~remat_kit.policies.Policy`, a :class:`~remat_kit.policies.Mix` (its counts
         summing to ``num_layers``) or a spec string (default ``none``).
       **module_kwargs: passed to the :class:`Stack` module (e.g. ``name=``).
@@ -189,8 +295,21 @@ def stack(
             f"block: pass the class (or a factory such as functools.partial({type(block).__name__}, ...)), "
             f"not an instance: got {type(block).__name__}(...)"
         )
+    policy = parse("none" if policy is None else policy)
+    if isinstance(block, (list, tuple)):
+        blocks = tuple(block)
+        if not blocks or not all(callable(b) for b in blocks):
+            raise TypeError(f"a period of blocks must be a non-empty list of Flax module classes, got {block!r}")
+        check_int("num_layers", num_layers)
+        if num_layers % len(blocks):
+            raise ValueError(
+                f"num_layers={num_layers} is not a multiple of the period of {len(blocks)} blocks "
+                f"({', '.join(getattr(b, '__name__', repr(b)) for b in blocks)}); allowed: "
+                f"{len(blocks)}, {2 * len(blocks)}, {3 * len(blocks)}, ..."
+            )
+        policy.validate_depth(num_layers // len(blocks))
+        return PeriodStack(blocks=blocks, num_layers=num_layers, policy=policy, **module_kwargs)
     if not callable(block):
         raise TypeError(f"block must be a Flax module class or a partial of one, got {block!r}")
-    policy = parse("none" if policy is None else policy)
     policy.validate_depth(num_layers)
     return Stack(block=block, num_layers=num_layers, policy=policy, **module_kwargs)

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from remat_kit import _jax_internals
+from remat_kit import names as _names
 
 # Keys of checks that passed (policy, code, input signature), oldest first; bounded so long sessions
 # do not grow it (the oldest is dropped: at worst it is traced once more).
@@ -57,9 +58,13 @@ def nearest(name: str, candidates: Iterable[str]) -> str | None:
 
 
 def missing(policy, emitted: Iterable[str]) -> tuple[str, ...]:
-    """The tags ``policy`` names that are not in ``emitted``, in the policy's order."""
+    """The tags ``policy`` names that ``emitted`` holds under no spelling, in the policy's order.
+
+    A MaxText alias counts both ways (:func:`remat_kit.names.spelled`): ``q_proj`` is emitted when the
+    code emits ``query_proj``, or the fused ``qkv_proj`` beside a policy naming all of q/k/v.
+    """
     emitted = frozenset(emitted)
-    return tuple(t for t in policy.tags if t not in emitted)
+    return tuple(t for t in policy.tags if emitted.isdisjoint(_names.spelled(t, policy.tags)))
 
 
 def needs_check(policy) -> bool:

@@ -67,7 +67,8 @@ def remat(
       policy: a :class:`remat_kit.policies.Policy` that is not a grouping policy.
       target: a callable or a ``flax.linen.Module`` subclass.
       static_argnums: Python-valued positional arguments: for a function its argument indices, for a
-        Linen class indices counting ``self`` as 0 (flax's meaning).
+        Linen class indices counting ``self`` as 0 (flax's meaning); a negative one counts from the end
+        of each call's positional arguments (``-1``: the last).
       methods: Linen only: the methods to rematerialize (default ``["__call__"]``).
       prevent_cse: passed on; keep True outside scans.
 
@@ -84,9 +85,19 @@ def remat(
 # ---- functions ---------------------------------------------------------------------------------------
 
 
+def normalize_argnums(static_argnums: tuple[int, ...], nargs: int) -> tuple[int, ...]:
+    """``static_argnums`` for a call with ``nargs`` positional arguments: negatives counted from the end,
+    indices outside the call dropped (an argument not passed is not static), sorted.
+
+    >>> normalize_argnums((-1, 1, 7), 3)
+    (1, 2)
+    """
+    return tuple(sorted({i % nargs for i in static_argnums if -nargs <= i < nargs}))
+
+
 def _split_static(args: tuple, static_argnums: tuple[int, ...]):
     """Close the static positional arguments over ``fn``; return (bind, dynamic args)."""
-    static = {i: args[i] for i in static_argnums if i < len(args)}
+    static = {i: args[i] for i in normalize_argnums(static_argnums, len(args))}
     dynamic = tuple(a for i, a in enumerate(args) if i not in static)
 
     def bind(fn, **kwargs):
@@ -170,13 +181,19 @@ def _remat_linen(policy, cls: type[nn.Module], static_argnums, methods, prevent_
             raise ValueError(f"methods={names!r}: {cls.__name__} has no method {name!r}")
     if 0 in static_argnums:
         raise ValueError(f"static_argnums={static_argnums!r}: index 0 is self (flax.linen.remat counts it); x is 1")
-    wrapped = nn.remat(
-        cls, policy=policy.jax_policy, prevent_cse=prevent_cse, static_argnums=static_argnums, methods=methods
-    )
-    # The same methods, each checking the policy's tags before running the rematerialized one.
+
+    @functools.cache
+    def remat_class(argnums: tuple[int, ...]):
+        return nn.remat(cls, policy=policy.jax_policy, prevent_cse=prevent_cse, static_argnums=argnums, methods=methods)
+
+    wrapped = remat_class(tuple(static_argnums))
+    # The same methods, each checking the policy's tags before running the rematerialized one. Negative
+    # indices count from the end of each call's arguments, so they are resolved per call: flax shifts
+    # indices by self's place, which would move a negative one (its -1 reaches no argument).
+    negative = any(i < 0 for i in static_argnums)
     checked = (
-        {name: _checked_method(policy, cls, wrapped, name, static_argnums) for name in names}
-        if tags.needs_check(policy)
+        {name: _checked_method(policy, cls, remat_class, name, static_argnums) for name in names}
+        if tags.needs_check(policy) or negative
         else {}
     )
     # Named like the class itself (flax would say "CheckpointMyBlock"): a parent's auto-named
@@ -184,14 +201,18 @@ def _remat_linen(policy, cls: type[nn.Module], static_argnums, methods, prevent_
     return type(cls.__name__, (wrapped,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **checked})
 
 
-def _checked_method(policy, cls, wrapped, name: str, static_argnums: tuple[int, ...]):
-    # Flax counts self as argument 0; the method's own arguments start at 1.
-    own_static = tuple(i - 1 for i in static_argnums)
-    rematerialized = getattr(wrapped, name)
-
+def _checked_method(policy, cls, remat_class, name: str, static_argnums: tuple[int, ...]):
     def method(self, *args, **kwargs):
-        _check_linen(policy, cls, self, name, args, kwargs, own_static)
-        return rematerialized(self, *args, **kwargs)
+        # Flax counts self as argument 0; the method's own arguments start at 1.
+        argnums = normalize_argnums(static_argnums, len(args) + 1)
+        if 0 in argnums:
+            raise ValueError(
+                f"static_argnums={static_argnums!r} reaches self in a call with {len(args)} argument(s); "
+                f"a negative index counts back from the last argument"
+            )
+        if tags.needs_check(policy):
+            _check_linen(policy, cls, self, name, args, kwargs, tuple(i - 1 for i in argnums))
+        return getattr(remat_class(argnums), name)(self, *args, **kwargs)
 
     method.__name__ = name
     method.__qualname__ = f"{cls.__qualname__}.{name}"

@@ -63,8 +63,9 @@ class Remat(nnx.Module):
         """
         static_kw = {k: v for k, v in kwargs.items() if is_static(v)}
         traced_kw = {k: v for k, v in kwargs.items() if k not in static_kw}
-        # Indices of ``run``'s positional arguments equal ``__call__``'s with ``self`` as 0.
-        static = set(self.static_argnums)
+        # Indices of ``run``'s positional arguments equal ``__call__``'s with ``self`` as 0; a negative one
+        # counts from the end of this call's arguments (nnx.remat counts the same way).
+        static = {i if i > 0 else len(args) + 1 + i for i in self.static_argnums}
 
         def run(module, *a, **kw):
             return module(*a, **kw, **static_kw)
@@ -95,7 +96,8 @@ def remat(policy, module: nnx.Module, *, static_argnums=(), prevent_cse: bool = 
       policy: a :class:`remat_kit.policies.Policy` (normally reached as ``policy(instance)``).
       module: an ``nnx.Module`` instance.
       static_argnums: positions of Python-valued arguments of ``module.__call__``, ``self`` being 0
-        (``flax.linen.remat``'s convention); an int or a tuple of ints >= 1.
+        (``flax.linen.remat``'s convention); an int or a tuple of ints >= 1, or negative ones counting
+        from the end of each call's arguments (``-1``: the last).
       prevent_cse: passed to ``nnx.remat``.
 
     Returns:
@@ -114,10 +116,10 @@ def remat(policy, module: nnx.Module, *, static_argnums=(), prevent_cse: bool = 
         raise TypeError(f"remat_kit.wrap_nnx.remat wraps an nnx.Module instance, got {module!r}")
     argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     for i in argnums:
-        if isinstance(i, bool) or not isinstance(i, int) or i < 1:
+        if isinstance(i, bool) or not isinstance(i, int) or i == 0:
             raise ValueError(
-                f"static_argnums must hold ints >= 1 (0 is the module itself, 1 its first argument), "
-                f"got {static_argnums!r}"
+                f"static_argnums must hold ints >= 1 (0 is the module itself, 1 its first argument) or "
+                f"negative ones counting from the last argument (-1), got {static_argnums!r}"
             )
     return Remat(policy, module, static_argnums=argnums, prevent_cse=bool(prevent_cse))
 

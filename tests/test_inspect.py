@@ -256,3 +256,60 @@ def test_an_nnx_model_is_inspected_like_any_function(spec):
         # Each layer's input is kept, plus the stack's output that the loss squares; the first matmul recomputed.
         assert r.saved_bytes == (layers + 1) * batch * seq * d * F32
         assert r.flops == 3 * r.forward_flops + layers * matmul
+
+
+def _nnx_model(policy, layers=3, d=16):
+    """An NNX model of the test's own with a remat_kit.nnx.stack inside (its policy built in)."""
+    from flax import nnx
+
+    import remat_kit.nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(d, 4 * d, use_bias=False, rngs=rngs)
+            self.down = nnx.Linear(4 * d, d, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jnp.tanh(self.up(x)))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = remat_kit.nnx.stack(Block, layers, policy, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.mean(self.blocks(x) ** 2)
+
+    return Net
+
+
+@pytest.mark.parametrize("run", ["compare", "auto"])
+def test_an_nnx_model_with_its_own_policy_as_an_argument_is_a_clear_error(run):
+    from flax import nnx
+
+    from remat_kit.planning.budget import auto
+
+    model = nnx.eval_shape(lambda: _nnx_model("full")(nnx.Rngs(0)))
+    x = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)
+
+    def make_loss(policy):  # ignores the row's policy: the trap
+        return lambda m, x: m(x)
+
+    with pytest.raises(TypeError, match=r"argument 0 is an NNX module \(Net\) whose Stack runs its own policy full"):
+        if run == "compare":
+            remat_kit.compare(make_loss, ["none", "full"], model, x)
+        else:
+            auto(make_loss, model, x, budget_bytes=10**9, candidates=["none", "full"])
+
+
+def test_the_nnx_recipe_measures_each_row_under_its_own_policy():
+    from flax import nnx
+
+    def make_loss(policy):  # the README's recipe: the model built under the row's policy, its state passed
+        graphdef = nnx.split(nnx.eval_shape(lambda: _nnx_model(policy)(nnx.Rngs(0))), nnx.Param, ...)[0]
+        return lambda params, rest, x: nnx.merge(graphdef, params, rest)(x)
+
+    _, params, rest = nnx.split(nnx.eval_shape(lambda: _nnx_model("none")(nnx.Rngs(0))), nnx.Param, ...)
+    x = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)
+    table = remat_kit.compare(make_loss, ["none", "full"], params, rest, x)
+    assert table["full"].saved_bytes < table["none"].saved_bytes
+    assert table.flops_ratio["full"] > 1.0

@@ -100,6 +100,8 @@ def test_exit_code_from_the_console():
 def test_parse_policies_keeps_tag_lists_together():
     got = [str(p) for p in plan.parse_policies("none,selective:q_proj,k_proj,every_n:2", 4)]
     assert got == ["none", "selective:q_proj,k_proj", "every_n:2"]
+    got = [str(p) for p in plan.parse_policies("jax:save_only_these_names(query_proj,mlpwo),jax:dots_saveable", 4)]
+    assert got == ["jax:save_only_these_names(query_proj,mlpwo)", "jax:dots_saveable"]
     with pytest.raises(ValueError, match="names no policy"):
         plan.parse_policies(" , ", 4)
     # Options after ';' without tags start a new spec too; an empty item is refused, not dropped.

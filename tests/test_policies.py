@@ -31,6 +31,8 @@ CONSTRUCTED = [
     P.segments(4),
     P.sqrt_n(),
     P.dots(),
+    P.from_jax("dots_saveable"),
+    P.from_jax("save_only_these_names", "query_proj", "mlpwo"),
 ]
 
 
@@ -282,7 +284,8 @@ def test_bad_input_raises_clear_errors(make, error, match):
 def _grammar_examples() -> list[str]:
     """Every spec the printed grammar shows: each form with each subset of its ``[...]`` parts, filled in."""
     text = P.SPEC_GRAMMAR.split(", or a MaxText preset")[0]
-    fill = {":N": ":2", ":K": ":2", ":TAG,...": ":q_proj,k_proj", "save=TAG,...": "save=mlp_up", "KIND": "pinned_host"}
+    fill = {"jax:NAME": "jax:dots_saveable", "(TAG,...)": "(q_proj,k_proj)", ":N": ":2", ":K": ":2",
+            ":TAG,...": ":q_proj,k_proj", "save=TAG,...": "save=mlp_up", "KIND": "pinned_host"}  # fmt: skip
     examples = []
     for form in re.split(r", (?![^\[]*\])", text):
         head, optional = form.split("[")[0], re.findall(r"\[([^\]]*)\]", form)
@@ -296,8 +299,8 @@ def _grammar_examples() -> list[str]:
 
 def test_grammar_shows_the_forms_the_parser_accepts():
     examples = _grammar_examples()
-    # Each optional part of selective/offload is shown: 6 + 2**2 + 2**4 specs.
-    assert len(examples) == 26 and "selective;strict=false" in examples and "offload;save=mlp_up" in examples
+    # Each optional part of selective/offload is shown: 6 + 2**2 + 2**4 specs, and the two jax forms.
+    assert len(examples) == 28 and "selective;strict=false" in examples and "offload;save=mlp_up" in examples
     for spec in examples:
         policy = P.parse(spec)
         assert P.parse(str(policy)) == policy, spec
@@ -326,3 +329,92 @@ def test_group_larger_than_depth_is_rejected(policy):
 )
 def test_plan(policy, depth, size, mode):
     assert policy.plan(depth) == P.LayerPlan(size, mode)
+
+
+# ---- JAX policies as a policy kind ---------------------------------------------------------------------
+
+
+def _jax_probe(w, x):  # w: [4, 4], x: [2, 3, 4]; one plain matmul, one batched, two named values
+    a = jnp.einsum("bsd,de->bse", x, w)  # no batch dims
+    b = jnp.einsum("bsd,bte->bst", x, x)  # batch dim b
+    c = tag(jnp.sin(a), "c")
+    d = tag(jnp.cos(b), "d")
+    return jnp.sum(jnp.sin(c) @ w) + jnp.sum(jnp.sin(d))
+
+
+_JW, _JX = jax.random.normal(jax.random.key(0), (4, 4)), jax.random.normal(jax.random.key(1), (2, 3, 4))
+
+
+def _jax_kept(fn):
+    """What the backward pass keeps beyond the inputs: sorted (tag or producing primitive, shape)."""
+    rows = internals.saved_residuals(fn, _JW, _JX)
+    return sorted((r.tag or r.source.split(" from ")[0].removeprefix("output of "), r.shape) for r in rows
+                  if not r.is_argument)  # fmt: skip
+
+
+_CP = jax.checkpoint_policies
+#: Each JAX policy remat_kit names, with what it must keep on _jax_probe (written out, not computed).
+JAX_KEEPS = {
+    "nothing_saveable": [],
+    "dots_saveable": [("dot_general", (2, 3, 3)), ("dot_general", (2, 3, 4))],
+    "dots_with_no_batch_dims_saveable": [("dot_general", (2, 3, 4))],
+    "save_only_these_names": [("c", (2, 3, 4))],
+}
+
+
+@pytest.mark.parametrize("name", [*P.JAX_POLICIES, *P.JAX_POLICY_FACTORIES])
+def test_every_named_jax_policy_saves_what_it_says(name):
+    assert set(JAX_KEEPS) | {"everything_saveable"} == set(P.JAX_POLICIES + P.JAX_POLICY_FACTORIES)
+    policy = P.from_jax(name, "c") if name in P.JAX_POLICY_FACTORIES else P.from_jax(name)
+    kept = _jax_kept(policy(_jax_probe))
+    # What is saved is exactly this, the inputs aside (everything_saveable: as without remat).
+    assert kept == (_jax_kept(_jax_probe) if name == "everything_saveable" else JAX_KEEPS[name])
+    upstream = _CP.save_only_these_names("c") if name in P.JAX_POLICY_FACTORIES else getattr(_CP, name)
+    assert kept == _jax_kept(jax.checkpoint(_jax_probe, policy=upstream))
+
+
+@pytest.mark.parametrize(
+    "given, spec",
+    [
+        (_CP.dots_saveable, "jax:dots_saveable"),
+        (_CP.checkpoint_dots, "jax:dots_saveable"),
+        (_CP.checkpoint_dots_with_no_batch_dims, "jax:dots_with_no_batch_dims_saveable"),
+        (_CP.save_only_these_names("value_proj", "query_proj"), "jax:save_only_these_names(query_proj,value_proj)"),
+        ("jax:save_only_these_names(query_proj,mlpwo)", "jax:save_only_these_names(query_proj,mlpwo)"),
+    ],
+    ids=["dots", "checkpoint_dots", "no_batch_dims", "save_only_callable", "save_only_spec"],
+)
+def test_a_jax_policy_is_accepted_and_its_spec_round_trips(given, spec):
+    policy = P.parse(given)
+    assert (policy.kind, str(policy), P.parse(str(policy))) == ("jax", spec, policy)
+    assert policy.tags == () and policy.plan(4) == P.LayerPlan(1, "layer")
+
+
+def test_any_callable_is_a_jax_policy_named_by_its_name_and_not_parsed_back():
+    def save_sines(prim, *_, **__):
+        return prim.name == "sin"
+
+    policy = P.parse(save_sines)
+    assert (
+        str(policy) == "jax:test_any_callable_is_a_jax_policy_named_by_its_name_and_not_parsed_back.<locals>.save_sines"
+    )
+    assert policy.jax_policy is save_sines and hash(policy) == hash(P.parse(save_sines))
+    assert any(k[0] == "sin" for k in _jax_kept(policy(_jax_probe)))
+    with pytest.raises(ValueError, match=r"cannot be rebuilt from its spec; pass the callable itself"):
+        P.parse(str(policy))
+
+
+@pytest.mark.parametrize(
+    "given, match",
+    [
+        ("jax:save_anything_except_these_names", "saves everything"),
+        (_CP.save_anything_except_these_names("c"), "saves everything"),
+        ("jax:save_only_these_names", "needs its tags"),
+        ("jax:dots_saveable(c)", "write jax:NAME"),
+        ("jax:offload_dot_with_no_batch_dims", "unknown JAX policy"),
+    ],
+    ids=["stub_spec", "stub_callable", "factory_without_tags", "plain_with_tags", "unsupported"],
+)
+def test_bad_jax_policies_are_clear_errors(given, match):
+    with pytest.raises(ValueError, match=match):
+        P.parse(given)

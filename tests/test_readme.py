@@ -80,6 +80,12 @@ def _explain(ns):
     assert r.at_peak["parameters"] == 4 * 64 * 64 * 4 and len(r.largest_at_peak) == 10
 
 
+def _nnx_compare(ns):
+    """The NNX recipe for compare: each row measured under its own policy."""
+    table = ns["table"]
+    assert table.policies == ("none", "full") and table["full"].saved_bytes < table["none"].saved_bytes
+
+
 #: A marker found in a block → what to assert after running it.
 KNOWN = {
     "RematBlock = policy(MyBlock": _linen_loop,
@@ -91,6 +97,7 @@ KNOWN = {
     "lora.update(loss_fn": _lora,
     "remat_kit.nnx.stack(Block": _nnx,
     "jax.ShapeDtypeStruct((32, 64), jnp.float32), explain=True)": _explain,
+    "remat_kit.compare(make_loss, [\"none\", \"full\"], params, rest": _nnx_compare,
 }
 
 

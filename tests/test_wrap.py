@@ -183,7 +183,9 @@ def test_wrong_target_is_a_type_error(target, match):
 def test_bad_static_argnums_and_methods():
     with pytest.raises(ValueError, match=r"index 0 is self"):
         P.full()(Block, static_argnums=0)
-    with pytest.raises(ValueError, match=r"non-negative ints"):
-        P.full()(_f, static_argnums=(-1,))
+    with pytest.raises(ValueError, match=r"static_argnums must be ints"):
+        P.full()(_f, static_argnums=(1.0,))
+    with pytest.raises(ValueError, match=r"reaches self in a call with 2 argument"):
+        P.full()(Block, static_argnums=(-3,))().init(jax.random.key(0), X, False)
     with pytest.raises(TypeError, match=r"methods= applies to a flax.linen.Module class only"):
         P.full()(_f, methods=["encode"])

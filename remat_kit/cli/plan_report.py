@@ -21,7 +21,8 @@ def parse_policies(text: str, num_layers: int | None) -> list[policies.Policy]:
     """Comma-separated specs (``;`` options stay inside a spec) → policies valid for the depth (None: unchecked).
 
     ``every_n:2,selective:q_proj;strict=false`` is two specs: a comma splits specs only where the
-    next piece starts a new policy kind. An empty list or an empty item (``none,,full``) is refused.
+    next piece starts a new policy kind (and never inside ``jax:save_only_these_names(a,b)``). An empty list
+    or an empty item (``none,,full``) is refused.
     """
     if not text.replace(",", "").strip():
         raise ValueError(f"--policies {text!r} names no policy; e.g. none,full,selective (omit it for the defaults)")
@@ -31,6 +32,8 @@ def parse_policies(text: str, num_layers: int | None) -> list[policies.Policy]:
             raise ValueError(f"--policies {text!r} has an empty item; separate the specs with one ','")
         starts_policy = _kind(piece) in policies.KINDS or piece in policies.MAXTEXT_ALIASES
         takes_tags = pieces and _kind(pieces[-1]) in policies.SPEC_OPTIONS and ":" in pieces[-1]
+        # jax:save_only_these_names(a,b): its tag list runs to the closing parenthesis.
+        takes_tags = takes_tags or (pieces and "(" in pieces[-1] and not pieces[-1].endswith(")"))
         if takes_tags and not starts_policy:
             pieces[-1] += "," + piece  # a tag list: selective:q_proj,k_proj
         else:

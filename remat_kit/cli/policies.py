@@ -17,7 +17,7 @@ def card() -> dict:
     from remat_kit import names, policies
 
     def summary(kind: str) -> str:
-        doc = getattr(getattr(policies, kind, None), "__doc__", None) or ""
+        doc = getattr(getattr(policies, policies.CONSTRUCTORS.get(kind, kind), None), "__doc__", None) or ""
         return doc.strip().splitlines()[0].replace("``", "").replace(":func:", "") if doc.strip() else ""
 
     return {
@@ -42,6 +42,15 @@ def _keeps(p) -> tuple[str, str]:
         saved = ",".join(p.save) if p.save else "no tagged value"
         offloaded = ",".join(p.offload)
         return f"on the device: {saved}; in host memory: {offloaded}", "every value neither saved nor offloaded"
+    if p.kind == "jax":
+        what = {
+            "everything_saveable": "every activation",
+            "nothing_saveable": "each layer's input",
+            "dots_saveable": "each layer's input and every matmul output",
+            "dots_with_no_batch_dims_saveable": "each layer's input and matmul outputs without batch dimensions",
+            "save_only_these_names": "each layer's input and the values named " + ",".join(p.names),
+        }.get(p.upstream, f"what the JAX policy {p.upstream} saves")
+        return what, "every other value in each layer (jax.checkpoint under that policy)"
     if p.kind == "segments":
         return f"the input of every group of {p.group_size} layers", f"{p.group_size} layers at a time"
     return {

@@ -180,7 +180,8 @@ class AutoResult:
                 f"mixed front (mixes of neighbours, policies.mix): {pairs}; rows with '*COUNT' are mixes compiled."
             )
         note = memory.host_offload().note
-        if note and any(_has_offload(policies.parse(c.policy)) for c in self.candidates):
+        offloading = [c for c in self.candidates if _kind(c.policy) != "jax" and _has_offload(policies.parse(c.policy))]
+        if note and offloading:
             rows.append(f"note: {note}; offload candidates are never chosen here.")
         if self.hardware is not None:
             rows.append(self.hardware.describe() + ".")
@@ -317,7 +318,9 @@ def auto(
       needed, what was given and which levers remain.
 
     Raises:
-      TypeError/ValueError: bad budget, margin, inputs or policies, before anything is compiled.
+      TypeError/ValueError: bad budget, margin, inputs or policies, before anything is compiled; an NNX
+        module among the inputs that holds a policy of its own (every row would measure that one:
+        :func:`remat_kit.inspection.refuse_baked_nnx`).
     """
     budget = Budget(budget_bytes, margin)
     wanted = candidates
@@ -338,11 +341,21 @@ def auto(
         raise TypeError("batch=, seq= and loss_chunks= belong to auto(config, ...); give make_loss its inputs")
     if not args:
         raise TypeError("auto(make_loss, params, *batch_args, ...) needs the loss's inputs (params first)")
+    inspection.refuse_baked_nnx(args, "auto")
     inputs = inspection.abstract(args)
     pool = [policies.parse(p) for p in (wanted or GENERIC_CANDIDATES)]
     inspection.check_loss(make_loss_checked(model, pool[0]), inputs)
     planner = planner or StepPlanner(lambda p, b, s: (model(p), inputs[0], inputs[1:]), optimizer)
     return search(planner, pool, budget, exhaustive=exhaustive, jobs=jobs, hardware=hardware)
+
+
+def _kind(spec: str) -> str:
+    """The kind of the policy a candidate's spec names, "" for one that cannot be parsed back (a JAX
+    policy given as a callable: :func:`remat_kit.policies.from_jax`)."""
+    try:
+        return policies.parse(spec).kind
+    except ValueError:
+        return ""
 
 
 def make_loss_checked(make_loss: Callable, policy: policies.Policy) -> Callable:
@@ -542,6 +555,8 @@ def best_mix(
         for b in under:
             if a.cost_s >= b.cost_s or a.need_bytes <= b.need_bytes:
                 continue
+            if not (_kind(a.policy) and _kind(b.policy)):
+                continue  # a JAX policy given as a callable has no spec to rebuild it from, so it is not mixed
             ks = _mix_range(policies.parse(a.policy), policies.parse(b.policy), num_layers)
             # need(k) = need_b + k / L · (need_a − need_b): the largest k that fits the target.
             k = min(int((target - b.need_bytes) * num_layers // (a.need_bytes - b.need_bytes)), ks.stop - 1)

@@ -22,8 +22,23 @@ _LAZY = {
     "inspect": ("remat_kit.inspection", "inspect"),
     "compare": ("remat_kit.inspection", "compare"),
     "auto": ("remat_kit.planning.budget", "auto"),
+    "apply": ("remat_kit.apply", "apply"),
+    "names_of": ("remat_kit.apply", "names_of"),
 }
 
 __getattr__, __dir__ = face(__name__, _LAZY, globals())
 
-__all__ = ["Policy", "Stack", "auto", "compare", "inspect", "names", "nnx", "parse", "policies", "stack"]
+__all__ = [
+    "Policy",
+    "Stack",
+    "apply",
+    "auto",
+    "compare",
+    "inspect",
+    "names",
+    "names_of",
+    "nnx",
+    "parse",
+    "policies",
+    "stack",
+]

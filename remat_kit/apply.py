@@ -1,0 +1,478 @@
+"""Rematerialize the blocks of an existing Flax model, Linen or NNX, in one call, without editing its code.
+
+``remat_kit.apply(model, policy)`` finds the model's repeated block (or the blocks ``where=`` names)
+and runs each under the policy's ``jax.checkpoint``. Inside a rematerialized block every value a
+policy may keep is named without touching the model:
+
+* every submodule call's output, by its path relative to the block (``attn/q_einsum``,
+  ``pre_attention_norm``);
+* every matmul that consumes one of the block's own parameters, by that parameter's path
+  (``mlp/gating_einsum``: gm.nn's FeedForward does ``jnp.einsum`` with its params directly);
+* the model's own ``checkpoint_name`` tags (MaxText's ``query_proj``, ``mlpwi``) as they are.
+
+So ``selective:attn/q_einsum,mlp/*`` and ``offload:attn/*`` work on an untagged model; a pattern or
+name that matches nothing is a ValueError with the nearest names (:mod:`remat_kit.tags`).
+:func:`names_of` lists what a block emits.
+
+Linen: the returned object has the model's ``init``/``apply``/``init_with_output``; they run the
+model's own methods under ``flax.linen.intercept_methods``, so the variables, their tree and the RNG
+streams are the plain model's (init itself runs plainly: remat changes no variable). NNX: the result
+is a copy of the model graph whose blocks run under ``jax.checkpoint`` with their state passed as
+arguments (never captured), so ``nnx.split`` gives the plain model's state and ``nnx.grad``,
+``nnx.jit`` and ``nnx.Optimizer`` see every parameter (:mod:`remat_kit.apply_nnx`).
+
+>>> import jax, jax.numpy as jnp, flax.linen as nn
+>>> import remat_kit
+>>> class Block(nn.Module):
+...     @nn.compact
+...     def __call__(self, x):
+...         return x + nn.Dense(4, name="up")(jnp.tanh(x))
+>>> class Model(nn.Module):
+...     @nn.compact
+...     def __call__(self, x):
+...         for i in range(2):
+...             x = Block(name=f"layer_{i}")(x)
+...         return x
+>>> model = remat_kit.apply(Model(), "selective:up")
+>>> x = jnp.ones((2, 4))
+>>> params = model.init(jax.random.key(0), x)
+>>> jax.tree.structure(params) == jax.tree.structure(Model().init(jax.random.key(0), x))
+True
+>>> remat_kit.names_of(Model(), x).names
+('up',)
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import inspect as _inspect
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax.core import lift
+from jax.ad_checkpoint import checkpoint_name
+
+from remat_kit import _jax_internals, tags
+from remat_kit.pathnames import BlockName, NameTable, Where, join, parse_where, repeated_block
+from remat_kit.policies import Mix, Policy, full, parse
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What :func:`apply` was asked for, parsed once.
+
+    Attributes:
+      policy: the policy (a grouping ``every_n`` rematerializes blocks 0, n, 2n, ... in call order).
+      where: which modules are blocks; None: the repeated block class, found on the first call.
+      static_argnames: block call arguments always treated as static (non-array ones always are).
+      scan: run consecutive identical blocks as one ``lax.scan`` (see :mod:`remat_kit.apply_scan`).
+    """
+
+    policy: Policy
+    where: Where | None
+    static_argnames: frozenset[str]
+    scan: bool = False
+
+    def policy_for(self, index: int) -> Policy | None:
+        """The policy block number ``index`` (in call order) runs under; None: run it plainly."""
+        if self.policy.kind == "every_n":
+            return full() if index % self.policy.period == 0 else None
+        return self.policy if self.policy.remat else None
+
+
+def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = None, scan: bool = False) -> Any:
+    """Rematerialize the blocks of an existing Flax model (Linen or NNX) under ``policy``, unedited.
+
+    Args:
+      model: a ``flax.linen.Module`` instance (unbound) or a ``flax.nnx.Module``.
+      policy: a policy or spec (``"full"``, ``"every_n:2"``, ``"selective:attn/q_einsum,mlp/*"``,
+        ``"offload:attn/*"``). Names may be module paths relative to the block, parameter paths, the
+        model's own tags, or glob patterns over them.
+      where: the blocks: a block class or tuple of classes, a module-path glob (``"layer_*"``,
+        ``"blocks/*"``), or a predicate ``module -> bool``. Default: the block class repeated (at least
+        twice) among the children of the shallowest module that repeats one.
+      static_argnames: names of block ``__call__`` arguments to treat as static (Python values are
+        detected anyway: any argument holding no array is static, never traced).
+      scan: run consecutive identical blocks as one ``lax.scan`` over their stacked parameters (the
+        model's own parameter layout is kept); a model that cannot be scanned unedited is a
+        ValueError saying why.
+
+    Returns:
+      Linen: an :class:`Applied` with the model's ``init``/``apply``/``init_with_output``. NNX: a copy
+      of the model graph (sharing its arrays) whose blocks run under the policy.
+
+    Raises:
+      TypeError: ``model`` is not a Flax module instance, or a bad ``where``.
+      ValueError: a policy that needs a stack (``segments``, ``sqrt_n``, a mix) without ``scan=True``;
+        no or several repeated block classes; (on the first call) a ``where`` that matches nothing or
+        a name that the block never emits.
+
+    >>> import flax.linen as nn
+    >>> type(apply(nn.Dense(2), "full", where=nn.Dense)).__name__
+    'Applied'
+    """
+    from flax import nnx
+
+    plan = make_plan(policy, where, static_argnames, scan, nnx.Module if isinstance(model, nnx.Module) else nn.Module)
+    if isinstance(model, nnx.Module):
+        from remat_kit import apply_nnx
+
+        return apply_nnx.apply(model, plan)
+    if isinstance(model, nn.Module):
+        if model.scope is not None:
+            raise TypeError(f"remat_kit.apply takes an unbound Linen module, got a bound {type(model).__name__}")
+        return Applied(model, plan)
+    if isinstance(model, type):
+        raise TypeError(
+            f"remat_kit.apply takes a module instance, not the class {model.__name__}: write {model.__name__}(...)"
+        )
+    raise TypeError(f"remat_kit.apply takes a flax.linen or flax.nnx Module instance, got {model!r}")
+
+
+def make_plan(policy: Any, where: Any, static_argnames: Any, scan: bool, base: type) -> Plan:
+    """Parse :func:`apply`'s arguments into a :class:`Plan` (every error before any tracing)."""
+    parsed = parse(policy)
+    if (isinstance(parsed, Mix) or parsed.kind in ("segments", "sqrt_n")) and not scan:
+        raise ValueError(
+            f"policy {parsed} groups layers and needs one scan over the blocks: pass scan=True, "
+            "or use full, every_n:N, selective, offload or dots"
+        )
+    names = (
+        () if static_argnames is None else (static_argnames,) if isinstance(static_argnames, str) else static_argnames
+    )
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"static_argnames must be a string or strings, got {static_argnames!r}")
+    if not isinstance(scan, bool):
+        raise TypeError(f"scan must be True or False, got {scan!r}")
+    return Plan(parsed, parse_where(where, base), frozenset(names), scan)
+
+
+# ---- shared by Linen and NNX ------------------------------------------------------------------------
+
+
+def split_static(fn: Callable, args: tuple, kwargs: dict, static_argnames: frozenset[str], is_static: Callable):
+    """Split a call's arguments into static ones (closed over) and dynamic ones (traced).
+
+    Returns:
+      ``(rebuild, dyn_args, dyn_kwargs)``: ``rebuild(dyn_args, dyn_kwargs) -> (args, kwargs)``.
+    """
+    try:
+        names = [p for p in _inspect.signature(fn).parameters][1:]  # without self
+    except (TypeError, ValueError):
+        names = []
+    static_pos = {i: a for i, a in enumerate(args) if is_static(a) or (i < len(names) and names[i] in static_argnames)}
+    static_kw = {k: v for k, v in kwargs.items() if is_static(v) or k in static_argnames}
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_kw}
+
+    def rebuild(dargs, dkwargs):
+        it = iter(dargs)
+        full_args = tuple(static_pos[i] if i in static_pos else next(it) for i in range(len(args)))
+        return full_args, {**static_kw, **dkwargs}
+
+    return rebuild, dyn_args, dyn_kwargs
+
+
+def trace_only(fn: Callable, args: tuple, kwargs: dict, *, keep: bool = False) -> Any:
+    """``fn(*args, **kwargs)`` under ``jax.eval_shape``: array leaves (or ShapeDtypeStructs) traced, others as given.
+
+    Returns the output's shapes when ``keep``, else None (so non-array outputs are allowed).
+    """
+    import numpy as np
+
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))]
+
+    def run(*arrays):
+        full = list(leaves)
+        for i, a in zip(at, arrays, strict=True):
+            full[i] = a
+        a, k = jax.tree.unflatten(treedef, full)
+        out = fn(*a, **k)
+        return out if keep else None
+
+    return jax.eval_shape(run, *[leaves[i] for i in at])
+
+
+def name_tree(tree: Any, name: str) -> Any:
+    """``checkpoint_name`` every array leaf of ``tree`` with ``name`` (other leaves unchanged)."""
+    return jax.tree.map(lambda x: checkpoint_name(x, name) if isinstance(x, jax.Array) else x, tree)
+
+
+@dataclasses.dataclass
+class Collector:
+    """Gathers, block by block, the names blocks emit (for :func:`names_of`)."""
+
+    blocks: dict[str, list[BlockName]] = dataclasses.field(default_factory=dict)
+
+    def add(self, where: str, jaxpr: Any, module_names: set[str], param_names: set[str]) -> None:
+        rows = []
+        for name, shape, dtype, nbytes in _jax_internals.jaxpr_tags(jaxpr):
+            source = "module" if name in module_names else "param" if name in param_names else "tag"
+            rows.append(BlockName(name, shape, dtype, nbytes, source))
+        self.blocks.setdefault(where, rows)
+
+    def table(self) -> NameTable:
+        if not self.blocks:
+            raise ValueError("no block ran: check where= and the example arguments")
+        first = next(iter(self.blocks))
+        seen: dict[str, BlockName] = {}
+        for rows in self.blocks.values():
+            for r in rows:
+                seen.setdefault(r.name, r)
+        return NameTable(first, tuple(seen.values()))
+
+
+def checkpointed(policy: Policy, where: str, named: Callable, jaxpr: Any, args: tuple) -> Any:
+    """Run ``named(*args)`` under ``policy`` after checking (and expanding) the names it refers to.
+
+    ``jaxpr`` is ``named``'s (from :func:`remat_kit._jax_internals.name_param_matmuls`): the names it
+    emits are read there, without tracing the block again.
+    """
+    if policy.tags:
+        emitted = frozenset(t for t, *_ in _jax_internals.jaxpr_tags(jaxpr))
+        policy = tags.resolve(policy, emitted, where)
+        tags.check(policy, emitted, where)
+    return jax.checkpoint(named, policy=policy.jax_policy, prevent_cse=True)(*args)
+
+
+# ---- Linen -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Run:
+    """The state of one ``init``/``apply`` of an :class:`Applied` model (one per call, not shared)."""
+
+    plan: Plan
+    matcher: Where | None
+    discovered: list | None = None  # (path, class) of every module called, while finding the blocks
+    collect: Collector | None = None  # names_of: gather names instead of rematerializing
+    index: int = 0  # blocks started so far, in call order
+    block: tuple[str, ...] | None = None  # path of the block being run, while inside it
+    entering: bool = False  # the next __call__ is the block's own
+    module_names: set[str] = dataclasses.field(default_factory=set)
+
+
+_RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("remat_kit_apply_run", default=None)
+
+
+class Applied:
+    """A Linen model with its blocks rematerialized; build it with :func:`apply`.
+
+    ``init``, ``init_with_output`` and ``apply`` take exactly the model's arguments and return what
+    the model's own do; every other attribute is the model's.
+
+    Attributes:
+      module: the plain model (unchanged).
+      plan: what was applied.
+    """
+
+    def __init__(self, module: nn.Module, plan: Plan):
+        self.module = module
+        self.plan = plan
+        self._matcher = plan.where
+
+    def init(self, *args, **kwargs):
+        """The model's ``init`` (runs plainly: remat changes no variable)."""
+        return self._run("init", args, kwargs)
+
+    def init_with_output(self, *args, **kwargs):
+        """The model's ``init_with_output``."""
+        return self._run("init_with_output", args, kwargs)
+
+    def apply(self, *args, **kwargs):
+        """The model's ``apply``, with the blocks rematerialized."""
+        return self._run("apply", args, kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["module"], name)
+
+    def __repr__(self) -> str:
+        return f"remat_kit.apply({type(self.module).__name__}, {self.plan.policy})"
+
+    def matcher(self, method: str, args: tuple, kwargs: dict) -> Where:
+        """The blocks: ``where=``, or the repeated block class found by tracing the call once (cached)."""
+        if self._matcher is not None and getattr(self, "_checked", False):
+            return self._matcher
+        run = _Run(self.plan, None, discovered=[])
+        with _running(run):
+            trace_only(getattr(self.module, method), args, kwargs)
+        found = run.discovered
+        matcher = self._matcher or Where(classes=(repeated_block(found),))
+        if not any(_may_match(matcher, path, cls) for path, cls in found if path):
+            listed = ", ".join(join(p) for p, _ in found if p)
+            raise ValueError(
+                f"where={matcher} matches no module of {type(self.module).__name__}; its modules: {listed}"
+            )
+        self._matcher, self._checked = matcher, True
+        return matcher
+
+    def _run(self, method: str, args: tuple, kwargs: dict):
+        run = _Run(self.plan, self.matcher(method, args, kwargs))
+        if self.plan.scan:
+            from remat_kit import apply_scan
+
+            run = apply_scan.linen_run(run)
+        with _running(run):
+            return getattr(self.module, method)(*args, **kwargs)
+
+
+def _may_match(where: Where, path: tuple[str, ...], cls: type) -> bool:
+    """Whether a discovered module can match ``where`` (a predicate needs the module: assumed yes)."""
+    if where.classes:
+        return issubclass(cls, where.classes)
+    if where.pattern is not None:
+        return where(None, join(path))
+    return True
+
+
+class _running:
+    """Context: ``run`` is the current call's state and the interceptor is installed."""
+
+    def __init__(self, run: _Run):
+        self.run = run
+
+    def __enter__(self):
+        self.token = _RUN.set(self.run)
+        self.intercept = nn.intercept_methods(_intercept)
+        self.intercept.__enter__()
+
+    def __exit__(self, *exc):
+        self.intercept.__exit__(*exc)
+        _RUN.reset(self.token)
+
+
+def _intercept(next_fun, args, kwargs, context):
+    run = _RUN.get()
+    if run is None:
+        return next_fun(*args, **kwargs)
+    module, method = context.module, context.method_name
+    if run.discovered is not None:
+        if method == "__call__":
+            run.discovered.append((tuple(module.path), type(module)))
+        return next_fun(*args, **kwargs)
+    if run.block is not None:
+        if run.entering and method == "__call__":
+            run.entering, run.block = False, tuple(module.path)
+            return next_fun(*args, **kwargs)
+        out = next_fun(*args, **kwargs)
+        path = tuple(module.path)
+        depth = len(run.block)
+        if method == "__call__" and len(path) > depth and path[:depth] == run.block:
+            name = join(path[depth:])
+            run.module_names.add(name)
+            out = name_tree(out, name)
+        return out
+    if method != "__call__" or (module.is_initializing() and run.collect is None):
+        return next_fun(*args, **kwargs)
+    path = tuple(module.path)
+    if not run.matcher(module, join(path)):
+        return next_fun(*args, **kwargs)
+    if hasattr(run, "scan_block"):
+        return run.scan_block(module, path, next_fun, args, kwargs)
+    return _remat_block(run, module, path, next_fun, args, kwargs)
+
+
+def _is_static(value: Any) -> bool:
+    import numpy as np
+
+    return not any(isinstance(leaf, (jax.Array, np.ndarray, np.generic)) for leaf in jax.tree.leaves(value))
+
+
+def _remat_block(run: _Run, module: nn.Module, path, next_fun, args: tuple, kwargs: dict):
+    index, run.index = run.index, run.index + 1
+    policy = run.plan.policy_for(index)
+    if policy is None and run.collect is None:
+        return next_fun(*args, **kwargs)
+    rebuild, dyn_args, dyn_kwargs = split_static(
+        type(module).__call__, args, kwargs, run.plan.static_argnames, _is_static
+    )
+    where = f"{type(module).__name__} block {join(path)}"
+
+    def call(mdl, dargs, dkwargs):
+        full_args, full_kwargs = rebuild(dargs, dkwargs)
+        outer = run.block
+        run.block, run.entering = path, True
+        try:
+            return mdl(*full_args, **full_kwargs)
+        finally:
+            run.block, run.entering = outer, False
+
+    call.__name__ = "remat_kit_block"
+    lifted = nn.transforms.lift_transform(_lifted, call, run=run, policy=policy, where=where)
+    return lifted(module, dyn_args, dyn_kwargs)
+
+
+def _linen_leaf_names(args: tuple) -> list[str | None]:
+    """The ``params`` leaves of a lifted call's ``variable_groups`` (args[0]) by path; None elsewhere."""
+    out = []
+    for keypath, _ in jax.tree_util.tree_flatten_with_path(args)[0]:
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in keypath]
+        # argument 0 (variable_groups), then group and scope indices, the collection, the path in the block
+        at = next((i for i, k in enumerate(keys) if not isinstance(k, int)), len(keys))
+        out.append(join(keys[at + 1 :]) if keys and keys[0] == 0 and at < len(keys) and keys[at] == "params" else None)
+    return out
+
+
+def _lifted(fn, run: _Run, policy: Policy | None, where: str):
+    """A Linen lifted transform: ``fn``'s block under ``policy``, its parameter matmuls named."""
+
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):
+        def body(variable_groups, rng_groups, *args):
+            scope = scope_fn(variable_groups, rng_groups)
+            y = fn(scope, *args)
+            return y, repack_fn(scope)
+
+        all_args = (variable_groups, rng_groups, *args)
+        leaf_names = _linen_leaf_names(all_args)
+        named, jaxpr = _jax_internals.name_param_matmuls(body, leaf_names, *all_args)
+        if run.collect is not None:
+            run.collect.add(where, jaxpr, run.module_names, {n for n in leaf_names if n})
+            return named(*all_args)
+        return checkpointed(policy, where, named, jaxpr, all_args)
+
+    return lift.pack(inner, (True,), (True,), (True,), name="remat")
+
+
+# ---- names_of ----------------------------------------------------------------------------------------
+
+
+def names_of(model: Any, *example_args: Any, where: Any = None, **example_kwargs: Any) -> NameTable:
+    """The names the model's blocks emit (what a policy can keep), with shape, dtype and bytes.
+
+    Traces only (``jax.eval_shape``): nothing is compiled or allocated.
+
+    Args:
+      model: a Linen module instance (unbound) or an NNX module.
+      *example_args, **example_kwargs: the model's call arguments (arrays or ShapeDtypeStructs; for
+        Linen without the variables: they are made with ``init``).
+      where: the blocks (see :func:`apply`).
+
+    Returns:
+      A :class:`remat_kit.pathnames.NameTable`: ``.names``, ``.rows`` and a printable table.
+
+    >>> import jax.numpy as jnp, flax.linen as nn
+    >>> names_of(nn.Sequential([nn.Dense(3), nn.Dense(3)]), jnp.ones((1, 3)), where=nn.Dense).names
+    ()
+    """
+    from flax import nnx
+
+    if isinstance(model, nnx.Module):
+        from remat_kit import apply_nnx
+
+        return apply_nnx.names_of(model, example_args, example_kwargs, where)
+    applied = apply(model, "full", where=where)
+    key = jax.random.key(0)
+    variables = trace_only(applied.module.init, (key, *example_args), example_kwargs, keep=True)
+    collector = Collector()
+    run = _Run(applied.plan, applied.matcher("apply", (variables, *example_args), example_kwargs), collect=collector)
+    with _running(run):
+        trace_only(
+            applied.module.apply,
+            (variables, *example_args),
+            {"rngs": {"params": key}, "mutable": True, **example_kwargs},
+        )
+    return collector.table()

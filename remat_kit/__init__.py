@@ -22,8 +22,8 @@ _LAZY = {
     "inspect": ("remat_kit.inspection", "inspect"),
     "compare": ("remat_kit.inspection", "compare"),
     "auto": ("remat_kit.planning.budget", "auto"),
-    "apply": ("remat_kit.apply", "apply"),
-    "names_of": ("remat_kit.apply", "names_of"),
+    "apply": ("remat_kit.unedited", "apply"),
+    "names_of": ("remat_kit.unedited", "names_of"),
 }
 
 __getattr__, __dir__ = face(__name__, _LAZY, globals())

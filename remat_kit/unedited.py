@@ -19,7 +19,7 @@ model's own methods under ``flax.linen.intercept_methods``, so the variables, th
 streams are the plain model's (init itself runs plainly: remat changes no variable). NNX: the result
 is a copy of the model graph whose blocks run under ``jax.checkpoint`` with their state passed as
 arguments (never captured), so ``nnx.split`` gives the plain model's state and ``nnx.grad``,
-``nnx.jit`` and ``nnx.Optimizer`` see every parameter (:mod:`remat_kit.apply_nnx`).
+``nnx.jit`` and ``nnx.Optimizer`` see every parameter (:mod:`remat_kit.unedited_nnx`).
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn
 >>> import remat_kit
@@ -68,7 +68,7 @@ class Plan:
       policy: the policy (a grouping ``every_n`` rematerializes blocks 0, n, 2n, ... in call order).
       where: which modules are blocks; None: the repeated block class, found on the first call.
       static_argnames: block call arguments always treated as static (non-array ones always are).
-      scan: run consecutive identical blocks as one ``lax.scan`` (see :mod:`remat_kit.apply_scan`).
+      scan: run consecutive identical blocks as one ``lax.scan`` (see :mod:`remat_kit.unedited_scan`).
     """
 
     policy: Policy
@@ -118,9 +118,9 @@ def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = 
 
     plan = make_plan(policy, where, static_argnames, scan, nnx.Module if isinstance(model, nnx.Module) else nn.Module)
     if isinstance(model, nnx.Module):
-        from remat_kit import apply_nnx
+        from remat_kit import unedited_nnx
 
-        return apply_nnx.apply(model, plan)
+        return unedited_nnx.apply(model, plan)
     if isinstance(model, nn.Module):
         if model.scope is not None:
             raise TypeError(f"remat_kit.apply takes an unbound Linen module, got a bound {type(model).__name__}")
@@ -313,9 +313,9 @@ class Applied:
     def _run(self, method: str, args: tuple, kwargs: dict):
         run = _Run(self.plan, self.matcher(method, args, kwargs))
         if self.plan.scan:
-            from remat_kit import apply_scan
+            from remat_kit import unedited_scan
 
-            run = apply_scan.linen_run(run)
+            run = unedited_scan.linen_run(run)
         with _running(run):
             return getattr(self.module, method)(*args, **kwargs)
 
@@ -461,9 +461,9 @@ def names_of(model: Any, *example_args: Any, where: Any = None, **example_kwargs
     from flax import nnx
 
     if isinstance(model, nnx.Module):
-        from remat_kit import apply_nnx
+        from remat_kit import unedited_nnx
 
-        return apply_nnx.names_of(model, example_args, example_kwargs, where)
+        return unedited_nnx.names_of(model, example_args, example_kwargs, where)
     applied = apply(model, "full", where=where)
     key = jax.random.key(0)
     variables = trace_only(applied.module.init, (key, *example_args), example_kwargs, keep=True)

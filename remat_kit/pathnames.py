@@ -28,6 +28,12 @@ def join(path: Iterable[Any]) -> str:
     return "/".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
 
 
+def state_keys(keypath) -> list:
+    """The keys of a jax key path into an ``nnx.State`` (the trailing ``.value`` of a Variable dropped)."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in keypath]
+    return keys[:-1] if keys and keys[-1] == "value" else keys
+
+
 @dataclasses.dataclass(frozen=True)
 class Where:
     """Which modules are the blocks to rematerialize: one of ``classes``, ``pattern`` or ``predicate``.

@@ -18,16 +18,21 @@ from typing import Any
 import jax
 from flax import nnx
 
-from remat_kit import _jax_internals
-from remat_kit.pathnames import NameTable, Where, join, repeated_block
-from remat_kit.unedited import Collector, Plan, checkpointed, name_tree, split_static, trace_only
+from remat_kit import _jax_internals, unedited_scan
+from remat_kit._unedited import (
+    Collector,
+    Plan,
+    call_naming_submodules,
+    checkpointed,
+    make_plan,
+    split_static,
+    trace_only,
+)
+from remat_kit.pathnames import NameTable, Where, join, repeated_block, state_keys
 from remat_kit.wrap_nnx import is_static
 
-# id(submodule) -> its name, for the tagging subclasses while a block's copy runs.
-_NAMES: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar("remat_kit_nnx_names", default=None)
 _COLLECT: contextvars.ContextVar[Collector | None] = contextvars.ContextVar("remat_kit_nnx_collect", default=None)
 _REMAT_CLASSES: dict[tuple, type] = {}
-_TAG_CLASSES: dict[type, type] = {}
 
 
 def blocks(model: nnx.Module, where: Where | None) -> list[tuple[tuple, nnx.Module]]:
@@ -53,8 +58,6 @@ def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
     copy = nnx.clone(model)
     found = blocks(copy, plan.where)
     if plan.scan:
-        from remat_kit import unedited_scan
-
         return unedited_scan.nnx_scan(copy, plan, found)
     for index, (_, block) in enumerate(found):
         policy = plan.policy_for(index)
@@ -78,22 +81,6 @@ def remat_class(cls: type, policy, static_argnames: frozenset[str]) -> type:
             cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
         )
     return _REMAT_CLASSES[key]
-
-
-def _tag_class(cls: type) -> type:
-    """``cls`` whose ``__call__`` names its output by the instance's path (from :data:`_NAMES`)."""
-    if cls not in _TAG_CLASSES:
-        original = cls.__call__
-
-        def __call__(self, *args, **kwargs):
-            out = original(self, *args, **kwargs)
-            names = _NAMES.get()
-            return name_tree(out, names[id(self)]) if names and id(self) in names else out
-
-        _TAG_CLASSES[cls] = type(cls)(
-            cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        )
-    return _TAG_CLASSES[cls]
 
 
 def _is_static(value: Any) -> bool:
@@ -122,16 +109,7 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
         call_flat = [next(it_nodes) if i in node_at else next(it_arrays) for i in range(len(flat))]
         dargs, dkwargs = jax.tree.unflatten(treedef, call_flat)
         full_args, full_kwargs = rebuild(dargs, dkwargs)
-        names = {}
-        for path, node in nnx.iter_graph(inner):
-            if path and isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict)):
-                names[id(node)] = join(path)
-                node.__class__ = _tag_class(type(node))
-        token = _NAMES.set(names)
-        try:
-            out = original(inner, *full_args, **full_kwargs)
-        finally:
-            _NAMES.reset(token)
+        out = call_naming_submodules(original, inner, full_args, full_kwargs)
         _, _, new_rest = nnx.split(merged, nnx.Param, ...)
         return out, jax.tree.leaves(new_rest)
 
@@ -152,16 +130,12 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
 
 def _param_name(keypath) -> str | None:
     """A parameter's path in the block from its key path in the split ``(block, *nodes)`` state."""
-    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in keypath]
-    if keys and keys[-1] == "value":
-        keys = keys[:-1]
+    keys = state_keys(keypath)
     return join(keys[1:]) if keys and keys[0] == 0 else None
 
 
 def names_of(model: nnx.Module, example_args: tuple, example_kwargs: dict, where: Any) -> NameTable:
     """:func:`remat_kit.names_of` for an NNX model: trace one call (nothing compiled), gather the names."""
-    from remat_kit.unedited import make_plan
-
     plan = make_plan("full", where, None, False, nnx.Module)
     applied = apply(model, plan)
     collector = Collector()

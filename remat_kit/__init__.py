@@ -24,6 +24,7 @@ _LAZY = {
     "auto": ("remat_kit.planning.budget", "auto"),
     "apply": ("remat_kit.unedited", "apply"),
     "names_of": ("remat_kit.unedited", "names_of"),
+    "apply_factory": ("remat_kit.unedited", "apply_factory"),
 }
 
 __getattr__, __dir__ = face(__name__, _LAZY, globals())
@@ -32,6 +33,7 @@ __all__ = [
     "Policy",
     "Stack",
     "apply",
+    "apply_factory",
     "auto",
     "compare",
     "inspect",

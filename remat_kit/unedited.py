@@ -39,13 +39,14 @@ arguments (never captured), so ``nnx.split`` gives the plain model's state and `
 >>> jax.tree.structure(params) == jax.tree.structure(Model().init(jax.random.key(0), x))
 True
 >>> remat_kit.names_of(Model(), x).names
-('up',)
+('up/kernel', 'up')
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -87,7 +88,7 @@ def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = 
         a name that the block never emits.
 
     >>> import flax.linen as nn
-    >>> type(apply(nn.Dense(2), "full", where=nn.Dense)).__name__
+    >>> type(apply(nn.Sequential([nn.Dense(2)]), "full", where=nn.Dense)).__name__
     'Applied'
     """
     plan = make_plan(policy, where, static_argnames, scan, nnx.Module if isinstance(model, nnx.Module) else nn.Module)
@@ -321,7 +322,7 @@ def names_of(model: Any, *example_args: Any, where: Any = None, **example_kwargs
 
     >>> import jax.numpy as jnp, flax.linen as nn
     >>> names_of(nn.Sequential([nn.Dense(3), nn.Dense(3)]), jnp.ones((1, 3)), where=nn.Dense).names
-    ()
+    ('kernel',)
     """
     if isinstance(model, nnx.Module):
         return unedited_nnx.names_of(model, example_args, example_kwargs, where)
@@ -337,3 +338,40 @@ def names_of(model: Any, *example_args: Any, where: Any = None, **example_kwargs
             {"rngs": {"params": key}, "mutable": True, **example_kwargs},
         )
     return collector.table()
+
+
+def apply_factory(model: Any, loss: Callable, **apply_kwargs: Any) -> Callable:
+    """``make_loss(policy)`` for :func:`remat_kit.compare`/:func:`remat_kit.inspect`/:func:`remat_kit.auto`.
+
+    Args:
+      model: the plain model (Linen instance or NNX module).
+      loss: Linen: ``loss(model, variables, *batch) -> scalar`` (call ``model.apply``); NNX:
+        ``loss(model, *batch) -> scalar``.
+      **apply_kwargs: passed to :func:`apply` (``where=``, ``static_argnames=``, ``scan=``).
+
+    Returns:
+      ``make_loss(policy) -> loss_fn(params, *batch)``: Linen's ``params`` are the variables, NNX's
+      ``nnx.state(model, nnx.Param)`` (the same tree under every policy; the rest of the state, RNG
+      streams included, is closed over).
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> model = nn.Sequential([nn.Dense(3), nn.Dense(3)])
+    >>> make = apply_factory(model, lambda m, v, x: m.apply(v, x).sum(), where=nn.Dense)
+    >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> float(make("full")(v, jnp.zeros((1, 3))))
+    0.0
+    """
+    if isinstance(model, nnx.Module):
+
+        def make_nnx(policy):
+            graphdef, _, rest = nnx.split(apply(model, policy, **apply_kwargs), nnx.Param, ...)
+            # Fresh Variables for the rest in every trace (Variables made outside it cannot be updated in it).
+            return lambda params, *batch: loss(nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest)), *batch)
+
+        return make_nnx
+
+    def make_linen(policy):
+        applied = apply(model, policy, **apply_kwargs)
+        return lambda variables, *batch: loss(applied, variables, *batch)
+
+    return make_linen

@@ -217,6 +217,7 @@ def test_auto_on_a_scanned_applied_model_fits_a_budget_between_full_and_none():
     table = remat_kit.compare(make_loss, ["none", "full"], params, x)
     none_saved, full_saved = (r.saved_bytes for r in table.reports)
     assert full_saved < none_saved
+    assert "XLA removed" not in str(table)  # scanned: the saving is real
     # Each candidate's need as auto measures it (the whole step), then a budget between full's and none's.
     needs = {
         c.policy: c.need_bytes
@@ -228,3 +229,12 @@ def test_auto_on_a_scanned_applied_model_fits_a_budget_between_full_and_none():
     budget = (needs["full"] + needs["none"]) // 2
     result = remat_kit.auto(make_loss, params, x, budget_bytes=budget, candidates=["none", "full"], mixes=False)
     assert str(result.chosen) == "full"
+
+
+def test_compare_says_when_xla_removed_the_recompute_of_a_loop():
+    model = um.InlineModel(num_layers=2, features=16)
+    x = jax.ShapeDtypeStruct((4, 32, 16), jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
+    make = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2))
+    table = remat_kit.compare(make, ["none", "full"], variables, x)
+    assert "XLA removed most of the recompute" in str(table)

@@ -54,7 +54,7 @@ import jax
 from flax import nnx
 from flax.core import lift
 
-from remat_kit import _jax_internals, unedited_nnx
+from remat_kit import _jax_internals, unedited_nnx, unedited_scan
 from remat_kit._unedited import Collector, Plan, checkpointed, make_plan, name_tree, split_static, trace_only
 from remat_kit.pathnames import NameTable, Where, join, repeated_block
 from remat_kit.policies import Policy
@@ -179,9 +179,7 @@ class Applied:
     def _run(self, method: str, args: tuple, kwargs: dict):
         run = _Run(self.plan, self.matcher(method, args, kwargs))
         if self.plan.scan:
-            from remat_kit import unedited_scan
-
-            run = unedited_scan.linen_run(run)
+            unedited_scan.linen_run(run)
         with _running(run):
             return getattr(self.module, method)(*args, **kwargs)
 

@@ -22,8 +22,25 @@ _LAZY = {
     "inspect": ("remat_kit.inspection", "inspect"),
     "compare": ("remat_kit.inspection", "compare"),
     "auto": ("remat_kit.planning.budget", "auto"),
+    "apply": ("remat_kit.unedited", "apply"),
+    "names_of": ("remat_kit.unedited", "names_of"),
+    "apply_factory": ("remat_kit.unedited", "apply_factory"),
 }
 
 __getattr__, __dir__ = face(__name__, _LAZY, globals())
 
-__all__ = ["Policy", "Stack", "auto", "compare", "inspect", "names", "nnx", "parse", "policies", "stack"]
+__all__ = [
+    "Policy",
+    "Stack",
+    "apply",
+    "apply_factory",
+    "auto",
+    "compare",
+    "inspect",
+    "names",
+    "names_of",
+    "nnx",
+    "parse",
+    "policies",
+    "stack",
+]

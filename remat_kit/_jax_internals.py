@@ -349,3 +349,103 @@ def save_only_names(policy: Any) -> frozenset[str] | None:
             if isinstance(value, (set, frozenset)) and all(isinstance(n, str) for n in value):
                 return frozenset(value)
     return None
+
+
+# ---- naming matmuls by the parameter they consume ---------------------------------------------------
+
+# Equations whose output is still "the parameter" for naming purposes (a cast to the compute dtype, a
+# reshape or transpose of the weight before its matmul).
+_WEIGHT_VIEWS = frozenset(
+    {"convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "copy"}
+)
+# Call equations whose body is evaluated inline, so a matmul inside jnp.einsum's jit is reached.
+_INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+
+def name_param_matmuls(fn: Callable, leaf_names: list[str | None], *args: Any) -> tuple[Callable, Any]:
+    """``fn`` traced once at ``args``, with each ``dot_general`` that consumes a named input leaf tagged.
+
+    ``fn`` is traced to a jaxpr (``jax.make_jaxpr``) and evaluated again equation by equation; a
+    matmul whose operand is a named input (or a cast, reshape or transpose of one) has its output
+    wrapped in ``checkpoint_name(out, name)``. Every other equation (the code's own tags included) is
+    bound unchanged, so values and gradients are those of ``fn``. Tracing once matters: ``fn`` may
+    have side effects on trace (Flax counts RNG draws), which a second trace would repeat.
+
+    Args:
+      fn: a function of pytrees; its non-array input and output leaves are Python constants.
+      leaf_names: one name or None per leaf of ``args`` (flattened).
+      *args: the arguments (arrays or tracers) the result will be called with.
+
+    Returns:
+      ``(run, jaxpr)``: ``run(*args)`` computes ``fn(*args)`` with the names (it evaluates ``jaxpr``,
+      touching nothing of ``fn``'s); ``jaxpr`` is the named closed jaxpr (for :func:`jaxpr_tags`).
+    """
+    leaves, treedef = jax.tree.flatten(args)
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    statics: dict[str, Any] = {}
+
+    def flat(*arrays):
+        full = list(leaves)
+        for i, a in zip(at, arrays, strict=True):
+            full[i] = a
+        out_leaves, out_tree = jax.tree.flatten(fn(*jax.tree.unflatten(treedef, full)))
+        statics["tree"], statics["leaves"] = out_tree, out_leaves
+        return [o for o in out_leaves if isinstance(o, jax.Array)]
+
+    arrays = [leaves[i] for i in at]
+    closed = jax.make_jaxpr(flat)(*arrays)
+    names = [leaf_names[i] for i in at]
+    named = jax.make_jaxpr(lambda *a: _eval_naming(closed.jaxpr, closed.consts, a, names))(*arrays)
+
+    def run(*call_args):
+        call_leaves = jax.tree.leaves(call_args)
+        outs = iter(_eval_naming(named.jaxpr, named.consts, [call_leaves[i] for i in at], [None] * len(at)))
+        rebuilt = [next(outs) if isinstance(o, jax.Array) else o for o in statics["leaves"]]
+        return jax.tree.unflatten(statics["tree"], rebuilt)
+
+    return run, named
+
+
+def jaxpr_tags(jaxpr) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """``(tag, shape, dtype, bytes)`` of each ``checkpoint_name`` in a jaxpr, in order, once per tag."""
+    found: dict[str, tuple[str, tuple[int, ...], str, int]] = {}
+    for eqn in iter_eqns(jaxpr):
+        tag = checkpoint_name_of(eqn)
+        if tag is not None and tag not in found:
+            aval = eqn.outvars[0].aval
+            found[tag] = (tag, tuple(int(d) for d in aval.shape), str(aval.dtype), _nbytes(aval))
+    return list(found.values())
+
+
+def _eval_naming(jaxpr, consts, args, names) -> list[Any]:
+    from jax.ad_checkpoint import checkpoint_name
+    from jax.extend import core as jex_core
+
+    env: dict[Any, Any] = {}
+    source: dict[Any, str] = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    for v, a, n in zip(jaxpr.invars, args, names, strict=True):
+        env[v] = a
+        if n:
+            source[v] = n
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        insrc = [None if isinstance(v, jex_core.Literal) else source.get(v) for v in eqn.invars]
+        prim = eqn.primitive.name
+        inner = eqn.params.get("jaxpr")
+        if prim in _INLINE_CALLS and hasattr(inner, "consts") and any(insrc):
+            outs = _eval_naming(inner.jaxpr, inner.consts, invals, insrc)
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            if prim == "dot_general" and (insrc[1] or insrc[0]):
+                outs = [checkpoint_name(outs[0], insrc[1] or insrc[0])]
+            elif prim in _WEIGHT_VIEWS and insrc and insrc[0]:
+                source[eqn.outvars[0]] = insrc[0]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]

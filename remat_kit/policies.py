@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -73,6 +74,9 @@ OFFLOAD_DESTINATIONS: tuple[str, ...] = ("pinned_host",)
 # The default selective preset: keep the outputs of weight matmuls, recompute the attention core,
 # norms and activations (Korthikanti et al. 2022, Megatron's selective recompute).
 SELECTIVE_DEFAULT: tuple[str, ...] = _names.MATMUL_OUTPUTS
+
+# A mix part ends in "*COUNT"; any other "*" is a glob pattern in a tag ("selective:mlp/*").
+_MIX_COUNT = re.compile(r"\*\s*\d+\s*$")
 
 _MAXTEXT_MINIMAL = ("q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out")
 
@@ -142,8 +146,9 @@ class Policy:
             for t in value:
                 # The spec string separates tags with "," and options with ";" and "="; a mix's parts
                 # with "+" and "*" (see mix).
-                if not t or t != t.strip() or any(c in t for c in ",;=+*"):
-                    raise ValueError(f"tag {t!r}: a tag is a non-empty name without spaces around it or ',;=+*'")
+                # A "*" is a glob (see remat_kit.tags.resolve); only a trailing "*COUNT" marks a mix part.
+                if not t or t != t.strip() or any(c in t for c in ",;=+") or _MIX_COUNT.search(t):
+                    raise ValueError(f"tag {t!r}: a tag is a non-empty name without spaces around it or ',;=+'")
         if not isinstance(self.strict, bool):
             raise TypeError(f"Policy.strict must be True or False, got {self.strict!r}")
         both = sorted(set(self.save) & set(self.offload))
@@ -207,6 +212,13 @@ class Policy:
             if self.upstream in JAX_POLICY_FACTORIES:
                 return getattr(cp, self.upstream)(*self.names)
             return getattr(cp, self.upstream)
+        patterns = [t for t in self.tags if any(c in t for c in "*?[")]
+        if patterns:
+            # JAX matches exact names: a pattern must be expanded first, or it would silently keep nothing.
+            raise ValueError(
+                f"policy {self} names patterns {patterns}: remat_kit.apply expands them against the names a "
+                "block emits; elsewhere name the tags themselves"
+            )
         if self.kind == "none":
             return cp.everything_saveable
         # Each tag under every spelling the code may emit it (MaxText's query_proj for q_proj, ...), so an
@@ -764,7 +776,7 @@ def parse(spec: str | Policy | Mix | Callable[..., Any], num_layers: int | None 
     if not isinstance(spec, str):
         raise TypeError(f"a policy spec must be a string, a Policy or a jax.checkpoint policy, got {spec!r}")
     text = spec.strip()
-    if "*" in text or "+" in text:
+    if "+" in text or _MIX_COUNT.search(text):
         return _parse_mix(spec)
     # The kind ends at the first ":" (tags follow) or ";" (options follow, the default tags kept).
     cut = min((i for i in (text.find(":"), text.find(";")) if i >= 0), default=len(text))
@@ -825,7 +837,7 @@ def _parse_mix(spec: str) -> Mix:
         head, star, count = piece.strip().rpartition("*")
         if not star:
             raise ValueError(f"mix spec {spec!r}: part {piece!r} has no *COUNT; a mix is POLICY*COUNT+POLICY*COUNT...")
-        if "*" in head:
+        if _MIX_COUNT.search(head):
             raise ValueError(f"mix spec {spec!r}: part {piece!r} has two counts; mixes do not nest")
         try:
             n = int(count)

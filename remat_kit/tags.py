@@ -23,7 +23,9 @@ ValueError: policy selective:mlp_upp names tags that f never emits: mlp_upp (did
 from __future__ import annotations
 
 import collections
+import dataclasses
 import difflib
+import fnmatch
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -57,14 +59,56 @@ def nearest(name: str, candidates: Iterable[str]) -> str | None:
     return found[0] if found else None
 
 
+def is_pattern(tag: str) -> bool:
+    """Whether ``tag`` is a glob pattern (``"mlp/*"``, ``"attn/?_einsum"``) rather than one name."""
+    return any(c in tag for c in "*?[")
+
+
+def matching(tag: str, emitted: Iterable[str]) -> tuple[str, ...]:
+    """The emitted names ``tag`` stands for: itself if emitted, else those its glob pattern matches.
+
+    >>> matching("mlp/*", ["mlp/up", "attn/q", "mlp/down"])
+    ('mlp/down', 'mlp/up')
+    """
+    emitted = frozenset(emitted)
+    if tag in emitted:
+        return (tag,)
+    return tuple(sorted(n for n in emitted if fnmatch.fnmatchcase(n, tag))) if is_pattern(tag) else ()
+
+
 def missing(policy, emitted: Iterable[str]) -> tuple[str, ...]:
-    """The tags ``policy`` names that ``emitted`` holds under no spelling, in the policy's order.
+    """The tags (or patterns) ``policy`` names that match nothing in ``emitted``, in the policy's order.
 
     A MaxText alias counts both ways (:func:`remat_kit.names.spelled`): ``q_proj`` is emitted when the
     code emits ``query_proj``, or the fused ``qkv_proj`` beside a policy naming all of q/k/v.
     """
     emitted = frozenset(emitted)
-    return tuple(t for t in policy.tags if emitted.isdisjoint(_names.spelled(t, policy.tags)))
+    return tuple(
+        t for t in policy.tags if not matching(t, emitted) and emitted.isdisjoint(_names.spelled(t, policy.tags))
+    )
+
+
+def resolve(policy, emitted: Iterable[str], where: str):
+    """``policy`` with each glob pattern replaced by the emitted names it matches (after :func:`check`).
+
+    JAX's name policies match exact names, so a pattern is expanded against what the code emits before
+    the policy reaches ``jax.checkpoint``. A non-strict policy drops a pattern that matches nothing.
+
+    >>> from remat_kit import policies
+    >>> str(resolve(policies.selective(["mlp/*"]), ["mlp/up", "attn/q"], "Block"))
+    'selective:mlp/up'
+    """
+    if not any(is_pattern(t) for t in policy.tags):
+        return policy
+    check(policy, emitted, where)
+    emitted = frozenset(emitted)
+
+    def expand(tags_):
+        return tuple(dict.fromkeys(n for t in tags_ for n in matching(t, emitted)))
+
+    offload = expand(policy.offload)
+    save = tuple(n for n in expand(policy.save) if n not in offload)
+    return dataclasses.replace(policy, save=save, offload=offload)
 
 
 def needs_check(policy) -> bool:

@@ -82,3 +82,14 @@ def test_plan_your_model(tmp_path):
     rows = [line.split()[0] for line in out.splitlines() if line.split()[:1] in (["none"], ["dots"], ["full"])]
     assert rows[:3] == ["none", "dots", "full"]  # compare keeps the order asked
     assert "chosen: dots" in out  # no recompute, and the leaner of the two that recompute nothing
+
+
+def test_unedited_model(tmp_path):
+    out = run_example(
+        "unedited_model.py", "--steps", "3", "--layers", "2", "--width", "16", "--seq-len", "16", cwd=tmp_path
+    )
+    assert "attn/q_einsum" in out and "mlp/gating_einsum" in out  # names_of's table
+    chosen = out.split("chosen: ")[1].split()[0]
+    assert chosen not in ("none", "full"), out  # the budget lies between them
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < losses[0]

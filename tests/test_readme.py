@@ -86,6 +86,20 @@ def _nnx_compare(ns):
     assert table.policies == ("none", "full") and table["full"].saved_bytes < table["none"].saved_bytes
 
 
+def _unedited_linen(ns):
+    """remat_kit.apply on an unedited Linen model: the plain model's tree and gradients; names by path."""
+    plain = ns["Transformer"]()
+    assert jax.tree.structure(ns["params"]) == jax.tree.structure(plain.init(jax.random.key(0), ns["x"]))
+    want = jax.grad(lambda p: plain.apply(p, ns["x"]).sum())(ns["params"])
+    assert max_rel_err(ns["grads"], want) <= 1e-5
+
+
+def _unedited_nnx(ns):
+    """remat_kit.apply(..., scan=True) on an NNX model: gradients in the model's own layout, non-zero."""
+    kernel = ns["grads"]["layers"][0]["up"]["kernel"][...]
+    assert kernel.shape == (16, 64) and float(jnp.max(jnp.abs(kernel))) > 0
+
+
 #: A marker found in a block → what to assert after running it.
 KNOWN = {
     "RematBlock = policy(MyBlock": _linen_loop,
@@ -98,6 +112,8 @@ KNOWN = {
     "remat_kit.nnx.stack(Block": _nnx,
     "jax.ShapeDtypeStruct((32, 64), jnp.float32), explain=True)": _explain,
     "remat_kit.compare(make_loss, [\"none\", \"full\"], params, rest": _nnx_compare,
+    'remat_kit.apply(Transformer(), "selective': _unedited_linen,
+    'remat_kit.apply(Model(rngs=nnx.Rngs(0)), "every_n:2"': _unedited_nnx,
 }
 
 

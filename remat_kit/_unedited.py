@@ -1,0 +1,189 @@
+"""The engine :func:`remat_kit.apply` shares between Linen and NNX: the plan, static arguments, naming, checking.
+
+>>> str(make_plan("every_n:2", None, None, False, object).policy_for(2))
+'full'
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import inspect as _inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from remat_kit import _jax_internals, tags
+from remat_kit.pathnames import BlockName, NameTable, Where, join, parse_where
+from remat_kit.policies import Mix, Policy, full, parse
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What :func:`apply` was asked for, parsed once.
+
+    Attributes:
+      policy: the policy (a grouping ``every_n`` rematerializes blocks 0, n, 2n, ... in call order).
+      where: which modules are blocks; None: the repeated block class, found on the first call.
+      static_argnames: block call arguments always treated as static (non-array ones always are).
+      scan: run consecutive identical blocks as one ``lax.scan`` (see :mod:`remat_kit.unedited_scan`).
+    """
+
+    policy: Policy
+    where: Where | None
+    static_argnames: frozenset[str]
+    scan: bool = False
+
+    def policy_for(self, index: int) -> Policy | None:
+        """The policy block number ``index`` (in call order) runs under; None: run it plainly."""
+        if self.policy.kind == "every_n":
+            return full() if index % self.policy.period == 0 else None
+        return self.policy if self.policy.remat else None
+
+
+def make_plan(policy: Any, where: Any, static_argnames: Any, scan: bool, base: type) -> Plan:
+    """Parse :func:`apply`'s arguments into a :class:`Plan` (every error before any tracing)."""
+    parsed = parse(policy)
+    if (isinstance(parsed, Mix) or parsed.kind in ("segments", "sqrt_n")) and not scan:
+        raise ValueError(
+            f"policy {parsed} groups layers and needs one scan over the blocks: pass scan=True, "
+            "or use full, every_n:N, selective, offload or dots"
+        )
+    names = (
+        () if static_argnames is None else (static_argnames,) if isinstance(static_argnames, str) else static_argnames
+    )
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"static_argnames must be a string or strings, got {static_argnames!r}")
+    if not isinstance(scan, bool):
+        raise TypeError(f"scan must be True or False, got {scan!r}")
+    return Plan(parsed, parse_where(where, base), frozenset(names), scan)
+
+
+def split_static(fn: Callable, args: tuple, kwargs: dict, static_argnames: frozenset[str], is_static: Callable):
+    """Split a call's arguments into static ones (closed over) and dynamic ones (traced).
+
+    Returns:
+      ``(rebuild, dyn_args, dyn_kwargs)``: ``rebuild(dyn_args, dyn_kwargs) -> (args, kwargs)``.
+    """
+    try:
+        names = [p for p in _inspect.signature(fn).parameters][1:]  # without self
+    except (TypeError, ValueError):
+        names = []
+    static_pos = {i: a for i, a in enumerate(args) if is_static(a) or (i < len(names) and names[i] in static_argnames)}
+    static_kw = {k: v for k, v in kwargs.items() if is_static(v) or k in static_argnames}
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_kw}
+
+    def rebuild(dargs, dkwargs):
+        it = iter(dargs)
+        full_args = tuple(static_pos[i] if i in static_pos else next(it) for i in range(len(args)))
+        return full_args, {**static_kw, **dkwargs}
+
+    return rebuild, dyn_args, dyn_kwargs
+
+
+def trace_only(fn: Callable, args: tuple, kwargs: dict, *, keep: bool = False) -> Any:
+    """``fn(*args, **kwargs)`` under ``jax.eval_shape``: array leaves (or ShapeDtypeStructs) traced, others as given.
+
+    Returns the output's shapes when ``keep``, else None (so non-array outputs are allowed).
+    """
+    import numpy as np
+
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))]
+
+    def run(*arrays):
+        full = list(leaves)
+        for i, a in zip(at, arrays, strict=True):
+            full[i] = a
+        a, k = jax.tree.unflatten(treedef, full)
+        out = fn(*a, **k)
+        return out if keep else None
+
+    return jax.eval_shape(run, *[leaves[i] for i in at])
+
+
+def name_tree(tree: Any, name: str) -> Any:
+    """``checkpoint_name`` every array leaf of ``tree`` with ``name`` (other leaves unchanged)."""
+    return jax.tree.map(lambda x: checkpoint_name(x, name) if isinstance(x, jax.Array) else x, tree)
+
+
+@dataclasses.dataclass
+class Collector:
+    """Gathers, block by block, the names blocks emit (for :func:`names_of`)."""
+
+    blocks: dict[str, list[BlockName]] = dataclasses.field(default_factory=dict)
+
+    def add(self, where: str, jaxpr: Any, module_names: set[str], param_names: set[str]) -> None:
+        rows = []
+        for name, shape, dtype, nbytes in _jax_internals.jaxpr_tags(jaxpr):
+            source = "module" if name in module_names else "param" if name in param_names else "tag"
+            rows.append(BlockName(name, shape, dtype, nbytes, source))
+        self.blocks.setdefault(where, rows)
+
+    def table(self) -> NameTable:
+        if not self.blocks:
+            raise ValueError("no block ran: check where= and the example arguments")
+        first = next(iter(self.blocks))
+        seen: dict[str, BlockName] = {}
+        for rows in self.blocks.values():
+            for r in rows:
+                seen.setdefault(r.name, r)
+        return NameTable(first, tuple(seen.values()))
+
+
+def checkpointed(policy: Policy, where: str, named: Callable, jaxpr: Any, args: tuple) -> Any:
+    """Run ``named(*args)`` under ``policy`` after checking (and expanding) the names it refers to.
+
+    ``jaxpr`` is ``named``'s (from :func:`remat_kit._jax_internals.name_param_matmuls`): the names it
+    emits are read there, without tracing the block again.
+    """
+    if policy.tags:
+        emitted = frozenset(t for t, *_ in _jax_internals.jaxpr_tags(jaxpr))
+        policy = tags.resolve(policy, emitted, where)
+        tags.check(policy, emitted, where)
+    return jax.checkpoint(named, policy=policy.jax_policy, prevent_cse=True)(*args)
+
+
+# ---- NNX: naming submodule outputs ----------------------------------------------------------------
+
+# id(submodule) -> its name, for the tagging subclasses while a block's copy runs.
+_NAMES: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar("remat_kit_nnx_names", default=None)
+_TAG_CLASSES: dict[type, type] = {}
+
+
+def call_naming_submodules(original: Callable, block: nnx.Module, args: tuple, kwargs: dict) -> Any:
+    """``original(block, *args, **kwargs)`` with every submodule output named by its path in ``block``.
+
+    ``block`` must be a private copy (merged inside the traced call): its submodules' classes are
+    swapped for naming subclasses.
+    """
+    names = {}
+    for path, node in nnx.iter_graph(block):
+        if path and isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict)):
+            names[id(node)] = join(path)
+            node.__class__ = _tag_class(type(node))
+    token = _NAMES.set(names)
+    try:
+        return original(block, *args, **kwargs)
+    finally:
+        _NAMES.reset(token)
+
+
+def _tag_class(cls: type) -> type:
+    """``cls`` whose ``__call__`` names its output by the instance's path (from :data:`_NAMES`)."""
+    if cls not in _TAG_CLASSES:
+        original = cls.__call__
+
+        def __call__(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            names = _NAMES.get()
+            return name_tree(out, names[id(self)]) if names and id(self) in names else out
+
+        _TAG_CLASSES[cls] = type(cls)(
+            cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
+    return _TAG_CLASSES[cls]

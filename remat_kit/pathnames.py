@@ -1,0 +1,178 @@
+"""Names by module path: how an unedited model's blocks, and the values inside them, are found and named.
+
+:func:`remat_kit.apply` names every submodule output inside a rematerialized block by its path
+relative to the block (``attn/q_einsum``) and every matmul that consumes one of the block's own
+parameters by that parameter's path (``mlp/gating_einsum``). This module holds the pieces both the
+Linen and the NNX side share: joining paths, choosing the blocks (``where=``), the default "repeated
+block" rule, and the table :func:`remat_kit.names_of` returns.
+
+>>> join(("attn", "q_einsum"))
+'attn/q_einsum'
+>>> repeated_block([((), "Model"), (("layer_0",), "Block"), (("layer_1",), "Block"), (("norm",), "Norm")])
+'Block'
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fnmatch
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from remat_kit.units import fmt_bytes
+
+
+def join(path: Iterable[Any]) -> str:
+    """A module path as a ``/``-joined string (list indices become their digits)."""
+    return "/".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
+
+
+def state_keys(keypath) -> list:
+    """The keys of a jax key path into an ``nnx.State`` (the trailing ``.value`` of a Variable dropped)."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in keypath]
+    return keys[:-1] if keys and keys[-1] == "value" else keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Which modules are the blocks to rematerialize: one of ``classes``, ``pattern`` or ``predicate``.
+
+    Attributes:
+      classes: block classes (``isinstance``).
+      pattern: a glob over the module path (``"layer_*"``, ``"blocks/*"``).
+      predicate: ``predicate(module) -> bool``.
+    """
+
+    classes: tuple[type, ...] = ()
+    pattern: str | None = None
+    predicate: Callable[[Any], bool] | None = None
+
+    def __call__(self, module: Any, path: str) -> bool:
+        if self.classes:
+            return isinstance(module, self.classes)
+        if self.pattern is not None:
+            return fnmatch.fnmatchcase(path, self.pattern)
+        return bool(self.predicate(module))
+
+    def __str__(self) -> str:
+        if self.classes:
+            return " or ".join(c.__name__ for c in self.classes)
+        if self.pattern is not None:
+            return repr(self.pattern)
+        return getattr(self.predicate, "__name__", repr(self.predicate))
+
+
+def parse_where(where: Any, base: type) -> Where | None:
+    """``where=`` as a :class:`Where`; None for the default (find the repeated block).
+
+    Args:
+      where: None, a class or tuple of classes (subclasses of ``base``), a glob string or a callable.
+      base: the module base class of the model's library (``flax.linen.Module`` or ``flax.nnx.Module``).
+
+    Raises:
+      TypeError: anything else, naming what is allowed.
+    """
+    if where is None:
+        return None
+    if isinstance(where, str):
+        return Where(pattern=where)
+    classes = (where,) if isinstance(where, type) else where
+    if isinstance(classes, tuple) and classes and all(isinstance(c, type) and issubclass(c, base) for c in classes):
+        return Where(classes=classes)
+    if callable(where) and not isinstance(where, (type, tuple)):
+        return Where(predicate=where)
+    raise TypeError(
+        f"where={where!r}: give a {base.__module__}.{base.__name__} class (or a tuple of them), "
+        "a module-path glob such as 'layer_*', or a predicate module -> bool"
+    )
+
+
+def repeated_block(modules: Sequence[tuple[tuple[str, ...], Any]]) -> Any:
+    """The block class: the child class repeated (>= 2 times) under the shallowest parent that repeats one.
+
+    Args:
+      modules: ``(path, class)`` of every module of the model (the root's path is ``()``).
+
+    Returns:
+      The class.
+
+    Raises:
+      ValueError: no parent has a repeated child class, or the shallowest such parent repeats several.
+    """
+    children: dict[tuple[str, ...], collections.Counter] = collections.defaultdict(collections.Counter)
+    for path, cls in dict(modules).items():
+        if path:
+            children[tuple(path[:-1])][cls] += 1
+    found = [
+        (len(parent), parent, cls, n) for parent, counts in children.items() for cls, n in counts.items() if n >= 2
+    ]
+    if not found:
+        listed = ", ".join(sorted({getattr(c, "__name__", str(c)) for _, c in modules})) or "(none)"
+        raise ValueError(
+            f"no repeated block found (no module has two children of one class); its modules: {listed}; "
+            "pass where= (a block class, a path glob such as 'layer_*', or a predicate)"
+        )
+    depth = min(d for d, *_ in found)
+    top = {cls: n for d, _, cls, n in found if d == depth}
+    if len(top) > 1:
+        named = ", ".join(f"{getattr(c, '__name__', c)} (x{n})" for c, n in sorted(top.items(), key=lambda t: -t[1]))
+        raise ValueError(
+            f"several repeated block classes: {named}; pass where= one class or a tuple of them, "
+            "e.g. where=(LocalBlock, GlobalBlock)"
+        )
+    return next(iter(top))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockName:
+    """One name a rematerialized block emits, with what keeping it costs per block.
+
+    Attributes:
+      name: the tag (``attn/q_einsum``, ``mlp/gating_einsum``, or the model's own ``query_proj``).
+      shape, dtype: the value's.
+      nbytes: its size in bytes.
+      source: ``"module"`` (a submodule's output), ``"param"`` (a matmul with the block's parameter)
+        or ``"tag"`` (the model's own ``checkpoint_name``).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class NameTable:
+    """The names one block emits, in the order it computes them (what :func:`remat_kit.names_of` returns).
+
+    Attributes:
+      block: the block (class name and the path of the first one).
+      rows: one :class:`BlockName` per name.
+    """
+
+    block: str
+    rows: tuple[BlockName, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names alone."""
+        return tuple(r.name for r in self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __str__(self) -> str:
+        width = max([len(r.name) for r in self.rows] + [4])
+        lines = [
+            f"names emitted by {self.block}:",
+            f"{'name':<{width}}  {'shape':<18} {'dtype':<9} {'bytes':>10}  from",
+        ]
+        for r in self.rows:
+            shape = "[" + ", ".join(map(str, r.shape)) + "]"
+            lines.append(f"{r.name:<{width}}  {shape:<18} {r.dtype:<9} {fmt_bytes(r.nbytes):>10}  {r.source}")
+        return "\n".join(lines)

@@ -1,0 +1,240 @@
+"""remat_kit.apply / names_of on unedited Linen and NNX models (tests/unedited_models.py), tiny shapes."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import remat_kit
+from remat_kit import _jax_internals
+from tests import unedited_models as um
+
+X = jax.random.normal(jax.random.key(1), (2, 6, 8))
+POLICIES = ["full", "every_n:2", "selective:attn/q_einsum,mlp/*", "offload:attn/*"]
+
+
+def assert_grads_equal(got, want, rtol):
+    """Every leaf within ``rtol`` of the largest gradient of the tree (leaves far below it are noise)."""
+    scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=0, atol=rtol * scale)
+
+
+LINEN = {
+    "inline": (um.InlineModel, jnp.float32, 1e-5),
+    "setup": (um.SetupModel, None, 1e-5),
+    "inline-bf16": (um.InlineModel, jnp.bfloat16, 1e-2),  # bf16 compute: its epsilon is 2**-8
+}
+
+
+def _linen(kind):
+    cls, dtype, rtol = LINEN[kind]
+    model = cls() if dtype is None else cls(dtype=dtype)
+    return model, rtol
+
+
+def _linen_loss(model, variables):
+    out, state = model.apply(variables, X, False, rngs={"dropout": jax.random.key(3)}, mutable=["intermediates"])
+    return jnp.sum(out.astype(jnp.float32) ** 2), state
+
+
+# Every policy on the inline model; the other layouts under two (each case compiles two gradients).
+LINEN_CASES = [("inline", p) for p in POLICIES] + [
+    ("setup", "full"),
+    ("setup", "selective:attn/q_einsum,mlp/*"),
+    ("inline-bf16", "every_n:2"),
+    ("inline-bf16", "offload:attn/*"),
+]
+
+
+@pytest.mark.parametrize(("kind", "policy"), LINEN_CASES, ids=[f"{k}-{p}" for k, p in LINEN_CASES])
+def test_linen_gradients_tree_and_sow_equal_the_plain_model(kind, policy):
+    model, rtol = _linen(kind)
+    variables = model.init(jax.random.key(0), X)
+    applied = remat_kit.apply(model, policy)
+    assert jax.tree.structure(applied.init(jax.random.key(0), X)) == jax.tree.structure(variables)
+    want, want_state = jax.jit(jax.grad(lambda v: _linen_loss(model, v), has_aux=True))(variables)
+    got, got_state = jax.jit(jax.grad(lambda v: _linen_loss(applied, v), has_aux=True))(variables)
+    assert_grads_equal(got, want, rtol)
+    assert_grads_equal(got_state, want_state, rtol)
+
+
+def test_linen_selective_keeps_the_named_values():
+    applied = remat_kit.apply(um.InlineModel(), "selective:attn/q_einsum,mlp/gating_einsum")
+    variables = um.InlineModel().init(jax.random.key(0), X)
+    kept = {r.tag for r in _jax_internals.saved_residuals(lambda v: applied.apply(v, X).sum(), variables)}
+    assert {"attn/q_einsum", "mlp/gating_einsum"} <= kept
+
+
+@pytest.mark.parametrize("kind", ["inline", "setup"], ids=["inline", "setup"])
+def test_linen_names_of_lists_module_and_param_paths(kind):
+    table = remat_kit.names_of(_linen(kind)[0], X)
+    for name in (
+        "pre_attention_norm",
+        "attn/q_einsum",
+        "attn/attn_vec_einsum",
+        "mlp",
+        "mlp/gating_einsum",
+        "mlp/linear",
+    ):
+        assert name in table.names
+    row = next(r for r in table if r.name == "attn/q_einsum")
+    assert (row.shape, row.dtype, row.nbytes, row.source) == ((2, 6, 8), "float32", 2 * 6 * 8 * 4, "module")
+    assert "mlp/gating_einsum" in str(table)
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("layer_*", None),
+        (um.Block, None),
+        ("layers_*", "matches no module"),
+    ],
+    ids=["glob", "class", "misspelt-glob"],
+)
+def test_linen_where(where, message):
+    applied = remat_kit.apply(um.InlineModel(), "full", where=where)
+    variables = um.InlineModel().init(jax.random.key(0), X)
+    if message is None:
+        assert applied.apply(variables, X).shape == X.shape
+    else:
+        with pytest.raises(ValueError, match=message):
+            applied.apply(variables, X)
+
+
+def test_linen_misspelt_path_names_the_nearest():
+    applied = remat_kit.apply(um.InlineModel(), "selective:attn/q_einsumm")
+    variables = um.InlineModel().init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match="did you mean 'attn/q_einsum'"):
+        applied.apply(variables, X)
+
+
+def test_linen_pattern_matching_nothing_is_an_error():
+    applied = remat_kit.apply(um.InlineModel(), "offload:ffw/*")
+    with pytest.raises(ValueError, match="ffw/\\*"):
+        applied.apply(um.InlineModel().init(jax.random.key(0), X), X)
+
+
+def test_default_where_with_two_repeated_classes_names_them():
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(2):
+                x = nn.Dense(8, name=f"a_{i}")(x)
+                x = nn.LayerNorm(name=f"n_{i}")(x)
+            return x
+
+    applied = remat_kit.apply(Two(), "full")
+    with pytest.raises(ValueError, match=r"several repeated block classes: (Dense|LayerNorm)"):
+        applied.init(jax.random.key(0), X)
+
+
+def test_grouping_policy_without_scan_is_refused():
+    with pytest.raises(ValueError, match="scan=True"):
+        remat_kit.apply(um.InlineModel(), "segments:2")
+
+
+# ---- NNX ---------------------------------------------------------------------------------------------
+
+
+def _nnx_loss(model):
+    return jnp.sum(model(X) ** 2)
+
+
+NNX = {"loop-alternating": (True, False), "scan-uniform": (False, True)}
+
+
+NNX_CASES = [("loop-alternating", p) for p in POLICIES] + [
+    ("scan-uniform", "every_n:2"),
+    ("scan-uniform", "selective:attn/q_einsum,mlp/*"),
+    ("scan-uniform", "offload:attn/*"),
+]
+
+
+@pytest.mark.parametrize(("kind", "policy"), NNX_CASES, ids=[f"{k}-{p}" for k, p in NNX_CASES])
+def test_nnx_gradients_and_state_equal_the_plain_model(kind, policy):
+    alternate, scan = NNX[kind]
+
+    def make():
+        return um.NnxModel(alternate=alternate, rngs=nnx.Rngs(0))
+
+    applied = remat_kit.apply(make(), policy, scan=scan)
+    plain = make()
+    assert jax.tree.structure(nnx.state(applied)) == jax.tree.structure(nnx.state(plain))
+    want = nnx.jit(nnx.grad(_nnx_loss))(plain)
+    got = nnx.jit(nnx.grad(_nnx_loss))(applied)
+    assert_grads_equal(nnx.state(got), nnx.state(want), 1e-5)
+    # RNG counts moved as in the plain model.
+    assert_grads_equal(nnx.state(applied, nnx.RngCount), nnx.state(plain, nnx.RngCount), 0)
+
+
+def test_nnx_trains_with_optimizer():
+    import optax
+
+    model = remat_kit.apply(um.NnxModel(rngs=nnx.Rngs(0)), "selective:mlp/*")
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+        loss, grads = nnx.value_and_grad(_nnx_loss)(model)
+        opt.update(model, grads)
+        return loss
+
+    losses = [float(step(model, opt)) for _ in range(3)]
+    assert losses[2] < losses[0]
+
+
+def test_nnx_names_of_and_misspelt_path():
+    table = remat_kit.names_of(um.NnxModel(rngs=nnx.Rngs(0)), X)
+    assert {"attn/q_einsum", "mlp/gating_einsum", "pre_ffw_norm", "dropout"} <= set(table.names)
+    applied = remat_kit.apply(um.NnxModel(rngs=nnx.Rngs(0)), "selective:mlp/gatingeinsum")
+    with pytest.raises(ValueError, match="did you mean 'mlp/gating_einsum'"):
+        applied(X)
+
+
+def test_nnx_scan_of_alternating_blocks_says_why_not():
+    applied = remat_kit.apply(um.NnxModel(rngs=nnx.Rngs(0)), "full", scan=True)
+    with pytest.raises(ValueError, match="same other arguments"):
+        applied(X)
+
+
+def test_linen_scan_says_not_supported():
+    applied = remat_kit.apply(um.InlineModel(), "full", scan=True)
+    with pytest.raises(ValueError, match="not supported for Linen"):
+        applied.apply(um.InlineModel().init(jax.random.key(0), X), X)
+
+
+def test_auto_on_a_scanned_applied_model_fits_a_budget_between_full_and_none():
+    model = um.NnxModel(num_layers=4, d=16, alternate=False, rngs=nnx.Rngs(0))
+    x = jax.ShapeDtypeStruct((8, 32, 16), jnp.float32)
+    make_loss = remat_kit.apply_factory(model, lambda m, x: jnp.sum(m(x, True) ** 2), scan=True)
+    params = nnx.state(model, nnx.Param)
+    table = remat_kit.compare(make_loss, ["none", "full"], params, x)
+    none_saved, full_saved = (r.saved_bytes for r in table.reports)
+    assert full_saved < none_saved
+    assert "XLA removed" not in str(table)  # scanned: the saving is real
+    # Each candidate's need as auto measures it (the whole step), then a budget between full's and none's.
+    needs = {
+        c.policy: c.need_bytes
+        for c in remat_kit.auto(
+            make_loss, params, x, budget_bytes=10**12, candidates=["none", "full"], mixes=False, exhaustive=True
+        ).candidates
+    }
+    assert needs["full"] < needs["none"]
+    budget = (needs["full"] + needs["none"]) // 2
+    result = remat_kit.auto(make_loss, params, x, budget_bytes=budget, candidates=["none", "full"], mixes=False)
+    assert str(result.chosen) == "full"
+
+
+def test_compare_says_when_xla_removed_the_recompute_of_a_loop():
+    model = um.InlineModel(num_layers=2, features=16)
+    x = jax.ShapeDtypeStruct((4, 32, 16), jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
+    make = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2))
+    table = remat_kit.compare(make, ["none", "full"], variables, x)
+    assert "XLA removed most of the recompute" in str(table)

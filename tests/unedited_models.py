@@ -1,0 +1,146 @@
+"""Models written the way gm.nn (Linen) and Flax's NNX examples write theirs, with no remat_kit in them.
+
+Used by tests/test_unedited.py, examples/unedited_model.py and benchmarks/unedited.py. Gemma-style:
+RMSNorms named ``pre_attention_norm``/``pre_ffw_norm``, attention projections ``q_einsum``/``k_einsum``/
+``attn_vec_einsum``, a FeedForward computing with its own ``gating_einsum``/``linear`` params, a
+Python bool per layer (local/global attention), dropout, ``sow``, bfloat16 compute.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def _attend(q, k, v, is_local):
+    s = jnp.einsum("btd,bsd->bts", q, k) / q.shape[-1] ** 0.5
+    t = s.shape[-1]
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    if is_local:  # a sliding window of 2
+        mask = mask & ~jnp.tril(jnp.ones((t, t), bool), -2)
+    return jnp.einsum("bts,bsd->btd", jax.nn.softmax(jnp.where(mask, s, -1e9)), v)
+
+
+# ---- Linen (gm.nn style) ---------------------------------------------------------------------------
+
+
+class FeedForward(nn.Module):
+    features: int
+    hidden: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("gating_einsum", nn.initializers.lecun_normal(), (2, self.features, self.hidden))
+        g = jnp.einsum("...d,cdf->c...f", x, w.astype(self.dtype))
+        lin = self.param("linear", nn.initializers.lecun_normal(), (self.hidden, self.features))
+        return jnp.einsum("...f,fd->...d", nn.gelu(g[0]) * g[1], lin.astype(self.dtype))
+
+
+class Attention(nn.Module):
+    features: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, is_local):
+        dense = lambda name: nn.Dense(self.features, use_bias=False, dtype=self.dtype, name=name)
+        q, k = dense("q_einsum")(x), dense("k_einsum")(x)
+        return dense("attn_vec_einsum")(_attend(q, k, x, is_local))
+
+
+class Block(nn.Module):
+    features: int
+    dropout: float = 0.1
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, is_local, deterministic):
+        h = Attention(self.features, self.dtype, name="attn")(nn.RMSNorm(name="pre_attention_norm")(x), is_local)
+        x = x + nn.Dropout(self.dropout)(h, deterministic=deterministic)
+        self.sow("intermediates", "residual", x)
+        return x + FeedForward(self.features, 2 * self.features, self.dtype, name="mlp")(
+            nn.RMSNorm(name="pre_ffw_norm")(x)
+        )
+
+
+class InlineModel(nn.Module):
+    """Blocks created inline in ``@nn.compact``, local/global alternating."""
+
+    num_layers: int = 4
+    features: int = 8
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        for i in range(self.num_layers):
+            x = Block(self.features, dtype=self.dtype, name=f"layer_{i}")(x, i % 2 == 0, deterministic)
+        return nn.RMSNorm(name="final_norm")(x)
+
+
+class SetupModel(nn.Module):
+    """Blocks created in ``setup`` as a list (flax names them ``blocks_0``, ...), every one global."""
+
+    num_layers: int = 4
+    features: int = 8
+
+    def setup(self):
+        self.blocks = [Block(self.features) for _ in range(self.num_layers)]
+        self.final_norm = nn.RMSNorm()
+
+    def __call__(self, x, deterministic=True):
+        for block in self.blocks:
+            x = block(x, False, deterministic)
+        return self.final_norm(x)
+
+
+# ---- NNX (Flax's NNX examples style) ---------------------------------------------------------------
+
+
+class NnxFeedForward(nnx.Module):
+    def __init__(self, d, f, *, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.gating_einsum = nnx.Param(init(rngs.params(), (2, d, f)))
+        self.linear = nnx.Param(init(rngs.params(), (f, d)))
+
+    def __call__(self, x):
+        g = jnp.einsum("...d,cdf->c...f", x, self.gating_einsum[...].astype(x.dtype))
+        return jnp.einsum("...f,fd->...d", jax.nn.gelu(g[0]) * g[1], self.linear[...].astype(x.dtype))
+
+
+class NnxAttention(nnx.Module):
+    def __init__(self, d, *, rngs):
+        self.q_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+        self.k_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+        self.attn_vec_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+
+    def __call__(self, x, is_local):
+        return self.attn_vec_einsum(_attend(self.q_einsum(x), self.k_einsum(x), x, is_local))
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, d, *, rngs):
+        self.pre_attention_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.attn = NnxAttention(d, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+        self.pre_ffw_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.mlp = NnxFeedForward(d, 2 * d, rngs=rngs)
+
+    def __call__(self, x, is_local, deterministic=False):
+        x = x + self.dropout(self.attn(self.pre_attention_norm(x), is_local), deterministic=deterministic)
+        return x + self.mlp(self.pre_ffw_norm(x))
+
+
+class NnxModel(nnx.Module):
+    """``self.layers`` an ``nnx.List``; ``alternate``: local/global attention per layer."""
+
+    def __init__(self, num_layers=4, d=8, *, alternate=True, rngs):
+        self.layers = nnx.List([NnxBlock(d, rngs=rngs) for _ in range(num_layers)])
+        self.final_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.alternate = alternate
+
+    def __call__(self, x, deterministic=False):
+        for i, layer in enumerate(self.layers):
+            x = layer(x, self.alternate and i % 2 == 0, deterministic)
+        return self.final_norm(x)

@@ -57,13 +57,19 @@ def run_preset(name: str, out) -> None:
     front = sorted(
         (specs[i] for i in pareto_front([(rows[s][1], rows[s][0]) for s in specs])), key=lambda s: rows[s][1]
     )
-    print(f"\n## preset {name}: {cfg.num_layers} layers, batch {batch} x seq {seq}, AdamW, margin "
-          f"{planner_lib.DEFAULT_MARGIN:.0%}", file=out)  # fmt: skip
+    print(
+        f"\n## preset {name}: {cfg.num_layers} layers, batch {batch} x seq {seq}, AdamW, margin "
+        f"{planner_lib.DEFAULT_MARGIN:.0%}",
+        file=out,
+    )
     print(f"{len(pool)} candidates compiled in {time.perf_counter() - start:.1f} s; Pareto front:", file=out)
     for s in front:
         print(f"  {s:40} recompute {_gflop(rows[s][1] - base):>9} GFLOP   peak {fmt_bytes(rows[s][0]):>10}", file=out)
-    print(f"\n{'budget':>10}  {'best single preset':40} {'GFLOP':>9}  {'auto (mixes on)':44} {'GFLOP':>9} "
-          f"{'peak':>10} {'saved':>7} {'s':>6}", file=out)  # fmt: skip
+    print(
+        f"\n{'budget':>10}  {'best single preset':40} {'GFLOP':>9}  {'auto (mixes on)':44} {'GFLOP':>9} "
+        f"{'peak':>10} {'saved':>7} {'s':>6}",
+        file=out,
+    )
     for a, b in itertools.pairwise(front):
         budget = int((rows[a][0] + rows[b][0]) / 2 * (1 + planner_lib.DEFAULT_MARGIN))
         plain = A.auto(cfg, batch=batch, seq=seq, budget_bytes=budget, candidates=pool, planner=planner, mixes=False)
@@ -81,8 +87,11 @@ def run_preset(name: str, out) -> None:
         )
         tried = [c for c in r.candidates if "*" in c.policy]
         for c in tried:
-            print(f"{'':12}compiled {c.policy:44} peak {fmt_bytes(c.need_bytes):>10} "
-                  f"{'fits' if c.fits else 'does not fit'}", file=out)  # fmt: skip
+            print(
+                f"{'':12}compiled {c.policy:44} peak {fmt_bytes(c.need_bytes):>10} "
+                f"{'fits' if c.fits else 'does not fit'}",
+                file=out,
+            )
     out.flush()
 
 
@@ -91,8 +100,10 @@ def every_n_bound(name: str, out) -> None:
     batch, seq = PRESET_SHAPES[name]
     L = cfg.num_layers
     none, full = (analysis.layer_stack_bytes(cfg, s, batch, seq)[0] for s in ("none", "full"))
-    print(f"\n## every_n saved bytes vs ((n-1)*none + full)/n, preset {name} ({L} layers), batch {batch} x seq {seq}",
-          file=out)  # fmt: skip
+    print(
+        f"\n## every_n saved bytes vs ((n-1)*none + full)/n, preset {name} ({L} layers), batch {batch} x seq {seq}",
+        file=out,
+    )
     print(f"none {fmt_bytes(none)}, full {fmt_bytes(full)} (layer stack, trace-only)", file=out)
     for n in (2, 3, 4, 8):
         if n > L:
@@ -101,8 +112,11 @@ def every_n_bound(name: str, out) -> None:
         remat = len(range(0, L, n))
         ideal = ((L - remat) * none + remat * full) / L
         rest = f", remainder group of {L % n}" if L % n else ""
-        print(f"  every_n:{n}: {fmt_bytes(got):>10}  ideal {fmt_bytes(int(ideal)):>10}  ratio {got / ideal:.4f}"
-              f"{rest}  {'<= 1.02 ok' if got <= 1.02 * ideal else '> 1.02 FAIL'}", file=out)  # fmt: skip
+        print(
+            f"  every_n:{n}: {fmt_bytes(got):>10}  ideal {fmt_bytes(int(ideal)):>10}  ratio {got / ideal:.4f}"
+            f"{rest}  {'<= 1.02 ok' if got <= 1.02 * ideal else '> 1.02 FAIL'}",
+            file=out,
+        )
     out.flush()
 
 

@@ -31,8 +31,15 @@ from remat_kit.planning import planner as planner_lib
 from remat_kit.units import fmt_bytes
 
 #: The 2b pool (as benchmarks/budget_mixed.py): the whole default pool costs 19 compiles of a 2B step.
-POOL_2B = ("none", "selective", "selective:mlp_gate,mlp_up", "save_dot_except_mlp", "save_qkv_proj", "every_n:2",
-           "full")  # fmt: skip
+POOL_2B = (
+    "none",
+    "selective",
+    "selective:mlp_gate,mlp_up",
+    "save_dot_except_mlp",
+    "save_qkv_proj",
+    "every_n:2",
+    "full",
+)
 
 
 def spearman(xs, ys) -> float:
@@ -73,19 +80,28 @@ def rank_part(out, hw, steps):
     base_step = planner.work(P.none(), batch, seq).seconds(hw)
     t = time.perf_counter()
     times = measure(cfg, batch, seq, [str(p) for p in pool], steps)
-    print(f"\n## cost model vs measured step time: small, batch {batch} x seq {seq}, {steps} timed steps each "
-          f"(median), measured in {time.perf_counter() - t:.0f} s", file=out)  # fmt: skip
+    print(
+        f"\n## cost model vs measured step time: small, batch {batch} x seq {seq}, {steps} timed steps each "
+        f"(median), measured in {time.perf_counter() - t:.0f} s",
+        file=out,
+    )
     print(f"estimated none step (roofline of every op): {base_step * 1e3:.1f} ms", file=out)
     print(f"{'policy':64} {'est. cost':>10} {'est. step':>10} {'measured':>10} {'GFLOP':>8}", file=out)
     specs = sorted(est, key=lambda s: est[s].rank)
     for s in specs:
         e = est[s]
-        print(f"{s:64} {e.cost_s * 1e3:8.1f}ms {(base_step + e.cost_s) * 1e3:8.1f}ms {times[s] * 1e3:8.1f}ms "
-              f"{e.recompute_flops / 1e9:8.2f}", file=out)  # fmt: skip
+        print(
+            f"{s:64} {e.cost_s * 1e3:8.1f}ms {(base_step + e.cost_s) * 1e3:8.1f}ms {times[s] * 1e3:8.1f}ms "
+            f"{e.recompute_flops / 1e9:8.2f}",
+            file=out,
+        )
     rho = spearman([est[s].cost_s for s in specs], [times[s] for s in specs])
     rho_flops = spearman([est[s].recompute_flops for s in specs], [times[s] for s in specs])
-    print(f"Spearman(estimated cost, measured step time) over {len(specs)} presets: {rho:.3f} "
-          f"({'meets' if rho >= 0.8 else 'misses'} >= 0.8); FLOPs-only ranking: {rho_flops:.3f}", file=out)
+    print(
+        f"Spearman(estimated cost, measured step time) over {len(specs)} presets: {rho:.3f} "
+        f"({'meets' if rho >= 0.8 else 'misses'} >= 0.8); FLOPs-only ranking: {rho_flops:.3f}",
+        file=out,
+    )
     out.flush()
 
 
@@ -99,27 +115,37 @@ def budgets_part(name, out, hw, measure_steps, max_compiles):
     none = planner.memory(P.none(), batch, seq)[0]
     m = planner_lib.DEFAULT_MARGIN
     budgets = [int((full + i / 7 * (none - full)) * (1 + m)) + 1 for i in range(8)]
-    print(f"\n## budgets: {name}, {cfg.num_layers} layers, batch {batch} x seq {seq}, margin {m:.0%}; "
-          f"full needs {fmt_bytes(full)}, none {fmt_bytes(none)}; {hw.describe()}", file=out)  # fmt: skip
-    print(f"{'budget':>10}  {'best preset':34} {'est.':>9}  {'best mix':44} {'est.':>9}  {'per-tensor':60} "
-          f"{'est.':>9} {'peak':>10} {'s':>5} {'<=':>3}", file=out)  # fmt: skip
+    print(
+        f"\n## budgets: {name}, {cfg.num_layers} layers, batch {batch} x seq {seq}, margin {m:.0%}; "
+        f"full needs {fmt_bytes(full)}, none {fmt_bytes(none)}; {hw.describe()}",
+        file=out,
+    )
+    print(
+        f"{'budget':>10}  {'best preset':34} {'est.':>9}  {'best mix':44} {'est.':>9}  {'per-tensor':60} "
+        f"{'est.':>9} {'peak':>10} {'s':>5} {'<=':>3}",
+        file=out,
+    )
     answers = set()
     for b in budgets:
-        plain = A.auto(cfg, batch=batch, seq=seq, budget_bytes=b, candidates=pool, planner=planner, mixes=False,
-                       hardware=hw)  # fmt: skip
+        plain = A.auto(
+            cfg, batch=batch, seq=seq, budget_bytes=b, candidates=pool, planner=planner, mixes=False, hardware=hw
+        )
         mixed = A.auto(cfg, batch=batch, seq=seq, budget_bytes=b, candidates=pool, planner=planner, hardware=hw)
         row = lambda r: next(c for c in r.candidates if c.policy == str(r.chosen))
         t0 = time.perf_counter()
-        q = tensors.per_tensor(cfg, batch=batch, seq=seq, budget_bytes=b, planner=planner, hardware=hw,
-                               max_compiles=max_compiles)  # fmt: skip
+        q = tensors.per_tensor(
+            cfg, batch=batch, seq=seq, budget_bytes=b, planner=planner, hardware=hw, max_compiles=max_compiles
+        )
         took = time.perf_counter() - t0
         best = min(row(plain).cost_s, row(mixed).cost_s)
         ok = q.cost_s is not None and q.cost_s <= best + 1e-12
-        print(f"{fmt_bytes(b):>10}  {plain.chosen!s:34} {row(plain).cost_s * 1e3:7.2f}ms  {mixed.chosen!s:44} "
-              f"{row(mixed).cost_s * 1e3:7.2f}ms  {q.chosen!s:60} "
-              f"{(q.cost_s or 0) * 1e3:7.2f}ms {fmt_bytes(q.need_bytes or 0):>10} {took:5.0f} "
-              f"{'yes' if ok else 'NO':>3}",
-              file=out)  # fmt: skip
+        print(
+            f"{fmt_bytes(b):>10}  {plain.chosen!s:34} {row(plain).cost_s * 1e3:7.2f}ms  {mixed.chosen!s:44} "
+            f"{row(mixed).cost_s * 1e3:7.2f}ms  {q.chosen!s:60} "
+            f"{(q.cost_s or 0) * 1e3:7.2f}ms {fmt_bytes(q.need_bytes or 0):>10} {took:5.0f} "
+            f"{'yes' if ok else 'NO':>3}",
+            file=out,
+        )
         out.flush()
         answers.update({str(plain.chosen), str(mixed.chosen), str(q.chosen)})
     print(f"({time.perf_counter() - t:.0f} s, {planner.compiles} compiles)", file=out)
@@ -127,11 +153,16 @@ def budgets_part(name, out, hw, measure_steps, max_compiles):
         t = time.perf_counter()
         times = measure(cfg, batch, seq, sorted(answers), measure_steps)
         price = A.Pricer(planner, hw, batch, seq)
-        print(f"\nmeasured step times of the answers ({measure_steps} timed steps, median; "
-              f"{time.perf_counter() - t:.0f} s):", file=out)  # fmt: skip
+        print(
+            f"\nmeasured step times of the answers ({measure_steps} timed steps, median; "
+            f"{time.perf_counter() - t:.0f} s):",
+            file=out,
+        )
         for s in sorted(answers, key=lambda s: price.estimate(P.parse(s)).rank):
-            print(f"  {s:64} est. {price.estimate(P.parse(s)).cost_s * 1e3:8.2f}ms  measured "
-                  f"{times[s] * 1e3:8.1f}ms", file=out)  # fmt: skip
+            print(
+                f"  {s:64} est. {price.estimate(P.parse(s)).cost_s * 1e3:8.2f}ms  measured {times[s] * 1e3:8.1f}ms",
+                file=out,
+            )
     out.flush()
 
 

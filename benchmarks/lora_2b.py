@@ -134,8 +134,10 @@ def main(argv=None) -> int:
     worst = {gb: min(r[4][gb][0] for r in rows) for gb in (24, 16)}
     for gb in (24, 16):
         if worst[gb]:
-            print(f"at {gb} GB the policy moves the longest sequence {best[gb] / worst[gb]:.1f}x "
-                  f"({worst[gb]:,} -> {best[gb]:,})")  # fmt: skip
+            print(
+                f"at {gb} GB the policy moves the longest sequence {best[gb] / worst[gb]:.1f}x "
+                f"({worst[gb]:,} -> {best[gb]:,})"
+            )
     print("~: affine estimate, not compiled; per pos.: bytes per extra sequence position (whole batch).")
 
     if args.auto:

@@ -45,17 +45,23 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
 
     base_config = train.TrainConfig(
-        model=TransformerConfig.preset(args.preset), policy=args.policy, steps=args.base_steps,
-        batch_size=args.batch_size, seq_len=args.seq_len, eval_every=0,
-    )  # fmt: skip
+        model=TransformerConfig.preset(args.preset),
+        policy=args.policy,
+        steps=args.base_steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        eval_every=0,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         train.train(base_config, max_corpus_bytes=2 * 2**20, checkpoint_dir=Path(tmp) / "base")
         abstract = jax.eval_shape(lambda: train.Trainer(base_config).init_state().to_dict())
         with Checkpoints(Path(tmp) / "base") as ckpts:
             step, state, _ = ckpts.restore_latest(abstract)
     base_params = jax.tree.map(np.asarray, state["params"])  # host copies: each run's step donates its inputs
-    print(f"base: {args.preset} trained in full for {step} steps on the standard library "
-          f"[{time.perf_counter() - t0:.0f} s]")  # fmt: skip
+    print(
+        f"base: {args.preset} trained in full for {step} steps on the standard library "
+        f"[{time.perf_counter() - t0:.0f} s]"
+    )
 
     corpus = data.load_corpus([Path(remat_kit.__file__).parent])
     curves, vals = {}, {}
@@ -64,9 +70,15 @@ def main(argv=None) -> int:
             base_config.model, lora_rank=args.rank, lora_targets=lora.TARGETS, quantize=quantize
         )
         config = train.TrainConfig(
-            model=model, policy=args.policy, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-            learning_rate=args.lr, eval_every=0, weight_decay=0.0,
-        )  # fmt: skip
+            model=model,
+            policy=args.policy,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            learning_rate=args.lr,
+            eval_every=0,
+            weight_decay=0.0,
+        )
         train_tokens, val_tokens = corpus.split(config.val_fraction)
         batches = data.Batches(train_tokens, config.batch_size, config.seq_len, config.seed)
         val = data.eval_windows(val_tokens, batch_size=config.batch_size, seq_len=config.seq_len, num_batches=4)
@@ -113,8 +125,14 @@ def main(argv=None) -> int:
             ax.plot(np.arange(1, len(raw) + 1), raw, color=color, alpha=0.25, lw=0.8, label="per step")
             ax.plot(np.arange(k, len(raw) + 1), smooth, color=color, lw=2, label=f"mean of {k} steps")
             other = "nf4" if quantize == "int8" else "int8"
-            ax.plot(np.arange(k, len(raw) + 1), np.convolve(curves[other], np.ones(k) / k, mode="valid"),
-                    color="gray", lw=1, ls="--", label=f"{other} (mean of {k})")  # fmt: skip
+            ax.plot(
+                np.arange(k, len(raw) + 1),
+                np.convolve(curves[other], np.ones(k) / k, mode="valid"),
+                color="gray",
+                lw=1,
+                ls="--",
+                label=f"{other} (mean of {k})",
+            )
             before, after = vals[quantize]
             ax.set_title(f"LoRA r={args.rank} over an {quantize} base: val {before:.3f} → {after:.3f}")
             ax.set_xlabel("fine-tuning step")

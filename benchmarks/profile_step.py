@@ -351,7 +351,6 @@ def _peer_worker(job: dict) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-
     torch.set_num_threads(job["threads"])
     steps, warmup, vocab = job["steps"], job["warmup"], job["model"]["vocab_size"]
     model, opt = peer_hf.build_peer(job["model"], job["policy"])
@@ -422,8 +421,7 @@ def machine() -> str:
     """CPU model, core count and load average (peer_hf's machine record, as one line)."""
     info = peer_hf.machine_info(threads=0)
     load = ", ".join(f"{x:.2f}" for x in info["load_average"])
-    return (f"{info['cpu_model']}, {info['cores']} cores (affinity {len(os.sched_getaffinity(0))}), "
-            f"load average {load}")  # fmt: skip
+    return f"{info['cpu_model']}, {info['cores']} cores (affinity {len(os.sched_getaffinity(0))}), load average {load}"
 
 
 def _class_table(by_class: dict[str, float], total: float) -> list[str]:

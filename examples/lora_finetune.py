@@ -65,9 +65,15 @@ def main(argv=None):
         base_config.model, lora_rank=args.rank, lora_targets=lora.parse_targets(args.targets), quantize=args.quantize
     )
     config = train.TrainConfig(
-        model=model, policy=args.policy, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        learning_rate=args.lr, eval_every=0, weight_decay=0.0,
-    )  # fmt: skip
+        model=model,
+        policy=args.policy,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        learning_rate=args.lr,
+        eval_every=0,
+        weight_decay=0.0,
+    )
     corpus = data.load_corpus([Path(remat_kit.__file__).parent])
     train_tokens, val_tokens = corpus.split(config.val_fraction)
     batches = data.Batches(train_tokens, config.batch_size, config.seq_len, config.seed)

@@ -40,8 +40,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--loss-chunks", type=lambda s: s if s == "auto" else int(s), default="auto",
-                        help="auto, 0 (plain) or K")
+    parser.add_argument(
+        "--loss-chunks", type=lambda s: s if s == "auto" else int(s), default="auto", help="auto, 0 (plain) or K"
+    )
     parser.add_argument("--data", nargs="+", help="your own text files or folders (default: Python stdlib)")
     parser.add_argument("--out", type=Path, default=Path("runs/train_lm"))
     args = parser.parse_args(argv)

@@ -38,9 +38,26 @@ HOST_COLOR = 5
 
 #: Bytes per element of the HLO dtypes a buffer may carry.
 _DTYPE_BYTES = {
-    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
-    "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
+    "pred": 1,
+    "s4": 1,
+    "u4": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 
 #: Allocation kinds :meth:`jax.stages.Compiled.memory_analysis` counts (constants and thread-local scratch it does not).
 COUNTED_KINDS = ("parameter", "output", "temp")
@@ -239,11 +256,21 @@ def read_dump(directory: str) -> Program:
         start, end = live[v["name"]]
         buffers.append(
             Buffer(
-                name=v["name"], instruction=v["name"].split("{", 1)[0], shape=v["shape"], dtype=v["dtype"],
-                nbytes=v["size"], allocation=v["allocation"], offset=v["offset"], kind=kind, color=color,
-                parameter=parameter, phi=v["phi"], start=start, end=end,
+                name=v["name"],
+                instruction=v["name"].split("{", 1)[0],
+                shape=v["shape"],
+                dtype=v["dtype"],
+                nbytes=v["size"],
+                allocation=v["allocation"],
+                offset=v["offset"],
+                kind=kind,
+                color=color,
+                parameter=parameter,
+                phi=v["phi"],
+                start=start,
+                end=end,
             )
-        )  # fmt: skip
+        )
     if not buffers:
         raise DumpFormatError("the buffer assignment and the live ranges share no value: the formats changed")
     allocs = {k: (size, kind, color) for k, (size, kind, color, _) in allocations.items()}
@@ -302,9 +329,13 @@ def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, tuple[str, i
             p = _PARAMETER.match(rest)
             parameter = int(p.group(1)) if p else None
         instructions[name] = Instruction(
-            name=name, computation=comp, opcode=opcode, op_name=_unescape(op.group(1)) if op else "",
-            source=_source(rest, tables), parameter=parameter,
-        )  # fmt: skip
+            name=name,
+            computation=comp,
+            opcode=opcode,
+            op_name=_unescape(op.group(1)) if op else "",
+            source=_source(rest, tables),
+            parameter=parameter,
+        )
         if opcode == "while":
             n = _TRIPS.search(rest)
             for pattern in (_BODY, _COND):
@@ -389,8 +420,12 @@ def parse_buffer_assignment(text: str):
                 kind = "output"
             else:
                 kind = "temp"
-            allocations[current] = (int(m.group(2)), kind, int(color.group(1)) if color else 0,
-                                    int(param.group(1)) if param else None)  # fmt: skip
+            allocations[current] = (
+                int(m.group(2)),
+                kind,
+                int(color.group(1)) if color else 0,
+                int(param.group(1)) if param else None,
+            )
             continue
         m = _VALUE.match(line)
         if m and current is not None:
@@ -398,9 +433,16 @@ def parse_buffer_assignment(text: str):
             dtype = array.group(1) if array else "tuple"
             shape = tuple(int(d) for d in array.group(2).split(",") if d) if array else ()
             values.append(
-                {"name": m.group(1).removesuffix("{}"), "phi": bool(m.group(2)), "size": int(m.group(3)),
-                 "offset": int(m.group(4)), "dtype": dtype, "shape": shape, "allocation": current}
-            )  # fmt: skip
+                {
+                    "name": m.group(1).removesuffix("{}"),
+                    "phi": bool(m.group(2)),
+                    "size": int(m.group(3)),
+                    "offset": int(m.group(4)),
+                    "dtype": dtype,
+                    "shape": shape,
+                    "allocation": current,
+                }
+            )
         elif line.startswith("Used values:") or line.startswith("Total bytes used"):
             break
     if not allocations or not values:

@@ -261,8 +261,9 @@ def explain(
     def nearest(b: _xla_dump.Buffer) -> _xla_dump.Instruction | None:
         near = same_slice.get((b.allocation, b.offset, b.nbytes), [])
         near = [c for c in near if c.start <= b.end and b.start <= c.end] or near
-        best = min(near, key=lambda c: 0 if c.start <= at <= c.end else min(abs(c.start - at), abs(c.end - at)),
-                   default=None)  # fmt: skip
+        best = min(
+            near, key=lambda c: 0 if c.start <= at <= c.end else min(abs(c.start - at), abs(c.end - at)), default=None
+        )
         return ins[best.instruction] if best else None
 
     def loop_of(i: _xla_dump.Instruction | None) -> _xla_dump.Instruction | None:
@@ -381,8 +382,14 @@ def plot_timelines(timelines: Mapping[str, Timeline], path: str, title: str = "l
     from matplotlib.patches import Patch
 
     phase_handles = [Patch(color=c, label=p) for p, c in _PHASE_COLORS.items() if p in first.phases]
-    ax.legend(handles=handles + phase_handles, loc="best", fontsize=8, ncol=2,
-              title=f"phases shaded for {next(iter(timelines))}", title_fontsize=8)  # fmt: skip
+    ax.legend(
+        handles=handles + phase_handles,
+        loc="best",
+        fontsize=8,
+        ncol=2,
+        title=f"phases shaded for {next(iter(timelines))}",
+        title_fontsize=8,
+    )
     ax.set_xlabel("executed instruction sequence (0 = start, 1 = end; scan bodies repeated once per trip)")
     ax.set_ylabel(f"live device memory ({unit})")
     ax.set_ylim(bottom=0)

@@ -430,9 +430,16 @@ def table_header(extra: Sequence[tuple[str, int]] = ()) -> str:
 
 
 def table_row(
-    policy: str, saved: int, host: int, temp: int, peak: int, flops: int, base_flops: int | None, compile_s: float,
+    policy: str,
+    saved: int,
+    host: int,
+    temp: int,
+    peak: int,
+    flops: int,
+    base_flops: int | None,
+    compile_s: float,
     extra: Sequence[tuple[str, int]] = (),
-) -> str:  # fmt: skip
+) -> str:
     """One row under :func:`table_header`; ``extra`` holds ``(text, width)`` cells."""
     ratio = f"{flops / base_flops:.3f}" if base_flops else "-"
     row = (
@@ -496,9 +503,17 @@ class Comparison:
         rows = [head, "-" * len(head)]
         for p, r in zip(self.policies, self.reports, strict=True):
             rows.append(
-                table_row(p, r.saved_bytes, r.saved_host_bytes, r.temp_bytes, r.peak_bytes, r.flops, self.base_flops,
-                          r.compile_s)
-            )  # fmt: skip
+                table_row(
+                    p,
+                    r.saved_bytes,
+                    r.saved_host_bytes,
+                    r.temp_bytes,
+                    r.peak_bytes,
+                    r.flops,
+                    self.base_flops,
+                    r.compile_s,
+                )
+            )
         notes = dict.fromkeys(n for r in self.reports for n in r.notes)
         warnings = [f"warning ({p}): {w}" for p, r in zip(self.policies, self.reports, strict=True) for w in r.warnings]
         return "\n".join(rows + [f"note: {n}" for n in notes] + warnings)

@@ -208,10 +208,11 @@ class PeriodStack(nnx.Module):
             return h, nnx.split(layer, nnx.Param, ...)[2]
 
         blocks = [
-            self.policy.checkpoint(functools.partial(block, g), prevent_cse=False) if per_layer
+            self.policy.checkpoint(functools.partial(block, g), prevent_cse=False)
+            if per_layer
             else functools.partial(block, g)
             for g in graphdefs
-        ]  # fmt: skip
+        ]
 
         def step(variables, h, u):
             updated = []

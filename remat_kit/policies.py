@@ -793,8 +793,10 @@ def parse(spec: str | Policy | Mix | Callable[..., Any], num_layers: int | None 
         except ValueError:
             raise ValueError(f"policy spec {spec!r}: {kind} needs an integer, e.g. {kind}:2") from None
         if not 1 <= n <= MAX_COUNT:
-            raise ValueError(f"policy spec {spec!r}: {kind}:{_COUNT_KINDS[kind]} must be 1 <= {_COUNT_KINDS[kind]} "
-                             f"<= {MAX_COUNT} (and at most the depth), got {n}")  # fmt: skip
+            raise ValueError(
+                f"policy spec {spec!r}: {kind}:{_COUNT_KINDS[kind]} must be 1 <= {_COUNT_KINDS[kind]} "
+                f"<= {MAX_COUNT} (and at most the depth), got {n}"
+            )
         return every_n(n) if kind == "every_n" else segments(n)
     if kind in SPEC_OPTIONS:
         if sep == ":" and not rest.split(";")[0].strip():
@@ -979,11 +981,15 @@ def to_maxtext(policy: Policy | Mix | str) -> dict[str, str]:
     """
     policy = parse(policy)
     if isinstance(policy, Mix):
-        raise ValueError(f"mix {policy} runs layers under different policies; MaxText's custom remat applies one "
-                         f"setting per tensor to every layer: convert each part on its own")  # fmt: skip
+        raise ValueError(
+            f"mix {policy} runs layers under different policies; MaxText's custom remat applies one "
+            f"setting per tensor to every layer: convert each part on its own"
+        )
     if policy.kind in ("every_n", "segments", "sqrt_n", "dots"):
-        raise ValueError(f"policy {policy} has no per-tensor MaxText equivalent; allowed: none, full, selective "
-                         f"or offload of MaxText-named tensors")  # fmt: skip
+        raise ValueError(
+            f"policy {policy} has no per-tensor MaxText equivalent; allowed: none, full, selective "
+            f"or offload of MaxText-named tensors"
+        )
     tags = {t: "device" for t in policy.save} | {t: "offload" for t in policy.offload}
     known = set(MAXTEXT_TENSORS.values())
     unknown = [t for t in tags if t not in known]

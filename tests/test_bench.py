@@ -70,8 +70,9 @@ def test_record_keys_are_the_record_fields():
 
 def test_noisy_timings_are_flagged():
     def rec(policy, times):
-        return bench.BenchRecord(policy, *[0] * 7, "rss", 0, 0.0, sorted(times)[len(times) // 2], tuple(times), 1.0,
-                                 0.0, 0.0, None, None)  # fmt: skip
+        return bench.BenchRecord(
+            policy, *[0] * 7, "rss", 0, 0.0, sorted(times)[len(times) // 2], tuple(times), 1.0, 0.0, 0.0, None, None
+        )
 
     steady, noisy = rec("none", [1.0, 1.05, 1.1]), rec("full", [0.8, 1.0, 1.4])
     assert (steady.step_time_min_s, steady.step_time_max_s) == (1.0, 1.1)
@@ -109,17 +110,41 @@ def test_pareto_front():
 
 
 def _timed(policy, times, mem):
-    return bench.BenchRecord(policy, 0, 0, 0, 0, 0, mem, 0, "rss", 0, 0.0, sorted(times)[len(times) // 2],
-                             tuple(times), 1.0, 0.0, 0.0, None, None)  # fmt: skip
+    return bench.BenchRecord(
+        policy,
+        0,
+        0,
+        0,
+        0,
+        0,
+        mem,
+        0,
+        "rss",
+        0,
+        0.0,
+        sorted(times)[len(times) // 2],
+        tuple(times),
+        1.0,
+        0.0,
+        0.0,
+        None,
+        None,
+    )
 
 
 def test_pareto_front_is_drawn_over_the_spread_not_the_medians():
     # Two runs of one command: medians shuffle within overlapping min–max ranges. A front over the
     # medians differs between them (none is on it in run 1 only); the front over the spread does not.
-    run1 = [_timed("none", (1.00, 1.02, 1.20), 300), _timed("full", (1.01, 1.05, 1.25), 100),
-            _timed("sqrt_n", (2.00, 2.10, 2.20), 90)]  # fmt: skip
-    run2 = [_timed("none", (1.00, 1.10, 1.20), 300), _timed("full", (1.01, 1.04, 1.25), 100),
-            _timed("sqrt_n", (2.00, 2.05, 2.20), 90)]  # fmt: skip
+    run1 = [
+        _timed("none", (1.00, 1.02, 1.20), 300),
+        _timed("full", (1.01, 1.05, 1.25), 100),
+        _timed("sqrt_n", (2.00, 2.10, 2.20), 90),
+    ]
+    run2 = [
+        _timed("none", (1.00, 1.10, 1.20), 300),
+        _timed("full", (1.01, 1.04, 1.25), 100),
+        _timed("sqrt_n", (2.00, 2.05, 2.20), 90),
+    ]
     from remat_kit.planning.pareto import pareto_front as by_medians
 
     fronts = [[rs[i].policy for i in by_medians([(r.step_time_s, r.step_bytes) for r in rs])] for rs in (run1, run2)]
@@ -134,22 +159,33 @@ def test_pareto_front_is_drawn_over_the_spread_not_the_medians():
 @pytest.mark.parametrize(
     ("records", "expected"),
     [
-        ([_timed("none", (1.0, 1.02, 1.04), 300), _timed("full", (1.01, 1.03, 1.05), 100),
-          _timed("sqrt_n", (2.0, 2.1, 2.2), 50)],
-         "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); "
-         "for less memory: sqrt_n (50 B, ×1.00 time); sure"),
-        ([_timed("none", (1.0, 1.02, 1.04), 300), _timed("full", (1.1, 1.2, 1.3), 100)],
-         "recommended: none (least step memory, 300 B, at the speed of the fastest within its 1000–1040 ms); "
-         "for less memory: full (100 B, ×1.00 time); sure"),
-        ([_timed("none", (1.0, 1.5, 2.0), 300), _timed("full", (1.0, 1.2, 1.3), 100)],
-         "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1300 ms); "
-         "unsure: step times of none, full spread over 25% (rerun with more --steps on an idle machine)"),
-        ([_timed("none", (1.0, 1.02, 1.04), 102), _timed("full", (1.01, 1.03, 1.05), 100)],
-         "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); "
-         "unsure: none within 5% of its memory (rerun with more --steps on an idle machine)"),
+        (
+            [
+                _timed("none", (1.0, 1.02, 1.04), 300),
+                _timed("full", (1.01, 1.03, 1.05), 100),
+                _timed("sqrt_n", (2.0, 2.1, 2.2), 50),
+            ],
+            "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); "
+            "for less memory: sqrt_n (50 B, ×1.00 time); sure",
+        ),
+        (
+            [_timed("none", (1.0, 1.02, 1.04), 300), _timed("full", (1.1, 1.2, 1.3), 100)],
+            "recommended: none (least step memory, 300 B, at the speed of the fastest within its 1000–1040 ms); "
+            "for less memory: full (100 B, ×1.00 time); sure",
+        ),
+        (
+            [_timed("none", (1.0, 1.5, 2.0), 300), _timed("full", (1.0, 1.2, 1.3), 100)],
+            "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1300 ms); "
+            "unsure: step times of none, full spread over 25% (rerun with more --steps on an idle machine)",
+        ),
+        (
+            [_timed("none", (1.0, 1.02, 1.04), 102), _timed("full", (1.01, 1.03, 1.05), 100)],
+            "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); "
+            "unsure: none within 5% of its memory (rerun with more --steps on an idle machine)",
+        ),
     ],
     ids=["full-free-sqrt_n-leaner", "full-costs-time", "noisy", "memory-tie"],
-)  # fmt: skip
+)
 def test_recommendation_names_one_policy_and_how_sure(records, expected):
     assert bench.recommend(records) == expected
 

@@ -217,12 +217,42 @@ def test_pareto_plot_labels_stay_apart_and_inside_the_figure(tmp_path, monkeypat
     # Sixteen candidates in clusters (as the tiny preset's are): equal points, near points, long specs.
     from matplotlib.figure import Figure
 
-    specs = ["none", "selective", "selective:q_proj,k_proj,v_proj,attn_out,mlp_gate,mlp_up,mlp_out", "dots",
-             "offload:q_proj,k_proj,v_proj,attn_out,mlp_gate,mlp_up,mlp_out", "every_n:4", "selective:mlp_gate,mlp_up",
-             "every_n:2", "every_n:3", "selective:q_proj,k_proj,v_proj,attn_out", "selective:q_proj,k_proj,v_proj",
-             "offload:q_proj,k_proj,v_proj", "full", "offload", "sqrt_n", "segments:2"]  # fmt: skip
-    points = [(0, 5.0), (0, 4.7), (2.1, 4.6), (2.1, 4.6), (2.1, 4.6), (5.0, 6.0), (8.4, 4.4), (10.0, 4.8), (10.0, 5.8),
-              (13.6, 4.4), (15.7, 4.4), (15.7, 4.4), (19.9, 4.4), (19.9, 4.4), (25.7, 5.7), (25.0, 5.6)]  # fmt: skip
+    specs = [
+        "none",
+        "selective",
+        "selective:q_proj,k_proj,v_proj,attn_out,mlp_gate,mlp_up,mlp_out",
+        "dots",
+        "offload:q_proj,k_proj,v_proj,attn_out,mlp_gate,mlp_up,mlp_out",
+        "every_n:4",
+        "selective:mlp_gate,mlp_up",
+        "every_n:2",
+        "every_n:3",
+        "selective:q_proj,k_proj,v_proj,attn_out",
+        "selective:q_proj,k_proj,v_proj",
+        "offload:q_proj,k_proj,v_proj",
+        "full",
+        "offload",
+        "sqrt_n",
+        "segments:2",
+    ]
+    points = [
+        (0, 5.0),
+        (0, 4.7),
+        (2.1, 4.6),
+        (2.1, 4.6),
+        (2.1, 4.6),
+        (5.0, 6.0),
+        (8.4, 4.4),
+        (10.0, 4.8),
+        (10.0, 5.8),
+        (13.6, 4.4),
+        (15.7, 4.4),
+        (15.7, 4.4),
+        (19.9, 4.4),
+        (19.9, 4.4),
+        (25.7, 5.7),
+        (25.0, 5.6),
+    ]
     cands = tuple(
         A.Candidate(s, int(x * 1e6), int(x * 1e6), int(y * 1e6), 0, True)
         for s, (x, y) in zip(specs, points, strict=True)

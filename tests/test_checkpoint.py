@@ -181,8 +181,13 @@ def test_failed_read_echoes_are_dropped_while_restoring(caplog, capsys):
     from remat_kit.train import checkpoint
 
     hooks = sys.excepthook, sys.unraisablehook
-    unraisable = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), exc_type=RuntimeError,
-                                       exc_traceback=None, err_msg=None, object=None)  # fmt: skip
+    unraisable = types.SimpleNamespace(
+        exc_value=RuntimeError("Event loop is closed"),
+        exc_type=RuntimeError,
+        exc_traceback=None,
+        err_msg=None,
+        object=None,
+    )
     with caplog.at_level(logging.ERROR, logger="asyncio"), checkpoint._quiet_failed_reads():
         logging.getLogger("asyncio").error("Future exception was never retrieved")
         sys.unraisablehook(unraisable)
@@ -204,8 +209,11 @@ def test_a_failed_save_is_one_line_at_that_save_and_keeps_the_last_good_step(tmp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", disk_full)
-    with pytest.raises(OSError, match=r"could not save step 2 in .*: No space left on device; the last good "
-                       r"checkpoint, step 1, is kept"):  # fmt: skip
+    with pytest.raises(
+        OSError,
+        match=r"could not save step 2 in .*: No space left on device; the last good "
+        r"checkpoint, step 1, is kept",
+    ):
         ckpts.save(2, _state(2), {})
     ckpts.close()
     assert "Traceback" not in capfd.readouterr().err  # orbax's absl tracebacks are not shown

@@ -230,10 +230,14 @@ def test_negative_budget_reaches_its_own_check(capsys):
 
 @pytest.mark.parametrize(
     ("value", "low", "message"),
-    [(0, 1, "n must be a positive integer, got 0"), (True, 1, "got True"), (2.0, 1, "got 2.0"),
-     (-1, 0, "n must be an integer >= 0, got -1")],
+    [
+        (0, 1, "n must be a positive integer, got 0"),
+        (True, 1, "got True"),
+        (2.0, 1, "got 2.0"),
+        (-1, 0, "n must be an integer >= 0, got -1"),
+    ],
     ids=["zero", "bool", "float", "below-low"],
-)  # fmt: skip
+)
 def test_one_integer_check(value, low, message):
     from remat_kit.units import check_int
 
@@ -321,11 +325,25 @@ BAD_INPUTS = [
 @pytest.mark.parametrize(
     ("argv", "message"),
     BAD_INPUTS,
-    ids=["policies-huge-every_n", "policies-empty-tags", "plan-empty-tags", "plan-empty-item", "plan-empty-list",
-         "budget-empty-list", "bench-empty-list", "bench-empty-item", "plan-jobs-0", "budget-jobs-0",
-         "budget-plot-noext", "bench-plot-noext", "train-plot-noext", "train-metrics-dash", "train-metrics-dir",
-         "train-huge-every_n"],
-)  # fmt: skip
+    ids=[
+        "policies-huge-every_n",
+        "policies-empty-tags",
+        "plan-empty-tags",
+        "plan-empty-item",
+        "plan-empty-list",
+        "budget-empty-list",
+        "bench-empty-list",
+        "bench-empty-item",
+        "plan-jobs-0",
+        "budget-jobs-0",
+        "budget-plot-noext",
+        "bench-plot-noext",
+        "train-plot-noext",
+        "train-metrics-dash",
+        "train-metrics-dir",
+        "train-huge-every_n",
+    ],
+)
 def test_bad_input_is_one_line_exit_2_before_any_work(argv, message, tmp_path, capsys, no_work, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a file named "-" would land here
     (tmp_path / "adir").mkdir()

@@ -29,9 +29,13 @@ def test_elementwise_recompute_costs_memory_bound_time():
     x = jnp.ones((4096,), jnp.float32)
     e = cost.estimate(_grad_work(jax.checkpoint(_elementwise), x), _grad_work(_elementwise, x), CPU)
     assert e.recompute_flops > 0 and e.recompute_bytes >= 2 * 4096 * 4  # sin and tanh again: read x, write
-    assert e.recompute_s == pytest.approx(sum(CPU.op_seconds(f, b) * n for (_, f, b), n in
-                                              _grad_work(jax.checkpoint(_elementwise), x).minus(
-                                                  _grad_work(_elementwise, x)).ops), rel=1e-12)  # fmt: skip
+    assert e.recompute_s == pytest.approx(
+        sum(
+            CPU.op_seconds(f, b) * n
+            for (_, f, b), n in _grad_work(jax.checkpoint(_elementwise), x).minus(_grad_work(_elementwise, x)).ops
+        ),
+        rel=1e-12,
+    )
     assert e.recompute_s >= e.recompute_bytes / CPU.bytes_per_s * 0.999999  # memory-bound ops dominate
     assert cost.estimate(_grad_work(_elementwise, x), _grad_work(_elementwise, x), CPU).cost_s == 0.0
 

@@ -140,8 +140,9 @@ def test_a_policy_that_did_nothing_is_named():
 
 
 def test_a_working_policy_under_a_scan_gets_no_noop_warning():
-    c = remat_kit.compare(lambda p: M.make(p, batch=64)[0], ["none", "full"], *M.make(policies.none(), batch=64)[1],
-                          explain=True)  # fmt: skip
+    c = remat_kit.compare(
+        lambda p: M.make(p, batch=64)[0], ["none", "full"], *M.make(policies.none(), batch=64)[1], explain=True
+    )
     assert not any("did nothing" in w for r in c.reports for w in r.warnings)
     # Activations dominate at this batch: no lever beyond remat is named either.
     assert c["none"].warnings == ()
@@ -157,8 +158,9 @@ def _offloaded(w, x):
 
 
 def test_offload_that_moves_nothing_is_named():
-    r = remat_kit.inspect(_offloaded, jax.ShapeDtypeStruct((64, 64), jnp.float32),
-                          jax.ShapeDtypeStruct((256, 64), jnp.float32))  # fmt: skip
+    r = remat_kit.inspect(
+        _offloaded, jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    )
     offloaded = sum(x.nbytes for x in r.residuals if x.host)
     if offloaded:  # JAX's remat offloads here: on CPU the bytes stay on the device
         assert any("stay on the device" in w for w in r.warnings), r.warnings
@@ -171,10 +173,15 @@ def test_offload_that_moves_nothing_is_named():
 
 @pytest.mark.parametrize(
     "warn, enforced, policy, xla_host, expect",
-    [(0, True, True, 0, "nothing is saved"), (1024, False, True, 0, "stay on the device"),
-     (1024, True, True, 0, "ignores"), (1024, True, True, 1024, None), (0, False, False, 0, None)],
+    [
+        (0, True, True, 0, "nothing is saved"),
+        (1024, False, True, 0, "stay on the device"),
+        (1024, True, True, 0, "ignores"),
+        (1024, True, True, 1024, None),
+        (0, False, False, 0, None),
+    ],
     ids=["remat-recomputes", "cpu", "ignored-destination", "moved", "no-offload"],
-)  # fmt: skip
+)
 def test_offload_warning_cases(warn, enforced, policy, xla_host, expect):
     out = explain.offload_warnings(warn, enforced, policy, xla_host)
     assert (out == []) if expect is None else (expect in out[0])
@@ -193,8 +200,11 @@ def test_a_peak_of_logits_names_the_chunked_loss():
         logits = h @ w
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
 
-    args = (jax.ShapeDtypeStruct((16, 8192), jnp.float32), jax.ShapeDtypeStruct((512, 16), jnp.float32),
-            jax.ShapeDtypeStruct((512,), jnp.int32))  # fmt: skip
+    args = (
+        jax.ShapeDtypeStruct((16, 8192), jnp.float32),
+        jax.ShapeDtypeStruct((512, 16), jnp.float32),
+        jax.ShapeDtypeStruct((512,), jnp.int32),
+    )
     r = remat_kit.inspect(loss, *args, explain=True)
     assert r.at_peak["logits / loss"] >= 512 * 8192 * F32
     assert any("--loss-chunks" in w for w in r.warnings), r.warnings
@@ -217,8 +227,25 @@ def test_the_built_in_model_groups_sum_to_the_peak():
 
 def test_plan_explain_prints_the_groups_and_writes_the_timeline(tmp_path, capsys):
     png = tmp_path / "timeline.png"
-    argv = ["plan", "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--policies", "none,full", "--explain",
-            "--timeline", str(png), "--top", "0", "--no-progress", "--jobs", "1"]  # fmt: skip
+    argv = [
+        "plan",
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--policies",
+        "none,full",
+        "--explain",
+        "--timeline",
+        str(png),
+        "--top",
+        "0",
+        "--no-progress",
+        "--jobs",
+        "1",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("at the peak, ") == 2 and "optimizer state" in out and out.count("peak in ") == 2

@@ -148,8 +148,11 @@ def test_auto_counts_the_optimizer_state(auto_table):
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda: remat_kit.inspect(lambda w, x: x @ w, *ARGS[:0], jnp.ones((2, 2)), jnp.ones((2, 2))), ValueError,
-         "floating-point scalar"),
+        (
+            lambda: remat_kit.inspect(lambda w, x: x @ w, *ARGS[:0], jnp.ones((2, 2)), jnp.ones((2, 2))),
+            ValueError,
+            "floating-point scalar",
+        ),
         (lambda: remat_kit.inspect(lambda w: jnp.sum(w), jnp.ones(2), argnums=3), ValueError, "out of range"),
         (lambda: remat_kit.inspect(lambda w: jnp.sum(w), jnp.ones(2), argnums="w"), ValueError, "argnums"),
         (lambda: remat_kit.inspect(lambda w: jnp.sum(w), "w"), TypeError, "ShapeDtypeStructs"),
@@ -162,9 +165,21 @@ def test_auto_counts_the_optimizer_state(auto_table):
         (lambda: remat_kit.auto(M.factory, *ARGS, budget_bytes=10**9), TypeError, "loss function"),
         (lambda: remat_kit.auto(42, budget_bytes=10**9), TypeError, "TransformerConfig or make_loss"),
     ],
-    ids=["non-scalar", "argnums-range", "argnums-type", "bad-arg", "not-callable", "policies-str", "bad-policy",
-         "budget-str", "budget-negative", "no-inputs", "make-loss-returns-pair", "bad-model"],
-)  # fmt: skip
+    ids=[
+        "non-scalar",
+        "argnums-range",
+        "argnums-type",
+        "bad-arg",
+        "not-callable",
+        "policies-str",
+        "bad-policy",
+        "budget-str",
+        "budget-negative",
+        "no-inputs",
+        "make-loss-returns-pair",
+        "bad-model",
+    ],
+)
 def test_bad_inputs_are_clear_errors(call, error, match):
     with pytest.raises(error, match=match):
         call()

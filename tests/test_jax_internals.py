@@ -152,9 +152,11 @@ def test_unpinned_host_stays_on_the_device(remat3):
     """Why policies.OFFLOAD_DESTINATIONS holds only pinned_host: JAX's remat leaves an unpinned_host residual on
     the device (a silent no-op), so remat_kit refuses that destination."""
     policy = jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=["mlp_act"], offload_src="device",
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["mlp_act"],
+        offload_src="device",
         offload_dst="unpinned_host",
-    )  # fmt: skip
+    )
     res = internals.saved_residuals(jax.checkpoint(_block, policy=policy), jnp.ones((4, 8)), jnp.ones((3, 4)))
     assert not any(r.host for r in res), f"{JAX} (remat3={remat3})"
     assert policies.OFFLOAD_DESTINATIONS == ("pinned_host",)

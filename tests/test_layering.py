@@ -133,10 +133,15 @@ def test_the_wing_order_holds():
 
 @pytest.mark.parametrize(
     "module, wing",
-    [("remat_kit", "core"), ("remat_kit.policies", "core"), ("remat_kit.model", "model"),
-     ("remat_kit.model.transformer", "model"), ("remat_kit.cli.plan", "cli")],
+    [
+        ("remat_kit", "core"),
+        ("remat_kit.policies", "core"),
+        ("remat_kit.model", "model"),
+        ("remat_kit.model.transformer", "model"),
+        ("remat_kit.cli.plan", "cli"),
+    ],
     ids=["root", "core-module", "wing-face", "wing-module", "cli"],
-)  # fmt: skip
+)
 def test_wing_of(module, wing):
     assert wing_of(module) == wing
 

@@ -173,9 +173,20 @@ def test_lora_run_resumes_bit_exact(tmp_path, model):
         ({"lora_rank": 4, "quantize": "nf4", "d_ff": 99}, "quantize='nf4' cannot store mlp_gate: nf4 needs kernels"),
         ({"lora_rank": 4, "quantize": "int8", "dtype": "float16"}, "does not support compute dtype 'float16'"),
     ],
-    ids=["negative-rank", "float-rank", "rank-too-big", "unknown-target", "target-string", "alpha", "fp4",
-         "quantize-without-lora", "nf4-without-lora", "nf4-odd-width", "float16"],
-)  # fmt: skip
+    ids=[
+        "negative-rank",
+        "float-rank",
+        "rank-too-big",
+        "unknown-target",
+        "target-string",
+        "alpha",
+        "fp4",
+        "quantize-without-lora",
+        "nf4-without-lora",
+        "nf4-odd-width",
+        "float16",
+    ],
+)
 def test_bad_lora_config_is_one_line_error(overrides, message):
     with pytest.raises(ValueError) as err:
         TransformerConfig.preset("tiny", **overrides)

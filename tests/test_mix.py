@@ -106,10 +106,21 @@ def test_mix_constructor_takes_policies_or_specs():
         (lambda: P.selective(["a+b"]), ValueError, r"tag 'a\+b'"),
     ],
     ids=[
-        "parse-depth", "stack-depth", "transformer-depth", "count-0", "count-float", "one-part", "one-part-spec",
-        "nested-spec", "nested-mix", "no-count", "bad-count", "part-too-deep", "tag-with-plus",
+        "parse-depth",
+        "stack-depth",
+        "transformer-depth",
+        "count-0",
+        "count-float",
+        "one-part",
+        "one-part-spec",
+        "nested-spec",
+        "nested-mix",
+        "no-count",
+        "bad-count",
+        "part-too-deep",
+        "tag-with-plus",
     ],
-)  # fmt: skip
+)
 def test_bad_mixes_are_clear_errors(make, error, match):
     with pytest.raises(error, match=match):
         make()
@@ -214,8 +225,9 @@ def test_auto_answers_a_mix_with_strictly_less_recompute_than_the_best_preset():
     assert "costs less than full, the best single policy that fits" in r.reason
     assert r.mixed_front == (("none", "full", need["none"], need["full"], 0, full.recompute_flops),)
     # Without mixes, the answer is the preset.
-    plain = A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=budget, candidates=["none", "full"], planner=planner,
-                   mixes=False)  # fmt: skip
+    plain = A.auto(
+        CFG, batch=BATCH, seq=SEQ, budget_bytes=budget, candidates=["none", "full"], planner=planner, mixes=False
+    )
     assert plain.chosen == P.full()
 
 

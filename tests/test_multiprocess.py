@@ -47,9 +47,30 @@ RTOL_F32 = 1e-5
 
 
 def _train_args(corpus: Path, policy: str = "full") -> list[str]:
-    return ["train", "--preset", "tiny", "--policy", policy, "--steps", str(STEPS), "--batch-size", "4",
-            "--seq-len", "32", "--eval-every", "3", "--eval-batches", "1", "--val-fraction", "0.1",
-            "--data", str(corpus), "--no-progress", "--mesh", MESH]  # fmt: skip
+    return [
+        "train",
+        "--preset",
+        "tiny",
+        "--policy",
+        policy,
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "3",
+        "--eval-batches",
+        "1",
+        "--val-fraction",
+        "0.1",
+        "--data",
+        str(corpus),
+        "--no-progress",
+        "--mesh",
+        MESH,
+    ]
 
 
 # ---- the child: `python tests/test_multiprocess.py SCENARIO PORT PID WORKDIR` ------------------------
@@ -79,8 +100,19 @@ def _child(scenario: str, port: int, pid: int, work: Path) -> None:
         # joins the coordinator, so its --distributed-timeout is the heartbeat timeout of them all.
         record("mismatch_rc", run("--lr", "0.003" if pid == 0 else "0.002", "--distributed-timeout", str(HEARTBEAT_S)))
         for policy in POLICIES:
-            record(policy, run("--policy", policy, "--checkpoint-dir", str(work / policy), "--checkpoint-every",
-                               "100", "--metrics", str(work / f"{policy}-p{pid}.jsonl")))  # fmt: skip
+            record(
+                policy,
+                run(
+                    "--policy",
+                    policy,
+                    "--checkpoint-dir",
+                    str(work / policy),
+                    "--checkpoint-every",
+                    "100",
+                    "--metrics",
+                    str(work / f"{policy}-p{pid}.jsonl"),
+                ),
+            )
         record(
             "from1", run("--checkpoint-dir", str(work / "from1"), "--resume", "--metrics", str(work / "from1.jsonl"))
         )
@@ -99,11 +131,25 @@ def _child(scenario: str, port: int, pid: int, work: Path) -> None:
                 return original(*args, **kwargs, callbacks=[die])
 
             train_mod.train = dies_at_step
-        record("kill", run("--checkpoint-dir", str(work / "kill"), "--checkpoint-every", "1",
-                           "--metrics", str(work / "kill.jsonl")))  # fmt: skip
+        record(
+            "kill",
+            run(
+                "--checkpoint-dir", str(work / "kill"), "--checkpoint-every", "1", "--metrics", str(work / "kill.jsonl")
+            ),
+        )
     elif scenario == "resume":
-        record("rc", run("--checkpoint-dir", str(work / "kill"), "--checkpoint-every", "1", "--resume",
-                         "--metrics", str(work / "kill.jsonl")))  # fmt: skip
+        record(
+            "rc",
+            run(
+                "--checkpoint-dir",
+                str(work / "kill"),
+                "--checkpoint-every",
+                "1",
+                "--resume",
+                "--metrics",
+                str(work / "kill.jsonl"),
+            ),
+        )
     elif scenario == "unreachable":
         t0 = time.monotonic()
         rc = run("--distributed-timeout", "3")
@@ -137,8 +183,12 @@ def _launch(scenario: str, work: Path, pids=(0, 1), port: int | None = None) -> 
             files += [out, err]
             procs[pid] = subprocess.Popen(
                 [sys.executable, __file__, scenario, str(port), str(pid), str(work)],
-                env=env, cwd=work, stdout=out, stderr=err, start_new_session=True,
-            )  # fmt: skip
+                env=env,
+                cwd=work,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
         while len(ended) < len(procs) and time.monotonic() - t0 < LAUNCH_LIMIT_S:
             for pid, p in procs.items():
                 if pid not in ended and p.poll() is not None:
@@ -181,9 +231,15 @@ def _config(policy: str):
     from remat_kit.model.transformer import TransformerConfig
 
     return train.TrainConfig(
-        model=TransformerConfig.preset("tiny"), policy=policy, steps=STEPS, batch_size=4, seq_len=32,
-        eval_every=3, eval_batches=1, val_fraction=0.1,
-    )  # fmt: skip
+        model=TransformerConfig.preset("tiny"),
+        policy=policy,
+        steps=STEPS,
+        batch_size=4,
+        seq_len=32,
+        eval_every=3,
+        eval_batches=1,
+        val_fraction=0.1,
+    )
 
 
 def _losses(path: Path) -> list[float]:

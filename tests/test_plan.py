@@ -117,9 +117,22 @@ def test_parse_policies_keeps_tag_lists_together():
 def test_plan_budget_chooses_and_writes_json(tmp_path, capsys):
     out = tmp_path / "budget.json"
     code = cli.main(
-        ["plan", "--preset", "tiny", "--policies", "none,full", "--budget", "1GB", "--limits", "chosen",
-         "--json", str(out), "--plot", str(tmp_path / "p.png")]
-    )  # fmt: skip
+        [
+            "plan",
+            "--preset",
+            "tiny",
+            "--policies",
+            "none,full",
+            "--budget",
+            "1GB",
+            "--limits",
+            "chosen",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "p.png"),
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "chosen: none" in text and "max batch" in text

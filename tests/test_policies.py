@@ -284,8 +284,15 @@ def test_bad_input_raises_clear_errors(make, error, match):
 def _grammar_examples() -> list[str]:
     """Every spec the printed grammar shows: each form with each subset of its ``[...]`` parts, filled in."""
     text = P.SPEC_GRAMMAR.split(", or a MaxText preset")[0]
-    fill = {"jax:NAME": "jax:dots_saveable", "(TAG,...)": "(q_proj,k_proj)", ":N": ":2", ":K": ":2",
-            ":TAG,...": ":q_proj,k_proj", "save=TAG,...": "save=mlp_up", "KIND": "pinned_host"}  # fmt: skip
+    fill = {
+        "jax:NAME": "jax:dots_saveable",
+        "(TAG,...)": "(q_proj,k_proj)",
+        ":N": ":2",
+        ":K": ":2",
+        ":TAG,...": ":q_proj,k_proj",
+        "save=TAG,...": "save=mlp_up",
+        "KIND": "pinned_host",
+    }
     examples = []
     for form in re.split(r", (?![^\[]*\])", text):
         head, optional = form.split("[")[0], re.findall(r"\[([^\]]*)\]", form)
@@ -348,8 +355,9 @@ _JW, _JX = jax.random.normal(jax.random.key(0), (4, 4)), jax.random.normal(jax.r
 def _jax_kept(fn):
     """What the backward pass keeps beyond the inputs: sorted (tag or producing primitive, shape)."""
     rows = internals.saved_residuals(fn, _JW, _JX)
-    return sorted((r.tag or r.source.split(" from ")[0].removeprefix("output of "), r.shape) for r in rows
-                  if not r.is_argument)  # fmt: skip
+    return sorted(
+        (r.tag or r.source.split(" from ")[0].removeprefix("output of "), r.shape) for r in rows if not r.is_argument
+    )
 
 
 _CP = jax.checkpoint_policies

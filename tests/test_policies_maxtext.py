@@ -41,9 +41,19 @@ def test_settings_round_trip(settings):
 
 
 @pytest.mark.parametrize(
-    "spec", ["none", "full", "selective", "minimal", "save_qkv_proj", "offload", "qkv_proj_offloaded",
-             "save_dot_with_context_except_mlp"], ids=str,
-)  # fmt: skip
+    "spec",
+    [
+        "none",
+        "full",
+        "selective",
+        "minimal",
+        "save_qkv_proj",
+        "offload",
+        "qkv_proj_offloaded",
+        "save_dot_with_context_except_mlp",
+    ],
+    ids=str,
+)
 def test_policies_round_trip_through_maxtext(spec):
     policy = P.parse(spec)
     back = P.from_maxtext(policy.to_maxtext())

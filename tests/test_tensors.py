@@ -42,8 +42,16 @@ def test_per_tensor_fits_and_costs_no_more_than_the_best_preset_or_mix(planner, 
     for budget in _budgets(needs):
         best = A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=budget, planner=planner, hardware=HW)
         win = next(c for c in best.candidates if c.policy == str(best.chosen))
-        r = tensors.per_tensor(CFG, batch=BATCH, seq=SEQ, budget_bytes=budget, planner=planner, hardware=HW,
-                               groups=GROUPS, baseline=best.chosen)  # fmt: skip
+        r = tensors.per_tensor(
+            CFG,
+            batch=BATCH,
+            seq=SEQ,
+            budget_bytes=budget,
+            planner=planner,
+            hardware=HW,
+            groups=GROUPS,
+            baseline=best.chosen,
+        )
         assert r.fits and r.need_bytes == planner.memory(r.chosen, BATCH, SEQ)[0]  # compiled, not modelled
         assert r.need_bytes * (1 + r.margin) <= budget
         assert r.cost_s <= win.cost_s

@@ -142,9 +142,11 @@ def test_maxtext_preset_keeps_what_maxtext_keeps_on_a_maxtext_layer(preset, fuse
         # MaxText's list names only the unfused projections, so its preset recomputes a fused qkv_proj
         # silently; ours offloads the fused value (the one value q/k/v are).
         theirs = _cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=["qkv_proj"], offload_src="device",
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=["qkv_proj"],
+            offload_src="device",
             offload_dst="pinned_host",
-        )  # fmt: skip
+        )
     theirs = _kept(nn.remat(MaxTextStyleLayer, policy=theirs, static_argnums=(3, 4)), **fields)
     assert ours == theirs
     assert any(tag or host for tag, _, _, host in ours)  # it keeps named values, not just inputs
@@ -391,8 +393,11 @@ def test_a_period_stack_keeps_per_block_what_full_keeps_and_checks_tags(depth=6)
     def rows(spec):
         layers = remat_kit.stack(PERIOD, depth, spec)
         params = layers.init(jax.random.key(0), X)
-        return [r for r in internals.saved_residuals(lambda p: jnp.sum(layers.apply(p, X) ** 2), params)
-                if not r.is_argument]  # fmt: skip
+        return [
+            r
+            for r in internals.saved_residuals(lambda p: jnp.sum(layers.apply(p, X) ** 2), params)
+            if not r.is_argument
+        ]
 
     full, none = rows("full"), rows("none")
     # full keeps each block's input: three [periods, b, s, d] stacks (one per position), and the output.

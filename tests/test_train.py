@@ -155,10 +155,31 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 _ARGS = [
-    "train", "--preset", "tiny", "--policy", "selective", "--steps", "12", "--batch-size", "2", "--seq-len", "32",
-    "--checkpoint-every", "4", "--eval-every", "5", "--eval-batches", "1", "--max-corpus-bytes", "65536",
-    "--seed", "3", "--dropout", "0.1", "--no-progress",
-]  # fmt: skip
+    "train",
+    "--preset",
+    "tiny",
+    "--policy",
+    "selective",
+    "--steps",
+    "12",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "32",
+    "--checkpoint-every",
+    "4",
+    "--eval-every",
+    "5",
+    "--eval-batches",
+    "1",
+    "--max-corpus-bytes",
+    "65536",
+    "--seed",
+    "3",
+    "--dropout",
+    "0.1",
+    "--no-progress",
+]
 
 
 def _metric_steps(path: Path) -> list[int]:
@@ -459,8 +480,10 @@ sys.exit(cli.main(sys.argv[1:]))
 def _start(tmp_path, *extra, program=("-c", _SIGNAL_CLI)):
     return subprocess.Popen(
         [sys.executable, *program, *_ARGS, "--checkpoint-dir", str(tmp_path / "ckpt"), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_handler(pid: int) -> None:

@@ -105,7 +105,6 @@ def measure(
     import jax
     import numpy as np
 
-
     log("compiling")
     mesh_obj = mesh_lib.make_mesh(mesh) if mesh else None
     a, compiled = analysis.analyze_compiled(
@@ -182,7 +181,6 @@ def measure_model(
     import jax
     import numpy as np
 
-
     make_loss, example = model_from_factory(load_factory(model), model)
     loss_fn = make_loss(policies.parse(policy))
     log("compiling")
@@ -200,8 +198,12 @@ def measure_model(
     opt = step_lib.make_optimizer(learning_rate)
     opt_state = jax.jit(lambda p: step_lib.init_optimizer(opt, p))(params)
     start = time.perf_counter()
-    compiled = jax.jit(step_lib.make_step(loss_fn, opt), **step_lib.jit_kwargs(params, opt_state)).trace(
-        params, opt_state, *batch).lower().compile()  # fmt: skip
+    compiled = (
+        jax.jit(step_lib.make_step(loss_fn, opt), **step_lib.jit_kwargs(params, opt_state))
+        .trace(params, opt_state, *batch)
+        .lower()
+        .compile()
+    )
     compile_s = time.perf_counter() - start
     xla_peak = CompiledMemory.from_compiled(compiled).total
     initial = jax.device_get(params) if grads_path else None
@@ -253,7 +255,6 @@ def _worker_main(job_text: str) -> int:
     record = measure(config, log=log, **job)
     print(json.dumps(record))
     return 0
-
 
 
 if __name__ == "__main__":

@@ -137,9 +137,19 @@ def _bench_model_command(args: argparse.Namespace) -> int:
     model_from_factory(load_factory(args.model), args.model)  # a bad factory fails here, before any compile
     command = command_line("bench", args)
     _progress(args)(f"{command}\n")
-    records = run_bench(None, 0, 0, specs, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                        subprocesses=not args.in_process, grad_check=not args.no_grad_check,
-                        progress=_progress(args), model=args.model)  # fmt: skip
+    records = run_bench(
+        None,
+        0,
+        0,
+        specs,
+        steps=args.steps,
+        warmup=args.warmup,
+        seed=args.seed,
+        subprocesses=not args.in_process,
+        grad_check=not args.no_grad_check,
+        progress=_progress(args),
+        model=args.model,
+    )
     import jax
 
     device = jax.devices()[0]

@@ -29,12 +29,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_parser(subparsers, name: str, *, help: str, description: str | None = None) -> argparse.ArgumentParser:
     """A subcommand parser with the shared help formatter (defaults shown)."""
-    return subparsers.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
-                                 formatter_class=HelpFormatter)  # fmt: skip
+    return subparsers.add_parser(
+        name, help=help, description=description or help[:1].upper() + help[1:] + ".", formatter_class=HelpFormatter
+    )
 
 
-def add_shape_args(parser: argparse.ArgumentParser, *, batch_size: int | None, seq_len: int | None,
-                   batch_help: str, seq_help: str) -> None:  # fmt: skip
+def add_shape_args(
+    parser: argparse.ArgumentParser, *, batch_size: int | None, seq_len: int | None, batch_help: str, seq_help: str
+) -> None:
     """``--batch-size``/``--seq-len`` (every command's spelling), with ``--batch``/``--seq`` as hidden aliases."""
     parser.add_argument("--batch-size", type=int, default=batch_size, metavar="B", help=batch_help)
     parser.add_argument("--seq-len", type=int, default=seq_len, metavar="S", help=seq_help)
@@ -96,9 +98,15 @@ def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None
         "loss_fn(params, *batch) -> scalar, example_args arrays or jax.ShapeDtypeStructs",
     )
     shapes = ", ".join(f"{k} {b}" for k, (b, _) in constants.PRESET_SHAPES.items())
-    add_shape_args(parser, batch_size=None, seq_len=None, batch_help=f"batch size (default: the preset's: {shapes})",
-                   seq_help="sequence length (default: the preset's: "
-                   + ", ".join(f"{k} {s}" for k, (_, s) in constants.PRESET_SHAPES.items()) + ")")  # fmt: skip
+    add_shape_args(
+        parser,
+        batch_size=None,
+        seq_len=None,
+        batch_help=f"batch size (default: the preset's: {shapes})",
+        seq_help="sequence length (default: the preset's: "
+        + ", ".join(f"{k} {s}" for k, (_, s) in constants.PRESET_SHAPES.items())
+        + ")",
+    )
     parser.add_argument("--layers", type=int, default=None, help="override the preset's depth")
     parser.add_argument("--dtype", choices=constants.DTYPES, default=None, help="compute dtype (default: the preset's)")
     parser.add_argument(

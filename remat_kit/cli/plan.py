@@ -23,8 +23,15 @@ from remat_kit.units import fmt_bytes, fmt_count
 
 #: Options that shape the built-in model, meaningless with ``--model`` (whose factory gives the shapes).
 PRESET_ONLY: tuple[str, ...] = (
-    "batch_size", "seq_len", "layers", "dtype", "param_dtype", "attention", "loss_chunks", "mesh"
-)  # fmt: skip
+    "batch_size",
+    "seq_len",
+    "layers",
+    "dtype",
+    "param_dtype",
+    "attention",
+    "loss_chunks",
+    "mesh",
+)
 
 DESCRIPTION = (
     "Compare rematerialization policies without running anything: for each policy, trace and compile one "
@@ -69,10 +76,19 @@ def _model_command(args: argparse.Namespace) -> int:
         print(comparison.table())
         payload = {"command": command_line("plan", args), "model": args.model, **comparison.to_dict()}
     else:
-        result = budget.auto(make_loss, *example, budget_bytes=budget_bytes, margin=margin, candidates=specs,
-                             exhaustive=True, jobs=args.jobs)  # fmt: skip
-        print(f"remat-kit plan --model {args.model} --budget {fmt_bytes(budget_bytes)}: clipped AdamW step, "
-              f"margin {margin:.0%}")  # fmt: skip
+        result = budget.auto(
+            make_loss,
+            *example,
+            budget_bytes=budget_bytes,
+            margin=margin,
+            candidates=specs,
+            exhaustive=True,
+            jobs=args.jobs,
+        )
+        print(
+            f"remat-kit plan --model {args.model} --budget {fmt_bytes(budget_bytes)}: clipped AdamW step, "
+            f"margin {margin:.0%}"
+        )
         print(budget.BUDGET_LEGEND)
         print("\n".join(result.table()))
         print(f"\nchosen: {result.chosen}" if result.chosen is not None else "")
@@ -128,9 +144,16 @@ def _plan_command(args: argparse.Namespace) -> int:
             print(f"[{i + 1}/{n}] {spec}: tracing and compiling ...", file=sys.stderr, flush=True)
 
     results = analyze_policies(
-        config, batch, seq, specs, loss_chunks=args.loss_chunks, jobs=args.jobs, progress=progress, mesh=mesh,
+        config,
+        batch,
+        seq,
+        specs,
+        loss_chunks=args.loss_chunks,
+        jobs=args.jobs,
+        progress=progress,
+        mesh=mesh,
         explain=explain,
-    )  # fmt: skip
+    )
     a0 = next(iter(results.values()))
     print(
         f"remat-kit plan: preset {args.preset} ({fmt_count(config.num_params())} params, L={config.num_layers}, "
@@ -214,13 +237,16 @@ def add_cli(subparsers) -> None:
     )
     p.add_argument("--top", type=int, default=3, help="largest residuals listed per policy")
     p.add_argument(
-        "--explain", action="store_true",
+        "--explain",
+        action="store_true",
         help="what is live at each policy's compiled peak (groups summing to it, the ten largest buffers)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--timeline", default=None, metavar="PNG",
+        "--timeline",
+        default=None,
+        metavar="PNG",
         help="plot live device memory over the step, one line per policy (implies reading XLA's dump)",
-    )  # fmt: skip
+    )
     p.add_argument("--mesh", default=None, help="plan per device over a mesh, e.g. data=4 or data=2,fsdp=2")
     p.add_argument("--budget", default=None, help="device memory budget (any unit: 80GB, 24GiB): choose a policy")
     p.add_argument(
@@ -240,12 +266,18 @@ def add_cli(subparsers) -> None:
         metavar="PNG",
         help="with --budget: Pareto plot of memory vs recompute (PNG ends in .png)",
     )
-    p.add_argument("--calibrate", action="store_true",
-                   help="with --budget: price recompute with this machine's measured FLOP/s and bandwidth (a timed "
-                        "matmul and copy, a few hundred ms) instead of the backend's defaults")  # fmt: skip
-    p.add_argument("--per-tensor", action="store_true",
-                   help="with --budget: also choose save/recompute/offload per tag of the block and per layer range "
-                        "(remat_kit.planning.tensors), compiled to check")  # fmt: skip
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="with --budget: price recompute with this machine's measured FLOP/s and bandwidth (a timed "
+        "matmul and copy, a few hundred ms) instead of the backend's defaults",
+    )
+    p.add_argument(
+        "--per-tensor",
+        action="store_true",
+        help="with --budget: also choose save/recompute/offload per tag of the block and per layer range "
+        "(remat_kit.planning.tensors), compiled to check",
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="policies compiled at once (>= 1)")
     add_json_arg(p, "the figures")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
@@ -272,8 +304,9 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         pool = list(budget.candidates_for(config))
     else:
         pool = parse_policies(args.policies, config.num_layers)
-    planner = Planner(config, loss_chunks=args.loss_chunks, mesh=mesh,
-                             progress=None if args.no_progress else compile_progress)  # fmt: skip
+    planner = Planner(
+        config, loss_chunks=args.loss_chunks, mesh=mesh, progress=None if args.no_progress else compile_progress
+    )
     floor = planner.state_bytes()
     if not Budget(budget_bytes, margin).fits(floor):  # no policy can fit: say so before compiling any
         per = " per device" if mesh is not None else ""
@@ -289,16 +322,32 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         print(f"[plan] compiling {len(pool)} candidates, {args.jobs} at a time ...", file=sys.stderr, flush=True)
     hardware = cost.calibrate(mesh.devices.flat[0].platform if mesh is not None else None) if args.calibrate else None
     result = budget.auto(
-        config, batch=batch, seq=seq, budget_bytes=budget_bytes, margin=margin, candidates=pool,
-        exhaustive=True, planner=planner, jobs=args.jobs, hardware=hardware,
-    )  # fmt: skip
+        config,
+        batch=batch,
+        seq=seq,
+        budget_bytes=budget_bytes,
+        margin=margin,
+        candidates=pool,
+        exhaustive=True,
+        planner=planner,
+        jobs=args.jobs,
+        hardware=hardware,
+    )
     per = None
     if args.per_tensor:
         if not args.no_progress:
             print("[plan] per-tensor search ...", file=sys.stderr, flush=True)
-        per = tensors.per_tensor(config, batch=batch, seq=seq, budget_bytes=budget_bytes, margin=margin,
-                                 loss_chunks=args.loss_chunks, planner=planner, hardware=result.hardware,
-                                 baseline=result.chosen)  # fmt: skip
+        per = tensors.per_tensor(
+            config,
+            batch=batch,
+            seq=seq,
+            budget_bytes=budget_bytes,
+            margin=margin,
+            loss_chunks=args.loss_chunks,
+            planner=planner,
+            hardware=result.hardware,
+            baseline=result.chosen,
+        )
     wanted = [c.policy for c in result.candidates] if limits == "all" else []
     if limits == "pareto":  # a dominated policy is never the best answer at any budget: skip its searches
         points = [(c.recompute_flops, c.need_bytes) for c in result.candidates]
@@ -311,11 +360,17 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         # limit): compile them together, args.jobs at a time; each search then needs about two more.
         planner.expect(2 * len(wanted))
         first = max(batch, 2)
-        shapes = [(policies.parse(s), b, q) for s in wanted for b, q in ((first, seq), (2 * first, seq),
-                                                                       (batch, config.max_seq_len))]  # fmt: skip
+        shapes = [
+            (policies.parse(s), b, q)
+            for s in wanted
+            for b, q in ((first, seq), (2 * first, seq), (batch, config.max_seq_len))
+        ]
         if not args.no_progress:
-            print(f"[plan] largest batch and sequence that fit for {len(wanted)} policies ...", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"[plan] largest batch and sequence that fit for {len(wanted)} policies ...",
+                file=sys.stderr,
+                flush=True,
+            )
         planner.precompile(shapes, jobs=args.jobs)
     for spec in wanted:
         kw = {"batch": batch, "seq": seq, "budget_bytes": budget_bytes, "margin": margin, "planner": planner}
@@ -337,14 +392,17 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     print(result.reason)  # when nothing fits, it says so (once)
     if per is not None:
         groups = ", ".join("+".join(g) for g in per.groups)
-        print(f"\nper tensor ({len(per.options)} Pareto-optimal layer options of the {per.traces} subsets of: "
-              f"{groups}):")  # fmt: skip
+        print(
+            f"\nper tensor ({len(per.options)} Pareto-optimal layer options of the {per.traces} subsets of: {groups}):"
+        )
         if per.chosen is None:
             print("  nothing fits")
         else:
             won = "the per-tensor search's own answer" if per.source == "per-tensor" else "auto's answer: none cheaper"
-            print(f"  {per.chosen}: est. {per.cost_s * 1e3:.3g} ms over none, needs {fmt_bytes(per.need_bytes)} "
-                  f"(compiled, fits; {won})")  # fmt: skip
+            print(
+                f"  {per.chosen}: est. {per.cost_s * 1e3:.3g} ms over none, needs {fmt_bytes(per.need_bytes)} "
+                f"(compiled, fits; {won})"
+            )
             if per.chosen.kind != "mix":
                 try:
                     print(f"  as MaxText custom remat: {policies.to_maxtext(per.chosen)}")
@@ -354,15 +412,24 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         result.plot(args.plot)
         print(f"wrote {args.plot}")
     if args.json:
-        payload = {"command": command_line("plan", args), "preset": args.preset, "config": dataclasses.asdict(config),
-                   "mesh": args.mesh, **result.to_dict()}  # fmt: skip
+        payload = {
+            "command": command_line("plan", args),
+            "preset": args.preset,
+            "config": dataclasses.asdict(config),
+            "mesh": args.mesh,
+            **result.to_dict(),
+        }
         for row in payload["candidates"]:
             row["max_batch"], row["max_seq"] = fit.get(row["policy"], (None, None))
         if per is not None:
-            payload["per_tensor"] = {"chosen": None if per.chosen is None else str(per.chosen), "cost_s": per.cost_s,
-                                     "need_bytes": per.need_bytes, "source": per.source,
-                                     "groups": [list(g) for g in per.groups],
-                                     "compiled": [list(c) for c in per.compiled]}  # fmt: skip
+            payload["per_tensor"] = {
+                "chosen": None if per.chosen is None else str(per.chosen),
+                "cost_s": per.cost_s,
+                "need_bytes": per.need_bytes,
+                "source": per.source,
+                "groups": [list(g) for g in per.groups],
+                "compiled": [list(c) for c in per.compiled],
+            }
         write_json(args.json, payload)
         if args.json != "-":
             print(f"wrote {args.json}")

@@ -146,9 +146,18 @@ def format_table(results: dict[str, analysis.Analysis]) -> list[str]:
             (f"{a.xla_flops / 1e9:.1f}", 9),
         )
         rows.append(
-            inspection.table_row(name, a.saved_bytes, a.saved_host_bytes, a.memory.temp, a.peak_bytes, a.flops,
-                                 base.flops if base else None, a.compile_s, cells)
-        )  # fmt: skip
+            inspection.table_row(
+                name,
+                a.saved_bytes,
+                a.saved_host_bytes,
+                a.memory.temp,
+                a.peak_bytes,
+                a.flops,
+                base.flops if base else None,
+                a.compile_s,
+                cells,
+            )
+        )
     rows += [f"note: {n}" for n in dict.fromkeys(n for a in results.values() for n in a.notes)]
     return rows
 
@@ -166,8 +175,10 @@ def format_explain(results: dict[str, analysis.Analysis]) -> list[str]:
         table = explain.format_at_peak(a.at_peak, a.largest_at_peak, a.peak_bytes)
         lines += ["    " + line for line in table.splitlines()]
         live = a.peak_bytes - a.at_peak.get("reserved", 0)
-        lines.append(f"    groups without 'reserved': {fmt_bytes(live)} = {100 * live / max(a.peak_bytes, 1):.2f}% "
-                     "of the compiled peak")  # fmt: skip
+        lines.append(
+            f"    groups without 'reserved': {fmt_bytes(live)} = {100 * live / max(a.peak_bytes, 1):.2f}% "
+            "of the compiled peak"
+        )
     return lines
 
 

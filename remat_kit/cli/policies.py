@@ -34,8 +34,10 @@ def _keeps(p) -> tuple[str, str]:
     """``(keeps, recomputes)`` in words for one (non-mix) policy."""
     if p.kind == "every_n":
         n = p.period
-        return (f"everything in layers not divisible by {n}; only the input of layers 0, {n}, {2 * n}, …",
-                f"layers 0, {n}, {2 * n}, …")  # fmt: skip
+        return (
+            f"everything in layers not divisible by {n}; only the input of layers 0, {n}, {2 * n}, …",
+            f"layers 0, {n}, {2 * n}, …",
+        )
     if p.kind == "selective":
         return "each layer's input and the tagged values " + ",".join(p.save), "every other value in each layer"
     if p.kind == "offload":

@@ -29,8 +29,13 @@ def add_cli(subparsers) -> None:
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(constants.PRESET_NAMES)}")
     p.add_argument("--policy", default="none", help="rematerialization policy spec (see `remat-kit policies`)")
     p.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
-    add_shape_args(p, batch_size=d["batch_size"], seq_len=d["seq_len"], batch_help="sequences per micro-batch",
-                   seq_help="tokens per sequence (0: the preset's max_seq_len, at most 256)")  # fmt: skip
+    add_shape_args(
+        p,
+        batch_size=d["batch_size"],
+        seq_len=d["seq_len"],
+        batch_help="sequences per micro-batch",
+        seq_help="tokens per sequence (0: the preset's max_seq_len, at most 256)",
+    )
     p.add_argument("--grad-accum", type=int, default=d["grad_accum"], help="micro-batches per update")
     p.add_argument("--lr", type=float, default=d["learning_rate"], help="peak learning rate")
     p.add_argument(
@@ -186,11 +191,17 @@ def _train_command(args: argparse.Namespace) -> int:
     speeds = [r["tokens_per_s"] for r in result.history[1:]]
     speed = f", {np.median(speeds):,.0f} tokens/s" if speeds else ""
     if args.json:
-        summary = {"preset": args.preset, "policy": config.policy, "step": int(result.state.step),
-                   "loss": last.get("loss"), "val_loss": last.get("val_loss"),
-                   "tokens_per_s": float(np.median(speeds)) if speeds else None,
-                   "resumed_from": result.resumed_from, "checkpoint_dir": args.checkpoint_dir,
-                   "metrics": args.metrics}  # fmt: skip
+        summary = {
+            "preset": args.preset,
+            "policy": config.policy,
+            "step": int(result.state.step),
+            "loss": last.get("loss"),
+            "val_loss": last.get("val_loss"),
+            "tokens_per_s": float(np.median(speeds)) if speeds else None,
+            "resumed_from": result.resumed_from,
+            "checkpoint_dir": args.checkpoint_dir,
+            "metrics": args.metrics,
+        }
         if distributed.is_main_process():
             print(json.dumps(summary))
         return 0

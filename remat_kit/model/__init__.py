@@ -7,9 +7,18 @@ from remat_kit._lazy import face
 
 _LAZY = {
     name: ("remat_kit.model.transformer", name)
-    for name in ("Block", "DTYPES", "PRESETS", "PRESET_SHAPES", "Transformer", "TransformerConfig",
-                 "abstract_params", "check_tokens", "init_params")
-}  # fmt: skip
+    for name in (
+        "Block",
+        "DTYPES",
+        "PRESETS",
+        "PRESET_SHAPES",
+        "Transformer",
+        "TransformerConfig",
+        "abstract_params",
+        "check_tokens",
+        "init_params",
+    )
+}
 
 __getattr__, __dir__ = face(__name__, _LAZY, globals())
 

@@ -249,9 +249,15 @@ def abstract_inputs(
 
 
 def compile_step(
-    model: Transformer, batch: int, seq: int, loss_chunks: int = 0, learning_rate: float = 1e-3, mesh=None,
-    *, dump: list | None = None,
-):  # fmt: skip
+    model: Transformer,
+    batch: int,
+    seq: int,
+    loss_chunks: int = 0,
+    learning_rate: float = 1e-3,
+    mesh=None,
+    *,
+    dump: list | None = None,
+):
     """Lower and compile the donated, jitted training step for abstract inputs.
 
     With a ``mesh`` (:mod:`remat_kit.train.mesh`) the step is compiled sharded (FSDP state, batch over
@@ -515,9 +521,11 @@ def analyze_compiled(
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     found = _explain(dump[0], memory, config, batch, seq, learning_rate, model, residuals) if dump else None
     warnings = explain_lib.offload_warnings(
-        sum(r.nbytes for r in residuals if r.host), host_offload().enforced, explain_lib.policy_offloads(policy),
+        sum(r.nbytes for r in residuals if r.host),
+        host_offload().enforced,
+        explain_lib.policy_offloads(policy),
         memory.host,
-    )  # fmt: skip
+    )
     if found is not None:
         warnings += explain_lib.dominance_warnings(found.at_peak, found.total, has_optimizer=True)
     analysis = Analysis(

@@ -156,8 +156,10 @@ class AutoResult:
         fit = fit or {}
         budget = self.budget
         width = max(len(c.policy) for c in self.candidates) + 1
-        head = (f"{'policy':{width + 1}} {'recompute':>10} {'est.':>10} {'peak':>10} {'+margin':>10} {'host':>10} "
-                f"{'fits':>5}")  # fmt: skip
+        head = (
+            f"{'policy':{width + 1}} {'recompute':>10} {'est.':>10} {'peak':>10} {'+margin':>10} {'host':>10} "
+            f"{'fits':>5}"
+        )
         if fit:
             head += f" {'max batch @seq ' + str(self.seq):>18} {'max seq @batch ' + str(self.batch):>18}"
         rows = [head, "-" * len(head)]
@@ -220,14 +222,29 @@ class AutoResult:
         ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="gray", label=label, zorder=2)
         mixed = [i for i, c in enumerate(rows) if "*" in c.policy]
         if mixed:
-            ax.scatter([xs[i] for i in mixed], [ys[i] for i in mixed], marker="D", s=40, facecolors="none",
-                       edgecolors=["tab:green" if rows[i].fits else "tab:red" for i in mixed], label="mixes compiled",
-                       zorder=3)  # fmt: skip
+            ax.scatter(
+                [xs[i] for i in mixed],
+                [ys[i] for i in mixed],
+                marker="D",
+                s=40,
+                facecolors="none",
+                edgecolors=["tab:green" if rows[i].fits else "tab:red" for i in mixed],
+                label="mixes compiled",
+                zorder=3,
+            )
         ax.axhline(self.budget.target / scale, color="tab:orange", label=f"budget / (1 + {self.margin:.0%} margin)")
         if self.chosen is not None:
             win = next(i for i, c in enumerate(rows) if c.policy == str(self.chosen))
-            ax.scatter([xs[win]], [ys[win]], s=250, facecolors="none", edgecolors="black", linewidths=2,
-                       label=f"chosen: {_short(str(self.chosen))}", zorder=4)  # fmt: skip
+            ax.scatter(
+                [xs[win]],
+                [ys[win]],
+                s=250,
+                facecolors="none",
+                edgecolors="black",
+                linewidths=2,
+                label=f"chosen: {_short(str(self.chosen))}",
+                zorder=4,
+            )
         ax.set_xlabel("estimated recompute cost per step (ms over `none`, cost model)")
         ax.set_ylabel(f"compiled step peak ({unit})")
         ax.set_title(
@@ -332,9 +349,18 @@ def auto(
         analysis.check_shape(model, batch, seq, loss_chunks)
         planner = planner or Planner(model, optimizer, loss_chunks)
         pool = [policies.parse(p, num_layers=model.num_layers) for p in (wanted or candidates_for(model))]
-        return search(planner, pool, budget, exhaustive=exhaustive, batch=batch, seq=seq,
-                      loss_chunks=loss_chunks, jobs=jobs, hardware=hardware,
-                      num_layers=model.num_layers if mixes else None)  # fmt: skip
+        return search(
+            planner,
+            pool,
+            budget,
+            exhaustive=exhaustive,
+            batch=batch,
+            seq=seq,
+            loss_chunks=loss_chunks,
+            jobs=jobs,
+            hardware=hardware,
+            num_layers=model.num_layers if mixes else None,
+        )
     if not callable(model):
         raise TypeError(f"auto's first argument must be a TransformerConfig or make_loss(policy), got {model!r}")
     if batch is not None or seq is not None or loss_chunks:
@@ -487,8 +513,12 @@ class Pricer:
         """``policy``'s row; compiled (need, host, fits) when ``budget`` is given."""
         f = self.planner.flops(policy, self.batch, self.seq)
         e = self.estimate(policy)
-        extra = {"recompute_s": e.recompute_s, "offload_s": e.offload_s, "recompute_bytes": e.recompute_bytes,
-                 "rank": e.rank}  # fmt: skip
+        extra = {
+            "recompute_s": e.recompute_s,
+            "offload_s": e.offload_s,
+            "recompute_bytes": e.recompute_bytes,
+            "rank": e.rank,
+        }
         if budget is None:
             return Candidate(str(policy), f, f - self._base_flops, **extra)
         device, host = self.planner.memory(policy, self.batch, self.seq)
@@ -611,8 +641,11 @@ def _reason(chosen, table: Sequence[Candidate], budget: Budget, loss_chunks: int
         )
         if cheaper:
             blocked = ", ".join(c.policy for c in cheaper if c.fits)
-            why = f"needs more than the budget or is an offload that moves nothing here ({blocked})" if blocked else (
-                "needs more than the budget")  # fmt: skip
+            why = (
+                f"needs more than the budget or is an offload that moves nothing here ({blocked})"
+                if blocked
+                else ("needs more than the budget")
+            )
             text += f"; every candidate estimated cheaper ({', '.join(c.policy for c in cheaper)}) {why}"
         if isinstance(chosen, policies.Mix):
             single = [c for c in table if c.fits and "*" not in c.policy]
@@ -674,8 +707,14 @@ def _number_points(fig, ax, xs: list[float], ys: list[float], ringed: Sequence[i
         width = 0.62 * fontsize * len(text)
         px, py = pts[group[0]]
         pad = ring + 1 if set(group) & set(ringed) else 5.0  # a ringed point's label goes outside its ring
-        tries = [(pad, 2), (pad, -height - 2), (-width - pad, 2), (-width - pad, -height - 2), (-width / 2, pad + 1),
-                 (-width / 2, -height - pad - 1)]  # fmt: skip
+        tries = [
+            (pad, 2),
+            (pad, -height - 2),
+            (-width - pad, 2),
+            (-width - pad, -height - 2),
+            (-width / 2, pad + 1),
+            (-width / 2, -height - pad - 1),
+        ]
         tries += [(pad, 2 + k * height) for k in range(2, 30)]
         for dx, dy in tries:
             box = (px + dx, py + dy, px + dx + width, py + dy + height)
@@ -683,5 +722,13 @@ def _number_points(fig, ax, xs: list[float], ys: list[float], ringed: Sequence[i
                 break
         taken.append(box)
         arrow = {"arrowstyle": "-", "lw": 0.5, "color": "gray"} if abs(dy) > 2 * height else None
-        ax.annotate(text, (xs[group[0]], ys[group[0]]), xytext=(dx, dy), textcoords="offset points",
-                    fontsize=fontsize, va="bottom", ha="left", arrowprops=arrow)  # fmt: skip
+        ax.annotate(
+            text,
+            (xs[group[0]], ys[group[0]]),
+            xytext=(dx, dy),
+            textcoords="offset points",
+            fontsize=fontsize,
+            va="bottom",
+            ha="left",
+            arrowprops=arrow,
+        )

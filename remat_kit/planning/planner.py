@@ -36,6 +36,7 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sgd": lambda: optax.sgd(1e-3),
 }
 
+
 def get_optimizer(optimizer: str | optax.GradientTransformation) -> optax.GradientTransformation:
     """An optax optimizer from a name in :data:`OPTIMIZERS`, or the transformation itself."""
     if isinstance(optimizer, optax.GradientTransformation):
@@ -111,8 +112,13 @@ class StepPlanner:
         known to be ahead, see :meth:`expect`).
     """
 
-    def __init__(self, build: Callable, optimizer: str | optax.GradientTransformation = "adamw", mesh=None,
-                 progress: Callable | None = None):  # fmt: skip
+    def __init__(
+        self,
+        build: Callable,
+        optimizer: str | optax.GradientTransformation = "adamw",
+        mesh=None,
+        progress: Callable | None = None,
+    ):
         self.build = build
         self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
         self.optimizer_name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__

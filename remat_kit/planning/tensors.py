@@ -207,6 +207,7 @@ def per_tensor(
     planner = planner or Planner(config, optimizer, loss_chunks)
     hardware = hardware or cost.default_hardware(planner_platform(planner))
     price = Pricer(planner, hardware, batch, seq)
+
     def layer_recompute_s(policy: policies.Policy) -> float:
         return _layer_recompute_s(config, batch, seq, loss_chunks, hardware, policy)
 
@@ -220,8 +221,13 @@ def per_tensor(
                 off = tuple(t for g, o in zip(kept, off_mask, strict=True) if o for t in g)
                 save = tuple(t for t in tags if t not in off)
                 moved = 2 * sum(sizes[t] for t in off)  # out in the forward pass, back in the backward
-                options.append(Option(_layer_policy(save, off), sum(sizes[t] for t in save),
-                                      recompute_s + hardware.transfer_seconds(moved)))  # fmt: skip
+                options.append(
+                    Option(
+                        _layer_policy(save, off),
+                        sum(sizes[t] for t in save),
+                        recompute_s + hardware.transfer_seconds(moved),
+                    )
+                )
     traces = 2 ** len(groups)
     need_full = planner.memory(policies.full(), batch, seq)[0]
     need_none = planner.memory(policies.none(), batch, seq)[0]
@@ -243,8 +249,11 @@ def per_tensor(
 
     def line() -> tuple[float, float]:
         # need ≈ β + α · kept bytes, least squares over the uniform options compiled (full among them).
-        pts = [(L * o.device_bytes, known[str(o.policy)]) for o in (*front, full_option)
-               if str(o.policy) in known and o.policy.kind != "none"]  # fmt: skip
+        pts = [
+            (L * o.device_bytes, known[str(o.policy)])
+            for o in (*front, full_option)
+            if str(o.policy) in known and o.policy.kind != "none"
+        ]
         if len({x for x, _ in pts}) < 2:
             return 1.0, float(need_full)
         mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
@@ -261,8 +270,9 @@ def per_tensor(
             if a.cost_s >= b.cost_s:  # a: the cheaper to run, b: the leaner
                 continue
             for k in range(1, L):
-                out.append((k * a.cost_s + (L - k) * b.cost_s, pred[id(b)] + k * (pred[id(a)] - pred[id(b)]) / L,
-                            (a, k, b)))  # fmt: skip
+                out.append(
+                    (k * a.cost_s + (L - k) * b.cost_s, pred[id(b)] + k * (pred[id(a)] - pred[id(b)]) / L, (a, k, b))
+                )
         fitting = [p for p in out if p[1] <= budget.target and (not failed or _plan_policy(p[2], L) not in failed)]
         return sorted(fitting, key=lambda p: (round(p[0], 15), p[1]))
 

@@ -11,9 +11,19 @@ _LAZY = {
     "Trainer": ("remat_kit.train.trainer", "Trainer"),
     **{
         name: ("remat_kit.train.config", name)
-        for name in ("MODEL_MAY_CHANGE", "RESUME_MAY_CHANGE", "RESUME_MUST_MATCH", "DivergedError", "RetraceError",
-                     "TrainConfig", "TrainResult", "TrainState", "check_compatible", "optimizer_for",
-                     "schedule_changes")
+        for name in (
+            "MODEL_MAY_CHANGE",
+            "RESUME_MAY_CHANGE",
+            "RESUME_MUST_MATCH",
+            "DivergedError",
+            "RetraceError",
+            "TrainConfig",
+            "TrainResult",
+            "TrainState",
+            "check_compatible",
+            "optimizer_for",
+            "schedule_changes",
+        )
     },
     "write_loss_plot": ("remat_kit.train.progress", "write_loss_plot"),
 }

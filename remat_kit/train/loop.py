@@ -113,8 +113,23 @@ def train(
         if checkpoint_dir is not None:
             prepare_directory(checkpoint_dir)
             held.enter_context(_lock(checkpoint_dir))
-        return _train(config, corpus, data_paths, max_corpus_bytes, checkpoint_dir, resume, checkpoint_every, keep,
-                      metrics_path, plot_path, progress, log, callbacks, mesh, stop)  # fmt: skip
+        return _train(
+            config,
+            corpus,
+            data_paths,
+            max_corpus_bytes,
+            checkpoint_dir,
+            resume,
+            checkpoint_every,
+            keep,
+            metrics_path,
+            plot_path,
+            progress,
+            log,
+            callbacks,
+            mesh,
+            stop,
+        )
 
 
 @contextlib.contextmanager
@@ -139,8 +154,23 @@ def _stop_if_asked(stop, log, where: str) -> None:
     interrupt.check(_any_process(stop.requested), log, where)
 
 
-def _train(config, corpus, data_paths, max_corpus_bytes, checkpoint_dir, resume, checkpoint_every, keep,
-           metrics_path, plot_path, progress, log, callbacks, mesh, stop):  # fmt: skip
+def _train(
+    config,
+    corpus,
+    data_paths,
+    max_corpus_bytes,
+    checkpoint_dir,
+    resume,
+    checkpoint_every,
+    keep,
+    metrics_path,
+    plot_path,
+    progress,
+    log,
+    callbacks,
+    mesh,
+    stop,
+):
     nothing = "before step 1 (nothing to save)"
     if corpus is None:
         corpus = data.load_corpus(data_paths, max_bytes=max_corpus_bytes)
@@ -157,11 +187,16 @@ def _train(config, corpus, data_paths, max_corpus_bytes, checkpoint_dir, resume,
     # The data is compared by content: hosts may mount it under different paths.
     same_run = {**meta, "data": {k: v for k, v in meta["data"].items() if k != "source"}}
     distributed.check_same_across_processes(
-        {"run": same_run, "mesh": mesh if isinstance(mesh, (str, type(None))) else dict(mesh.shape),
-         "checkpoints": checkpoint_dir is not None, "resume": resume, "checkpoint_every": checkpoint_every,
-         "keep": keep},
+        {
+            "run": same_run,
+            "mesh": mesh if isinstance(mesh, (str, type(None))) else dict(mesh.shape),
+            "checkpoints": checkpoint_dir is not None,
+            "resume": resume,
+            "checkpoint_every": checkpoint_every,
+            "keep": keep,
+        },
         "run configuration",
-    )  # fmt: skip
+    )
     ckpts = Checkpoints(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
     try:
         if ckpts is not None and ckpts.steps() and not resume:
@@ -204,9 +239,20 @@ def _train(config, corpus, data_paths, max_corpus_bytes, checkpoint_dir, resume,
             outputs.make_parent(out)
         history = _start_metrics(metrics_path, resumed_from or 0)
         state, history = _loop(
-            trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, metrics_path, history, progress,
-            log, callbacks, stop,
-        )  # fmt: skip
+            trainer,
+            state,
+            batches,
+            val_windows,
+            ckpts,
+            meta,
+            checkpoint_every,
+            metrics_path,
+            history,
+            progress,
+            log,
+            callbacks,
+            stop,
+        )
     finally:
         if ckpts is not None:
             ckpts.close()
@@ -251,8 +297,21 @@ def _start_metrics(path: Path | None, resume_step: int) -> list[dict[str, Any]]:
     return records
 
 
-def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, metrics_path, history, progress,
-          log, callbacks, stop):  # fmt: skip
+def _loop(
+    trainer,
+    state,
+    batches,
+    val_windows,
+    ckpts,
+    meta,
+    checkpoint_every,
+    metrics_path,
+    history,
+    progress,
+    log,
+    callbacks,
+    stop,
+):
     config = trainer.config
     first = int(state.step) + 1
     metrics_file = open(metrics_path, "a") if metrics_path is not None else None  # noqa: SIM115
@@ -308,5 +367,3 @@ def _loop(trainer, state, batches, val_windows, ckpts, meta, checkpoint_every, m
         if metrics_file is not None:
             metrics_file.close()
     return state, history
-
-

@@ -198,9 +198,11 @@ def local_rows(batch: int, mesh: Mesh) -> slice:
     """
     sharding = batch_sharding(mesh)
     starts = sorted(
-        {(idx[0].start or 0, batch if idx[0].stop is None else idx[0].stop)
-         for idx in sharding.addressable_devices_indices_map((batch,)).values()}
-    )  # fmt: skip
+        {
+            (idx[0].start or 0, batch if idx[0].stop is None else idx[0].stop)
+            for idx in sharding.addressable_devices_indices_map((batch,)).values()
+        }
+    )
     for (_, stop), (start, _) in itertools.pairwise(starts):
         if stop != start:
             raise ValueError(f"this process's rows of the batch are not contiguous: {starts}")

@@ -99,4 +99,3 @@ def write_loss_plot(history: Sequence[dict[str, Any]], path: str | os.PathLike, 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
-

@@ -131,8 +131,13 @@ class Trainer:
             return None
         params, opt_state, _ = self._shardings
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        return {"params": params, "opt_state": opt_state, "step": replicated, "data_position": replicated,
-                "rng": replicated}  # fmt: skip
+        return {
+            "params": params,
+            "opt_state": opt_state,
+            "step": replicated,
+            "data_position": replicated,
+            "rng": replicated,
+        }
 
     def abstract_state(self) -> dict[str, Any]:
         """:meth:`TrainState.to_dict` of a fresh state as ``jax.ShapeDtypeStruct`` leaves (with the mesh's

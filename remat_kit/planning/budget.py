@@ -182,7 +182,7 @@ class AutoResult:
                 f"mixed front (mixes of neighbours, policies.mix): {pairs}; rows with '*COUNT' are mixes compiled."
             )
         note = memory.host_offload().note
-        offloading = [c for c in self.candidates if _kind(c.policy) != "jax" and _has_offload(policies.parse(c.policy))]
+        offloading = [c for c in self.candidates if _kind(c.policy) and _has_offload(policies.parse(c.policy))]
         if note and offloading:
             rows.append(f"note: {note}; offload candidates are never chosen here.")
         if self.hardware is not None:

@@ -237,4 +237,9 @@ def test_compare_says_when_xla_removed_the_recompute_of_a_loop():
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
     make = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2))
     table = remat_kit.compare(make, ["none", "full"], variables, x)
-    assert "XLA removed most of the recompute" in str(table)
+    none, full = table
+    saved, temp = none.saved_bytes - full.saved_bytes, none.temp_bytes - full.temp_bytes
+    noted = "XLA removed most of the recompute" in str(table)
+    assert saved > 0 and noted == (temp < saved / 4)  # the rule: compiled temp falls by under a quarter of it
+    if jax.__version_info__ < (0, 11):  # XLA:CPU of jax 0.10 merges this loop's recompute away: the note fires
+        assert noted

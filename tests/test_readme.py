@@ -110,7 +110,7 @@ KNOWN = {
     "remat_kit.inspect(make_loss": _plan_own,
     "lora.update(loss_fn": _lora,
     "remat_kit.nnx.stack(Block": _nnx,
-    "jax.ShapeDtypeStruct((32, 64), jnp.float32), explain=True)": _explain,
+    "jax.ShapeDtypeStruct((32, 64), jnp.float32), explain=True": _explain,
     'remat_kit.compare(make_loss, ["none", "full"], params, rest': _nnx_compare,
     'remat_kit.apply(Transformer(), "selective': _unedited_linen,
     'remat_kit.apply(Model(rngs=nnx.Rngs(0)), "every_n:2"': _unedited_nnx,

@@ -79,7 +79,7 @@ def _bench_command(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, command: str, setting: str, records: list, title: str) -> int:
     """Print the table and write the ``--json``/``--markdown``/``--plot`` files both bench forms offer."""
-    from remat_kit.bench.run import (
+    from remat_kit.bench.report import (
         format_markdown,
         format_table,
         grad_note,

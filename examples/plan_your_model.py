@@ -5,7 +5,7 @@ Linen blocks under ``nn.scan``. remat_kit only needs ``make_loss(policy)``; noth
 so the default size (a 1.2B-parameter stack at batch 8 × 2048 tokens) plans on a laptop.
 
     python examples/plan_your_model.py                  # the 1.2B stack, budget 80GB
-    python examples/plan_your_model.py --small --budget 30MB
+    python examples/plan_your_model.py --small --budget 8MB     # none does not fit: auto picks dots
 """
 
 from __future__ import annotations

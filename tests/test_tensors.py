@@ -30,11 +30,6 @@ def _budgets(needs):
     return [int((full + f * (none - full)) * (1 + planner_lib.DEFAULT_MARGIN)) + 1 for f in (0.0, 0.3, 0.6, 1.0)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: since the stacks tag each layer's input (issue 25), full's stack prices ~3% above L x one "
-    "layer's jaxpr; open in issue 27",
-)
 def test_one_layer_prices_the_stack_per_layer(planner):
     # The per-layer subsets are priced on one layer's jaxpr; the stack recomputes exactly L times that.
     price = A.Pricer(planner, HW, BATCH, SEQ)

@@ -39,8 +39,19 @@ from remat_kit import _jax_internals, flops
 
 #: Primitives that move or relabel no data once XLA has fused them (views, names, barriers); priced at 0.
 #: ``device_put`` is the host transfer of an offload, priced by :meth:`Hardware.transfer_seconds` instead.
+#: ``reduce_precision`` is what ``jax.checkpoint`` wraps each saved residual in, at the residual's own
+#: precision: an identity XLA's simplifier deletes, so counting it would make saving look like work.
 FREE_PRIMITIVES = frozenset(
-    {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "name", "optimization_barrier", "device_put"}
+    {
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "name",
+        "optimization_barrier",
+        "device_put",
+        "reduce_precision",
+    }
 )
 
 

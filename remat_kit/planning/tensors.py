@@ -332,9 +332,11 @@ def _block(config: TransformerConfig, batch: int, seq: int, loss_chunks: int):
 def _layer_work(config: TransformerConfig, batch: int, seq: int, loss_chunks: int, policy) -> cost.Work:
     # One layer's forward and backward, traced from the layer's jaxpr (no model tracing): what the layer
     # recomputes over `none` is what the stack recomputes per layer (tests/test_tensors.py). Memoized: every
-    # budget at one shape prices the same subsets.
+    # budget at one shape prices the same subsets. The base (None) runs the layer as the stack runs `none`,
+    # under keep_activations: a plain vjp counts two more softmax sums per layer than the stack executes.
     body, _ = _block(config, batch, seq, loss_chunks)
-    return cost.work_of(_jax_internals.vjp_jaxpr(body, None if policy is None else policy.jax_policy))
+    jax_policy = policies.keep_activations if policy is None else policy.jax_policy
+    return cost.work_of(_jax_internals.vjp_jaxpr(body, jax_policy))
 
 
 def _layer_recompute_s(config, batch, seq, loss_chunks, hardware: cost.Hardware, policy: policies.Policy) -> float:

@@ -431,6 +431,26 @@ def noop_warning(policy: str, peak: int, saved: Any, base_peak: int, base_saved:
     )
 
 
+def cse_note(policy: str, saved_drop: int, temp_drop: int) -> str | None:
+    """A note when a policy's residuals drop by ``saved_drop`` bytes under ``none``'s but its compiled temp
+    memory by under a quarter of that: XLA merged the recompute away (CSE, unrolled blocks on CPU).
+
+    The companion of :func:`noop_warning`, which fires when even the compiled saved set is ``none``'s: a
+    report carries one of the two, never both (:func:`remat_kit.inspection.compare`).
+
+    >>> cse_note("full", 1000, 10) is not None, cse_note("full", 1000, 900)
+    (True, None)
+    """
+    if saved_drop <= 0 or temp_drop >= saved_drop / 4:
+        return None
+    return (
+        f"{policy} keeps {fmt_bytes(saved_drop)} less than none but its compiled temp memory drops by only "
+        f"{fmt_bytes(max(temp_drop, 0))}: XLA removed most of the recompute (CSE, as XLA:CPU does in a Python "
+        "loop of blocks); run the blocks under one scan (remat_kit.stack, or remat_kit.apply(..., scan=True)) "
+        "for a real saving"
+    )
+
+
 def saved_signature(residuals: Sequence[Any]) -> tuple:
     """The saved set of a residual list as a comparable signature: sorted ``(shape, dtype, host)``."""
     return tuple(sorted((tuple(r.shape), str(r.dtype), bool(r.host)) for r in residuals))

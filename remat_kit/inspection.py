@@ -529,22 +529,13 @@ class Comparison:
         return {"base_flops": self.base_flops, "records": records}
 
 
-#: Said when a policy keeps fewer residuals than ``none`` but compiles to the same temporary memory.
-CSE_NOTE = (
-    "{policy} keeps {saved} less than none but its compiled temp memory drops by only {temp}: XLA removed "
-    "most of the recompute "
-    "(CSE, as XLA:CPU does in a Python loop of blocks); run the blocks under one scan "
-    "(remat_kit.stack, or remat_kit.apply(..., scan=True)) for a real saving"
-)
-
-
-def _note_cse(reports: tuple[Inspection, ...], none: Inspection) -> tuple[Inspection, ...]:
-    """Each report whose compiled temp bytes drop by under a quarter of its residual saving over ``none``, noted."""
+def _note_cse(reports: tuple[Inspection, ...], none: Inspection, warned: set[int]) -> tuple[Inspection, ...]:
+    """Each report that XLA's CSE emptied of its saving noted (:func:`remat_kit.explain.cse_note`), except those
+    at the indices ``warned``, which carry the stronger no-op warning already."""
     out = []
-    for r in reports:
-        saved, temp = none.saved_bytes - r.saved_bytes, none.temp_bytes - r.temp_bytes
-        if saved > 0 and temp < saved / 4:
-            note = CSE_NOTE.format(policy=r.policy, saved=fmt_bytes(saved), temp=fmt_bytes(max(temp, 0)))
+    for i, r in enumerate(reports):
+        note = explain_lib.cse_note(r.policy, none.saved_bytes - r.saved_bytes, none.temp_bytes - r.temp_bytes)
+        if note and i not in warned:
             r = dataclasses.replace(r, notes=(*r.notes, note))
         out.append(r)
     return tuple(out)
@@ -596,9 +587,10 @@ def compare(
     args = abstract(args)
     reports = tuple(inspect(make_loss(p), *args, argnums=argnums, policy=str(p), explain=explain) for p in pool)
     specs = tuple(str(p) for p in pool)
-    reports = _with_noop_warnings(specs, reports)
-    if "none" in specs:
-        reports = _note_cse(reports, reports[specs.index("none")])
+    warned = _with_noop_warnings(specs, reports)
+    if "none" in specs:  # one guardrail per policy: the no-op warning, or else the CSE note
+        flagged = {i for i, (a, b) in enumerate(zip(reports, warned, strict=True)) if a is not b}
+        reports = _note_cse(warned, warned[specs.index("none")], flagged)
         base = reports[specs.index("none")].flops
     else:
         base = gradient_flops(make_loss(policies_lib.none()), *args, argnums=argnums)

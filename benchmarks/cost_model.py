@@ -105,11 +105,12 @@ def rank_part(out, hw, steps):
     out.flush()
 
 
-def budgets_part(name, out, hw, measure_steps, max_compiles):
+def budgets_part(name, out, hw, measure_steps, max_compiles, short_pool):
     cfg = TransformerConfig.preset(name)
     batch, seq = PRESET_SHAPES[name]
     planner = planner_lib.Planner(cfg)
-    pool = [P.parse(s) for s in POOL_2B] if name == "2b" else list(A.candidates_for(cfg, offload=False))
+    short = name == "2b" or short_pool
+    pool = [P.parse(s) for s in POOL_2B] if short else list(A.candidates_for(cfg, offload=False))
     t = time.perf_counter()
     full = planner.memory(P.full(), batch, seq)[0]
     none = planner.memory(P.none(), batch, seq)[0]
@@ -122,7 +123,7 @@ def budgets_part(name, out, hw, measure_steps, max_compiles):
     )
     print(
         f"{'budget':>10}  {'best preset':34} {'est.':>9}  {'best mix':44} {'est.':>9}  {'per-tensor':60} "
-        f"{'est.':>9} {'peak':>10} {'s':>5} {'<=':>3}",
+        f"{'est.':>9} {'peak':>10} {'s':>5} {'<=':>3}  from",
         file=out,
     )
     answers = set()
@@ -133,8 +134,17 @@ def budgets_part(name, out, hw, measure_steps, max_compiles):
         mixed = A.auto(cfg, batch=batch, seq=seq, budget_bytes=b, candidates=pool, planner=planner, hardware=hw)
         row = lambda r: next(c for c in r.candidates if c.policy == str(r.chosen))
         t0 = time.perf_counter()
+        # As `plan --per-tensor` runs it: its own search, with auto's answer as the baseline to beat; the
+        # last column says which won.
         q = tensors.per_tensor(
-            cfg, batch=batch, seq=seq, budget_bytes=b, planner=planner, hardware=hw, max_compiles=max_compiles
+            cfg,
+            batch=batch,
+            seq=seq,
+            budget_bytes=b,
+            planner=planner,
+            hardware=hw,
+            max_compiles=max_compiles,
+            baseline=mixed.chosen,
         )
         took = time.perf_counter() - t0
         best = min(row(plain).cost_s, row(mixed).cost_s)
@@ -143,7 +153,7 @@ def budgets_part(name, out, hw, measure_steps, max_compiles):
             f"{fmt_bytes(b):>10}  {plain.chosen!s:34} {row(plain).cost_s * 1e3:7.2f}ms  {mixed.chosen!s:44} "
             f"{row(mixed).cost_s * 1e3:7.2f}ms  {q.chosen!s:60} "
             f"{(q.cost_s or 0) * 1e3:7.2f}ms {fmt_bytes(q.need_bytes or 0):>10} {took:5.0f} "
-            f"{'yes' if ok else 'NO':>3}",
+            f"{'yes' if ok else 'NO':>3}  {q.source}",
             file=out,
         )
         out.flush()
@@ -175,6 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--max-compiles", type=int, default=8)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--short-pool", action="store_true", help="the 7-policy 2b pool for every preset")
+    ap.add_argument("--defaults", action="store_true", help="the backend's default figures, no calibration")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     buf = io.StringIO()
@@ -192,13 +204,13 @@ def main(argv=None) -> int:
 
     command = "python benchmarks/cost_model.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     out = Tee()
-    hw = cost.calibrate()
+    hw = cost.default_hardware() if args.defaults else cost.calibrate()
     print(hw.describe(), file=out)
     if args.rank:
         rank_part(out, hw, args.steps)
     if args.budgets:
         for name in args.presets.split(","):
-            budgets_part(name, out, hw, args.steps if args.measure else 0, args.max_compiles)
+            budgets_part(name, out, hw, args.steps if args.measure else 0, args.max_compiles, args.short_pool)
     wall = time.perf_counter() - start
     if args.out:
         with open(args.out, "w") as f:

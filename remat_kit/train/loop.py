@@ -16,6 +16,7 @@ periodically and saves orbax checkpoints (:mod:`remat_kit.train.checkpoint`) tha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -113,23 +114,9 @@ def train(
         if checkpoint_dir is not None:
             prepare_directory(checkpoint_dir)
             held.enter_context(_lock(checkpoint_dir))
-        return _train(
-            config,
-            corpus,
-            data_paths,
-            max_corpus_bytes,
-            checkpoint_dir,
-            resume,
-            checkpoint_every,
-            keep,
-            metrics_path,
-            plot_path,
-            progress,
-            log,
-            callbacks,
-            mesh,
-            stop,
-        )
+        where = _Run(corpus, data_paths, max_corpus_bytes, checkpoint_dir, resume, checkpoint_every, keep)
+        report = _Outputs(metrics_path, plot_path, progress, log, tuple(callbacks))
+        return _train(config, where, report, mesh, stop)
 
 
 @contextlib.contextmanager
@@ -154,26 +141,36 @@ def _stop_if_asked(stop, log, where: str) -> None:
     interrupt.check(_any_process(stop.requested), log, where)
 
 
-def _train(
-    config,
-    corpus,
-    data_paths,
-    max_corpus_bytes,
-    checkpoint_dir,
-    resume,
-    checkpoint_every,
-    keep,
-    metrics_path,
-    plot_path,
-    progress,
-    log,
-    callbacks,
-    mesh,
-    stop,
-):
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """Where :func:`train` reads from and checkpoints to, once checked."""
+
+    corpus: data.Corpus | None
+    data_paths: Sequence[str | os.PathLike] | None
+    max_corpus_bytes: int | None
+    checkpoint_dir: str | os.PathLike | None
+    resume: bool
+    checkpoint_every: int
+    keep: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """What :func:`train` reports to, once checked (None/False on processes other than 0)."""
+
+    metrics_path: Path | None
+    plot_path: str | os.PathLike | None
+    progress: bool
+    log: Callable[[str], None]
+    callbacks: tuple[Callable[[int, dict[str, Any]], None], ...]
+
+
+def _train(config: TrainConfig, run: _Run, report: _Outputs, mesh, stop):
+    corpus, checkpoint_dir, resume, keep = run.corpus, run.checkpoint_dir, run.resume, run.keep
+    metrics_path, plot_path, log = report.metrics_path, report.plot_path, report.log
     nothing = "before step 1 (nothing to save)"
     if corpus is None:
-        corpus = data.load_corpus(data_paths, max_bytes=max_corpus_bytes)
+        corpus = data.load_corpus(run.data_paths, max_bytes=run.max_corpus_bytes)
     _stop_if_asked(stop, log, nothing)
     meta = {
         "format": 1,
@@ -192,7 +189,7 @@ def _train(
             "mesh": mesh if isinstance(mesh, (str, type(None))) else dict(mesh.shape),
             "checkpoints": checkpoint_dir is not None,
             "resume": resume,
-            "checkpoint_every": checkpoint_every,
+            "checkpoint_every": run.checkpoint_every,
             "keep": keep,
         },
         "run configuration",
@@ -245,12 +242,12 @@ def _train(
             val_windows,
             ckpts,
             meta,
-            checkpoint_every,
+            run.checkpoint_every,
             metrics_path,
             history,
-            progress,
+            report.progress,
             log,
-            callbacks,
+            report.callbacks,
             stop,
         )
     finally:

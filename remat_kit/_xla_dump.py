@@ -59,6 +59,9 @@ _DTYPE_BYTES = {
     "c128": 16,
 }
 
+#: Opcodes that only move, cast or re-lay out their one operand: a buffer they make holds another value's data.
+MOVES = ("convert", "copy", "bitcast", "transpose", "reshape")
+
 #: Allocation kinds :meth:`jax.stages.Compiled.memory_analysis` counts (constants and thread-local scratch it does not).
 COUNTED_KINDS = ("parameter", "output", "temp")
 
@@ -76,6 +79,12 @@ class Instruction:
       op_name: JAX's ``op_name`` metadata (``"jit(f)/transpose(jvp())/dot_general"``), "" if none.
       source: ``"file.py:12 (function)"`` from its stack frame or source metadata, "" if none.
       parameter: the entry parameter number for an entry ``parameter(N)``, else None.
+      operands: the names it reads, in order (an elided tuple element as ``"while.3#2"``).
+      index: a ``get-tuple-element``'s index, else None.
+      moves: the data-movement ops it applies to its one operand (:data:`MOVES`: ``("convert",)`` for a
+        ``convert`` or a fusion of nothing but one), () for an instruction that computes.
+      dtype, shape: its result's HLO dtype and shape ("" and () for a tuple).
+      root: it is its computation's ROOT.
     """
 
     name: str
@@ -84,6 +93,12 @@ class Instruction:
     op_name: str
     source: str
     parameter: int | None = None
+    operands: tuple[str, ...] = ()
+    index: int | None = None
+    moves: tuple[str, ...] = ()
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    root: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +136,25 @@ class Buffer:
 
 
 @dataclasses.dataclass(frozen=True)
+class Origin:
+    """The value a chain of data-movement instructions (:data:`MOVES`) reads, from :meth:`Program.origin`.
+
+    Attributes:
+      value: the value read, as the buffer assignment names it (``"while.3{2}"`` for a tuple element).
+      instruction: the instruction that defines it (``"while.3"``).
+      dtype, shape, nbytes: the value's HLO type and size.
+      moves: the ops applied to it on the way (``("convert",)``).
+    """
+
+    value: str
+    instruction: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    moves: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
     """The optimized module's instruction sequence and buffers, parsed from one dump.
 
@@ -129,12 +163,84 @@ class Program:
       buffers: every value of a counted allocation (:data:`COUNTED_KINDS`) with a live range.
       allocations: allocation number -> (size, kind, color) for every allocation.
       trips: while-body computation -> (the ``while`` instruction, its known trip count or 1).
+      instructions: every instruction of the module by name (fused computations' included).
     """
 
     sequence: tuple[Instruction, ...]
     buffers: tuple[Buffer, ...]
     allocations: dict[int, tuple[int, str, int]]
     trips: dict[str, tuple[str, int]]
+    instructions: dict[str, Instruction] = dataclasses.field(default_factory=dict)
+
+    def origin(self, name: str) -> Origin | None:
+        """The value instruction ``name`` holds a moved, cast or re-laid-out form of (``None`` when ``name``
+        computes something: its :attr:`Instruction.moves` are empty), following :data:`MOVES` and
+        get-tuple-element back to the value that was read.
+
+        >>> import jax, jax.numpy as jnp
+        >>> f = jax.jit(lambda x: (x.astype(jnp.float32) * 2).T)
+        >>> _, p = compile_with_dump(f.lower(jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)))
+        >>> any(p.origin(i.name) and p.origin(i.name).dtype == "bf16" for i in p.sequence)
+        True
+        """
+        i = self.instructions.get(name)
+        if i is None or not i.moves:
+            return None
+        moves: list[str] = []
+        while i is not None and i.moves and len(i.operands) == 1 and len(moves) < len(self.instructions):
+            moves += i.moves
+            name, i = i.operands[0], self.instructions.get(i.operands[0])
+        # A tuple element: a get-tuple-element chain, or the ``x#2`` operand XLA >= 0.12 prints in its place.
+        indices: list[int] = []
+        element = i if i is not None and i.opcode == "get-tuple-element" else None
+        while True:
+            if i is None and "#" in name:
+                name, k = name.rsplit("#", 1)
+                indices.insert(0, int(k))
+                i = self.instructions.get(name)
+            elif i is not None and i.opcode == "get-tuple-element" and i.index is not None and len(i.operands) == 1:
+                indices.insert(0, i.index)
+                name, i = i.operands[0], self.instructions.get(i.operands[0])
+            else:
+                break
+        if i is None:
+            return None
+        value = f"{name}{{{','.join(map(str, indices))}}}" if indices else name
+        held = self._by_name.get(value)
+        if held is not None:
+            dtype, shape, nbytes = held.dtype, held.shape, held.nbytes
+        else:  # a value of an uncounted allocation (a constant): its type as the HLO states it
+            typed = element or (i if not indices else None)
+            dtype, shape = (typed.dtype, typed.shape) if typed else ("", ())
+            nbytes = _nbytes(dtype, shape)
+        return Origin(value, name, dtype, shape, nbytes, tuple(moves))
+
+    def carried(self, value: str) -> str | None:
+        """The loop output a value of a ``while`` body is: ``"while.3{2}"`` for the body parameter's element 2
+        (the carried value before this trip's update) or the instruction the body returns as element 2 (a
+        scan's stacked output filled in place); None for any other value."""
+        name, _, index = value.partition("{")
+        i = self.instructions.get(name)
+        loop = self.trips.get(i.computation) if i is not None else None
+        if loop is None:
+            return None
+        if i.opcode == "parameter" and index.rstrip("}").isdigit():
+            return f"{loop[0]}{{{index.rstrip('}')}}}"
+        root = self._roots.get(i.computation)
+        if index or root is None or root.opcode != "tuple" or name not in root.operands:
+            return None
+        return f"{loop[0]}{{{root.operands.index(name)}}}"
+
+    @functools.cached_property
+    def _roots(self) -> dict[str, Instruction]:
+        return {i.computation: i for i in self.instructions.values() if i.root}
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Buffer]:
+        out: dict[str, Buffer] = {}
+        for b in self.buffers:
+            out.setdefault(b.name, b)
+        return out
 
     @functools.cached_property
     def _by_position(self) -> list[list[Buffer]]:
@@ -274,7 +380,9 @@ def read_dump(directory: str) -> Program:
     if not buffers:
         raise DumpFormatError("the buffer assignment and the live ranges share no value: the formats changed")
     allocs = {k: (size, kind, color) for k, (size, kind, color, _) in allocations.items()}
-    return Program(sequence=sequence, buffers=tuple(buffers), allocations=allocs, trips=trips)
+    return Program(
+        sequence=sequence, buffers=tuple(buffers), allocations=allocs, trips=trips, instructions=instructions
+    )
 
 
 def _sequence(names: list[str], instructions: dict[str, Instruction]) -> tuple[Instruction, ...]:
@@ -297,7 +405,7 @@ def _sequence(names: list[str], instructions: dict[str, Instruction]) -> tuple[I
 # ---- the parsers ----------------------------------------------------------------------------------
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+(.+?)\s+([\w\-]+)\((.*)$")
+_INSTRUCTION = re.compile(r"^\s+(ROOT\s+)?%?([\w.\-]+)\s+=\s+(.+?)\s+([\w\-]+)\((.*)$")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
@@ -305,12 +413,37 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _BODY = re.compile(r"body=%?([\w.\-]+)")
 _COND = re.compile(r"condition=%?([\w.\-]+)")
 _PARAMETER = re.compile(r"^(\d+)\)")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_INDEX = re.compile(r"index=(\d+)")
+_OPERAND = re.compile(r"%([\w.\-]+(?:#\d+)?)")
+
+
+def _nbytes(dtype: str, shape: Sequence[int]) -> int:
+    n = _DTYPE_BYTES.get(dtype, 0)
+    for d in shape:
+        n *= d
+    return n
+
+
+def _arguments(rest: str) -> str:
+    """The operand list of an instruction: ``rest`` up to the ``)`` closing its opcode's ``(``."""
+    depth = 0
+    for k, ch in enumerate(rest):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                return rest[:k]
+            depth -= 1
+    return rest
 
 
 def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, tuple[str, int]]]:
     """``(instruction name -> Instruction, loop body or condition -> (while, trip count))`` of an HLO text dump."""
     tables = _stack_tables(text)
     instructions, trips = {}, {}
+    fused: dict[str, str] = {}  # fusion -> the computation it calls
+    opcodes: dict[str, list[str]] = {}  # computation -> its instructions' opcodes
     comp, entry, elided = "", False, False
     for line in text.splitlines():
         m = _COMPUTATION.match(line)
@@ -320,14 +453,20 @@ def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, tuple[str, i
         m = _INSTRUCTION.match(line)
         if not m or not comp:
             continue
-        if "#" in m.group(4) and re.search(r"%[\w.\-]+#\d", m.group(4)):
+        if "#" in m.group(5) and re.search(r"%[\w.\-]+#\d", m.group(5)):
             elided = True
-        name, opcode, rest = m.group(1), m.group(3), m.group(4)
+        name, opcode, rest = m.group(2), m.group(4), m.group(5)
         op = _OP_NAME.search(rest)
         parameter = None
         if opcode == "parameter" and entry:
             p = _PARAMETER.match(rest)
             parameter = int(p.group(1)) if p else None
+        array = _ARRAY.match(m.group(3))
+        index = _INDEX.search(rest) if opcode == "get-tuple-element" else None
+        calls = _CALLS.search(rest) if opcode == "fusion" else None
+        if calls:
+            fused[name] = calls.group(1)
+        opcodes.setdefault(comp, []).append(opcode)
         instructions[name] = Instruction(
             name=name,
             computation=comp,
@@ -335,6 +474,12 @@ def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, tuple[str, i
             op_name=_unescape(op.group(1)) if op else "",
             source=_source(rest, tables),
             parameter=parameter,
+            operands=tuple(_OPERAND.findall(_arguments(rest))),
+            index=int(index.group(1)) if index else None,
+            moves=(opcode,) if opcode in MOVES else (),
+            dtype=array.group(1) if array else "",
+            shape=tuple(int(d) for d in array.group(2).split(",") if d) if array else (),
+            root=bool(m.group(1)),
         )
         if opcode == "while":
             n = _TRIPS.search(rest)
@@ -344,6 +489,12 @@ def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, tuple[str, i
                     trips[called.group(1)] = (name, int(n.group(1)) if n else 1)
     if not instructions:
         raise DumpFormatError("no HLO instruction parsed from the optimized module: the text format changed")
+    # A fusion of one parameter and nothing but data movement (XLA's ``wrapped_convert``) moves like its ops.
+    for name, comp in fused.items():
+        ops = opcodes.get(comp, [])
+        body = tuple(dict.fromkeys(o for o in ops if o != "parameter"))
+        if ops.count("parameter") == 1 and body and set(body) <= set(MOVES) and len(instructions[name].operands) == 1:
+            instructions[name] = dataclasses.replace(instructions[name], moves=body)
     if elided:  # a marker :func:`_sequence` reads: this printer writes ``%t#1`` for get-tuple-element
         instructions["%elided-gte"] = Instruction("%elided-gte", "", "elided-gte", "", "")
     return instructions, trips

@@ -45,6 +45,9 @@ GROUPS: tuple[str, ...] = (
     "inputs",
     "gradients",
     "saved residuals",
+    "residuals widened by XLA",
+    "residual copies by XLA",
+    "forward values XLA keeps",
     "weight copies",
     "logits / loss",
     "forward temporaries",
@@ -53,6 +56,29 @@ GROUPS: tuple[str, ...] = (
     "other",
     "host memory",
     "reserved",
+)
+
+#: What the groups that are not plain from their name hold; a report prints the line of each group it shows.
+GROUP_NOTES: dict[str, str] = {
+    "saved residuals": "forward values the backward pass reads, as JAX saved them (shape and dtype of a JAX residual)",
+    "residuals widened by XLA": (
+        "saved residuals XLA converted to a wider dtype for the backward pass (XLA:CPU converts a scan's "
+        "stacked bfloat16 residuals to float32 whole before the backward loop: twice JAX's saved bytes)"
+    ),
+    "residual copies by XLA": "a copy, transpose or narrowing convert XLA made of a saved residual",
+    "forward values XLA keeps": (
+        "forward values the backward pass reads that JAX did not save (XLA merged the backward's recompute "
+        "of them into the forward value, e.g. a float32 value before its bfloat16 cast)"
+    ),
+    "reserved": "bytes XLA holds but no value uses at the peak instruction",
+}
+
+#: The groups that hold what the backward pass reads of the forward pass (the compiled saved set).
+RESIDUAL_GROUPS: tuple[str, ...] = (
+    "saved residuals",
+    "residuals widened by XLA",
+    "residual copies by XLA",
+    "forward values XLA keeps",
 )
 
 #: The phases of a training step the timeline marks.
@@ -157,10 +183,11 @@ def format_at_peak(at_peak: Mapping[str, int], largest: Sequence[PeakBuffer], to
     """The groups at the peak (bytes and share of ``total``), then the largest buffers, one per line."""
     lines = [f"at the peak, {fmt_bytes(total)} in all:"]
     for group, n in at_peak.items():
-        lines.append(f"  {group:22} {fmt_bytes(n):>10}  {100 * n / max(total, 1):5.1f}%")
-    lines.append(f"  {'bytes':>10}  {'group':21} {'dtype':9} {'shape':22} producer")
+        lines.append(f"  {group:24} {fmt_bytes(n):>10}  {100 * n / max(total, 1):5.1f}%")
+    lines += [f"  ({g}: {GROUP_NOTES[g]})" for g in at_peak if g in GROUP_NOTES and g != "reserved"]
+    lines.append(f"  {'bytes':>10}  {'group':24} {'dtype':9} {'shape':22} producer")
     for b in largest:
-        lines.append(f"  {fmt_bytes(b.nbytes):>10}  {b.group:21} {b.dtype:9} {b.shape!s:22} {b.producer}")
+        lines.append(f"  {fmt_bytes(b.nbytes):>10}  {b.group:24} {b.dtype:9} {b.shape!s:22} {b.producer}")
     return "\n".join(lines)
 
 
@@ -205,6 +232,7 @@ def explain(
     parameter_groups: Mapping[int, str] | Callable[[int], str],
     gradient_shapes: Sequence[tuple[tuple[int, ...], str]] = (),
     tags: Mapping[tuple[tuple[int, ...], str], str] | None = None,
+    residual_shapes: Sequence[tuple[tuple[int, ...], str]] | None = None,
     has_optimizer: bool = False,
     top: int = 10,
 ) -> Explanation:
@@ -217,6 +245,9 @@ def explain(
       gradient_shapes: ``(shape, dtype)`` of the differentiated leaves: a backward value of such a shape is a
         gradient, any other a backward temporary; a forward value of such a shape (any axis order) a weight copy.
       tags: ``(shape, dtype)`` -> ``checkpoint_name`` of the saved residuals (from JAX's residual analysis).
+      residual_shapes: ``(shape, dtype)`` of every residual JAX saves: a forward value the backward pass reads
+        of no such size and dtype is one XLA kept (``"forward values XLA keeps"``); None: every such value is
+        a saved residual.
       has_optimizer: the program is a training step: what runs after the backward pass is the optimizer.
       top: how many of the largest buffers to name.
 
@@ -231,6 +262,10 @@ def explain(
     # A weight's element count in any layout: a forward copy of that size is a cast or transposed weight copy.
     weight_sizes = {tuple(sorted(s)) for s, _ in gradient_shapes if len(s) >= 2}
     tags = dict(tags or {})
+    # Element count and dtype: XLA may hold a residual under another shape of the same data (a bitcast).
+    jax_saved = None if residual_shapes is None else {(_numel(s), str(d)) for s, d in residual_shapes}
+    everything = program.instructions or ins
+    buffers = {b.name: b for b in program.buffers}
     phases = [phase(i.op_name, i.source) for i in program.sequence]
     last_backward = max((t for t, p in enumerate(phases) if p == "backward"), default=-1)
     # After the backward pass, un-differentiated ops are the optimizer's; before it, bookkeeping ops (copies,
@@ -285,6 +320,14 @@ def explain(
             return "host memory", tags.get(key) or _producer(made)
         # An op with no AD marker of its own (an XLA copy or convert) belongs to the phase it runs in.
         p = phases[position[i.name]] if i is not None and i.name in position else "other"
+        # XLA's own convert or copy of a forward value, held for the backward pass: a residual in another form.
+        if i is not None and not b.phi and not i.op_name and (spans_backward(b) or p == "backward"):
+            o = program.origin(i.name)
+            src = everything.get(o.instruction) if o else None
+            if src is not None and phase(src.op_name, src.source) == "forward":
+                group = "residuals widened by XLA" if b.nbytes > o.nbytes else "residual copies by XLA"
+                what = tags.get((o.shape, _hlo_dtype.get(o.dtype, o.dtype))) or _producer(src)
+                return group, f"{'+'.join(dict.fromkeys(o.moves))} {o.dtype}->{b.dtype} of {what} ({o.value})"
         if p == "backward" and key in grads:
             return "gradients", _producer(made)
         # The loss's buffers and their gradients (what a chunked loss removes), forward or backward.
@@ -295,9 +338,16 @@ def explain(
         if p in ("forward", "other") and tuple(sorted(b.shape)) in weight_sizes:
             return "weight copies", _producer(made)
         if p == "forward":
-            if spans_backward(b):
-                return "saved residuals", tags.get(key) or _producer(made)
-            return "forward temporaries", _producer(made)
+            if not spans_backward(b):
+                # A scan's stacked output filled in place in the loop body: the loop output it becomes.
+                out = program.carried(b.name)
+                if out in buffers and out != b.name and spans_backward(buffers[out]):
+                    group, _ = classify(buffers[out])
+                    return group, tags.get(key) or _producer(made)
+                return "forward temporaries", _producer(made)
+            if jax_saved is not None and (_numel(b.shape), key[1]) not in jax_saved:
+                return "forward values XLA keeps", _producer(made)
+            return "saved residuals", tags.get(key) or _producer(made)
         if p == "optimizer":
             return "optimizer update", _producer(made)
         return "other", _producer(made)
@@ -305,7 +355,7 @@ def explain(
     kept = [
         (b.shape, _hlo_dtype.get(b.dtype, b.dtype))
         for b in program.buffers
-        if b.kind != "parameter" and spans_backward(b) and classify(b)[0] in ("saved residuals", "logits / loss")
+        if b.kind != "parameter" and spans_backward(b) and classify(b)[0] in (*RESIDUAL_GROUPS, "logits / loss")
     ]
     totals = dict.fromkeys(GROUPS, 0)
     rows = []
@@ -328,6 +378,13 @@ def explain(
         timeline=timeline,
         kept=tuple(sorted(kept)),
     )
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _timeline(program: _xla_dump.Program, phases: Sequence[str]) -> Timeline:

@@ -399,7 +399,10 @@ def _explain(program, held: CompiledMemory, args, nums: tuple[int, ...], rows) -
                 grads.append((tuple(leaf.shape), str(leaf.dtype)))
             n += 1
     tags = _unique_tags(rows)
-    return explain_lib.explain(program, held, parameter_groups=groups, gradient_shapes=grads, tags=tags)
+    saved = [(tuple(r.shape), str(r.dtype)) for r in rows]
+    return explain_lib.explain(
+        program, held, parameter_groups=groups, gradient_shapes=grads, tags=tags, residual_shapes=saved
+    )
 
 
 def _unique_tags(rows) -> dict:

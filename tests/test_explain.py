@@ -220,6 +220,60 @@ def test_a_peak_of_logits_names_the_chunked_loss():
     assert any("--loss-chunks" in w for w in r.warnings), r.warnings
 
 
+# ---- what the saved residuals at the peak are ------------------------------------------------------
+
+BF16 = 2
+
+
+def _bf16_residual_bytes(residuals) -> int:
+    return sum(r.nbytes for r in residuals if str(r.dtype) == "bfloat16")
+
+
+def _check_residual_groups(at_peak, largest, residuals, saved_bytes):
+    """The residual groups at a bfloat16 model's peak say what they hold (XLA:CPU on jax 0.10 widens bfloat16
+    residuals to float32 before the backward loop; jax 0.12's keeps them in bfloat16)."""
+    # 'saved residuals' holds only values of a JAX residual's size and dtype: never more than JAX saves.
+    assert at_peak.get("saved residuals", 0) <= saved_bytes, (at_peak, saved_bytes)
+    widened = at_peak.get("residuals widened by XLA", 0)
+    # Each widened buffer is one bfloat16 residual held as float32: twice its bytes, at most all of them.
+    assert widened <= (F32 // BF16) * _bf16_residual_bytes(residuals), (at_peak, saved_bytes)
+    bf16_shapes = {tuple(r.shape) for r in residuals if str(r.dtype) == "bfloat16"}
+    for b in largest:
+        if b.group == "residuals widened by XLA":
+            assert b.dtype == "float32" and b.shape in bf16_shapes, b
+            assert "convert bf16->f32 of " in b.producer, b
+        else:  # XLA's converts of the forward's outputs are residuals, never temporaries
+            assert "convert bf16->f32 of " not in b.producer, b
+    # The residuals at the peak counted at JAX's width (a widened one at half its bytes).
+    return at_peak.get("saved residuals", 0) + widened * BF16 // F32
+
+
+def test_the_built_in_model_names_the_residuals_xla_widened():
+    # bfloat16 compute, tied embeddings and activations larger than the state, as on the 2B preset.
+    cfg = TransformerConfig.preset("tiny", dtype="bfloat16", tie_embeddings=True)
+    a = analysis.analyze(cfg, "none", batch=8, seq=128, explain=True)
+    assert sum(a.at_peak.values()) == a.peak_bytes
+    held = _check_residual_groups(a.at_peak, a.largest_at_peak, a.residuals, a.saved_bytes)
+    # The scan's stacked residuals are allocated whole before the forward loop and live until the backward loop
+    # reads them, so wherever the peak is they are all there, in one form or the other: JAX's saved bytes, from
+    # the layer stack's to the whole step's (the loss's saved values may be dead at the peak).
+    assert a.layers_saved_bytes <= held <= a.saved_bytes, (a.at_peak, a.layers_saved_bytes, a.saved_bytes)
+    if "residuals widened by XLA" in a.at_peak:
+        assert "saved residuals XLA converted to a wider dtype" in explain.format_at_peak(
+            a.at_peak, a.largest_at_peak, a.peak_bytes
+        )
+
+
+def test_a_users_bfloat16_scan_names_the_residuals_xla_widened():
+    loss, args = M.make(policies.none(), batch=64, dtype=jnp.bfloat16)
+    r = remat_kit.inspect(loss, *args, explain=True)
+    assert sum(r.at_peak.values()) == r.peak_bytes
+    held = _check_residual_groups(r.at_peak, r.largest_at_peak, r.residuals, r.saved_bytes)
+    # The stacked [layers, batch, seq, 4d] activations JAX saves are all live at the peak, in one form or another.
+    stacked = sum(x.nbytes for x in r.residuals if x.shape == (M.LAYERS, 64, M.SEQ, 4 * M.D))
+    assert stacked <= held <= r.saved_bytes, (r.at_peak, stacked, r.saved_bytes)
+
+
 # ---- the built-in model and plan --explain ---------------------------------------------------------
 
 

@@ -93,3 +93,37 @@ def test_a_missing_or_changed_dump_fails_loudly(tmp_path):
         _xla_dump.parse_buffer_assignment("BufferAssignment:\nnothing here\n")
     with pytest.raises(_xla_dump.DumpFormatError, match="HLO"):
         _xla_dump.parse_hlo("HloModule m\n")
+
+
+def test_a_moved_value_is_followed_back_to_the_value_it_reads():
+    # bfloat16 layers in a scan: XLA copies and converts the loop's tuple elements (jax 0.10's XLA:CPU converts
+    # the stacked bfloat16 outputs of the forward loop to float32 whole).
+    def loss(ws, x):
+        return jnp.sum(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0].astype(jnp.float32) ** 2)
+
+    args = (jax.ShapeDtypeStruct((TRIPS, 64, 64), jnp.bfloat16), jax.ShapeDtypeStruct((32, 64), jnp.bfloat16))
+    _, p = _xla_dump.compile_with_dump(jax.jit(jax.value_and_grad(loss)).lower(*args))
+    for i in p.sequence:  # every instruction records what it reads and its result type
+        assert all(isinstance(o, str) and o for o in i.operands), i
+        assert i.dtype in _xla_dump._DTYPE_BYTES or i.dtype == "", i
+    computing = [i for i in p.sequence if i.opcode in ("dot", "tanh", "multiply") and not i.moves]
+    assert computing and all(p.origin(i.name) is None for i in computing)
+    origins = [(i, p.origin(i.name)) for i in p.sequence if i.moves]
+    assert origins and all(o is None or o.moves for _, o in origins)
+    buffers = {b.name: b for b in p.buffers}
+    for i, o in origins:
+        if o is not None and o.value in buffers:
+            assert (buffers[o.value].dtype, buffers[o.value].nbytes) == (o.dtype, o.nbytes), o
+        if o is not None and "convert" in o.moves and set(o.moves) == {"convert"}:
+            assert o.dtype != i.dtype, (i, o)  # a convert changes the dtype
+    # A read of a tuple element names it as the buffer assignment does ("while.3{2}"), through a
+    # get-tuple-element (jax 0.10) or the ``x#2`` operand jax 0.12 prints instead.
+    elements = [o for _, o in origins if o and "{" in o.value]
+    assert elements, origins
+    assert all(p.instructions[o.instruction].opcode in ("while", "parameter", "tuple", "fusion") for o in elements)
+    # The loop's stacked output and the body parameter's elements are its outputs (what the body fills in place).
+    loop = next(name for name, _ in p.trips.values())
+    outputs = [b.name for b in p.buffers if b.name.startswith(loop + "{")]
+    carried = {p.carried(b.name) for b in p.buffers} - {None}
+    assert carried and carried <= {f"{w}{{{k}}}" for w, _ in p.trips.values() for k in range(64)}
+    assert any(c in outputs for c in carried), (carried, outputs)

@@ -573,7 +573,13 @@ def _explain(program, memory, config, batch, seq, learning_rate, model, residual
         seen.setdefault((tuple(r.shape), str(r.dtype)), set()).add(r.label if r.tags else "")
     tags = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1 and "" not in v}
     return explain_lib.explain(
-        program, memory, parameter_groups=group, gradient_shapes=grads, tags=tags, has_optimizer=True
+        program,
+        memory,
+        parameter_groups=group,
+        gradient_shapes=grads,
+        tags=tags,
+        residual_shapes=[(tuple(r.shape), str(r.dtype)) for r in residuals],
+        has_optimizer=True,
     )
 
 

@@ -228,7 +228,7 @@ def test_worker_subprocess_reports_its_own_peak(tmp_path):
         (["--preset", "tiny", "--seq", "-3"], "seq must be a positive integer"),
         (["--preset", "tiny", "--seq", "4096"], "exceeds the model's max_seq_len"),
         (["--preset", "tiny", "--steps", "0"], "--steps must be >= 1"),
-        (["--preset", "tiny", "--plot", "/nonexistent-dir/p.png"], "does not exist"),
+        (["--preset", "tiny", "--plot", "p.txt"], "cannot write a .txt picture"),
         (["--preset", "tiny", "--markdown", "/"], "is a directory"),
     ],
     ids=["preset", "policy", "batch", "seq", "seq_max", "steps", "plot_path", "md_dir"],

@@ -67,7 +67,7 @@ def test_plan_prints_table_and_largest(capsys):
         (["--preset", "tiny", "--seq", "0"], "seq must be a positive integer"),
         (["--preset", "tiny", "--seq", "100000"], "exceeds the model's max_seq_len"),
         (["--preset", "tiny", "--loss-chunks", "-2"], "loss_chunks"),
-        (["--preset", "tiny", "--json", "/nonexistent-dir/plan.json"], "does not exist"),
+        (["--preset", "tiny", "--json", "/"], "'/' is a directory; give a file path"),
         (["--preset", "tiny", "--policies", "every_n:99"], "greater than the depth"),
     ],
     ids=["preset", "policy", "batch", "seq0", "seq_max", "chunks", "unwritable", "depth"],
@@ -83,7 +83,14 @@ def test_output_under_a_file_is_rejected(tmp_path, capsys):
     blocker.write_text("")
     assert cli.main(["plan", "--preset", "tiny", "--json", str(blocker / "plan.json")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is not a directory" in err
+    assert err.count("\n") == 1 and "is a file, not a folder" in err
+
+
+def test_output_in_a_missing_folder_is_written_there(tmp_path, capsys):
+    # The rule train applies to --metrics: the folder is created when the file is written.
+    path = tmp_path / "new" / "dir" / "plan.json"
+    assert cli.main(["plan", "--preset", "tiny", "--policies", "none", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["records"][0]["policy"] == "none"
 
 
 def test_exit_code_from_the_console():

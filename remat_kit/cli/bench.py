@@ -15,6 +15,7 @@ from remat_kit.cli.common import (
     check_writable,
     command_line,
     config_from_args,
+    made,
     write_json,
 )
 
@@ -43,7 +44,7 @@ def _bench_command(args: argparse.Namespace) -> int:
     specs = [str(p) for p in parse_policies(text, config.num_layers)]
     if args.mesh:
         mesh_lib.check_batch(batch, mesh_lib.make_mesh(args.mesh))
-    for path, what in ((args.json, "--json"), (args.markdown, "--markdown"), (args.plot, "--plot")):
+    for path, what in ((args.json, "--json"), (args.markdown, "--markdown")):
         check_writable(path, what)
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
@@ -109,11 +110,11 @@ def _report(args: argparse.Namespace, command: str, setting: str, records: list,
         if args.json != "-":
             print(f"wrote {args.json}")
     if args.markdown:
-        with open(args.markdown, "w") as f:
+        with open(made(args.markdown), "w") as f:
             f.write(format_markdown(records, f"# remat-kit bench\n\n`{command}`\n\n{setting}"))
         print(f"wrote {args.markdown}")
     if args.plot:
-        plot(records, args.plot, title)
+        plot(records, made(args.plot), title)
         print(f"wrote {args.plot}")
     return 0
 
@@ -130,7 +131,7 @@ def _bench_model_command(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(given)} shape the built-in model; with --model the factory gives the shapes")
     check_plot(args.plot)
     specs = [str(p) for p in parse_model_policies(args.policies)]
-    for path, what in ((args.json, "--json"), (args.markdown, "--markdown"), (args.plot, "--plot")):
+    for path, what in ((args.json, "--json"), (args.markdown, "--markdown")):
         check_writable(path, what)
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")

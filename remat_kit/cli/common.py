@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
 from remat_kit import constants
-from remat_kit.train.outputs import PLOT_SUFFIXES, check_output
+from remat_kit.train.outputs import PLOT_SUFFIXES, check_output, make_parent
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -61,24 +60,25 @@ def add_json_arg(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def check_writable(path: str | None, what: str) -> None:
-    """Raise OSError now (before minutes of compiling) if ``path`` cannot be written (``-``: stdout)."""
-    if not path or path == "-":
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise OSError(f"{what} {path!r} is a directory; give a file path")
-    if os.path.exists(parent) and not os.path.isdir(parent):
-        raise OSError(f"{what} {path!r}: {parent!r} is not a directory")
-    if not os.path.isdir(parent):
-        raise OSError(f"{what} {path!r}: directory {parent!r} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise OSError(f"{what} {path!r} is not writable")
+def check_writable(path: str | None, what: str, *, suffixes: tuple[str, ...] | None = None) -> None:
+    """Raise now (before minutes of compiling) if ``path`` could not be written at the end (``-``: stdout).
+
+    The rule is :func:`remat_kit.train.outputs.check_output`'s, the one ``train`` applies: a folder that does
+    not exist yet is created when the file is written (:func:`write_json`, :func:`made`).
+    """
+    if path and path != "-":
+        check_output(path, what, suffixes=suffixes)
 
 
 def check_plot(path: str | None, what: str = "--plot") -> None:
     """Raise now, before any work, unless a plot can be written at ``path`` (a picture suffix, a writable place)."""
-    check_output(path, what, suffixes=PLOT_SUFFIXES)
+    check_writable(path, what, suffixes=PLOT_SUFFIXES)
+
+
+def made(path: str) -> str:
+    """``path``, its folder created if missing (a file checked by :func:`check_writable` is about to be written)."""
+    make_parent(path)
+    return path
 
 
 def check_jobs(jobs: int) -> None:
@@ -187,7 +187,7 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
         json.dump(payload, out, indent=1)
         out.write("\n")
         return
-    with open(path, "w") as f:
+    with open(made(path), "w") as f:
         json.dump(payload, f, indent=1)
         f.write("\n")
 

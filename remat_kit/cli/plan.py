@@ -17,6 +17,7 @@ from remat_kit.cli.common import (
     check_writable,
     command_line,
     config_from_args,
+    made,
     write_json,
 )
 from remat_kit.units import fmt_bytes, fmt_count
@@ -299,7 +300,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     # chosen one answers "how far can I push this run"; the others are one flag away.
     limits = args.limits or "chosen"
     check_writable(args.json, "--json")
-    check_writable(args.plot, "--plot")
+    check_plot(args.plot)
     if args.policies is None:
         pool = list(budget.candidates_for(config))
     else:
@@ -409,7 +410,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
                 except ValueError as e:
                     print(f"  no MaxText equivalent: {e}")
     if args.plot:
-        result.plot(args.plot)
+        result.plot(made(args.plot))
         print(f"wrote {args.plot}")
     if args.json:
         payload = {

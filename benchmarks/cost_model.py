@@ -70,18 +70,18 @@ def measure(cfg, batch, seq, specs, steps):
     return {r.policy: r.step_time_s for r in records}
 
 
-def rank_part(out, hw, steps):
-    cfg = TransformerConfig.preset("small")
-    batch, seq = PRESET_SHAPES["small"]
+def rank_part(out, hw, steps, preset="small", shape=None, short_pool=False):
+    cfg = TransformerConfig.preset(preset)
+    batch, seq = shape or PRESET_SHAPES[preset]
     planner = planner_lib.Planner(cfg)
-    pool = list(A.candidates_for(cfg, offload=False))
+    pool = [P.parse(s) for s in POOL_2B] if short_pool else list(A.candidates_for(cfg, offload=False))
     price = A.Pricer(planner, hw, batch, seq)
     est = {str(p): price.estimate(p) for p in pool}
     base_step = planner.work(P.none(), batch, seq).seconds(hw)
     t = time.perf_counter()
     times = measure(cfg, batch, seq, [str(p) for p in pool], steps)
     print(
-        f"\n## cost model vs measured step time: small, batch {batch} x seq {seq}, {steps} timed steps each "
+        f"\n## cost model vs measured step time: {preset}, batch {batch} x seq {seq}, {steps} timed steps each "
         f"(median), measured in {time.perf_counter() - t:.0f} s",
         file=out,
     )
@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-compiles", type=int, default=8)
     ap.add_argument("--out", default=None)
     ap.add_argument("--short-pool", action="store_true", help="the 7-policy 2b pool for every preset")
+    ap.add_argument("--rank-preset", default="small", help="the preset part 1 ranks (default small)")
+    ap.add_argument("--rank-shape", default=None, help="BATCHxSEQ for part 1 (default: the preset's)")
     ap.add_argument("--defaults", action="store_true", help="the backend's default figures, no calibration")
     args = ap.parse_args(argv)
     start = time.perf_counter()
@@ -207,7 +209,8 @@ def main(argv=None) -> int:
     hw = cost.default_hardware() if args.defaults else cost.calibrate()
     print(hw.describe(), file=out)
     if args.rank:
-        rank_part(out, hw, args.steps)
+        shape = tuple(int(v) for v in args.rank_shape.lower().split("x")) if args.rank_shape else None
+        rank_part(out, hw, args.steps, args.rank_preset, shape, args.short_pool)
     if args.budgets:
         for name in args.presets.split(","):
             budgets_part(name, out, hw, args.steps if args.measure else 0, args.max_compiles, args.short_pool)

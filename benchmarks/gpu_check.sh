@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for issue 3 (one CUDA GPU, e.g. an H200; finishes within 10 minutes).
+# GPU check for issues 3 and 27 (one CUDA GPU, e.g. an H200; about 10 minutes).
 #
 # Runs `remat-kit bench` on the `small` preset and on a larger one (default: the 2B-class preset at
 # batch 2 × 1,024, bf16) on the GPU and records, per policy, the device's peak bytes
@@ -57,5 +57,13 @@ status=0
 bench gpu_bench_small "$SMALL_PRESET" "$POLICIES" "${SMALL_LIMIT:-240}" || status=1
 # shellcheck disable=SC2086  # LARGE_ARGS is a list of options
 bench gpu_bench_large "$LARGE_PRESET" "$LARGE_POLICIES" "${LARGE_LIMIT:-330}" --no-grad-check $LARGE_ARGS || status=1
+# Issue 27: the cost model's estimated recompute cost of the 2b pool's presets against their measured
+# step times on the device (one process, the figures calibrated on it), Spearman at the end.
+echo "== gpu_cost_model (limit ${COST_LIMIT:-240}s)" >&2
+timeout "${COST_LIMIT:-240}" "$PY" benchmarks/cost_model.py --rank --short-pool --rank-preset "$LARGE_PRESET" \
+  --rank-shape "${COST_SHAPE:-2x1024}" --steps 3 --out "$DEST/gpu_cost_model.txt" >&2 || {
+  echo "gpu_check: gpu_cost_model failed or ran past ${COST_LIMIT:-240}s; see $DEST/gpu_cost_model.txt" >&2
+  status=1
+}
 echo "gpu_check: done in $(( $(date +%s) - START )) s, exit $status; results in $DEST" >&2
 exit $status

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from remat_kit import policies
+from remat_kit import _jax_internals, policies
 from remat_kit.pathnames import BlockName, NameTable
 
 
@@ -79,8 +79,6 @@ def names_from_factory(factory: Callable, where: str = "the factory") -> NameTab
     ('h',)
     """
     import jax
-
-    from remat_kit import _jax_internals
 
     loss_fn, example = _called(factory, policies.full(), where)
     rows = _jax_internals.jaxpr_tags(jax.make_jaxpr(loss_fn)(*example))

@@ -295,6 +295,39 @@ def test_linen_scan_of_blocks_with_differently_shaped_caches_says_why():
         remat_kit.apply(Model(), "full", scan=True).apply(variables, X, mutable=["cache"])
 
 
+def test_linen_scan_broadcasts_an_array_argument_every_block_shares():
+    """gm.nn passes each block the same positions/mask arrays: they reach every layer of the scan."""
+
+    class Masked(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            return x + jnp.where(mask, nn.Dense(8, name="up")(x), 0.0)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            for i in range(3):
+                x = Masked(name=f"layer_{i}")(x, mask)
+            return x
+
+    mask = jnp.arange(8) % 2 == 0
+    variables = Model().init(jax.random.key(0), X, mask)
+    applied = remat_kit.apply(Model(), "selective:up", scan=True)
+    want = jax.grad(lambda v: jnp.sum(Model().apply(v, X, mask) ** 2))(variables)
+    got = jax.jit(jax.grad(lambda v: jnp.sum(applied.apply(v, X, mask) ** 2)))(variables)
+    assert_grads_equal(got, want, 1e-5)
+
+    class PerLayer(Model):
+        @nn.compact
+        def __call__(self, x, mask):
+            for i in range(3):
+                x = Masked(name=f"layer_{i}")(x, mask if i % 2 else ~mask)  # a mask per block
+            return x
+
+    with pytest.raises(ValueError, match="same other arguments"):
+        remat_kit.apply(PerLayer(), "full", scan=True).apply(variables, X, mask)
+
+
 class Differ(nn.Module):
     """Two blocks of one class with different attributes: nothing to scan."""
 

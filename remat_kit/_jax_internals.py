@@ -449,3 +449,105 @@ def _eval_naming(jaxpr, consts, args, names) -> list[Any]:
                 source[eqn.outvars[0]] = insrc[0]
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
+
+
+# ---- Linen RNG keys of layer i inside one scan (flax.core.scope.LazyRng, private) -------------------
+#
+# Flax Linen derives a module's key from the root key and its whole path, hashed at once when drawn
+# (``LazyRng.as_jax_rng``: one SHA-1 over the suffix ``(layer_3, Dropout_0, 1)``): no per-layer key
+# can be folded on by the layer. remat_kit's unedited scan (remat_kit.unedited_scan) runs layer i of a
+# run of identical blocks as one functional ``apply`` whose RNG streams carry a marker instead of the
+# layer's name; while :func:`linen_layer_rngs` is active, drawing from such a stream computes every
+# layer's plain key (the suffix with each layer's name) and picks layer i's, so the draws equal the
+# plain model's.
+
+
+class _LayerMarker:
+    """The first suffix item of a layer-indexed stream (never hashed: it is replaced before)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<remat_kit layer>"
+
+
+_LAYER_MARK = _LayerMarker()
+_LAYER_RNG: Any = None  # (prefixes, index) while a layer's apply traces; set by linen_layer_rngs
+
+
+def linen_block_rngs(scope: Any, names: list[str]) -> tuple[dict, list[tuple] | None]:
+    """The RNG streams of a Linen block's scope, marked for :func:`linen_layer_rngs`, and each layer's prefix.
+
+    Args:
+      scope: the bound scope of the first block of a run (``module.scope``).
+      names: the names of the run's blocks (siblings under one parent), in order.
+
+    Returns:
+      ``(rngs, prefixes)``: ``rngs`` to pass to the layer's ``apply``; ``prefixes[k]``: the path suffix
+      of block ``k``'s streams (None when there are no streams).
+
+    Raises:
+      ValueError: the streams are not the plain per-path ones (the block already drew from one, or
+        its streams carry different paths), so the plain keys cannot be reproduced.
+    """
+    from flax.core import scope as flax_scope
+
+    rngs, suffixes = {}, set()
+    for stream, rng in dict(scope.rngs).items():
+        lazy = flax_scope.LazyRng.create(rng)
+        if not lazy.suffix or lazy.suffix[-1] != names[0] or scope.rng_counters.get(stream, 0):
+            raise ValueError(
+                f"scan=True: the RNG stream {stream!r} of block {names[0]} is not derived from its path alone "
+                "(it was drawn from, or the block runs inside another transform); use scan=False"
+            )
+        suffixes.add(lazy.suffix[:-1])
+        rngs[stream] = flax_scope.LazyRng(lazy.rng, (_LAYER_MARK,))
+    if len(suffixes) > 1:
+        raise ValueError(f"scan=True: the RNG streams of block {names[0]} carry different paths; use scan=False")
+    if not suffixes:
+        return rngs, None
+    prefix = next(iter(suffixes))
+    return rngs, [(*prefix, name) for name in names]
+
+
+class linen_layer_rngs:
+    """Context: a stream from :func:`linen_block_rngs` draws layer ``index``'s plain key (a traced int).
+
+    Re-entrant; Flax's ``LazyRng.as_jax_rng`` is wrapped only while one is active.
+    """
+
+    _depth = 0
+    _original: Any = None
+
+    def __init__(self, prefixes: list[tuple] | None, index: Any):
+        self.value = (prefixes, index)
+
+    def __enter__(self):
+        global _LAYER_RNG
+        from flax.core import scope as flax_scope
+
+        cls = type(self)
+        if cls._depth == 0:
+            cls._original = original = flax_scope.LazyRng.as_jax_rng
+
+            def as_jax_rng(lazy):
+                if not lazy.suffix or lazy.suffix[0] is not _LAYER_MARK:
+                    return original(lazy)
+                prefixes, index = _LAYER_RNG
+                keys = [original(flax_scope.LazyRng(lazy.rng, (*p, *lazy.suffix[1:]))) for p in prefixes]
+                return jnp.stack(keys)[index]
+
+            flax_scope.LazyRng.as_jax_rng = as_jax_rng
+        cls._depth += 1
+        self.outer, _LAYER_RNG = _LAYER_RNG, self.value
+        return self
+
+    def __exit__(self, *exc):
+        global _LAYER_RNG
+        from flax.core import scope as flax_scope
+
+        cls = type(self)
+        _LAYER_RNG = self.outer
+        cls._depth -= 1
+        if cls._depth == 0:
+            flax_scope.LazyRng.as_jax_rng = cls._original

@@ -248,20 +248,30 @@ def refuse_baked_nnx(args: Sequence[Any], where: str) -> None:
     """Raise TypeError if an argument is an NNX module holding a remat_kit policy of its own.
 
     ``compare``/``auto`` measure ``make_loss(policy)`` per policy; an NNX model passed as an argument
-    runs the policy its ``remat_kit.nnx.stack`` (or ``policy(instance)`` wrapper) was built with, so every
-    row would measure that one policy under another label. Its state is what to pass instead.
+    runs the policy its ``remat_kit.nnx.stack``, ``policy(instance)`` wrapper or ``remat_kit.apply``
+    was built with, so every row would measure that one policy under another label. Its state is what
+    to pass instead (and, for ``apply``, ``remat_kit.apply_factory(plain_model, loss)`` as ``make_loss``).
     """
     nnx = sys.modules.get("flax.nnx")  # no NNX module exists unless flax.nnx was imported
     owners = (("remat_kit.nnx", "Stack"), ("remat_kit.wrap_nnx", "Remat"))
     found = [getattr(sys.modules.get(m), c, None) for m, c in owners]
     holders = tuple(c for c in found if c is not None)
-    if nnx is None or not holders:
+    if nnx is None:
         return
     for i, arg in enumerate(args):
         for leaf in jax.tree.leaves(arg, is_leaf=nnx.graph.is_graph_node):
             if not nnx.graph.is_graph_node(leaf):
                 continue
-            baked = next((n for _, n in nnx.graph.iter_graph(leaf) if isinstance(n, holders)), None)
+            nodes = [n for _, n in nnx.graph.iter_graph(leaf)]
+            applied = next((n for n in nodes if hasattr(type(n), "_remat_kit_policy")), None)
+            if applied is not None:
+                raise TypeError(
+                    f"{where}: argument {i} is an NNX module ({type(leaf).__name__}) made by remat_kit.apply, whose "
+                    f"{type(applied).__name__} blocks run its policy {type(applied)._remat_kit_policy}, so every row "
+                    f"would measure that one; pass the plain model's parameters (nnx.state(model, nnx.Param)) and "
+                    f"make_loss = remat_kit.apply_factory(plain_model, loss) (README, 'Your model, unedited')"
+                )
+            baked = next((n for n in nodes if holders and isinstance(n, holders)), None)
             if baked is not None:
                 raise TypeError(
                     f"{where}: argument {i} is an NNX module ({type(leaf).__name__}) whose {type(baked).__name__} runs "
@@ -576,9 +586,10 @@ def compare(
       peak and saved set carries a warning: it did nothing (:func:`remat_kit.explain.noop_warning`).
 
     Raises:
-      TypeError: an argument is an NNX module holding a policy of its own (a ``remat_kit.nnx.stack``
-        or ``policy(instance)``): each row would measure that policy. Pass its state and build the
-        model from the policy in ``make_loss`` (see :func:`refuse_baked_nnx`).
+      TypeError: an argument is an NNX module holding a policy of its own (a ``remat_kit.nnx.stack``,
+        ``policy(instance)`` or ``remat_kit.apply``): each row would measure that policy. Pass its state
+        and build the model from the policy in ``make_loss`` (``remat_kit.apply_factory`` for an
+        unedited model; see :func:`refuse_baked_nnx`).
     """
     if not callable(make_loss):
         raise TypeError(f"make_loss must be callable (policy -> loss_fn), got {type(make_loss).__name__}")

@@ -183,7 +183,7 @@ class PeriodStack(nnx.Module):
     blocks of position ``j`` of the period, every variable stacked over the periods (axis 0), built as
     :class:`Stack` builds its layers. Per-layer policies wrap each block on its own; grouping policies
     and a mix's counts count periods (as :class:`remat_kit.scan.PeriodStack`). Extra call arguments are
-    arrays or Python values (no call-time ``nnx.Rngs`` here yet).
+    arrays, Python values or call-time ``nnx.Rngs`` (split per layer, as :class:`Stack` splits them).
     """
 
     def __init__(self, makers, num_layers: int, policy: Policy | Mix, *, rngs):
@@ -193,18 +193,44 @@ class PeriodStack(nnx.Module):
         self.policy = policy
 
     def __call__(self, x, *args, **kwargs):
-        """Apply the layers in order: period by period, position by position. Returns the last output."""
-        for leaf in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node):
-            if nnx.graph.is_graph_node(leaf):
-                raise TypeError(f"a period stack's extra call arguments must be arrays or Python values, got {leaf!r}")
+        """Apply the layers in order: period by period, position by position. Returns the last output.
+
+        Extra call arguments reach every layer as :meth:`Stack.__call__` passes them: arrays traced,
+        other values static, and an ``nnx.Rngs`` (the NNX Gemma example's dropout keys) split per
+        layer: each stream is drawn once and layer ``l`` (period ``l // P``, position ``l % P``) gets
+        ``jax.random.split(key, num_layers)[l]``, under every policy.
+
+        Raises:
+          TypeError: an NNX object other than ``nnx.Rngs`` among ``args``/``kwargs``.
+          ValueError: the policy names a tag the blocks never emit.
+        """
         periods = self.num_layers // len(self.positions)
+        size = len(self.positions)
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
+        # Call-time RNG streams: {leaf position: {stream: [periods, P] keys}}, one key per layer.
+        keys = {}
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, nnx.Rngs):
+                keys[j] = {
+                    name: jax.random.split(stream(), self.num_layers).reshape(periods, size)
+                    for name, stream in leaf.items()
+                }
+            elif nnx.graph.is_graph_node(leaf):
+                raise TypeError(
+                    f"a period stack's extra call arguments must be arrays, Python values or nnx.Rngs, got "
+                    f"{type(leaf).__name__}; give the blocks their modules in make_block(rngs)"
+                )
         per_layer = isinstance(self.policy, Policy) and self.policy.plan(periods).mode == "layer"
         splits = [nnx.split(layers, nnx.Param, ...) for layers in self.positions]
         graphdefs = [g for g, _, _ in splits]
 
-        def block(graphdef, variables, h):
+        def block(graphdef, variables, h, layer_keys):
             layer = nnx.merge(graphdef, *variables)
-            h = layer(_layers.tag_input(h), *args, **kwargs)
+            merged = list(leaves)
+            for j, streams in layer_keys.items():
+                merged[j] = nnx.Rngs(**streams)
+            a, kw = jax.tree.unflatten(treedef, merged)
+            h = layer(_layers.tag_input(h), *a, **kw)
             return h, nnx.split(layer, nnx.Param, ...)[2]
 
         blocks = [
@@ -215,16 +241,17 @@ class PeriodStack(nnx.Module):
         ]
 
         def step(variables, h, u):
+            period_keys = _layers.layer_at(keys, u)  # [P] keys of period u
             updated = []
-            for run, v in zip(blocks, variables, strict=True):
-                h, rest = run(v, h)
+            for at, (run, v) in enumerate(zip(blocks, variables, strict=True)):
+                h, rest = run(v, h, jax.tree.map(lambda k, at=at: k[at], period_keys))
                 updated.append(rest)
             return h, tuple(updated)
 
         for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
             if _tags.needs_check(policy):
                 one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), [(p, o) for _, p, o in splits])
-                emitted = _tags.emitted_tags(lambda v, h: step(v, h, 0)[0], one, wrap_nnx.abstract(x))
+                emitted = _tags.emitted_tags(lambda v, h: step(v, h, jnp.int32(0))[0], one, wrap_nnx.abstract(x))
                 _tags.check(policy, emitted, "+".join(type(layers).__name__ for layers in self.positions))
         unit = parse("none") if per_layer else self.policy
         variables = tuple((p, o) for _, p, o in splits)

@@ -132,8 +132,9 @@ class BlockName:
       name: the tag (``attn/q_einsum``, ``mlp/gating_einsum``, or the model's own ``query_proj``).
       shape, dtype: the value's.
       nbytes: its size in bytes.
-      source: ``"module"`` (a submodule's output), ``"param"`` (a matmul with the block's parameter)
-        or ``"tag"`` (the model's own ``checkpoint_name``).
+      source: ``"module"`` (a submodule's output), ``"param"`` (a matmul with the block's parameter),
+        ``"tag"`` (the model's own ``checkpoint_name``), or ``"traced"`` (read from a traced loss,
+        ``remat-kit tags --model``: any of the three).
     """
 
     name: str

@@ -114,7 +114,7 @@ class _Run:
 
     plan: Plan
     matcher: Where | None
-    discovered: list | None = None  # (path, class) of every module called, while finding the blocks
+    discovered: list | None = None  # (path, class, module) of every module called, while finding the blocks
     collect: Collector | None = None  # names_of: gather names instead of rematerializing
     index: int = 0  # blocks started so far, in call order
     block: tuple[str, ...] | None = None  # path of the block being run, while inside it
@@ -167,21 +167,23 @@ class Applied:
         with _running(run):
             trace_only(getattr(self.module, method), args, kwargs)
         found = run.discovered
-        matcher = self._matcher or Where(classes=(repeated_block(found),))
-        if not any(_may_match(matcher, path, cls) for path, cls in found if path):
-            listed = ", ".join(join(p) for p, _ in found if p)
+        matcher = self._matcher or Where(classes=(repeated_block([(p, c) for p, c, _ in found]),))
+        if not any(_may_match(matcher, path, cls) for path, cls, _ in found if path):
+            listed = ", ".join(join(p) for p, *_ in found if p)
             raise ValueError(
                 f"where={matcher} matches no module of {type(self.module).__name__}; its modules: {listed}"
             )
-        self._matcher, self._checked = matcher, True
+        self._matcher, self._checked, self._found = matcher, True, found
         return matcher
 
     def _run(self, method: str, args: tuple, kwargs: dict):
         run = _Run(self.plan, self.matcher(method, args, kwargs))
         if self.plan.scan:
-            unedited_scan.linen_run(run)
+            unedited_scan.linen_run(run, self._found, _remat_block)
         with _running(run):
-            return getattr(self.module, method)(*args, **kwargs)
+            out = getattr(self.module, method)(*args, **kwargs)
+        unedited_scan.linen_finish(run)
+        return out
 
 
 def _may_match(where: Where, path: tuple[str, ...], cls: type) -> bool:
@@ -216,7 +218,7 @@ def _intercept(next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
     if run.discovered is not None:
         if method == "__call__":
-            run.discovered.append((tuple(module.path), type(module)))
+            run.discovered.append((tuple(module.path), type(module), module))
         return next_fun(*args, **kwargs)
     if run.block is not None:
         if run.entering and method == "__call__":

@@ -61,13 +61,17 @@ def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
         return unedited_scan.nnx_scan(copy, plan, found)
     for index, (_, block) in enumerate(found):
         policy = plan.policy_for(index)
-        block.__class__ = remat_class(type(block), policy, plan.static_argnames)
+        block.__class__ = remat_class(type(block), policy, plan.static_argnames, plan.policy)
     return copy
 
 
-def remat_class(cls: type, policy, static_argnames: frozenset[str]) -> type:
-    """``cls`` with a ``__call__`` that runs the original under ``policy`` (None: plainly, names only)."""
-    key = (cls, policy, static_argnames)
+def remat_class(cls: type, policy, static_argnames: frozenset[str], applied=None) -> type:
+    """``cls`` with a ``__call__`` that runs the original under ``policy`` (None: plainly, names only).
+
+    The class records ``applied`` (the policy :func:`remat_kit.apply` was given) as ``_remat_kit_policy``:
+    ``compare``/``auto`` refuse a model whose blocks carry one (:func:`remat_kit.inspection.refuse_baked_nnx`).
+    """
+    key = (cls, policy, static_argnames, applied)
     if key not in _REMAT_CLASSES:
         original = cls.__call__
 
@@ -78,7 +82,14 @@ def remat_class(cls: type, policy, static_argnames: frozenset[str]) -> type:
 
         __call__.__doc__ = original.__doc__
         _REMAT_CLASSES[key] = type(cls)(
-            cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+            cls.__name__,
+            (cls,),
+            {
+                "__call__": __call__,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "_remat_kit_policy": applied if applied is not None else policy,
+            },
         )
     return _REMAT_CLASSES[key]
 

@@ -12,7 +12,7 @@ import pytest
 
 from remat_kit import cli, constants
 
-COMMANDS = ("policies", "train", "plan", "bench")
+COMMANDS = ("policies", "train", "plan", "bench", "tags")
 
 # Builds the parser and prints every command's help, then lists the heavy modules that got imported.
 _HELP_PROBE = f"""
@@ -49,7 +49,7 @@ def test_help_of_every_command_imports_no_jax(help_probe):
         ("bench", ["(default: small)", "(default: 5)", "min/median/max"]),
         ("policies", ["--json"]),
     ],
-    ids=[*COMMANDS[1:], "policies"],
+    ids=["train", "plan", "bench", "policies"],
 )
 def test_help_shows_defaults_and_descriptions(help_probe, command, shown):
     text = " ".join(help_probe["texts"][command].split())  # argparse wraps lines
@@ -351,3 +351,40 @@ def test_bad_input_is_one_line_exit_2_before_any_work(argv, message, tmp_path, c
     err = _error([a.format(tmp=tmp_path) for a in argv], capsys)
     assert message.format(tmp=tmp_path) in err, err
     assert sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
+# ---- tags --model MODULE:FACTORY ----------------------------------------------------------------------
+
+
+def test_tags_lists_the_names_an_unedited_models_blocks_emit(capsys):
+    assert cli.main(["tags", "--model", "tests.unedited_models:factory"]) == 0
+    out = capsys.readouterr().out
+    for name, shape in [
+        ("attn/q_einsum", "[2, 6, 8]"),
+        ("pre_attention_norm", "[2, 6, 8]"),
+        ("mlp/gating_einsum", "[2, 16, 2, 6]"),  # the matmul with the block's own parameter, as dot_general lays it out
+    ]:
+        assert re.search(rf"^{re.escape(name)}\s+{re.escape(shape)}\s+float32", out, re.M), name
+    assert cli.main(["tags", "--model", "tests.unedited_models:factory", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["names"]}
+    assert rows["attn/q_einsum"] == {"name": "attn/q_einsum", "shape": [2, 6, 8], "dtype": "float32", "bytes": 384}
+    assert rows["mlp/gating_einsum"]["shape"] == [2, 16, 2, 6]
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("tests.unedited_models", "must be MODULE:FACTORY"),
+        ("tests.no_such_module:factory", "cannot import"),
+        ("tests.unedited_models:nope", "has no 'nope'"),
+        ("tests.plan_model_factory:NOT_CALLABLE", "not a callable"),
+        ("tests.plan_model_factory:not_a_pair", r"must return \(loss_fn, example_args\)"),
+        ("tests.plan_model_factory:factory", "emits no names under policy full"),
+    ],
+    ids=["no-colon", "no-module", "no-name", "not-callable", "not-a-pair", "no-names"],
+)
+def test_tags_with_a_bad_model_is_one_line_and_exit_2(capsys, model, message):
+    assert cli.main(["tags", "--model", model]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("remat-kit tags: error:")
+    assert re.search(message, err), err

@@ -234,3 +234,37 @@ def test_first_remat_body_and_its_vjp():
     count = lambda j: sum(t for e, t in internals.weighted_leaf_eqns(j) if e.primitive.name == "sin")
     assert (count(kept), count(recomputed)) == (2, 3)  # the backward needs the inner sin again
     assert internals.first_remat_body(jax.make_jaxpr(jnp.sin)(1.0)) is None
+
+
+def test_linen_layer_rngs_draw_each_layers_plain_dropout_key():
+    """A layer's functional apply under marked streams draws the key Flax derives from that layer's path."""
+    import flax.linen as nn
+
+    class Drop(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dropout(0.5, deterministic=False)(x)
+
+    names = ["layer_0", "layer_1", "layer_2"]
+    got, seen = {}, {}
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            outs = []
+            for name in names:
+                block = Drop(name=name)
+                if name == "layer_0":  # read the first block's streams before it draws
+                    seen["rngs"] = internals.linen_block_rngs(block.scope, names)
+                outs.append(block(x))
+            return outs
+
+    x, rngs = jnp.ones((64,)), {"dropout": jax.random.key(3)}
+    want = Model().apply({}, x, rngs=rngs)
+    marked, prefixes = seen["rngs"]
+    assert prefixes == [(n,) for n in names], JAX
+    for i in range(3):
+        with internals.linen_layer_rngs(prefixes, jnp.int32(i)):
+            got[i] = Drop().apply({}, x, rngs=marked)
+        assert bool(jnp.all(got[i] == want[i])), (i, JAX)
+    assert not bool(jnp.all(want[0] == want[1]))  # the layers draw different keys

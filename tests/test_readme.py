@@ -100,6 +100,22 @@ def _unedited_nnx(ns):
     assert kernel.shape == (16, 64) and float(jnp.max(jnp.abs(kernel))) > 0
 
 
+def _unedited_compare(ns):
+    """apply_factory's make_loss: each row runs its own policy (full keeps least); an applied model is refused."""
+    table = ns["table"]
+    assert table["full"].saved_bytes < table["selective:up"].saved_bytes < table["none"].saved_bytes
+    applied = ns["remat_kit"].apply(ns["plain"], "full")
+    with pytest.raises(TypeError, match=r"made by remat_kit\.apply"):
+        ns["remat_kit"].compare(lambda policy: lambda m, x: 0.0, ["none", "full"], applied, ns["x"])
+
+
+def _unedited_factory(ns):
+    """The tags factory: the names remat-kit tags lists (traced under full) include the blocks' paths."""
+    from remat_kit.planning.user_model import names_from_factory
+
+    assert {"up", "up/kernel", "out"} <= set(names_from_factory(ns["factory"]).names)
+
+
 #: A marker found in a block → what to assert after running it.
 KNOWN = {
     "RematBlock = policy(MyBlock": _linen_loop,
@@ -114,6 +130,8 @@ KNOWN = {
     'remat_kit.compare(make_loss, ["none", "full"], params, rest': _nnx_compare,
     'remat_kit.apply(Transformer(), "selective': _unedited_linen,
     'remat_kit.apply(Model(rngs=nnx.Rngs(0)), "every_n:2"': _unedited_nnx,
+    'remat_kit.compare(make_loss, ["none", "selective:up", "full"]': _unedited_compare,
+    "return make_loss(policy), (variables, x)": _unedited_factory,
 }
 
 

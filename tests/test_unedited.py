@@ -203,10 +203,147 @@ def test_nnx_scan_of_alternating_blocks_says_why_not():
         applied(X)
 
 
-def test_linen_scan_says_not_supported():
-    applied = remat_kit.apply(um.InlineModel(), "full", scan=True)
-    with pytest.raises(ValueError, match="not supported for Linen"):
-        applied.apply(um.InlineModel().init(jax.random.key(0), X), X)
+# ---- Linen scan=True -----------------------------------------------------------------------------------
+
+LINEN_SCAN = {
+    "inline-uniform": (lambda: um.InlineModel(alternate=False), 1e-5),
+    "setup": (um.SetupModel, 1e-5),
+    "inline-uniform-bf16": (lambda: um.InlineModel(alternate=False, dtype=jnp.bfloat16), 1e-2),
+}
+LINEN_SCAN_CASES = [("inline-uniform", p) for p in POLICIES] + [
+    ("setup", "every_n:2"),
+    ("setup", "selective:attn/q_einsum,mlp/*"),
+    ("inline-uniform-bf16", "full"),
+]
+
+
+@pytest.mark.parametrize(("kind", "policy"), LINEN_SCAN_CASES, ids=[f"{k}-{p}" for k, p in LINEN_SCAN_CASES])
+def test_linen_scan_gradients_tree_dropout_and_sow_equal_the_plain_model(kind, policy):
+    make, rtol = LINEN_SCAN[kind]
+    model = make()
+    variables = model.init(jax.random.key(0), X)
+    applied = remat_kit.apply(model, policy, scan=True)
+    assert jax.tree.structure(applied.init(jax.random.key(0), X)) == jax.tree.structure(variables)
+    want, want_state = jax.jit(jax.grad(lambda v: _linen_loss(model, v), has_aux=True))(variables)
+    got, got_state = jax.jit(jax.grad(lambda v: _linen_loss(applied, v), has_aux=True))(variables)
+    assert_grads_equal(got, want, rtol)
+    # sow'n intermediates: the same tree (each block's own), the same values.
+    assert_grads_equal(got_state, want_state, rtol)
+    # The blocks really run as one scan (the plain model's jaxpr has none).
+    jaxpr = jax.make_jaxpr(lambda v: _linen_loss(applied, v))(variables)
+    assert _jax_internals.count_primitive(jaxpr, "scan") >= 1
+
+
+def test_linen_scan_dropout_is_on_and_draws_the_plain_keys():
+    model = um.InlineModel(alternate=False)
+    variables = model.init(jax.random.key(0), X)
+    applied = remat_kit.apply(model, "full", scan=True)
+    rngs = {"dropout": jax.random.key(3)}
+    got, want = applied.apply(variables, X, False, rngs=rngs), model.apply(variables, X, False, rngs=rngs)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    deterministic = applied.apply(variables, X, True)
+    assert float(jnp.max(jnp.abs(got - deterministic))) > 1e-2  # dropout really ran
+
+
+def test_linen_scan_keeps_less_than_the_loop_saves_in_compiled_memory():
+    model = um.InlineModel(num_layers=4, features=16, alternate=False)
+    x = jax.ShapeDtypeStruct((8, 32, 16), jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
+    make = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2), scan=True)
+    table = remat_kit.compare(make, ["none", "full"], variables, x)
+    none, full = table
+    assert full.saved_bytes < none.saved_bytes
+    assert "XLA removed" not in str(table)  # scanned: the saving is real
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (um.InlineModel, "same other arguments"),  # a per-layer local/global flag
+        (lambda: Differ(), "no two consecutive blocks are identical"),
+        (lambda: Between(), "runs code between its blocks"),
+    ],
+    ids=["per-layer-flag", "blocks-differ", "code-between"],
+)
+def test_linen_scan_says_why_a_model_cannot_be_scanned(make, message):
+    model = make()
+    variables = model.init(jax.random.key(0), X)
+    applied = remat_kit.apply(model, "full", scan=True)
+    with pytest.raises(ValueError, match=message):
+        applied.apply(variables, X)
+
+
+def test_linen_scan_of_blocks_with_differently_shaped_caches_says_why():
+    class Cached(nn.Module):
+        size: int
+
+        @nn.compact
+        def __call__(self, x):
+            self.variable("cache", "seen", lambda: jnp.zeros((self.size,)))
+            return x + nn.Dense(8, name="up")(x)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(2):
+                x = Cached(3, name=f"layer_{i}")(x)
+            return x
+
+    variables = Model().init(jax.random.key(0), X)
+    variables = {**variables, "cache": {**variables["cache"], "layer_1": {"seen": jnp.zeros((5,))}}}
+    with pytest.raises(ValueError, match="differently shaped variables in cache"):
+        remat_kit.apply(Model(), "full", scan=True).apply(variables, X, mutable=["cache"])
+
+
+def test_linen_scan_broadcasts_an_array_argument_every_block_shares():
+    """gm.nn passes each block the same positions/mask arrays: they reach every layer of the scan."""
+
+    class Masked(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            return x + jnp.where(mask, nn.Dense(8, name="up")(x), 0.0)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            for i in range(3):
+                x = Masked(name=f"layer_{i}")(x, mask)
+            return x
+
+    mask = jnp.arange(8) % 2 == 0
+    variables = Model().init(jax.random.key(0), X, mask)
+    applied = remat_kit.apply(Model(), "selective:up", scan=True)
+    want = jax.grad(lambda v: jnp.sum(Model().apply(v, X, mask) ** 2))(variables)
+    got = jax.jit(jax.grad(lambda v: jnp.sum(applied.apply(v, X, mask) ** 2)))(variables)
+    assert_grads_equal(got, want, 1e-5)
+
+    class PerLayer(Model):
+        @nn.compact
+        def __call__(self, x, mask):
+            for i in range(3):
+                x = Masked(name=f"layer_{i}")(x, mask if i % 2 else ~mask)  # a mask per block
+            return x
+
+    with pytest.raises(ValueError, match="same other arguments"):
+        remat_kit.apply(PerLayer(), "full", scan=True).apply(variables, X, mask)
+
+
+class Differ(nn.Module):
+    """Two blocks of one class with different attributes: nothing to scan."""
+
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        x = um.Block(8, dropout=0.1, name="layer_0")(x, False, True)
+        return um.Block(8, dropout=0.2, name="layer_1")(x, False, True)
+
+
+class Between(nn.Module):
+    """Identical blocks with code between them."""
+
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        x = um.Block(8, name="layer_0")(x, False, True)
+        return um.Block(8, name="layer_1")(2 * x, False, True)
 
 
 def test_auto_on_a_scanned_applied_model_fits_a_budget_between_full_and_none():
@@ -243,3 +380,14 @@ def test_compare_says_when_xla_removed_the_recompute_of_a_loop():
     assert saved > 0 and noted == (temp < saved / 4)  # the rule: compiled temp falls by under a quarter of it
     if jax.__version_info__ < (0, 11):  # XLA:CPU of jax 0.10 merges this loop's recompute away: the note fires
         assert noted
+
+
+def test_compare_refuses_an_applied_nnx_model_passed_as_an_argument():
+    """Its blocks run the policy apply baked in: every row would measure that one under another label."""
+    applied = remat_kit.apply(um.NnxModel(rngs=nnx.Rngs(0)), "full")
+    make_loss = lambda policy: _nnx_loss  # the mistaken recipe: the model is the argument
+    with pytest.raises(TypeError, match=r"made by remat_kit.apply.*runs? its policy full.*apply_factory"):
+        remat_kit.compare(make_loss, ["none", "full"], applied)
+    scanned = remat_kit.apply(um.NnxModel(alternate=False, rngs=nnx.Rngs(0)), "every_n:2", scan=True)
+    with pytest.raises(TypeError, match=r"made by remat_kit.apply"):
+        remat_kit.auto(make_loss, scanned, budget_bytes=10**9)

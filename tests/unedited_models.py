@@ -66,16 +66,18 @@ class Block(nn.Module):
 
 
 class InlineModel(nn.Module):
-    """Blocks created inline in ``@nn.compact``, local/global alternating."""
+    """Blocks created inline in ``@nn.compact``, local/global alternating (``alternate=False``: all global)."""
 
     num_layers: int = 4
     features: int = 8
     dtype: jnp.dtype = jnp.float32
+    alternate: bool = True
 
     @nn.compact
     def __call__(self, x, deterministic=True):
         for i in range(self.num_layers):
-            x = Block(self.features, dtype=self.dtype, name=f"layer_{i}")(x, i % 2 == 0, deterministic)
+            is_local = self.alternate and i % 2 == 0
+            x = Block(self.features, dtype=self.dtype, name=f"layer_{i}")(x, is_local, deterministic)
         return nn.RMSNorm(name="final_norm")(x)
 
 
@@ -144,3 +146,17 @@ class NnxModel(nnx.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, self.alternate and i % 2 == 0, deterministic)
         return self.final_norm(x)
+
+
+# ---- a MODULE:FACTORY for the CLI (remat-kit tags/plan/bench --model tests.unedited_models:factory) -------
+
+
+def factory(policy):
+    """``(loss_fn, (variables, x))`` for the unedited inline model under ``policy`` (abstract inputs)."""
+    import remat_kit
+
+    model = InlineModel()
+    x = jax.ShapeDtypeStruct((2, 6, 8), jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
+    make_loss = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2))
+    return make_loss(policy), (variables, x)

@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "remat_kit.cli.train",
     "remat_kit.cli.plan",
     "remat_kit.cli.bench",
+    "remat_kit.cli.tags",
 )
 
 

@@ -22,10 +22,11 @@ import argparse
 import time
 
 import numpy as np
+from flax import traverse_util
 
 from remat_kit import policies
 from remat_kit.model import lora
-from remat_kit.model.transformer import TransformerConfig
+from remat_kit.model.transformer import TransformerConfig, abstract_params
 from remat_kit.planning import budget
 from remat_kit.planning import planner as planner_lib
 from remat_kit.units import fmt_bytes
@@ -61,8 +62,12 @@ def main(argv=None) -> int:
     full = TransformerConfig.preset(args.preset)
     pb = lora.param_bytes(cfg)
     kernels = sum(a * b for a, b in lora.kernel_shapes(cfg).values()) * cfg.num_layers
-    rest = (full.num_params() - kernels) * np.dtype(cfg.param_dtype).itemsize  # embeddings, norms: unquantized
-    kernel_bytes = pb.frozen - rest
+    matrices = sum(a * b for a, b in lora.matrix_shapes(cfg).values())  # the embedding (and an untied head)
+    frozen = traverse_util.flatten_dict(lora.partition(abstract_params(cfg))[1])
+    stored = lambda name: int(sum(np.prod(v.shape) * v.dtype.itemsize for k, v in frozen.items() if name in k))
+    kernel_bytes = stored("kernel")
+    matrix_bytes = stored("embedding") + stored("lm_head")
+    norm_bytes = pb.frozen - kernel_bytes - matrix_bytes  # the norm scales, unquantized
     margin = planner_lib.DEFAULT_MARGIN
     planner = planner_lib.Planner(cfg, loss_chunks=args.loss_chunks)
     b = args.batch
@@ -73,9 +78,11 @@ def main(argv=None) -> int:
         f"AdamW on the adapters only, loss chunks {args.loss_chunks}, compute {cfg.dtype}, margin {margin:.0%}"
     )
     print(
-        f"parameters: frozen base {fmt_bytes(pb.frozen)} ({args.quantize} Block kernels: "
-        f"{fmt_bytes(kernel_bytes)}, {kernel_bytes / kernels:.3f} byte per weight; "
-        f"+ {cfg.param_dtype} embeddings/norms {fmt_bytes(rest)}), "
+        f"parameters: frozen base {fmt_bytes(pb.frozen)}, {pb.frozen / full.num_params():.3f} byte per base "
+        f"parameter ({args.quantize} Block kernels {fmt_bytes(kernel_bytes)}, {kernel_bytes / kernels:.3f} byte per "
+        f"weight; {args.quantize} embedding{'' if cfg.tie_embeddings else ' and output head'} "
+        f"{fmt_bytes(matrix_bytes)}, {matrix_bytes / matrices:.3f} byte per weight; {cfg.param_dtype} norms "
+        f"{fmt_bytes(norm_bytes)}), "
         f"adapters {fmt_bytes(pb.trainable)}; adapter gradients + AdamW state "
         f"{fmt_bytes(3 * pb.trainable)}. Full fine-tuning needs 39.33 GB at 2 x 1,024 under full remat "
         "(benchmarks/results/auto_budgets_2b.txt).\n"

@@ -297,13 +297,18 @@ def test_nf4_project_gradients_match_autodiff_of_the_dequantized_matmul():
 
 
 def test_nf4_frozen_base_is_half_a_byte_per_weight_plus_scales():
-    kernels = sum(a * b for a, b in lora.kernel_shapes(NF4).values()) * NF4.num_layers
     int8_cfg = TransformerConfig.preset("tiny", lora_rank=4, lora_targets=NF4.lora_targets, quantize="int8")
     nf4_bytes, int8_bytes = lora.param_bytes(NF4).frozen, lora.param_bytes(int8_cfg).frozen
-    # int8: 1 byte per weight + a float32 per output channel; nf4: 0.5 byte + an int8 per 64 (padded to 256s).
-    scales = sum(nf4.num_scales(s) + 4 * nf4.num_scales(s) // 256 + 4 for s in lora.kernel_shapes(NF4).values())
-    int8_scales = sum(4 * d_out for _, d_out in lora.kernel_shapes(NF4).values())
-    assert int8_bytes - nf4_bytes == kernels // 2 + (int8_scales - scales) * NF4.num_layers
+    # Every matrix is quantized: the Block kernels, the embedding [vocab, d] and the untied head [d, vocab].
+    layer, outside = lora.kernel_shapes(NF4).values(), lora.matrix_shapes(NF4)
+    weights = NF4.num_layers * sum(a * b for a, b in layer) + sum(a * b for a, b in outside.values())
+    # int8: 1 byte per weight + a float32 per output channel (per row of the embedding); nf4: 0.5 byte +
+    # an int8 per 64 (padded to 256s) + the second level's float32s.
+    scale_bytes = lambda s: nf4.num_scales(s) + 4 * nf4.num_scales(s) // 256 + 4
+    scales = NF4.num_layers * sum(scale_bytes(s) for s in layer) + sum(scale_bytes(s) for s in outside.values())
+    int8_scales = NF4.num_layers * sum(4 * d_out for _, d_out in layer)
+    int8_scales += 4 * outside["embed"][0] + 4 * outside["lm_head"][1]
+    assert int8_bytes - nf4_bytes == weights // 2 + int8_scales - scales
 
 
 def test_cli_nf4_without_lora_rank_is_a_clear_error(capsys):

@@ -289,6 +289,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     """``plan --budget``: every candidate's need against the budget, the choice, and the limits that fit."""
     from remat_kit import policies
     from remat_kit.cli.plan_report import compile_progress, parse_policies
+    from remat_kit.model import lora
     from remat_kit.planning import budget, cost, pareto, tensors
     from remat_kit.planning import fit as fit_lib
     from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner
@@ -383,6 +384,12 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         f"params), batch {batch} × seq {seq}{_shape_note(args)}, clipped AdamW step, loss_chunks={args.loss_chunks}, "
         f"margin {margin:.0%}{where}"
     )
+    if config.lora_rank:  # what the frozen base takes as stored (a quantized base: its embedding too)
+        pb = lora.param_bytes(config)
+        print(
+            f"LoRA: frozen base {fmt_bytes(pb.frozen)} (quantize={config.quantize}, "
+            f"{pb.frozen / config.num_params():.3f} byte per base parameter), adapters {fmt_bytes(pb.trainable)}"
+        )
     print(budget.BUDGET_LEGEND)
     # A sequence limit equal to the preset's max_seq_len is the model's cap, not what memory allows.
     shown = {k: (b, f"{s} (cap)" if s == config.max_seq_len else s) for k, (b, s) in fit.items()}

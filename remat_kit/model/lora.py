@@ -18,6 +18,10 @@ absmax scale and keeps it int8 in the backward pass under every policy (:func:`i
 ``quantize="nf4"`` is QLoRA's own format (:mod:`remat_kit.model.nf4`: 4-bit NormalFloat codes packed
 two per byte, an absmax per 64 weights, those scales double-quantized to int8 per 256), about 0.52
 byte per base weight; the backward pass keeps the packed codes and scales (:func:`nf4_project`).
+Either mode stores the embedding table (int8 per row, or NF4) and an untied output head quantized
+too (:data:`BASE_MATRICES`; only the norm scales stay float): a lookup dequantizes the gathered rows
+alone (:class:`QuantizedEmbed`), and the output head, tied or not, dequantizes inside its matmul
+(:func:`project_weight`) or inside the fused chunked loss, never keeping a dequantized copy.
 
 The layer itself (:class:`LoRADense`, the int8 and NF4 paths, the config check) and the trainable/frozen split
 beside the adapter names it defines live in :mod:`remat_kit.model.lora_layer`, below the transformer
@@ -48,22 +52,30 @@ from flax import traverse_util
 
 # The layer, re-exported: ``lora.LoRADense``, ``lora.TARGETS`` ... are this module's public names.
 from remat_kit.model.lora_layer import ADAPTER_NAMES as ADAPTER_NAMES
+from remat_kit.model.lora_layer import BASE_MATRICES as BASE_MATRICES
 from remat_kit.model.lora_layer import QUANTIZE_DTYPES as QUANTIZE_DTYPES
 from remat_kit.model.lora_layer import QUANTIZE_MODES as QUANTIZE_MODES
 from remat_kit.model.lora_layer import TARGETS as TARGETS
 from remat_kit.model.lora_layer import LoRADense as LoRADense
+from remat_kit.model.lora_layer import QuantizedEmbed as QuantizedEmbed
 from remat_kit.model.lora_layer import check_config as check_config
 from remat_kit.model.lora_layer import combine as combine
 from remat_kit.model.lora_layer import dense as dense
 from remat_kit.model.lora_layer import dequantize as dequantize
+from remat_kit.model.lora_layer import dequantize_matrix as dequantize_matrix
 from remat_kit.model.lora_layer import enabled as enabled
 from remat_kit.model.lora_layer import init_optimizer as init_optimizer
 from remat_kit.model.lora_layer import int8_project as int8_project
 from remat_kit.model.lora_layer import is_adapter as is_adapter
+from remat_kit.model.lora_layer import is_quantized as is_quantized
 from remat_kit.model.lora_layer import kernel_shapes as kernel_shapes
+from remat_kit.model.lora_layer import lookup as lookup
+from remat_kit.model.lora_layer import matrix_shapes as matrix_shapes
 from remat_kit.model.lora_layer import nf4_project as nf4_project
 from remat_kit.model.lora_layer import partition as partition
+from remat_kit.model.lora_layer import project_weight as project_weight
 from remat_kit.model.lora_layer import quantize_int8 as quantize_int8
+from remat_kit.model.lora_layer import quantize_matrix as quantize_matrix
 from remat_kit.model.lora_layer import quantize_nf4 as quantize_nf4
 from remat_kit.model.lora_layer import update as update
 from remat_kit.model.transformer import abstract_params, init_params
@@ -88,10 +100,10 @@ def num_trainable(config: Any) -> int:
 def from_base(base_params: Mapping, config: Any, key: jax.Array) -> dict:
     """Parameters of ``config`` (with adapters / an int8 or NF4 base) from a full model's parameters.
 
-    Base weights are copied (quantized where ``config.quantize`` says so: int8 per channel, or NF4
-    per 64-block of each layer's kernel); adapters are freshly initialized from ``key`` (``B = 0``),
-    so the result computes exactly what the base did (up to quantization: exactly what the base
-    with :func:`dequantize`'d kernels does).
+    Base weights are copied (quantized where ``config.quantize`` says so: every matrix of
+    :data:`BASE_MATRICES`, int8 per output channel (the embedding per row), or NF4 per 64-block);
+    adapters are freshly initialized from ``key`` (``B = 0``), so the result computes exactly what
+    the base did (up to quantization: what the base with :func:`dequantize_matrix`'d matrices does).
 
     Args:
       base_params: the ``params`` of a model of the same shape without adapters (e.g. restored
@@ -108,21 +120,20 @@ def from_base(base_params: Mapping, config: Any, key: jax.Array) -> dict:
     if any(is_adapter(k) for k in fresh):
         init = traverse_util.flatten_dict(partition(init_params(config, key))[0])
         adapters = dict(init)
-    quantizer = {"int8": quantize_int8, "nf4": quantize_nf4}.get(config.quantize)
-    quantized_kernels: dict[tuple, dict] = {}  # one quantization per kernel, read once per leaf
+    quantized_kernels: dict[tuple, dict] = {}  # one quantization per matrix, read once per leaf
     out = {}
     for k, spec in fresh.items():
         if is_adapter(k):
             out[k] = adapters[k]
             continue
-        quantized = quantizer is not None and len(k) > 1 and k[-2] == "kernel"
+        quantized = config.quantize != "none" and len(k) > 1 and k[-2] in BASE_MATRICES
         src = k[:-1] if quantized else k
         if src not in base:
             raise ValueError(f"base parameters lack {'/'.join(src)}; they are not of this model's shape")
         value = base[src]
         if quantized:
             if src not in quantized_kernels:
-                quantized_kernels[src] = quantizer(value)
+                quantized_kernels[src] = quantize_matrix(value, config.quantize, BASE_MATRICES[src[-1]])
             value = quantized_kernels[src][k[-1]]
         if tuple(value.shape) != tuple(spec.shape):
             raise ValueError(f"base parameter {'/'.join(src)} has shape {value.shape}, the model needs {spec.shape}")
@@ -136,8 +147,8 @@ class ParamBytes:
 
     Attributes:
       trainable: adapter (or, without adapters, all) parameter bytes.
-      frozen: frozen base bytes (int8 kernels count one byte per entry, NF4 kernels half a byte
-        plus their scales).
+      frozen: frozen base bytes as stored (int8 matrices count one byte per entry, NF4 matrices
+        half a byte plus their scales; the embedding and an untied head are quantized too).
     """
 
     trainable: int

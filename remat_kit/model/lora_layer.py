@@ -19,6 +19,12 @@ dequantized or compute-dtype copy.
 bitsandbytes does per matmul) and its backward pass keeps the packed codes and the scales and
 dequantizes again: no dequantized kernel is ever saved, under any policy, ``none`` included.
 
+A quantized base stores its other matrices the same way (:data:`BASE_MATRICES`): the embedding
+table (int8 with a scale per row, or NF4), looked up by :class:`QuantizedEmbed`, which gathers the
+stored rows and dequantizes those alone, and the untied output head; the output head, tied or not,
+runs through :func:`project_weight` (the int8 or NF4 matmul above, contracting the table's axis 1
+when tied) or, under the fused chunked loss, is dequantized there (:func:`dequantize_matrix`).
+
 Why not a library: qwix 0.1.8 (Google's JAX quantization library) installs and imports on jax
 0.10.2 and quantizes a plain Linen ``nn.Dense`` weight-only to int8 per channel
 (``QtRule(weight_qtype="int8")`` → ``QArray(qvalue int8, scale [1, out])``), but it works by
@@ -68,8 +74,8 @@ def check_config(config: Any) -> None:
     """Validate the ``lora_*`` and ``quantize`` fields of a TransformerConfig (raise one-line ValueErrors).
 
     Args:
-      config: anything with ``lora_rank``, ``lora_alpha``, ``lora_targets``, ``quantize``, ``dtype``
-        and ``d_model``.
+      config: anything with ``lora_rank``, ``lora_alpha``, ``lora_targets``, ``quantize``, ``dtype``,
+        ``d_model`` (and, for ``nf4``, the shape fields :func:`kernel_shapes` and :func:`matrix_shapes` read).
     """
     rank, alpha, targets = config.lora_rank, config.lora_alpha, config.lora_targets
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -96,11 +102,17 @@ def check_config(config: Any) -> None:
                 f"allowed: {', '.join(QUANTIZE_DTYPES)}"
             )
     if config.quantize == "nf4":
-        for name, shape in kernel_shapes(config).items():
+        for name, shape in {**kernel_shapes(config), **matrix_shapes(config)}.items():
             try:
                 nf4.check_shape(shape)
             except ValueError as err:
                 raise ValueError(f"quantize='nf4' cannot store {name}: {err}") from None
+
+
+def matrix_shapes(config: Any) -> dict[str, tuple[int, int]]:
+    """``{name: shape}`` of the base's matrices outside the Block: the embedding and the untied output head."""
+    d, v = config.d_model, config.vocab_size
+    return {"embed": (v, d), **({} if config.tie_embeddings else {"lm_head": (d, v)})}
 
 
 def kernel_shapes(config: Any) -> dict[str, tuple[int, int]]:
@@ -120,18 +132,21 @@ def kernel_shapes(config: Any) -> dict[str, tuple[int, int]]:
 # ---- quantization ---------------------------------------------------------------------------------------
 
 
-def quantize_int8(kernel: jax.Array) -> dict[str, jax.Array]:
+def quantize_int8(kernel: jax.Array, axis: int = -2) -> dict[str, jax.Array]:
     """Symmetric per-output-channel int8: ``{"qvalue": int8 [..., d_in, d_out], "scale": f32 [..., 1, d_out]}``.
 
     The scale is ``max|kernel[:, j]| / 127`` (1 for an all-zero channel), so the round trip error
-    of each entry is at most half a scale step.
+    of each entry is at most half a scale step. ``axis=-1`` takes the absmax over the last axis
+    instead (``scale [..., d_in, 1]``): per row, as an embedding table ``[vocab, d]`` is stored.
 
     >>> q = quantize_int8(jnp.array([[1.0, -0.5], [-2.0, 0.25]]))
     >>> q["qvalue"].tolist(), q["scale"].tolist()
     ([[64, -127], [-127, 64]], [[0.015748031437397003, 0.003937007859349251]])
     """
+    if axis not in (-2, -1):
+        raise ValueError(f"axis must be -2 (per output channel) or -1 (per row), got {axis!r}")
     kernel = jnp.asarray(kernel, jnp.float32)
-    absmax = jnp.max(jnp.abs(kernel), axis=-2, keepdims=True)
+    absmax = jnp.max(jnp.abs(kernel), axis=axis, keepdims=True)
     scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
     qvalue = jnp.clip(jnp.round(kernel / scale), -127, 127).astype(jnp.int8)
     return {"qvalue": qvalue, "scale": scale}
@@ -142,37 +157,46 @@ def dequantize(q: Mapping[str, jax.Array], dtype=jnp.float32) -> jax.Array:
     return (q["qvalue"].astype(jnp.float32) * q["scale"]).astype(dtype)
 
 
-def _int8_matmul(x, qvalue, scale, dtype):
-    return (x @ qvalue.astype(dtype)) * scale.astype(dtype).reshape((1,) * (x.ndim - 1) + scale.shape[-1:])
+def _int8_matmul(x, qvalue, scale, dtype, w_in_axis, out_dtype):
+    y = matmul(x, qvalue.astype(dtype), w_in_axis, out_dtype)
+    return y * scale.astype(y.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def int8_project(x, qvalue, scale, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def int8_project(x, qvalue, scale, dtype, w_in_axis: int = 0, out_dtype=None):
     """``(x @ qvalue) · scale`` in ``dtype`` whose backward pass keeps ``x`` and the int8 ``qvalue``.
 
     Autodiff would keep the compute-dtype cast of the kernel (2 or 4 bytes per entry, under ``none``);
     this casts it again in the backward pass, as :func:`remat_kit.model.ops.project` does for float weights.
+
+    Args:
+      x: the activation ``[..., k]``.
+      qvalue, scale: an int8 weight from :func:`quantize_int8`: ``[k, out]`` with ``scale [1, out]``
+        (``w_in_axis=0``, a kernel), or ``[out, k]`` with ``scale [out, 1]`` (``w_in_axis=1``, a tied
+        embedding quantized per row, ``axis=-1``).
+      dtype: the compute dtype; out_dtype: ``preferred_element_type`` of the matmul (None: ``dtype``).
 
     >>> q = quantize_int8(jnp.array([[1.0, -0.5], [-2.0, 0.25]]))
     >>> x = jnp.ones((1, 2))
     >>> bool(jnp.allclose(int8_project(x, q["qvalue"], q["scale"], jnp.dtype("float32")), x @ dequantize(q)))
     True
     """
-    return _int8_matmul(x, qvalue, scale, dtype)
+    return _int8_matmul(x, qvalue, scale, dtype, w_in_axis, out_dtype)
 
 
-def _int8_project_fwd(x, qvalue, scale, dtype):
-    return _int8_matmul(x, qvalue, scale, dtype), (x, qvalue, scale)
+def _int8_project_fwd(x, qvalue, scale, dtype, w_in_axis, out_dtype):
+    return _int8_matmul(x, qvalue, scale, dtype, w_in_axis, out_dtype), (x, qvalue, scale)
 
 
-def _int8_project_bwd(dtype, residuals, g):
+def _int8_project_bwd(dtype, w_in_axis, out_dtype, residuals, g):
     x, qvalue, scale = residuals
     qc = qvalue.astype(dtype)
-    s = scale.astype(dtype).reshape((1,) * (x.ndim - 1) + scale.shape[-1:])
-    dx = ((g * s) @ qc.T).astype(x.dtype)
+    s = scale.astype(g.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+    (dx,) = jax.linear_transpose(lambda x_: matmul(x_, qc, w_in_axis, out_dtype), x)(g * s)
     # The scale is frozen in LoRA training (XLA drops this then); computed anyway so the rule is right.
-    dscale = jnp.sum((g * (x @ qc)).astype(jnp.float32).reshape(-1, scale.shape[-1]), axis=0)
-    return dx, None, dscale.reshape(scale.shape).astype(scale.dtype)  # None: an integer input has no cotangent
+    unscaled = matmul(x, qc, w_in_axis, out_dtype)
+    dscale = jnp.sum((g * unscaled).astype(jnp.float32).reshape(-1, scale.size), axis=0)
+    return dx.astype(x.dtype), None, dscale.reshape(scale.shape).astype(scale.dtype)  # None: int input, no cotangent
 
 
 int8_project.defvjp(_int8_project_fwd, _int8_project_bwd)
@@ -188,12 +212,14 @@ def _nf4_kernel(codes, absmax_q, absmax_scale, absmax_offset, dtype):
     return nf4.dequantize(q, dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def nf4_project(x, codes, absmax_q, absmax_scale, absmax_offset, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def nf4_project(x, codes, absmax_q, absmax_scale, absmax_offset, dtype, w_in_axis: int = 0, out_dtype=None):
     """``x @ dequantize(nf4 kernel)`` in ``dtype`` whose backward pass keeps ``x``, the packed codes and the scales.
 
     The dequantized kernel is a temporary of the forward pass and dequantized again in the backward
-    pass; autodiff would keep it (2 or 4 bytes per weight instead of the stored 0.52).
+    pass; autodiff would keep it (2 or 4 bytes per weight instead of the stored 0.52). ``w_in_axis``
+    and ``out_dtype`` are :func:`remat_kit.model.ops.project`'s: 1 for a weight stored ``[out, k]``
+    (a tied embedding), and the matmul's ``preferred_element_type`` (None: ``dtype``).
 
     >>> q = quantize_nf4(jax.random.normal(jax.random.key(0), (64, 8)))
     >>> x = jnp.ones((2, 64))
@@ -201,27 +227,188 @@ def nf4_project(x, codes, absmax_q, absmax_scale, absmax_offset, dtype):
     >>> bool(jnp.allclose(y, x @ nf4.dequantize(q)))
     True
     """
-    return matmul(x, _nf4_kernel(codes, absmax_q, absmax_scale, absmax_offset, dtype), 0, None)
+    return matmul(x, _nf4_kernel(codes, absmax_q, absmax_scale, absmax_offset, dtype), w_in_axis, out_dtype)
 
 
-def _nf4_project_fwd(x, codes, absmax_q, absmax_scale, absmax_offset, dtype):
+def _nf4_project_fwd(x, codes, absmax_q, absmax_scale, absmax_offset, dtype, w_in_axis, out_dtype):
     # The same one dot_general as ops.project's forward, so a policy that keeps dots sees it.
-    y = matmul(x, _nf4_kernel(codes, absmax_q, absmax_scale, absmax_offset, dtype), 0, None)
+    y = matmul(x, _nf4_kernel(codes, absmax_q, absmax_scale, absmax_offset, dtype), w_in_axis, out_dtype)
     return y, (x, codes, absmax_q, absmax_scale, absmax_offset)
 
 
-def _nf4_project_bwd(dtype, residuals, g):
+def _nf4_project_bwd(dtype, w_in_axis, out_dtype, residuals, g):
     x, codes, absmax_q, absmax_scale, absmax_offset = residuals
     w = _nf4_kernel(codes, absmax_q, absmax_scale, absmax_offset, dtype)
-    (dx,) = jax.linear_transpose(lambda x_: matmul(x_, w, 0, None), x)(g)
+    (dx,) = jax.linear_transpose(lambda x_: matmul(x_, w, w_in_axis, out_dtype), x)(g)
     # The scales are frozen in LoRA training (XLA drops this then); computed anyway so the rule is right.
-    dw = weight_grad(x, g, 0, jnp.float32).astype(jnp.float32)
+    dw = weight_grad(x, g, w_in_axis, jnp.float32).astype(jnp.float32)
     _, scale_vjp = jax.vjp(lambda s, o: _nf4_kernel(codes, absmax_q, s, o, jnp.float32), absmax_scale, absmax_offset)
     dscale, doffset = scale_vjp(dw)
     return dx, None, None, dscale, doffset  # None: integer inputs have no cotangent
 
 
 nf4_project.defvjp(_nf4_project_fwd, _nf4_project_bwd)
+
+
+# ---- the frozen embedding and output head --------------------------------------------------------------
+
+#: Parameter names of the base's weight matrices, which a quantized base stores quantized, and the axis
+#: their matmul contracts: every Block ``kernel [d_in, d_out]`` and the untied ``lm_head [d, vocab]``
+#: (0), and the ``embedding [vocab, d]``, looked up by row and, tied, the output head contracting axis 1.
+#: Norm scales stay in the parameter dtype.
+BASE_MATRICES: dict[str, int] = {"kernel": 0, "lm_head": 0, "embedding": 1}
+
+
+def quantize_matrix(w: jax.Array, mode: str, w_in_axis: int = 0) -> dict[str, jax.Array]:
+    """A float weight matrix stored as ``mode``: int8 per output channel, or NF4 (:func:`quantize_nf4`).
+
+    Args:
+      w: float weights ``[..., k, out]`` (``w_in_axis=0``) or ``[..., out, k]`` (``w_in_axis=1``, an
+        embedding table, whose int8 scale is then one per row).
+      mode: ``"int8"`` or ``"nf4"``.
+      w_in_axis: the axis a matmul with ``w`` contracts (see :data:`BASE_MATRICES`).
+
+    >>> quantize_matrix(jnp.ones((4, 2)), "int8", w_in_axis=1)["scale"].shape
+    (4, 1)
+    """
+    if w_in_axis not in (0, 1) or isinstance(w_in_axis, bool):
+        raise ValueError(f"w_in_axis must be 0 ([k, out]) or 1 ([out, k]), got {w_in_axis!r}")
+    if mode == "int8":
+        return quantize_int8(w, axis=-2 + w_in_axis)
+    if mode == "nf4":
+        return quantize_nf4(w)
+    raise ValueError(f"quantize={mode!r} stores no quantized matrix; allowed: int8, nf4")
+
+
+def is_quantized(w: Any) -> bool:
+    """Whether a stored weight is a quantized matrix (a mapping of :func:`quantize_matrix`'s leaves)."""
+    return isinstance(w, Mapping) and ("qvalue" in w or "codes" in w)
+
+
+def _dequantize_any(q: Mapping[str, jax.Array], dtype) -> jax.Array:
+    if "qvalue" in q:
+        return dequantize(q, dtype)
+    if "codes" in q:
+        return nf4.dequantize(q, dtype)
+    raise ValueError(f"not a quantized matrix: leaves {sorted(q)}; expected int8 (qvalue, scale) or nf4 {nf4.LEAVES}")
+
+
+def dequantize_matrix(q: Mapping[str, jax.Array], dtype=jnp.float32) -> jax.Array:
+    """The float matrix an int8 or NF4 ``q`` stands for, in ``dtype``; its backward pass keeps ``q`` alone.
+
+    Autodiff of the dequantization would keep the unscaled values (a float copy of the matrix) for
+    the scales' gradient; this recomputes them in the backward pass. A frozen ``q`` has no backward
+    pass at all, and the result is then a temporary of the forward pass (the fused loss's output
+    matrix, :func:`remat_kit.model.loss.chunked_cross_entropy`).
+
+    >>> q = quantize_matrix(jnp.array([[1.0, -0.5], [-2.0, 0.25]]), "int8")
+    >>> dequantize_matrix(q, jnp.bfloat16).dtype
+    dtype(bfloat16)
+    """
+    names = tuple(sorted(q))
+    return _dequantize_leaves(names, jnp.dtype(dtype), *(q[n] for n in names))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dequantize_leaves(names, dtype, *leaves):
+    return _dequantize_any(dict(zip(names, leaves, strict=True)), dtype)
+
+
+def _dequantize_leaves_fwd(names, dtype, *leaves):
+    return _dequantize_leaves(names, dtype, *leaves), leaves
+
+
+def _dequantize_leaves_bwd(names, dtype, leaves, g):
+    floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+    def with_floats(*values):
+        merged = list(leaves)
+        for i, v in zip(floats, values, strict=True):
+            merged[i] = v
+        return _dequantize_any(dict(zip(names, merged, strict=True)), dtype)
+
+    _, vjp = jax.vjp(with_floats, *(leaves[i] for i in floats))
+    cotangents: list = [None] * len(leaves)  # None: integer leaves have no cotangent
+    for i, ct in zip(floats, vjp(g), strict=True):
+        cotangents[i] = ct
+    return tuple(cotangents)
+
+
+_dequantize_leaves.defvjp(_dequantize_leaves_fwd, _dequantize_leaves_bwd)
+
+
+def project_weight(x, w, w_in_axis: int, dtype, out_dtype=None):
+    """:func:`remat_kit.model.ops.project` of a stored weight that may be quantized (int8 or NF4).
+
+    The quantized paths are :func:`int8_project` and :func:`nf4_project`: the backward pass keeps
+    the stored (packed) weight, never a dequantized or compute-dtype copy of it.
+
+    >>> w = jax.random.normal(jax.random.key(0), (64, 8))
+    >>> x = jnp.ones((2, 8))
+    >>> y = project_weight(x, quantize_matrix(w, "nf4"), 1, jnp.dtype("float32"), jnp.float32)
+    >>> bool(jnp.allclose(y, x @ nf4.dequantize(quantize_nf4(w)).T))
+    True
+    """
+    if not is_quantized(w):
+        return project(x, w, w_in_axis, dtype, out_dtype)
+    if "qvalue" in w:
+        return int8_project(x, w["qvalue"], w["scale"], dtype, w_in_axis, out_dtype)
+    return nf4_project(x, *(w[k] for k in nf4.LEAVES), dtype, w_in_axis, out_dtype)
+
+
+def lookup(table: Mapping[str, jax.Array], tokens: jax.Array, dtype) -> jax.Array:
+    """Rows ``tokens`` of a quantized embedding table ``[vocab, d]``, only those rows dequantized.
+
+    Equal to ``dequantize_matrix(table, dtype)[tokens]`` exactly (the same arithmetic per entry).
+
+    Args:
+      table: from ``quantize_matrix(embedding, mode, w_in_axis=1)``.
+      tokens: integer ids ``[...]``.
+      dtype: the output dtype.
+
+    Returns:
+      ``[..., d]`` in ``dtype``.
+    """
+    if "qvalue" in table:
+        rows = jnp.take(table["qvalue"], tokens, axis=0).astype(jnp.float32)
+        return (rows * jnp.take(table["scale"], tokens, axis=0)).astype(dtype)
+    if "codes" in table:
+        return nf4.dequantize_rows(table, tokens, dtype)
+    raise ValueError(f"not a quantized table: leaves {sorted(table)}; expected int8 (qvalue, scale) or nf4 leaves")
+
+
+class QuantizedEmbed(nn.Module):
+    """``nn.Embed`` over a frozen quantized table: ``embedding`` stored int8 per row or NF4.
+
+    The parameter keeps ``nn.Embed``'s name (``embedding``), so :func:`remat_kit.model.lora.from_base`
+    quantizes a full checkpoint's table into it. A lookup gathers the stored rows and dequantizes
+    those alone (:func:`lookup`); the table is never dequantized whole for it.
+
+    Attributes:
+      num_embeddings: vocabulary size; features: row width.
+      quantize: ``"int8"`` or ``"nf4"``.
+      dtype: the output (compute) dtype.
+      embedding_init: the float table's initializer (quantized at init).
+
+    >>> emb = QuantizedEmbed(256, 64, quantize="nf4")
+    >>> p = emb.init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))["params"]
+    >>> p["embedding"]["codes"].shape, emb.apply({"params": p}, jnp.ones((1, 3), jnp.int32)).shape
+    ((256, 32), (1, 3, 64))
+    """
+
+    num_embeddings: int
+    features: int
+    quantize: str
+    dtype: Any = jnp.float32
+    embedding_init: Callable = nn.initializers.normal(0.02)
+
+    def setup(self):
+        shape = (self.num_embeddings, self.features)
+        init = lambda key: quantize_matrix(self.embedding_init(key, shape, jnp.float32), self.quantize, 1)
+        self.embedding = self.param("embedding", init)
+
+    def __call__(self, tokens):
+        return lookup(self.embedding, tokens, jnp.dtype(self.dtype))
 
 
 # ---- the layer ------------------------------------------------------------------------------------------

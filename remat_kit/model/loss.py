@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from remat_kit.model import lora_layer
 from remat_kit.model.ops import matmul, project
 from remat_kit.units import check_int
 
@@ -123,7 +124,10 @@ def chunked_cross_entropy(hidden, w_out, targets, mask, chunks: int, *, vocab_ax
       hidden: ``[b, s, d]`` final hidden states (the logits are computed in their dtype, accumulated
         in float32).
       w_out: the output projection in any dtype: ``[d, vocab]``, or ``[vocab, d]`` with ``vocab_axis=0``
-        (a tied embedding, used without a transpose).
+        (a tied embedding, used without a transpose); or a quantized one (int8 or NF4, a frozen
+        LoRA base's), dequantized once in ``hidden``'s dtype inside the loss
+        (:func:`remat_kit.model.lora_layer.dequantize_matrix`): no dequantized copy is kept for
+        the backward pass.
       targets, mask: as for :func:`cross_entropy`.
       chunks: how many slices (a positive integer; the token count is padded up to a multiple).
       vocab_axis: which axis of ``w_out`` is the vocabulary, 1 or 0.
@@ -137,6 +141,8 @@ def chunked_cross_entropy(hidden, w_out, targets, mask, chunks: int, *, vocab_ax
     check_int("loss chunks", chunks)
     if vocab_axis not in (0, 1) or isinstance(vocab_axis, bool):
         raise ValueError(f"vocab_axis must be 0 ([vocab, d]) or 1 ([d, vocab]), got {vocab_axis!r}")
+    if lora_layer.is_quantized(w_out):
+        w_out = lora_layer.dequantize_matrix(w_out, hidden.dtype)
     b, s, d = hidden.shape
     n = b * s
     size = -(-n // chunks)

@@ -172,3 +172,36 @@ def dequantize(q: Mapping[str, jax.Array], dtype=jnp.float32) -> jax.Array:
     lead, d_in, d_out = packed.shape[:-2], packed.shape[-2], 2 * packed.shape[-1]
     values = jnp.asarray(TABLE)[unpack(packed)].reshape(*lead, -1, BLOCK)
     return (values * scales(q)[..., None]).reshape(*lead, d_in, d_out).astype(dtype)
+
+
+def dequantize_rows(q: Mapping[str, jax.Array], rows: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """``dequantize(q, dtype)[rows]`` of a 2-D NF4 matrix (an embedding table), dequantizing only those rows.
+
+    The gathered rows' packed codes, and each entry's first- and second-level scale (its 64-block
+    may straddle two rows when the width is not a multiple of 64), with :func:`scales`' arithmetic,
+    so the result equals the whole table's dequantization gathered, exactly.
+
+    Args:
+      q: an NF4 matrix ``[n, d]`` (:func:`quantize` of a 2-D array).
+      rows: integer row ids ``[...]``.
+      dtype: the output dtype.
+
+    Returns:
+      ``[..., d]`` in ``dtype``.
+
+    >>> q = quantize(jax.random.normal(jax.random.key(0), (16, 8)))
+    >>> rows = jnp.array([[3, 0], [15, 3]])
+    >>> bool(jnp.all(dequantize_rows(q, rows) == dequantize(q)[rows]))
+    True
+    """
+    packed = q["codes"]
+    if packed.ndim != 2:
+        raise ValueError(f"dequantize_rows needs a 2-D NF4 matrix, got codes of shape {tuple(packed.shape)}")
+    d = 2 * packed.shape[-1]
+    i = jnp.asarray(rows, jnp.int32)[..., None]
+    c = jnp.arange(d, dtype=jnp.int32).reshape((1,) * (i.ndim - 1) + (d,))
+    # Entry (i, c) is flat entry i*d + c, in block (i*d + c) // 64, split so no product overflows int32.
+    block = i * (d // BLOCK) + (i * (d % BLOCK) + c) // BLOCK
+    scale = q["absmax_q"][block].astype(jnp.float32) * q["absmax_scale"][block // SCALE_BLOCK] + q["absmax_offset"][0]
+    values = jnp.asarray(TABLE)[unpack(jnp.take(packed, rows, axis=0))]
+    return (values * scale).astype(dtype)

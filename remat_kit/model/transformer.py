@@ -72,7 +72,8 @@ class TransformerConfig:
         ``auto`` (default) is cuDNN flash attention on a GPU, ``chunked`` elsewhere.
       attention_block: block size of ``chunked`` attention in positions; None for the backend's
         default (:func:`remat_kit.model.attention.default_block`).
-      lora_rank, lora_alpha, lora_targets, quantize: LoRA adapters / int8 base (see :mod:`remat_kit.model.lora`).
+      lora_rank, lora_alpha, lora_targets, quantize: LoRA adapters / an int8 or NF4 base: its Block
+        kernels, embedding and untied output head (see :mod:`remat_kit.model.lora`).
     """
 
     vocab_size: int = 256
@@ -273,20 +274,29 @@ class Transformer(nn.Module):
 
     def setup(self):
         cfg = self.config
-        self.embed = nn.Embed(
-            cfg.vocab_size,
-            cfg.d_model,
-            dtype=jnp.dtype(cfg.dtype),
-            param_dtype=jnp.dtype(cfg.param_dtype),
-            embedding_init=nn.initializers.normal(0.02),
-            name="embed",
-        )
+        init = nn.initializers.normal(0.02)
+        if cfg.quantize != "none":  # a quantized (frozen) base stores its embedding and head quantized too
+            self.embed = lora_layer.QuantizedEmbed(
+                cfg.vocab_size, cfg.d_model, cfg.quantize, dtype=jnp.dtype(cfg.dtype), embedding_init=init, name="embed"
+            )
+        else:
+            self.embed = nn.Embed(
+                cfg.vocab_size,
+                cfg.d_model,
+                dtype=jnp.dtype(cfg.dtype),
+                param_dtype=jnp.dtype(cfg.param_dtype),
+                embedding_init=init,
+                name="embed",
+            )
         self.layers = self.make_layers()
         self.final_norm = _norm(cfg, "final_norm")
         if not cfg.tie_embeddings:
-            self.lm_head = self.param(
-                "lm_head", nn.initializers.normal(0.02), (cfg.d_model, cfg.vocab_size), jnp.dtype(cfg.param_dtype)
-            )
+            shape = (cfg.d_model, cfg.vocab_size)
+            if cfg.quantize != "none":
+                quantized = lambda key: lora_layer.quantize_matrix(init(key, shape, jnp.float32), cfg.quantize)
+                self.lm_head = self.param("lm_head", quantized)
+            else:
+                self.lm_head = self.param("lm_head", init, shape, jnp.dtype(cfg.param_dtype))
 
     def make_layers(self) -> nn.Module:
         """The layer stack (called in ``setup``; a subclass may lay the layers out otherwise)."""
@@ -305,6 +315,9 @@ class Transformer(nn.Module):
         ``w`` is ``lm_head [d_model, vocab]`` (``vocab_axis=1``) or, with tied embeddings, the
         embedding ``[vocab, d_model]`` itself (``vocab_axis=0``): neither a transpose nor a cast of
         it is made here, so none is kept for the backward pass; users cast it where they multiply.
+        Under a quantized base ``w`` is the stored quantized matrix (a mapping of its leaves): multiply
+        by it with :func:`remat_kit.model.lora_layer.project_weight`, or hand it to
+        :func:`remat_kit.model.loss.chunked_cross_entropy`, which both dequantize it inside the computation.
         """
         if self.config.tie_embeddings:
             return self.embed.embedding, 0
@@ -317,7 +330,7 @@ class Transformer(nn.Module):
     def __call__(self, tokens, deterministic: bool = True):
         x = self.hidden(tokens, deterministic)
         w, vocab_axis = self.output_weights()
-        return project(x, w, 1 - vocab_axis, jnp.dtype(self.config.dtype), jnp.float32)
+        return lora_layer.project_weight(x, w, 1 - vocab_axis, jnp.dtype(self.config.dtype), jnp.float32)
 
 
 def _block_class(cfg: TransformerConfig):

@@ -7,6 +7,7 @@
 # figures -- including `offload`, whose saving only a device with separate host memory shows.
 #
 #   bash benchmarks/gpu_check.sh                # results under $OUT if set, else benchmarks/results/gpu
+#   PARTS=bench bash benchmarks/gpu_check.sh; PARTS=cost bash benchmarks/gpu_check.sh  # as two device calls
 #   GPU_CHECK_ALLOW_CPU=1 SMALL_PRESET=tiny LARGE_PRESET=tiny bash benchmarks/gpu_check.sh  # logic smoke test
 #
 # Tests and CI never need a GPU; this script is the only GPU measurement.
@@ -24,6 +25,8 @@ LARGE_POLICIES="${LARGE_POLICIES:-none,full,selective,offload}"
 SMALL_PRESET="${SMALL_PRESET:-small}"
 LARGE_PRESET="${LARGE_PRESET:-2b}"
 LARGE_ARGS="${LARGE_ARGS:---batch 2 --seq 1024}"
+# bench: the two bench runs (~10 min); cost: the cost model's ranking (~7 min). One device call each.
+PARTS="${PARTS:-bench,cost}"
 START=$(date +%s)
 
 {
@@ -54,16 +57,20 @@ bench() {
 }
 
 status=0
-bench gpu_bench_small "$SMALL_PRESET" "$POLICIES" "${SMALL_LIMIT:-240}" || status=1
-# shellcheck disable=SC2086  # LARGE_ARGS is a list of options
-bench gpu_bench_large "$LARGE_PRESET" "$LARGE_POLICIES" "${LARGE_LIMIT:-330}" --no-grad-check $LARGE_ARGS || status=1
+if [[ ",$PARTS," == *",bench,"* ]]; then
+  bench gpu_bench_small "$SMALL_PRESET" "$POLICIES" "${SMALL_LIMIT:-240}" || status=1
+  # shellcheck disable=SC2086  # LARGE_ARGS is a list of options
+  bench gpu_bench_large "$LARGE_PRESET" "$LARGE_POLICIES" "${LARGE_LIMIT:-330}" --no-grad-check $LARGE_ARGS || status=1
+fi
 # Issue 27: the cost model's estimated recompute cost of the 2b pool's presets against their measured
 # step times on the device (one process, the figures calibrated on it), Spearman at the end.
-echo "== gpu_cost_model (limit ${COST_LIMIT:-240}s)" >&2
-timeout "${COST_LIMIT:-240}" "$PY" benchmarks/cost_model.py --rank --short-pool --rank-preset "$LARGE_PRESET" \
-  --rank-shape "${COST_SHAPE:-2x1024}" --steps 3 --out "$DEST/gpu_cost_model.txt" >&2 || {
-  echo "gpu_check: gpu_cost_model failed or ran past ${COST_LIMIT:-240}s; see $DEST/gpu_cost_model.txt" >&2
-  status=1
-}
+if [[ ",$PARTS," == *",cost,"* ]]; then
+  echo "== gpu_cost_model (limit ${COST_LIMIT:-420}s)" >&2
+  timeout "${COST_LIMIT:-420}" "$PY" benchmarks/cost_model.py --rank --short-pool --rank-preset "$LARGE_PRESET" \
+    --rank-shape "${COST_SHAPE:-2x1024}" --steps 3 --out "$DEST/gpu_cost_model.txt" >&2 || {
+    echo "gpu_check: gpu_cost_model failed or ran past ${COST_LIMIT:-420}s; see $DEST/gpu_cost_model.txt" >&2
+    status=1
+  }
+fi
 echo "gpu_check: done in $(( $(date +%s) - START )) s, exit $status; results in $DEST" >&2
 exit $status

@@ -178,7 +178,7 @@ class Program:
         get-tuple-element back to the value that was read.
 
         >>> import jax, jax.numpy as jnp
-        >>> f = jax.jit(lambda x: (x.astype(jnp.float32) * 2).T)
+        >>> f = jax.jit(lambda x: x.astype(jnp.float32).T)  # one fusion of a convert and a transpose: a move
         >>> _, p = compile_with_dump(f.lower(jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)))
         >>> any(p.origin(i.name) and p.origin(i.name).dtype == "bf16" for i in p.sequence)
         True

@@ -369,9 +369,8 @@ def lookup(table: Mapping[str, jax.Array], tokens: jax.Array, dtype) -> jax.Arra
     Returns:
       ``[..., d]`` in ``dtype``.
     """
-    if "qvalue" in table:
-        rows = jnp.take(table["qvalue"], tokens, axis=0).astype(jnp.float32)
-        return (rows * jnp.take(table["scale"], tokens, axis=0)).astype(dtype)
+    if "qvalue" in table:  # the gathered rows and their per-row scales are an int8 matrix of their own
+        return dequantize({k: jnp.take(table[k], tokens, axis=0) for k in ("qvalue", "scale")}, dtype)
     if "codes" in table:
         return nf4.dequantize_rows(table, tokens, dtype)
     raise ValueError(f"not a quantized table: leaves {sorted(table)}; expected int8 (qvalue, scale) or nf4 leaves")

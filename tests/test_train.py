@@ -459,6 +459,26 @@ def test_outputs_are_checked_before_any_work_and_their_folders_created(corpus, t
     assert (tmp_path / "runs" / "new" / "m.png").exists() and (tmp_path / "runs" / "c" / "1").is_dir()
 
 
+_TWO_SIGNALS_IN_C = """
+import os, signal, sys, time
+from remat_kit.train import interrupt
+with interrupt.StopOnSignal(exit_at_once=True) as stop:
+    signal.signal(signal.SIGINT, lambda *_: None)  # as inside XLA: no Python handler runs at all
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(10)
+sys.exit(f"still running, requested={stop.requested}")
+"""
+
+
+def test_a_second_signal_while_python_handlers_cannot_run_ends_the_command_at_once():
+    # Two Ctrl-C inside a compile reach Python's handler as one, after the compile: the watcher thread
+    # counts the C-level wake-up bytes and ends the process itself.
+    proc = subprocess.run([sys.executable, "-c", _TWO_SIGNALS_IN_C], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == interrupt.EXIT_INTERRUPTED, proc.stderr
+    assert proc.stderr.splitlines() == [interrupt.StopOnSignal.MESSAGE, interrupt.StopOnSignal.AT_ONCE]
+
+
 # ---- signals: a Ctrl-C at any moment is acknowledged once, saves what there is and exits 130 ----------
 
 #: The CLI with a line on stderr when the first compile starts, and a slow step (so a signal lands mid-run).

@@ -35,7 +35,8 @@ class StopOnSignal:
 
     The first signal is acknowledged at once (:data:`MESSAGE`), even while the main thread is inside
     XLA's compiler, where Python runs no signal handler until the compile returns: the C-level handler
-    writes the signal to a wake-up socket (``signal.set_wakeup_fd``) that a thread watches.
+    writes the signal to a wake-up socket (``signal.set_wakeup_fd``) that a thread watches. With
+    ``exit_at_once`` that thread also ends the process on the second signal, mid-compile too.
 
     Args:
       log: where the acknowledgement goes (default: stderr).
@@ -61,20 +62,29 @@ class StopOnSignal:
             self._acknowledged.set()
             self._log(self.MESSAGE)
 
+    def _exit_now(self) -> None:
+        _stderr(self.AT_ONCE)
+        os._exit(EXIT_INTERRUPTED)
+
     def _handle(self, signum, frame):
         if self.requested:
             if self._exit_at_once:
-                _stderr(self.AT_ONCE)
-                os._exit(EXIT_INTERRUPTED)
+                self._exit_now()
             raise KeyboardInterrupt
         self.requested = True
         self._acknowledge()
 
     def _watch(self, sock) -> None:
+        # Two signals that land while the main thread is inside XLA reach Python's handler as one (its
+        # pending flag is a bool), so the watcher counts the wake-up bytes and ends the process itself.
+        seen = 0
         with contextlib.suppress(OSError):
             while byte := sock.recv(1):  # b"" once the writing end is closed on exit
                 if byte[0] in (signal.SIGINT, signal.SIGTERM):
+                    seen += 1
                     self._acknowledge()
+                    if seen >= 2 and self._exit_at_once:
+                        self._exit_now()
 
     def __enter__(self):
         global _ACTIVE

@@ -1,8 +1,9 @@
 """The cost model against measured CPU step times, and the per-tensor planner against the best preset and mix.
 
 Part 1 (``--rank``): on ``small`` at its default shape, every candidate preset's estimated step-time cost
-(:mod:`remat_kit.planning.cost`, calibrated on this machine) against its measured median CPU step time
-(:func:`remat_kit.bench.run.run_bench`, a few steps each, in this process); Spearman's rank correlation.
+(:mod:`remat_kit.planning.cost`, calibrated on this machine) against its measured CPU step time
+(:func:`interleaved`: every step compiled in this process, then rounds of one step per policy in a random
+order, the fastest run kept); Spearman's rank correlation, and the measurement's own split-half agreement.
 
 Part 2 (``--budgets``): at 8 budgets from ``full``'s need to ``none``'s, the estimated cost of the best single
 preset (``auto(mixes=False)``), the best mix (``auto``) and the per-tensor answer
@@ -19,12 +20,12 @@ from __future__ import annotations
 import argparse
 import io
 import shlex
+import statistics
 import sys
 import time
 
 from remat_kit import policies as P
-from remat_kit.bench.run import run_bench
-from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
+from remat_kit.model.transformer import PRESET_SHAPES, Transformer, TransformerConfig
 from remat_kit.planning import budget as A
 from remat_kit.planning import cost, tensors
 from remat_kit.planning import planner as planner_lib
@@ -65,12 +66,39 @@ def spearman(xs, ys) -> float:
     return num / den
 
 
-def measure(cfg, batch, seq, specs, steps):
-    records = run_bench(cfg, batch, seq, list(specs), steps=steps, warmup=1, subprocesses=False, grad_check=False)
-    return {r.policy: r.step_time_s for r in records}
+def interleaved(cfg, batch, seq, specs, rounds, seed=0):
+    """Every policy's step compiled once in this process, then ``rounds`` rounds of one step each, in a
+    fresh random order per round: a drift of the machine's speed falls on all policies alike.
+
+    Returns ``{spec: [seconds per round]}``. One training state runs through every policy's step (they
+    share the parameter tree), so the state's memory is paid once.
+    """
+    import random
+
+    import jax
+
+    from remat_kit.planning import analysis
+    from remat_kit.train import step as step_lib
+
+    steps = {s: analysis.analyze_compiled(cfg, s, batch, seq)[1] for s in specs}
+    model = Transformer(config=cfg, policy=P.none())
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size, dtype=jax.numpy.int32)
+    params = jax.jit(lambda k: model.init(k, tokens[:1])["params"])(jax.random.key(0))
+    opt = jax.jit(lambda p: step_lib.init_optimizer(analysis.optimizer(1e-3), p))(params)
+    for s in specs:  # warm-up: each step once
+        params, opt, *_ = jax.block_until_ready(steps[s](params, opt, tokens))
+    order, times = list(specs), {s: [] for s in specs}
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for s in order:
+            t = time.perf_counter()
+            params, opt, *_ = jax.block_until_ready(steps[s](params, opt, tokens))
+            times[s].append(time.perf_counter() - t)
+    return times
 
 
-def rank_part(out, hw, steps, preset="small", shape=None, short_pool=False):
+def rank_part(out, hw, rounds, preset="small", shape=None, short_pool=False):
     cfg = TransformerConfig.preset(preset)
     batch, seq = shape or PRESET_SHAPES[preset]
     planner = planner_lib.Planner(cfg)
@@ -79,33 +107,38 @@ def rank_part(out, hw, steps, preset="small", shape=None, short_pool=False):
     est = {str(p): price.estimate(p) for p in pool}
     base_step = planner.work(P.none(), batch, seq).seconds(hw)
     t = time.perf_counter()
-    times = measure(cfg, batch, seq, [str(p) for p in pool], steps)
+    runs = interleaved(cfg, batch, seq, list(est), rounds)
+    # The fastest of a policy's runs: the machine's interruptions only ever add time.
+    times = {s: min(v) for s, v in runs.items()}
     print(
-        f"\n## cost model vs measured step time: {preset}, batch {batch} x seq {seq}, {steps} timed steps each "
-        f"(median), measured in {time.perf_counter() - t:.0f} s",
+        f"\n## cost model vs measured step time: {preset}, batch {batch} x seq {seq}, {rounds} rounds of one step "
+        f"per policy, interleaved in a random order per round (the fastest run), measured in "
+        f"{time.perf_counter() - t:.0f} s",
         file=out,
     )
     print(f"estimated none step (roofline of every op): {base_step * 1e3:.1f} ms", file=out)
-    print(f"{'policy':64} {'est. cost':>10} {'est. step':>10} {'measured':>10} {'GFLOP':>8}", file=out)
+    print(f"{'policy':64} {'est. cost':>10} {'est. step':>10} {'measured':>10} {'median':>10} {'GFLOP':>8}", file=out)
     specs = sorted(est, key=lambda s: est[s].rank)
     for s in specs:
         e = est[s]
         print(
             f"{s:64} {e.cost_s * 1e3:8.1f}ms {(base_step + e.cost_s) * 1e3:8.1f}ms {times[s] * 1e3:8.1f}ms "
-            f"{e.recompute_flops / 1e9:8.2f}",
+            f"{statistics.median(runs[s]) * 1e3:8.1f}ms {e.recompute_flops / 1e9:8.2f}",
             file=out,
         )
     rho = spearman([est[s].cost_s for s in specs], [times[s] for s in specs])
     rho_flops = spearman([est[s].recompute_flops for s in specs], [times[s] for s in specs])
+    halves = spearman([min(runs[s][0::2]) for s in specs], [min(runs[s][1::2]) for s in specs])
     print(
         f"Spearman(estimated cost, measured step time) over {len(specs)} presets: {rho:.3f} "
-        f"({'meets' if rho >= 0.8 else 'misses'} >= 0.8); FLOPs-only ranking: {rho_flops:.3f}",
+        f"({'meets' if rho >= 0.8 else 'misses'} >= 0.8); FLOPs-only ranking: {rho_flops:.3f}; the measurement "
+        f"against itself (fastest of the odd rounds vs of the even rounds): {halves:.3f}",
         file=out,
     )
     out.flush()
 
 
-def budgets_part(name, out, hw, measure_steps, max_compiles, short_pool):
+def budgets_part(name, out, hw, rounds, max_compiles, short_pool):
     cfg = TransformerConfig.preset(name)
     batch, seq = PRESET_SHAPES[name]
     planner = planner_lib.Planner(cfg)
@@ -159,12 +192,12 @@ def budgets_part(name, out, hw, measure_steps, max_compiles, short_pool):
         out.flush()
         answers.update({str(plain.chosen), str(mixed.chosen), str(q.chosen)})
     print(f"({time.perf_counter() - t:.0f} s, {planner.compiles} compiles)", file=out)
-    if measure_steps:
+    if rounds:
         t = time.perf_counter()
-        times = measure(cfg, batch, seq, sorted(answers), measure_steps)
+        times = {s: min(v) for s, v in interleaved(cfg, batch, seq, sorted(answers), rounds).items()}
         price = A.Pricer(planner, hw, batch, seq)
         print(
-            f"\nmeasured step times of the answers ({measure_steps} timed steps, median; "
+            f"\nmeasured step times of the answers ({rounds} interleaved rounds, the fastest run; "
             f"{time.perf_counter() - t:.0f} s):",
             file=out,
         )
@@ -182,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", action="store_true")
     ap.add_argument("--budgets", action="store_true")
     ap.add_argument("--measure", action="store_true", help="measure the answers' step times (part 2)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=12, help="interleaved rounds of one step per policy")
     ap.add_argument("--max-compiles", type=int, default=8)
     ap.add_argument("--out", default=None)
     ap.add_argument("--short-pool", action="store_true", help="the 7-policy 2b pool for every preset")
@@ -210,10 +243,10 @@ def main(argv=None) -> int:
     print(hw.describe(), file=out)
     if args.rank:
         shape = tuple(int(v) for v in args.rank_shape.lower().split("x")) if args.rank_shape else None
-        rank_part(out, hw, args.steps, args.rank_preset, shape, args.short_pool)
+        rank_part(out, hw, args.rounds, args.rank_preset, shape, args.short_pool)
     if args.budgets:
         for name in args.presets.split(","):
-            budgets_part(name, out, hw, args.steps if args.measure else 0, args.max_compiles, args.short_pool)
+            budgets_part(name, out, hw, args.rounds if args.measure else 0, args.max_compiles, args.short_pool)
     wall = time.perf_counter() - start
     if args.out:
         with open(args.out, "w") as f:

@@ -67,7 +67,7 @@ fi
 if [[ ",$PARTS," == *",cost,"* ]]; then
   echo "== gpu_cost_model (limit ${COST_LIMIT:-420}s)" >&2
   timeout "${COST_LIMIT:-420}" "$PY" benchmarks/cost_model.py --rank --short-pool --rank-preset "$LARGE_PRESET" \
-    --rank-shape "${COST_SHAPE:-2x1024}" --steps 3 --out "$DEST/gpu_cost_model.txt" >&2 || {
+    --rank-shape "${COST_SHAPE:-2x1024}" --rounds 6 --out "$DEST/gpu_cost_model.txt" >&2 || {
     echo "gpu_check: gpu_cost_model failed or ran past ${COST_LIMIT:-420}s; see $DEST/gpu_cost_model.txt" >&2
     status=1
   }

@@ -151,13 +151,19 @@ def quantize(kernel: jax.Array) -> dict[str, jax.Array]:
     return {"codes": pack(codes), "absmax_q": absmax_q, "absmax_scale": step[..., 0], "absmax_offset": offset}
 
 
+def _block_scale(absmax_q: jax.Array, absmax_scale: jax.Array, absmax_offset: jax.Array) -> jax.Array:
+    # The double dequantization, in one place: a block's int8 code times its group's scale, plus the offset.
+    return absmax_q.astype(jnp.float32) * absmax_scale + absmax_offset
+
+
 def scales(q: Mapping[str, jax.Array]) -> jax.Array:
     """The double-dequantized per-block scales ``float32 [..., d_in·d_out/64]`` of an NF4 kernel."""
-    absmax_q = q["absmax_q"].astype(jnp.float32)
+    absmax_q = q["absmax_q"]
     lead = absmax_q.shape[:-1]
-    per = absmax_q.reshape(*lead, -1, SCALE_BLOCK) * q["absmax_scale"][..., None]
+    grouped = absmax_q.reshape(*lead, -1, SCALE_BLOCK)
+    per = _block_scale(grouped, q["absmax_scale"][..., None], q["absmax_offset"][..., None])
     blocks = q["codes"].shape[-2] * q["codes"].shape[-1] * 2 // BLOCK
-    return per.reshape(*lead, -1)[..., :blocks] + q["absmax_offset"]
+    return per.reshape(*lead, -1)[..., :blocks]
 
 
 def dequantize(q: Mapping[str, jax.Array], dtype=jnp.float32) -> jax.Array:
@@ -202,6 +208,6 @@ def dequantize_rows(q: Mapping[str, jax.Array], rows: jax.Array, dtype=jnp.float
     c = jnp.arange(d, dtype=jnp.int32).reshape((1,) * (i.ndim - 1) + (d,))
     # Entry (i, c) is flat entry i*d + c, in block (i*d + c) // 64, split so no product overflows int32.
     block = i * (d // BLOCK) + (i * (d % BLOCK) + c) // BLOCK
-    scale = q["absmax_q"][block].astype(jnp.float32) * q["absmax_scale"][block // SCALE_BLOCK] + q["absmax_offset"][0]
+    scale = _block_scale(q["absmax_q"][block], q["absmax_scale"][block // SCALE_BLOCK], q["absmax_offset"][0])
     values = jnp.asarray(TABLE)[unpack(jnp.take(packed, rows, axis=0))]
     return (values * scale).astype(dtype)

@@ -542,22 +542,10 @@ class Comparison:
         return {"base_flops": self.base_flops, "records": records}
 
 
-def _note_cse(reports: tuple[Inspection, ...], none: Inspection, warned: set[int]) -> tuple[Inspection, ...]:
-    """Each report that XLA's CSE emptied of its saving noted (:func:`remat_kit.explain.cse_note`), except those
-    at the indices ``warned``, which carry the stronger no-op warning already."""
-    out = []
-    for i, r in enumerate(reports):
-        note = explain_lib.cse_note(r.policy, none.saved_bytes - r.saved_bytes, none.temp_bytes - r.temp_bytes)
-        if note and i not in warned:
-            r = dataclasses.replace(r, notes=(*r.notes, note))
-        out.append(r)
-    return tuple(out)
-
-
-def _with_noop_warnings(specs: tuple[str, ...], reports: tuple[Inspection, ...]) -> tuple[Inspection, ...]:
-    """``reports`` with a warning on each policy that compiles to ``none``'s peak and saved set."""
-    if "none" not in specs:
-        return reports
+def _guardrails(specs: tuple[str, ...], reports: tuple[Inspection, ...]) -> tuple[Inspection, ...]:
+    """Each report with at most one guardrail against ``none``'s (``specs`` holds ``"none"``): a warning if it
+    compiles to ``none``'s peak and saved set (:func:`remat_kit.explain.noop_warning`), else a note if XLA's
+    CSE emptied its saving (:func:`remat_kit.explain.cse_note`)."""
     base = reports[specs.index("none")]
 
     def sig(r):
@@ -565,8 +553,11 @@ def _with_noop_warnings(specs: tuple[str, ...], reports: tuple[Inspection, ...])
 
     out = []
     for spec, r in zip(specs, reports, strict=True):
-        w = explain_lib.noop_warning(spec, r.peak_bytes, sig(r), base.peak_bytes, sig(base))
-        out.append(dataclasses.replace(r, warnings=(w, *r.warnings)) if w else r)
+        if w := explain_lib.noop_warning(spec, r.peak_bytes, sig(r), base.peak_bytes, sig(base)):
+            r = dataclasses.replace(r, warnings=(w, *r.warnings))
+        elif note := explain_lib.cse_note(r.policy, base.saved_bytes - r.saved_bytes, base.temp_bytes - r.temp_bytes):
+            r = dataclasses.replace(r, notes=(*r.notes, note))
+        out.append(r)
     return tuple(out)
 
 
@@ -601,10 +592,8 @@ def compare(
     args = abstract(args)
     reports = tuple(inspect(make_loss(p), *args, argnums=argnums, policy=str(p), explain=explain) for p in pool)
     specs = tuple(str(p) for p in pool)
-    warned = _with_noop_warnings(specs, reports)
-    if "none" in specs:  # one guardrail per policy: the no-op warning, or else the CSE note
-        flagged = {i for i, (a, b) in enumerate(zip(reports, warned, strict=True)) if a is not b}
-        reports = _note_cse(warned, warned[specs.index("none")], flagged)
+    if "none" in specs:
+        reports = _guardrails(specs, reports)
         base = reports[specs.index("none")].flops
     else:
         base = gradient_flops(make_loss(policies_lib.none()), *args, argnums=argnums)

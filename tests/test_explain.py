@@ -315,3 +315,61 @@ def test_plan_explain_prints_the_groups_and_writes_the_timeline(tmp_path, capsys
     assert out.count("at the peak, ") == 2 and "optimizer state" in out and out.count("peak in ") == 2
     assert "warning (" in out  # the tiny model's peak is its state: the levers are named
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- a scanned user model names its tags at the peak -----------------------------------------------
+
+
+def _tagged_stack(policy):
+    """A tagged MLP block stacked by remat_kit.stack (one scan)."""
+    import flax.linen as nn
+
+    from remat_kit.names import tag
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = tag(nn.Dense(4 * x.shape[-1], use_bias=False, name="up")(x), "mlp_up")
+            return x + nn.Dense(x.shape[-1], use_bias=False, name="down")(jnp.tanh(h))
+
+    layers = remat_kit.stack(Mlp, M.LAYERS, policy)
+    x = jax.ShapeDtypeStruct((M.BATCH, M.SEQ, M.D), jnp.float32)
+    params = jax.eval_shape(lambda k: layers.init(k, jnp.zeros(x.shape))["params"], jax.random.key(0))
+    return (lambda p, x: jnp.mean(layers.apply({"params": p}, x) ** 2)), (params, x)
+
+
+def _tagged_linen_scan(policy):
+    """The same block under a Linen nn.scan of the user's own."""
+    import flax.linen as nn
+
+    from remat_kit.names import tag
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = tag(nn.Dense(4 * x.shape[-1], use_bias=False, name="up")(x), "mlp_up")
+            return x + nn.Dense(x.shape[-1], use_bias=False, name="down")(jnp.tanh(h)), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            block = policy(Mlp, prevent_cse=False)
+            scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=M.LAYERS)
+            return jnp.mean(scan(name="blocks")(x, None)[0] ** 2)
+
+    net = Net()
+    x = jax.ShapeDtypeStruct((M.BATCH, M.SEQ, M.D), jnp.float32)
+    params = jax.eval_shape(lambda k: net.init(k, jnp.zeros(x.shape))["params"], jax.random.key(0))
+    return (lambda p, x: net.apply({"params": p}, x)), (params, x)
+
+
+@pytest.mark.parametrize("make", [_tagged_stack, _tagged_linen_scan], ids=["remat_kit_stack", "linen_nn_scan"])
+def test_a_scanned_models_residuals_carry_its_tags_at_the_peak(make):
+    # JAX reports the scan's stacked residuals untagged; one trip of the scan body names them.
+    loss, args = make(policies.parse("selective:mlp_up"))
+    r = remat_kit.inspect(loss, *args, explain=True)
+    stacked = (M.LAYERS, M.BATCH, M.SEQ, 4 * M.D)
+    [up] = [x for x in r.residuals if x.shape == stacked]
+    assert (up.label, up.tags, up.tag) == ("mlp_up", ("mlp_up",), None), up
+    [held] = [b for b in r.largest_at_peak if b.shape == stacked]
+    assert (held.group, held.producer) == ("saved residuals", "mlp_up"), held

@@ -323,25 +323,6 @@ def _block_candidates(config: TransformerConfig, policy: policies.Policy, batch:
     return found
 
 
-def _label(shape, dtype, candidates, stack_axes: set[int]) -> tuple[str, tuple[str, ...]]:
-    """Label a residual by what one block keeps with that shape, after stripping scan axes.
-
-    Stacked residuals carry up to two leading scan axes (groups, then layers within a group).
-    Tags are preferred over JAX's descriptions; several candidates are all listed.
-    """
-    keys = [(tuple(shape), dtype)]
-    for k in (1, 2):
-        if len(shape) > k and all(d in stack_axes for d in shape[:k]):
-            keys.insert(0, (tuple(shape[k:]), dtype))
-    for key in keys:
-        if key in candidates:
-            labels = candidates[key]
-            tags = tuple(t for _, t in labels if t)
-            weights = [label for label, t in labels if label.startswith("weight ")]
-            return "|".join(tags or weights or [label for label, _ in labels]), tags
-    return "", ()
-
-
 def _stack_residuals(model: Transformer, params, batch: int, seq: int):
     x = jax.ShapeDtypeStruct((batch, seq, model.config.d_model), jnp.dtype(model.config.dtype))
     # The stack alone under a linear read-out (which keeps nothing): its residuals are the layers' share.
@@ -405,7 +386,7 @@ def _residuals(config, policy, batch, seq, loss_chunks):
         region = "layers" if pool[key] > 0 else "head"
         if region == "layers":
             pool[key] -= 1
-            label, tags = _label(r.shape, r.dtype, candidates, stack_axes)
+            label, tags = inspection.label_stacked(r.shape, r.dtype, candidates, stack_axes)
         else:
             label, tags = fused.get((r.shape, r.dtype), ""), ()
         if r.tag:
@@ -568,10 +549,8 @@ def _explain(program, memory, config, batch, seq, learning_rate, model, residual
         return "parameters" if n < n_params else "optimizer state" if n < n_params + n_state else "inputs"
 
     grads = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)]
-    seen: dict = {}
-    for r in residuals:  # a label names candidate tags ("mlp_gate|mlp_up") where only the shape tells them apart
-        seen.setdefault((tuple(r.shape), str(r.dtype)), set()).add(r.label if r.tags else "")
-    tags = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1 and "" not in v}
+    # A label names candidate tags ("mlp_gate|mlp_up") where only the shape tells them apart.
+    tags = inspection.unique_tags(residuals)
     return explain_lib.explain(
         program,
         memory,

@@ -399,10 +399,90 @@ def _timeline(program: _xla_dump.Program, phases: Sequence[str]) -> Timeline:
 
 _PHASE_COLORS = {"forward": "#dbe9f6", "loss": "#fde2c4", "backward": "#e3f1dc", "optimizer": "#eadcf0"}
 
+#: The stages the plot's x axis is cut into, in order: what runs before the forward pass, the forward pass, the
+#: loss, the backward pass, and what runs after it (the optimizer; for a bare gradient, its last bookkeeping).
+STAGES: tuple[str, ...] = ("start", "forward", "loss", "backward", "after")
+
+#: The narrowest share of the x axis a stage that runs at all is drawn with, so a short one (the loss, the
+#: optimizer: a few hundred of a 2B step's hundred thousand instructions) stays visible.
+MIN_STAGE_WIDTH = 0.06
+
+
+def stages(phases: Sequence[str]) -> list[int]:
+    """The :data:`STAGES` index of each step of a timeline: the non-decreasing cut into stages that agrees with the
+    most steps' phases. XLA schedules a few ops out of place (a backward buffer filled before the forward pass, a
+    forward slice inside the backward loop): they stay in the stage around them rather than move its boundary.
+
+    >>> stages(["other", "backward", "forward", "forward", "loss", "backward", "forward", "backward", "optimizer"])
+    [0, 0, 1, 1, 2, 3, 3, 3, 4]
+    """
+    agrees = {"other": (0, 4), "forward": (1,), "loss": (2,), "backward": (3,), "optimizer": (4,)}
+    k = len(STAGES)
+    best = [0] * k  # the most agreeing steps of a cut of the steps so far that ends in each stage
+    back: list[list[int]] = []  # per step and stage, the stage of the step before in that best cut
+    for p in phases:
+        run, arg, step = -1, 0, []
+        for stage in range(k):
+            if best[stage] > run:  # on a tie the earlier stage: a boundary moves as late as the phases allow
+                run, arg = best[stage], stage
+            step.append(arg)
+            best[stage] = run + (stage in agrees.get(p, ()))
+        back.append(step)
+    out = [0] * len(phases)
+    stage = max(range(k), key=lambda s: best[s])
+    for t in range(len(phases) - 1, -1, -1):
+        out[t] = stage
+        stage = back[t][stage]
+    return out
+
+
+def stage_axis(timelines: Sequence[Timeline]) -> tuple[list[float], list[list[float]]]:
+    """The x axis shared by ``timelines``: each stage one band, as wide as its largest share of any timeline and
+    at least :data:`MIN_STAGE_WIDTH`, so phase boundaries line up across policies of different length.
+
+    Returns:
+      ``(edges, xs)``: the bands' left edges and the right end (``len(STAGES) + 1`` values, 0 to 1), and per
+      timeline the x of each step.
+    """
+    per = [stages(tl.phases) for tl in timelines]
+    counts = [[s.count(k) for k in range(len(STAGES))] for s in per]
+    widths = [
+        max((c[k] / max(len(s), 1) for c, s in zip(counts, per, strict=True)), default=0.0) for k in range(len(STAGES))
+    ]
+    # A stage narrower than the minimum is pinned to it; the others share what is left, in proportion.
+    active = [k for k, w in enumerate(widths) if w > 0]
+    pinned: set[int] = set()
+    while True:
+        free = 1.0 - MIN_STAGE_WIDTH * len(pinned)
+        rest = sum(widths[k] for k in active if k not in pinned)
+        narrow = {k for k in active if k not in pinned and widths[k] / rest * free < MIN_STAGE_WIDTH}
+        if not narrow or len(pinned | narrow) == len(active):
+            break
+        pinned |= narrow
+    widths = [
+        0.0 if k not in active else MIN_STAGE_WIDTH if k in pinned else widths[k] / rest * free
+        for k in range(len(widths))
+    ]
+    edges = [0.0]
+    for w in widths:
+        edges.append(edges[-1] + w)
+    xs = []
+    for s, c in zip(per, counts, strict=True):
+        seen = [0] * len(STAGES)
+        row = []
+        for k in s:
+            row.append(edges[k] + (edges[k + 1] - edges[k]) * seen[k] / c[k])
+            seen[k] += 1
+        xs.append(row)
+    return edges, xs
+
 
 def plot_timelines(timelines: Mapping[str, Timeline], path: str, title: str = "live device memory") -> str:
-    """Draw one line per policy of live bytes over the step (x scaled to 0..1 so programs of different length
-    line up), phases shaded from the first timeline, each peak marked; write a PNG to ``path``.
+    """Draw one line per policy of live bytes over the step, each peak marked; write a PNG to ``path``.
+
+    The x axis is cut into the step's stages (:data:`STAGES`, shaded by phase), each scaled per timeline so the
+    forward, loss, backward and optimizer of every policy line up, a narrow stage widened to
+    :data:`MIN_STAGE_WIDTH` (the axis label says so); the y axis starts near the lowest value drawn, not at 0.
 
     Args:
       timelines: label -> :class:`Timeline`.
@@ -418,38 +498,42 @@ def plot_timelines(timelines: Mapping[str, Timeline], path: str, title: str = "l
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=120)
-    first = next(iter(timelines.values()))
-    n = len(first.phases)
-    start = 0
-    for t in range(1, n + 1):
-        if t == n or first.phases[t] != first.phases[start]:
-            color = _PHASE_COLORS.get(first.phases[start])
-            if color:
-                ax.axvspan(start / n, t / n, color=color, lw=0)
-            start = t
-    scale, unit = _unit(max(tl.peak for tl in timelines.values()))
-    for label, tl in timelines.items():
-        m = len(tl.live)
-        xs = [i / max(m, 1) for i in range(m)]
-        (line,) = ax.plot(xs, [v / scale for v in tl.live], lw=1.4, label=f"{label} (peak {fmt_bytes(tl.peak)})")
-        ax.plot([tl.peak_index / max(m, 1)], [tl.peak / scale], "v", color=line.get_color(), ms=8)
-    handles, _ = ax.get_legend_handles_labels()
     from matplotlib.patches import Patch
 
-    phase_handles = [Patch(color=c, label=p) for p, c in _PHASE_COLORS.items() if p in first.phases]
-    ax.legend(
-        handles=handles + phase_handles,
-        loc="best",
+    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=120)
+    edges, xs = stage_axis(list(timelines.values()))
+    names = {
+        0: "",
+        1: "forward",
+        2: "loss",
+        3: "backward",
+        4: "optimizer" if any("optimizer" in tl.phases for tl in timelines.values()) else "",
+    }
+    shaded = []
+    for k in range(len(STAGES)):
+        color = _PHASE_COLORS.get(names[k])
+        if color and edges[k + 1] > edges[k]:
+            ax.axvspan(edges[k], edges[k + 1], color=color, lw=0)
+            shaded.append(names[k])
+    scale, unit = _unit(max(tl.peak for tl in timelines.values()))
+    low = min((min(tl.live) for tl in timelines.values() if tl.live), default=0)
+    high = max(tl.peak for tl in timelines.values())
+    for (label, tl), x in zip(timelines.items(), xs, strict=True):
+        (line,) = ax.plot(x, [v / scale for v in tl.live], lw=1.4, label=f"{label} (peak {fmt_bytes(tl.peak)})")
+        if tl.live:
+            ax.plot([x[tl.peak_index]], [tl.peak / scale], "v", color=line.get_color(), ms=8)
+    handles, _ = ax.get_legend_handles_labels()
+    phase_handles = [Patch(color=_PHASE_COLORS[p], label=p) for p in shaded]
+    ax.legend(handles=handles + phase_handles, loc="best", fontsize=8, ncol=2)
+    ax.set_xlabel(
+        "executed instructions, each phase scaled to its own band so phases line up across policies "
+        f"(a narrow phase widened to {100 * MIN_STAGE_WIDTH:.0f}%; scan bodies repeated once per trip)",
         fontsize=8,
-        ncol=2,
-        title=f"phases shaded for {next(iter(timelines))}",
-        title_fontsize=8,
     )
-    ax.set_xlabel("executed instruction sequence (0 = start, 1 = end; scan bodies repeated once per trip)")
-    ax.set_ylabel(f"live device memory ({unit})")
-    ax.set_ylim(bottom=0)
+    # The lines sit far above 0 (the state is live throughout): start the axis near the lowest value drawn.
+    bottom = max(0.0, low - 0.1 * max(high - low, 1))
+    ax.set_ylabel(f"live device memory ({unit}{', axis not from 0' if bottom > 0 else ''})")
+    ax.set_ylim(bottom=bottom / scale, top=(high + 0.08 * max(high - bottom, 1)) / scale)
     ax.set_xlim(0, 1)
     ax.set_title(title)
     fig.tight_layout()

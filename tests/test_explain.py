@@ -373,3 +373,18 @@ def test_a_scanned_models_residuals_carry_its_tags_at_the_peak(make):
     assert (up.label, up.tags, up.tag) == ("mlp_up", ("mlp_up",), None), up
     [held] = [b for b in r.largest_at_peak if b.shape == stacked]
     assert (held.group, held.producer) == ("saved residuals", "mlp_up"), held
+
+
+# ---- the timeline's axis ------------------------------------------------------------------------------
+
+
+def test_phases_line_up_across_policies_and_a_short_phase_stays_visible():
+    # A long backward (full's recompute) and a short one, a 2-step loss and a 1-step optimizer.
+    short = explain.Timeline((1,) * 40, ("forward",) * 20 + ("loss",) * 2 + ("backward",) * 17 + ("optimizer",), 0)
+    long = explain.Timeline((1,) * 60, ("forward",) * 20 + ("loss",) * 2 + ("backward",) * 37 + ("optimizer",), 0)
+    edges, (xs, xl) = explain.stage_axis([short, long])
+    # The backward pass starts at the same x in both, though at step 22 of 40 and of 60.
+    assert xs[22] == xl[22] == edges[3]
+    assert xs[-1] >= edges[4] and xl[-1] >= edges[4]
+    # The loss (2 of 60 steps) and the optimizer (1 step) each get at least the minimum width.
+    assert edges[3] - edges[2] >= explain.MIN_STAGE_WIDTH - 1e-12 and 1 - edges[4] >= explain.MIN_STAGE_WIDTH - 1e-12

@@ -126,11 +126,14 @@ class Inspection:
       platform: the backend compiled for; host_offload_enforced: the host rule there.
       notes: caveats a reader needs (e.g. that no memory moves on CPU).
       policy: the policy spec, for reports made by :func:`compare` (None otherwise).
-      at_peak: with ``explain=True``, group -> bytes live at the compiled peak (:mod:`remat_kit.explain`;
+      at_peak: with ``explain=True``, group -> device bytes live at the compiled peak (:mod:`remat_kit.explain`;
         sums to ``peak_bytes``); empty otherwise.
+      host_at_peak: with ``explain=True``, bytes XLA placed in host memory live at the peak (apart from
+        ``at_peak``: no part of the device peak).
       largest_at_peak: with ``explain=True``, the ten largest buffers live there.
-      warnings: one-line guardrails: offload that moves nothing, a peak no policy touches, and (from
-        :func:`compare`) a policy that did nothing.
+      warnings: one-line guardrails: offload that moves nothing, a peak no policy touches (read from XLA's dump
+        with ``explain=True``, else estimated from the state's size), and (from :func:`compare`) a policy that
+        did nothing.
       timeline: with ``explain=True``, live bytes over the step (:meth:`plot_timeline`).
       kept: with ``explain=True``, the saved set as compiled (:attr:`remat_kit.explain.Explanation.kept`).
       peak_at: with ``explain=True``, the phase and op at the peak (:attr:`remat_kit.explain.Explanation.peak_at`).
@@ -158,6 +161,7 @@ class Inspection:
     timeline: explain_lib.Timeline | None = dataclasses.field(default=None, repr=False, compare=False)
     kept: tuple = dataclasses.field(default=(), repr=False)
     peak_at: str = ""
+    host_at_peak: int = 0
 
     def plot_timeline(self, path: str) -> str:
         """Write this step's memory timeline (live bytes over the instruction sequence, peak marked) as a PNG.
@@ -201,7 +205,9 @@ class Inspection:
         lines += [f"note: {n}" for n in self.notes]
         if self.at_peak:
             lines.append(f"peak in {self.peak_at}")
-            lines.append(explain_lib.format_at_peak(self.at_peak, self.largest_at_peak, self.peak_bytes))
+            lines.append(
+                explain_lib.format_at_peak(self.at_peak, self.largest_at_peak, self.peak_bytes, self.host_at_peak)
+            )
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -437,11 +443,21 @@ def inspect(
     if any(r.host for r in rows) and not enforced:
         notes.append(rule.note)
     found = _explain(program, held, args, nums, rows) if program is not None else None
-    warnings = explain_lib.offload_warnings(
-        sum(r.nbytes for r in rows if r.host), enforced, explain_lib.policy_offloads(policy or ""), held.host
+    # The policy offloads when its label says so or when the gradient copies residuals to a memory space (a
+    # user's own jax.checkpoint policy, whatever its destination).
+    offloads = explain_lib.policy_offloads(policy or "") or any(
+        map(_jax_internals.is_host_transfer, _jax_internals.iter_eqns(traced.jaxpr))
     )
+    warnings = explain_lib.offload_warnings(sum(r.nbytes for r in rows if r.host), enforced, offloads, held.host)
     if found is not None:
         warnings += explain_lib.dominance_warnings(found.at_peak, found.total)
+        if note := explain_lib.reserved_note(found.at_peak, found.total):
+            notes.append(note)
+    else:  # no dump read: the differentiated arguments and their gradients (the outputs), by size
+        state = sum(_leaf_bytes(args[i]) for i in nums)
+        warnings += explain_lib.dominance_warnings(
+            explain_lib.state_at_peak(state, gradients=state), held.total, estimated=True
+        )
     return Inspection(
         residuals=rows,
         saved_bytes=saved,
@@ -465,7 +481,12 @@ def inspect(
         timeline=found.timeline if found else None,
         kept=found.kept if found else (),
         peak_at=found.peak_at if found else "",
+        host_at_peak=found.host_bytes if found else 0,
     )
+
+
+def _leaf_bytes(tree) -> int:
+    return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
 def _explain(program, held: CompiledMemory, args, nums: tuple[int, ...], rows) -> explain_lib.Explanation:
@@ -619,13 +640,10 @@ def _guardrails(specs: tuple[str, ...], reports: tuple[Inspection, ...]) -> tupl
     compiles to ``none``'s peak and saved set (:func:`remat_kit.explain.noop_warning`), else a note if XLA's
     CSE emptied its saving (:func:`remat_kit.explain.cse_note`)."""
     base = reports[specs.index("none")]
-
-    def sig(r):
-        return r.kept or explain_lib.saved_signature(r.residuals)
-
+    noops = explain_lib.noop_warnings(dict(zip(specs, reports, strict=True)))
     out = []
     for spec, r in zip(specs, reports, strict=True):
-        if w := explain_lib.noop_warning(spec, r.peak_bytes, sig(r), base.peak_bytes, sig(base)):
+        if w := noops.get(spec):
             r = dataclasses.replace(r, warnings=(w, *r.warnings))
         elif note := explain_lib.cse_note(r.policy, base.saved_bytes - r.saved_bytes, base.temp_bytes - r.temp_bytes):
             r = dataclasses.replace(r, notes=(*r.notes, note))

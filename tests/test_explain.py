@@ -323,6 +323,15 @@ def test_plan_explain_prints_the_groups_and_writes_the_timeline(tmp_path, capsys
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plan_model_explain_prints_the_groups_and_writes_the_timeline(tmp_path, capsys):
+    png = tmp_path / "model.png"
+    argv = ["plan", "--model", "plan_model_factory:factory", "--policies", "none,full", "--explain"]
+    assert main([*argv, "--timeline", str(png), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("at the peak, ") == 2 and out.count(": peak in backward") == 2, out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 # ---- a scanned user model names its tags at the peak -----------------------------------------------
 
 

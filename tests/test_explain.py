@@ -89,6 +89,9 @@ def test_the_timeline_peaks_at_the_live_bytes_and_plots(reports, tmp_path):
 
 
 def test_a_scan_body_is_drawn_once_per_trip():
+    from remat_kit import _xla_dump
+    from remat_kit.memory import CompiledMemory
+
     def layer(h, w):
         return jnp.tanh(h @ w), None
 
@@ -96,10 +99,18 @@ def test_a_scan_body_is_drawn_once_per_trip():
         return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
 
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
-    short = remat_kit.inspect(loss, jax.ShapeDtypeStruct((2, 16, 16), jnp.float32), x, explain=True).timeline
-    long = remat_kit.inspect(loss, jax.ShapeDtypeStruct((6, 16, 16), jnp.float32), x, explain=True).timeline
-    # The same program but for the trip count: three times the trips, a longer timeline.
-    assert len(long.live) > len(short.live)
+    drawn = {}
+    for trips in (2, 6):
+        lowered = jax.jit(jax.value_and_grad(loss)).lower(jax.ShapeDtypeStruct((trips, 16, 16), jnp.float32), x)
+        compiled, program = _xla_dump.compile_with_dump(lowered)
+        e = explain.explain(program, CompiledMemory.from_compiled(compiled), parameter_groups={0: "parameters"})
+        # The instructions of the loop bodies (forward and backward scan), listed once in XLA's sequence.
+        body = sum(1 for i in program.sequence if i.computation in program.trips)
+        assert body > 0 and len(e.timeline.live) == len(program.sequence) + (trips - 1) * body, trips
+        drawn[trips] = (len(e.timeline.live), body)
+    # The same program but for the trip count: four more trips draw the loop bodies exactly four more times.
+    (short, body), (long, body_long) = drawn[2], drawn[6]
+    assert body == body_long and long - short == (6 - 2) * body
 
 
 def test_compare_plots_one_line_per_policy(tmp_path):

@@ -68,8 +68,6 @@ _MOVES = frozenset(
     ]
 )
 _CONTAINERS = frozenset(("while", "conditional", "call"))
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([\w\-]+)\(")
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,62 +78,25 @@ class Op:
     opcode: str
     inner: frozenset[str]
     op_name: str
-    frames: tuple[str, ...]  # "file:function" of its source frames, innermost first
+    where: str  # "file.py:12 (function)" of its innermost source frame, "" if none
 
 
 def parse_hlo(text: str) -> dict[str, Op]:
-    """Every instruction of an HLO module's text, with what its fused computation contains."""
-    files, funcs, locs, frames = {}, {}, {}, {}
-    section = None
-    comps: dict[str, set[str]] = collections.defaultdict(set)
-    rows = []
-    comp = None
-    for line in text.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            section = line
-            continue
-        if section and re.match(r"^\d+ ", line):
-            idx, rest = line.split(" ", 1)
-            if section == "FileNames":
-                files[idx] = os.path.basename(rest.strip('"'))
-            elif section == "FunctionNames":
-                funcs[idx] = rest.strip('"')
-            elif section == "FileLocations":
-                f = dict(re.findall(r"(\w+)=(\d+)", rest))
-                locs[idx] = f"{files.get(f['file_name_id'], '?')}:{funcs.get(f['function_name_id'], '?')}"
-            else:
-                f = dict(re.findall(r"(\w+)=(\d+)", rest))
-                frames[idx] = (f["file_location_id"], f["parent_frame_id"])
-            continue
-        section = None
-        m = _COMP.match(line)
-        if m and "=" not in line.split("{")[0].split("(")[0]:
-            comp = m.group(1)
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, _, opcode = m.groups()
-        comps[comp].add(opcode)
-        called = re.search(r"calls=%?([\w.\-]+)", line)
-        op_name = re.search(r'op_name="([^"]*)"', line)
-        frame = re.search(r"stack_frame_id=(\d+)", line)
-        rows.append((name, opcode, called.group(1) if called else None, op_name, frame))
+    """Every instruction of an HLO module's text, with what its fused computation contains (read by
+    :func:`remat_kit._xla_dump.parse_hlo`, the package's one reader of XLA's text)."""
+    from remat_kit import _xla_dump
 
-    def chain(fid):
-        out, seen = [], set()
-        while fid in frames and fid not in seen:
-            seen.add(fid)
-            loc, parent = frames[fid]
-            out.append(locs.get(loc, "?"))
-            fid = parent
-        return tuple(out)
-
-    ops = {}
-    for name, opcode, called, op_name, frame in rows:
-        inner = frozenset(comps.get(called, ())) if called else frozenset((opcode,))
-        ops[name] = Op(name, opcode, inner, op_name.group(1) if op_name else "", chain(frame.group(1)) if frame else ())
-    return ops
+    instructions, _ = _xla_dump.parse_hlo(text)
+    opcodes: dict[str, set[str]] = collections.defaultdict(set)
+    for i in instructions.values():
+        opcodes[i.computation].add(i.opcode)
+    return {
+        i.name: Op(
+            i.name, i.opcode, frozenset(opcodes[i.calls]) if i.calls else frozenset((i.opcode,)), i.op_name, i.source
+        )
+        for i in instructions.values()
+        if i.computation  # not the printer marker _xla_dump adds
+    }
 
 
 def classify(op: Op | None) -> str | None:
@@ -144,7 +105,7 @@ def classify(op: Op | None) -> str | None:
         return "other elementwise"
     if op.opcode in _CONTAINERS:
         return None
-    where = " ".join(op.frames[:1])
+    where = op.where
     has_dot = "dot" in op.inner or "convolution" in op.inner
     if "attention.py" in where and not re.search(r"rope|_rotate", where):
         return "attention"
@@ -319,7 +280,7 @@ def _origin(op: Op | None) -> str:
         return ""
     scope = re.sub(r"^jit\(step\)/", "", op.op_name)
     scope = scope.replace("Transformer.hidden/layers/while/body/closed_call/", "layer/")
-    return f"{scope[-70:]} ({op.frames[0]})" if op.frames else scope[-90:]
+    return f"{scope[-70:]} ({op.where})" if op.where else scope[-90:]
 
 
 # ---- the peer (PyTorch + Transformers), profiled with torch.profiler in its own interpreter -------------

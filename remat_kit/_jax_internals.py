@@ -328,6 +328,95 @@ def vjp_jaxpr(body, policy: Callable | None):
     return jax.make_jaxpr(forward_backward)(*avals)
 
 
+@dataclasses.dataclass(frozen=True)
+class ScanBody:
+    """What one trip of a ``scan`` body keeps for its backward pass (:func:`scan_body_residuals`).
+
+    Attributes:
+      lengths: the trip counts of the scans around it and its own, outermost first: a residual the body keeps
+        comes out of the scans stacked on (a suffix of) these axes.
+      residuals: :func:`saved_residuals` of the body alone that are no input of it, every floating input
+        differentiated (the scan's own policy, inside its body, applies).
+      carried: the loop-carried inputs it keeps (a layer's input, in a stack of layers).
+    """
+
+    lengths: tuple[int, ...]
+    residuals: tuple[RawResidual, ...]
+    carried: tuple[RawResidual, ...]
+
+
+def scan_body_residuals(jaxpr, lengths: tuple[int, ...] = ()) -> list[ScanBody]:
+    """:class:`ScanBody` of every ``scan`` in a (closed) jaxpr, nested ones included, outermost first.
+
+    JAX reports a scan's residuals stacked and untagged (``output of scan``); its body analysed alone names them
+    (``named 'mlp_up'``). Private reads: a ``scan`` equation's ``jaxpr`` and how its inputs split into consts,
+    carry and xs (jax 0.10's ``num_consts``/``num_carry``, jax 0.12's ``ft_in``).
+    A body whose residuals cannot be traced alone (an input of a dtype with no zeros, such as a PRNG key) is
+    left out: its residuals keep JAX's own description.
+    """
+    from jax.extend import core as _core
+
+    out = []
+    for eqn in eqns(jaxpr):
+        n = scan_length(eqn)
+        if n is None:
+            for sub in subjaxprs(eqn):
+                out += scan_body_residuals(sub, lengths)
+            continue
+        body = eqn.params["jaxpr"]
+        consts, carry = _scan_split(eqn)
+        try:
+            kept = _body_residuals(body if hasattr(body, "consts") else _core.ClosedJaxpr(body, ()))
+        except Exception:  # labels only: a body JAX cannot linearize alone keeps JAX's own descriptions
+            kept = None
+        if kept is not None:
+            carried = tuple(r for k, r in kept if k is not None and consts <= k < consts + carry)
+            out.append(ScanBody((*lengths, n), tuple(r for k, r in kept if not r.is_argument), carried))
+        out += scan_body_residuals(body, (*lengths, n))
+    return out
+
+
+def _scan_split(eqn) -> tuple[int, int]:
+    """``(consts, carry)`` input counts of a ``scan`` equation: jax 0.10's ``num_consts``/``num_carry`` params, or
+    jax 0.12's ``ft_in`` (consts, carry, xs)."""
+    if "num_consts" in eqn.params:
+        return int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+    consts, carry, _ = (len(part) for part in eqn.params["ft_in"].unpack())
+    return consts, carry
+
+
+def _body_residuals(body) -> list[tuple[int | None, RawResidual]]:
+    """saved_residuals of a ClosedJaxpr as a function of its floating inputs (the others held at zero), each with
+    the position of the body input it is (None for one computed in the body)."""
+    from jax.extend import core as _core
+
+    fn = _core.jaxpr_as_fun(body)
+    avals = [v.aval for v in body.jaxpr.invars]
+    floats = [i for i, a in enumerate(avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+    def f(*xs):
+        full = [None if i in floats else jnp.zeros(a.shape, a.dtype) for i, a in enumerate(avals)]
+        for i, x in zip(floats, xs, strict=True):
+            full[i] = x
+        return [o for o in fn(*full) if jnp.issubdtype(o.dtype, jnp.inexact)]
+
+    found = saved_residuals(f, *(jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in floats))
+    # "from the argument xs[3]": the position among the floating inputs, back to the body's own.
+    out = []
+    for r in found:
+        k = _argument_index(r.source) if r.is_argument else None
+        out.append((floats[k] if k is not None and k < len(floats) else None, r))
+    return out
+
+
+def _argument_index(source: str) -> int | None:
+    """The flat position in ``"from the argument xs[3]"`` / ``"... args[3]"`` (JAX's descriptions), else None."""
+    import re
+
+    m = re.search(r"\[(\d+)\]$", source)
+    return int(m.group(1)) if m and source.startswith("from the argument") else None
+
+
 def save_only_names(policy: Any) -> frozenset[str] | None:
     """The names a policy built by ``jax.checkpoint_policies.save_only_these_names`` saves, else None.
 

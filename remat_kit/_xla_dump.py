@@ -85,6 +85,7 @@ class Instruction:
         ``convert`` or a fusion of nothing but one), () for an instruction that computes.
       dtype, shape: its result's HLO dtype and shape ("" and () for a tuple).
       root: it is its computation's ROOT.
+      calls: the computation it calls (a fusion's fused computation, a call's), "" if none.
     """
 
     name: str
@@ -99,6 +100,7 @@ class Instruction:
     dtype: str = ""
     shape: tuple[int, ...] = ()
     root: bool = False
+    calls: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +232,31 @@ class Program:
         if index or root is None or root.opcode != "tuple" or name not in root.operands:
             return None
         return f"{loop[0]}{{{root.operands.index(name)}}}"
+
+    def annotated(self, name: str) -> Instruction | None:
+        """The instruction whose ``op_name`` metadata says what instruction ``name`` computes: ``name`` itself
+        when it carries one, else (a fusion XLA made, which carries none) the root of the computation it calls,
+        followed through data movement (:data:`MOVES`) to the first instruction that carries one; None when
+        none does (a fusion of nothing but moves of its parameters: :meth:`origin` says what it moves).
+
+        >>> import jax, jax.numpy as jnp
+        >>> f = jax.jit(lambda x: jnp.sin(x).T * 2)  # one fusion, its root a multiply
+        >>> _, p = compile_with_dump(f.lower(jax.ShapeDtypeStruct((4, 8), jnp.float32)))
+        >>> sorted({p.annotated(i.name).op_name.rsplit("/", 1)[-1] for i in p.sequence if i.opcode == "fusion"})
+        ['mul']
+        """
+        i, seen = self.instructions.get(name), set()
+        while i is not None and i.name not in seen:
+            seen.add(i.name)
+            if i.op_name:
+                return i
+            if i.calls and i.calls in self._roots:
+                i = self._roots[i.calls]
+            elif i.opcode in MOVES and len(i.operands) == 1:
+                i = self.instructions.get(i.operands[0])
+            else:
+                return None
+        return None
 
     @functools.cached_property
     def _roots(self) -> dict[str, Instruction]:
@@ -438,6 +465,12 @@ def _arguments(rest: str) -> str:
     return rest
 
 
+def _attributes(rest: str) -> str:
+    """An instruction's attributes: ``rest`` after its operand list, before its metadata (whose strings may
+    hold anything)."""
+    return rest[len(_arguments(rest)) :].split("metadata={", 1)[0]
+
+
 def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, tuple[str, int]]]:
     """``(instruction name -> Instruction, loop body or condition -> (while, trip count))`` of an HLO text dump."""
     tables = _stack_tables(text)
@@ -463,8 +496,8 @@ def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, tuple[str, i
             parameter = int(p.group(1)) if p else None
         array = _ARRAY.match(m.group(3))
         index = _INDEX.search(rest) if opcode == "get-tuple-element" else None
-        calls = _CALLS.search(rest) if opcode == "fusion" else None
-        if calls:
+        calls = _CALLS.search(_attributes(rest))
+        if calls and opcode == "fusion":
             fused[name] = calls.group(1)
         opcodes.setdefault(comp, []).append(opcode)
         instructions[name] = Instruction(
@@ -480,6 +513,7 @@ def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, tuple[str, i
             dtype=array.group(1) if array else "",
             shape=tuple(int(d) for d in array.group(2).split(",") if d) if array else (),
             root=bool(m.group(1)),
+            calls=calls.group(1) if calls else "",
         )
         if opcode == "while":
             n = _TRIPS.search(rest)

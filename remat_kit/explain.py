@@ -10,12 +10,14 @@ Everything here reads one compile's XLA dump (:mod:`remat_kit._xla_dump`, compil
   report (``inspect``, ``compare``, ``plan``, ``bench``) prints.
 
 **The groups sum to the compiled peak.** :attr:`Explanation.at_peak` sums exactly to
-:attr:`remat_kit.memory.CompiledMemory.total`: the buffers live at the peak instruction, plus one group,
-``reserved``, for the bytes XLA's buffer assignment holds but no value occupies at that instruction (the
-temp block is sized for its fullest moment and packed with gaps; outputs are reserved whole). The live
-groups alone are within :data:`RESERVED_TOLERANCE` of the compiled peak on the built-in model and the tests'
-scanned models (``tests/test_explain.py``, ``benchmarks/results/explain_2b.txt``); the measured ``reserved``
-is printed, never hidden.
+:attr:`remat_kit.memory.CompiledMemory.total` (device bytes): the device buffers live at the peak instruction,
+plus one group, ``reserved``, for the bytes XLA's buffer assignment holds but no value occupies at that
+instruction (the temp block is sized for its fullest moment and packed with gaps; outputs are reserved whole).
+Buffers XLA placed in host memory are no part of the device peak: :attr:`Explanation.host_bytes` holds them,
+apart. The live groups alone are within :data:`RESERVED_TOLERANCE` of the compiled peak on the built-in model
+and the tests' scanned models (``tests/test_explain.py``, ``benchmarks/results/explain_2b.txt``); the measured
+``reserved`` is printed, never hidden, and a report whose ``reserved`` exceeds the tolerance says so
+(:func:`reserved_note`).
 
 >>> import jax, jax.numpy as jnp
 >>> from remat_kit import _xla_dump
@@ -38,6 +40,9 @@ from typing import Any
 from remat_kit import _xla_dump
 from remat_kit.units import fmt_bytes
 
+#: The group of a buffer in host memory (:attr:`PeakBuffer.host`): never in :attr:`Explanation.at_peak`.
+HOST_GROUP = "host memory"
+
 #: The groups a buffer live at the peak falls in, in the order reports print them.
 GROUPS: tuple[str, ...] = (
     "parameters",
@@ -54,7 +59,7 @@ GROUPS: tuple[str, ...] = (
     "backward temporaries",
     "optimizer update",
     "other",
-    "host memory",
+    HOST_GROUP,
     "reserved",
 )
 
@@ -68,8 +73,11 @@ GROUP_NOTES: dict[str, str] = {
     "residual copies by XLA": "a copy, transpose or narrowing convert XLA made of a saved residual",
     "forward values XLA keeps": (
         "forward values the backward pass reads that JAX did not save (XLA merged the backward's recompute "
-        "of them into the forward value, e.g. a float32 value before its bfloat16 cast)"
+        "of them into the forward value, e.g. a float32 value before its bfloat16 cast); told apart from the "
+        "saved residuals by element count and dtype only, not by producing op: such a value of a JAX residual's "
+        "size and dtype is counted as a saved residual"
     ),
+    HOST_GROUP: "buffers XLA placed in host memory: no part of the device peak, counted apart",
     "reserved": "bytes XLA holds but no value uses at the peak instruction",
 }
 
@@ -85,7 +93,7 @@ RESIDUAL_GROUPS: tuple[str, ...] = (
 PHASES: tuple[str, ...] = ("forward", "loss", "backward", "optimizer", "other")
 
 #: ``reserved`` (bytes XLA holds but no value uses at the peak) stays under this share of the compiled peak on the
-#: built-in model and the tests' scanned models; a report says when it does not.
+#: built-in model and the tests' scanned models; a report says when it does not (:func:`reserved_note`).
 RESERVED_TOLERANCE = 0.10
 
 #: Words in an op's name scopes or innermost function name that mark the logits and the loss.
@@ -146,9 +154,11 @@ class Explanation:
     """What is live at a compiled step's peak, and its timeline.
 
     Attributes:
-      at_peak: group -> bytes at the peak (:data:`GROUPS` order, empty groups left out); sums exactly to
-        ``total`` (``reserved`` holds what XLA reserves but no value uses at the peak instruction).
-      largest_at_peak: the ten largest buffers live there, largest first.
+      at_peak: group -> device bytes at the peak (:data:`GROUPS` order, empty groups and :data:`HOST_GROUP` left
+        out); sums exactly to ``total`` (``reserved`` holds what XLA reserves but no value uses at the peak
+        instruction).
+      host_bytes: bytes XLA placed in host memory live at the peak: apart from ``at_peak`` and ``total``.
+      largest_at_peak: the ten largest buffers live there (device or host), largest first.
       total: the compiled peak (:attr:`remat_kit.memory.CompiledMemory.total`).
       peak_op, peak_phase: the op at the peak (op and source line) and its phase.
       timeline: the :class:`Timeline`.
@@ -163,6 +173,7 @@ class Explanation:
     peak_phase: str
     timeline: Timeline
     kept: tuple = ()
+    host_bytes: int = 0
 
     @property
     def peak_at(self) -> str:
@@ -176,19 +187,44 @@ class Explanation:
 
     def table(self) -> str:
         """The groups at the peak, then the largest buffers."""
-        return f"peak in {self.peak_at}\n" + format_at_peak(self.at_peak, self.largest_at_peak, self.total)
+        body = format_at_peak(self.at_peak, self.largest_at_peak, self.total, self.host_bytes)
+        return f"peak in {self.peak_at}\n" + body
 
 
-def format_at_peak(at_peak: Mapping[str, int], largest: Sequence[PeakBuffer], total: int) -> str:
-    """The groups at the peak (bytes and share of ``total``), then the largest buffers, one per line."""
-    lines = [f"at the peak, {fmt_bytes(total)} in all:"]
+def format_at_peak(at_peak: Mapping[str, int], largest: Sequence[PeakBuffer], total: int, host: int = 0) -> str:
+    """The device groups at the peak (bytes and share of ``total``), host memory apart, then the largest buffers."""
+    lines = [f"at the peak, {fmt_bytes(total)} of device memory in all:"]
     for group, n in at_peak.items():
         lines.append(f"  {group:24} {fmt_bytes(n):>10}  {100 * n / max(total, 1):5.1f}%")
-    lines += [f"  ({g}: {GROUP_NOTES[g]})" for g in at_peak if g in GROUP_NOTES and g != "reserved"]
+    if host:
+        lines.append(f"  {HOST_GROUP + ' (apart)':24} {fmt_bytes(host):>10}  not in the device peak")
+    shown = [*at_peak, *([HOST_GROUP] if host else [])]
+    lines += [f"  ({g}: {GROUP_NOTES[g]})" for g in shown if g in GROUP_NOTES and g != "reserved"]
+    note = reserved_note(at_peak, total)
+    if note:
+        lines.append(f"  note: {note}")
     lines.append(f"  {'bytes':>10}  {'group':24} {'dtype':9} {'shape':22} producer")
     for b in largest:
         lines.append(f"  {fmt_bytes(b.nbytes):>10}  {b.group:24} {b.dtype:9} {b.shape!s:22} {b.producer}")
     return "\n".join(lines)
+
+
+def reserved_note(at_peak: Mapping[str, int], total: int) -> str | None:
+    """A note when ``reserved`` exceeds :data:`RESERVED_TOLERANCE` of the peak: the groups then say less of it.
+
+    >>> reserved_note({"parameters": 80, "reserved": 20}, 100).split(":")[0]
+    "'reserved' is 20% of the compiled peak, above the 10% tolerance the groups are checked to"
+    >>> reserved_note({"parameters": 95, "reserved": 5}, 100) is None
+    True
+    """
+    reserved = at_peak.get("reserved", 0)
+    if total <= 0 or reserved <= RESERVED_TOLERANCE * total:
+        return None
+    return (
+        f"'reserved' is {100 * reserved / total:.0f}% of the compiled peak, above the "
+        f"{100 * RESERVED_TOLERANCE:.0f}% tolerance the groups are checked to: XLA holds that much that no value "
+        "uses at the peak instruction (a temp block packed with gaps, or values this reading of the dump misses)"
+    )
 
 
 # ---- phases and producers -------------------------------------------------------------------------
@@ -215,11 +251,29 @@ def _is_loss(op_name: str, source: str) -> bool:
     return any(m in op_name or m in func for m in LOSS_MARKERS) or file in LOSS_FILES
 
 
-def _producer(ins: _xla_dump.Instruction | None) -> str:
-    if ins is None or not (ins.op_name or ins.source):
-        return ins.name if ins else "?"
-    op = ins.op_name.rsplit("/", 1)[-1] or ins.opcode
-    return f"{op} at {ins.source}" if ins.source else op
+def producer(program: _xla_dump.Program, ins: _xla_dump.Instruction | None, depth: int = 0) -> str:
+    """What made a buffer, from JAX's metadata: ``"dot_general at model.py:12 (Block.__call__)"``.
+
+    An instruction XLA made carries no metadata: a fusion is named by the op at its root
+    (:meth:`remat_kit._xla_dump.Program.annotated`), a cast or copy by what it moves
+    (``"convert f32->bf16 of params['w']"``, :meth:`~remat_kit._xla_dump.Program.origin`); the raw HLO name only
+    when neither tells.
+    """
+    if ins is None:
+        return "?"
+    loop = program.trips.get(ins.computation) if ins.opcode == "parameter" and not ins.op_name else None
+    if loop is not None and loop[0] in program.instructions and depth < 8:  # a loop body's carried input
+        return f"the carry of {producer(program, program.instructions[loop[0]], depth + 1)}"
+    meta = program.annotated(ins.name) or (ins if ins.source else None)
+    if meta is not None:
+        op = meta.op_name.rsplit("/", 1)[-1] or meta.opcode
+        return f"{op} at {meta.source}" if meta.source else op
+    o = program.origin(ins.name)
+    src = program.instructions.get(o.instruction) if o is not None else None
+    if o is not None and src is not None and depth < 8:
+        cast = f" {o.dtype}->{ins.dtype}" if ins.dtype and ins.dtype != o.dtype else ""
+        return f"{'+'.join(dict.fromkeys(o.moves))}{cast} of {producer(program, src, depth + 1)}"
+    return ins.name
 
 
 # ---- the explanation ------------------------------------------------------------------------------
@@ -317,7 +371,7 @@ def explain(
         else:
             made = i
         if b.host:
-            return "host memory", tags.get(key) or _producer(made)
+            return HOST_GROUP, tags.get(key) or producer(program, made)
         # An op with no AD marker of its own (an XLA copy or convert) belongs to the phase it runs in.
         p = phases[position[i.name]] if i is not None and i.name in position else "other"
         # XLA's own convert or copy of a forward value, held for the backward pass: a residual in another form.
@@ -326,31 +380,31 @@ def explain(
             src = everything.get(o.instruction) if o else None
             if src is not None and phase(src.op_name, src.source) == "forward":
                 group = "residuals widened by XLA" if b.nbytes > o.nbytes else "residual copies by XLA"
-                what = tags.get((o.shape, _hlo_dtype.get(o.dtype, o.dtype))) or _producer(src)
+                what = tags.get((o.shape, _hlo_dtype.get(o.dtype, o.dtype))) or producer(program, src)
                 return group, f"{'+'.join(dict.fromkeys(o.moves))} {o.dtype}->{b.dtype} of {what} ({o.value})"
         if p == "backward" and key in grads:
-            return "gradients", _producer(made)
+            return "gradients", producer(program, made)
         # The loss's buffers and their gradients (what a chunked loss removes), forward or backward.
         if p == "loss" or (p in ("forward", "backward") and made is not None and _is_loss(made.op_name, made.source)):
-            return "logits / loss", _producer(made)
+            return "logits / loss", producer(program, made)
         if p == "backward":
-            return "backward temporaries", _producer(made)
+            return "backward temporaries", producer(program, made)
         if p in ("forward", "other") and tuple(sorted(b.shape)) in weight_sizes:
-            return "weight copies", _producer(made)
+            return "weight copies", producer(program, made)
         if p == "forward":
             if not spans_backward(b):
                 # A scan's stacked output filled in place in the loop body: the loop output it becomes.
                 out = program.carried(b.name)
                 if out in buffers and out != b.name and spans_backward(buffers[out]):
                     group, _ = classify(buffers[out])
-                    return group, tags.get(key) or _producer(made)
-                return "forward temporaries", _producer(made)
+                    return group, tags.get(key) or producer(program, made)
+                return "forward temporaries", producer(program, made)
             if jax_saved is not None and (_numel(b.shape), key[1]) not in jax_saved:
-                return "forward values XLA keeps", _producer(made)
-            return "saved residuals", tags.get(key) or _producer(made)
+                return "forward values XLA keeps", producer(program, made)
+            return "saved residuals", tags.get(key) or producer(program, made)
         if p == "optimizer":
-            return "optimizer update", _producer(made)
-        return "other", _producer(made)
+            return "optimizer update", producer(program, made)
+        return "other", producer(program, made)
 
     kept = [
         (b.shape, _hlo_dtype.get(b.dtype, b.dtype))
@@ -358,14 +412,23 @@ def explain(
         if b.kind != "parameter" and spans_backward(b) and classify(b)[0] in (*RESIDUAL_GROUPS, "logits / loss")
     ]
     totals = dict.fromkeys(GROUPS, 0)
-    rows = []
+    rows, host = [], 0
     for b in program.live_at(at):
-        group, producer = classify(b)
-        totals[group] += b.nbytes
-        rows.append(PeakBuffer(b.shape, _hlo_dtype.get(b.dtype, b.dtype), b.nbytes, group, producer, b.host))
-    live = sum(totals.values()) - totals["host memory"]
-    # XLA's counted allocations (memory.total) hold at least what is live at any instruction.
-    totals["reserved"] = max(int(memory.total) - live, 0)
+        group, made_by = classify(b)
+        if b.host:
+            host += b.nbytes
+        else:
+            totals[group] += b.nbytes
+        rows.append(PeakBuffer(b.shape, _hlo_dtype.get(b.dtype, b.dtype), b.nbytes, group, made_by, b.host))
+    live = sum(totals.values())
+    # XLA's counted allocations (memory.total, device bytes) hold at least what is live at any instruction: more
+    # live than that is a misreading of the dump, said loudly rather than clamped away.
+    if live > int(memory.total):
+        raise _xla_dump.DumpFormatError(
+            f"{live} device bytes are live at the peak instruction but XLA's compiled memory counts "
+            f"{int(memory.total)}: the dump was misread (its format may have changed)"
+        )
+    totals["reserved"] = int(memory.total) - live
     rows.sort(key=lambda r: -r.nbytes)
     timeline = _timeline(program, phases)
     peak_ins = program.sequence[at] if program.sequence else None
@@ -373,10 +436,11 @@ def explain(
         at_peak={g: n for g, n in totals.items() if n},
         largest_at_peak=tuple(rows[:top]),
         total=int(memory.total),
-        peak_op=_producer(peak_ins) if peak_ins else "",
+        peak_op=producer(program, peak_ins) if peak_ins else "",
         peak_phase=phases[at] if phases else "",
         timeline=timeline,
         kept=tuple(sorted(kept)),
+        host_bytes=host,
     )
 
 
@@ -399,10 +463,90 @@ def _timeline(program: _xla_dump.Program, phases: Sequence[str]) -> Timeline:
 
 _PHASE_COLORS = {"forward": "#dbe9f6", "loss": "#fde2c4", "backward": "#e3f1dc", "optimizer": "#eadcf0"}
 
+#: The stages the plot's x axis is cut into, in order: what runs before the forward pass, the forward pass, the
+#: loss, the backward pass, and what runs after it (the optimizer; for a bare gradient, its last bookkeeping).
+STAGES: tuple[str, ...] = ("start", "forward", "loss", "backward", "after")
+
+#: The narrowest share of the x axis a stage that runs at all is drawn with, so a short one (the loss, the
+#: optimizer: a few hundred of a 2B step's hundred thousand instructions) stays visible.
+MIN_STAGE_WIDTH = 0.06
+
+
+def stages(phases: Sequence[str]) -> list[int]:
+    """The :data:`STAGES` index of each step of a timeline: the non-decreasing cut into stages that agrees with the
+    most steps' phases. XLA schedules a few ops out of place (a backward buffer filled before the forward pass, a
+    forward slice inside the backward loop): they stay in the stage around them rather than move its boundary.
+
+    >>> stages(["other", "backward", "forward", "forward", "loss", "backward", "forward", "backward", "optimizer"])
+    [0, 0, 1, 1, 2, 3, 3, 3, 4]
+    """
+    agrees = {"other": (0, 4), "forward": (1,), "loss": (2,), "backward": (3,), "optimizer": (4,)}
+    k = len(STAGES)
+    best = [0] * k  # the most agreeing steps of a cut of the steps so far that ends in each stage
+    back: list[list[int]] = []  # per step and stage, the stage of the step before in that best cut
+    for p in phases:
+        run, arg, step = -1, 0, []
+        for stage in range(k):
+            if best[stage] > run:  # on a tie the earlier stage: a boundary moves as late as the phases allow
+                run, arg = best[stage], stage
+            step.append(arg)
+            best[stage] = run + (stage in agrees.get(p, ()))
+        back.append(step)
+    out = [0] * len(phases)
+    stage = max(range(k), key=lambda s: best[s])
+    for t in range(len(phases) - 1, -1, -1):
+        out[t] = stage
+        stage = back[t][stage]
+    return out
+
+
+def stage_axis(timelines: Sequence[Timeline]) -> tuple[list[float], list[list[float]]]:
+    """The x axis shared by ``timelines``: each stage one band, as wide as its largest share of any timeline and
+    at least :data:`MIN_STAGE_WIDTH`, so phase boundaries line up across policies of different length.
+
+    Returns:
+      ``(edges, xs)``: the bands' left edges and the right end (``len(STAGES) + 1`` values, 0 to 1), and per
+      timeline the x of each step.
+    """
+    per = [stages(tl.phases) for tl in timelines]
+    counts = [[s.count(k) for k in range(len(STAGES))] for s in per]
+    widths = [
+        max((c[k] / max(len(s), 1) for c, s in zip(counts, per, strict=True)), default=0.0) for k in range(len(STAGES))
+    ]
+    # A stage narrower than the minimum is pinned to it; the others share what is left, in proportion.
+    active = [k for k, w in enumerate(widths) if w > 0]
+    pinned: set[int] = set()
+    while True:
+        free = 1.0 - MIN_STAGE_WIDTH * len(pinned)
+        rest = sum(widths[k] for k in active if k not in pinned)
+        narrow = {k for k in active if k not in pinned and widths[k] / rest * free < MIN_STAGE_WIDTH}
+        if not narrow or len(pinned | narrow) == len(active):
+            break
+        pinned |= narrow
+    widths = [
+        0.0 if k not in active else MIN_STAGE_WIDTH if k in pinned else widths[k] / rest * free
+        for k in range(len(widths))
+    ]
+    edges = [0.0]
+    for w in widths:
+        edges.append(edges[-1] + w)
+    xs = []
+    for s, c in zip(per, counts, strict=True):
+        seen = [0] * len(STAGES)
+        row = []
+        for k in s:
+            row.append(edges[k] + (edges[k + 1] - edges[k]) * seen[k] / c[k])
+            seen[k] += 1
+        xs.append(row)
+    return edges, xs
+
 
 def plot_timelines(timelines: Mapping[str, Timeline], path: str, title: str = "live device memory") -> str:
-    """Draw one line per policy of live bytes over the step (x scaled to 0..1 so programs of different length
-    line up), phases shaded from the first timeline, each peak marked; write a PNG to ``path``.
+    """Draw one line per policy of live bytes over the step, each peak marked; write a PNG to ``path``.
+
+    The x axis is cut into the step's stages (:data:`STAGES`, shaded by phase), each scaled per timeline so the
+    forward, loss, backward and optimizer of every policy line up, a narrow stage widened to
+    :data:`MIN_STAGE_WIDTH` (the axis label says so); the y axis starts near the lowest value drawn, not at 0.
 
     Args:
       timelines: label -> :class:`Timeline`.
@@ -418,38 +562,42 @@ def plot_timelines(timelines: Mapping[str, Timeline], path: str, title: str = "l
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=120)
-    first = next(iter(timelines.values()))
-    n = len(first.phases)
-    start = 0
-    for t in range(1, n + 1):
-        if t == n or first.phases[t] != first.phases[start]:
-            color = _PHASE_COLORS.get(first.phases[start])
-            if color:
-                ax.axvspan(start / n, t / n, color=color, lw=0)
-            start = t
-    scale, unit = _unit(max(tl.peak for tl in timelines.values()))
-    for label, tl in timelines.items():
-        m = len(tl.live)
-        xs = [i / max(m, 1) for i in range(m)]
-        (line,) = ax.plot(xs, [v / scale for v in tl.live], lw=1.4, label=f"{label} (peak {fmt_bytes(tl.peak)})")
-        ax.plot([tl.peak_index / max(m, 1)], [tl.peak / scale], "v", color=line.get_color(), ms=8)
-    handles, _ = ax.get_legend_handles_labels()
     from matplotlib.patches import Patch
 
-    phase_handles = [Patch(color=c, label=p) for p, c in _PHASE_COLORS.items() if p in first.phases]
-    ax.legend(
-        handles=handles + phase_handles,
-        loc="best",
+    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=120)
+    edges, xs = stage_axis(list(timelines.values()))
+    names = {
+        0: "",
+        1: "forward",
+        2: "loss",
+        3: "backward",
+        4: "optimizer" if any("optimizer" in tl.phases for tl in timelines.values()) else "",
+    }
+    shaded = []
+    for k in range(len(STAGES)):
+        color = _PHASE_COLORS.get(names[k])
+        if color and edges[k + 1] > edges[k]:
+            ax.axvspan(edges[k], edges[k + 1], color=color, lw=0)
+            shaded.append(names[k])
+    scale, unit = _unit(max(tl.peak for tl in timelines.values()))
+    low = min((min(tl.live) for tl in timelines.values() if tl.live), default=0)
+    high = max(tl.peak for tl in timelines.values())
+    for (label, tl), x in zip(timelines.items(), xs, strict=True):
+        (line,) = ax.plot(x, [v / scale for v in tl.live], lw=1.4, label=f"{label} (peak {fmt_bytes(tl.peak)})")
+        if tl.live:
+            ax.plot([x[tl.peak_index]], [tl.peak / scale], "v", color=line.get_color(), ms=8)
+    handles, _ = ax.get_legend_handles_labels()
+    phase_handles = [Patch(color=_PHASE_COLORS[p], label=p) for p in shaded]
+    ax.legend(handles=handles + phase_handles, loc="best", fontsize=8, ncol=2)
+    ax.set_xlabel(
+        "executed instructions, each phase scaled to its own band so phases line up across policies "
+        f"(a narrow phase widened to {100 * MIN_STAGE_WIDTH:.0f}%; scan bodies repeated once per trip)",
         fontsize=8,
-        ncol=2,
-        title=f"phases shaded for {next(iter(timelines))}",
-        title_fontsize=8,
     )
-    ax.set_xlabel("executed instruction sequence (0 = start, 1 = end; scan bodies repeated once per trip)")
-    ax.set_ylabel(f"live device memory ({unit})")
-    ax.set_ylim(bottom=0)
+    # The lines sit far above 0 (the state is live throughout): start the axis near the lowest value drawn.
+    bottom = max(0.0, low - 0.1 * max(high - low, 1))
+    ax.set_ylabel(f"live device memory ({unit}{', axis not from 0' if bottom > 0 else ''})")
+    ax.set_ylim(bottom=bottom / scale, top=(high + 0.08 * max(high - bottom, 1)) / scale)
     ax.set_xlim(0, 1)
     ax.set_title(title)
     fig.tight_layout()
@@ -537,8 +685,9 @@ def offload_warnings(offloaded_bytes: int, enforced: bool, policy_offloads: bool
     out = []
     if policy_offloads and offloaded_bytes == 0:
         out.append(
-            "the policy offloads, but nothing is saved to host memory: this JAX's remat recomputes instead "
-            "(jax 0.10's remat3) or the offloaded names are not saved; only 'pinned_host' moves bytes"
+            "the policy offloads, but nothing is saved to host memory: its destination is one jax.checkpoint "
+            "keeps on the device (only 'pinned_host' moves bytes), this JAX's remat recomputes instead "
+            "(jax 0.10's remat3), or the offloaded names are not saved"
         )
     elif offloaded_bytes and not enforced:
         out.append(
@@ -553,8 +702,17 @@ def offload_warnings(offloaded_bytes: int, enforced: bool, policy_offloads: bool
     return out
 
 
-def dominance_warnings(at_peak: Mapping[str, int], total: int, *, has_optimizer: bool = False) -> list[str]:
+def dominance_warnings(
+    at_peak: Mapping[str, int], total: int, *, has_optimizer: bool = False, estimated: bool = False
+) -> list[str]:
     """Warnings when the peak is mostly something no remat policy touches, naming the lever that does.
+
+    Args:
+      at_peak: group -> bytes: :attr:`Explanation.at_peak` (what is live at the peak, read from XLA's dump), or
+        with ``estimated`` the sizes of the state alone (:func:`state_at_peak`, no dump needed).
+      total: the compiled peak (:attr:`remat_kit.memory.CompiledMemory.total`).
+      has_optimizer: a training step: optimizer-state offload is a lever too.
+      estimated: ``at_peak`` holds sizes, not what XLA keeps live at the peak: the warning says "about".
 
     >>> dominance_warnings({"parameters": 70, "saved residuals": 30}, 100)[0].split(":")[0]
     'the peak is 70% parameters, optimizer state and gradients'
@@ -567,8 +725,10 @@ def dominance_warnings(at_peak: Mapping[str, int], total: int, *, has_optimizer:
     if state / total >= DOMINANCE_SHARE:
         levers = "LoRA (--lora-rank), a mesh sharding the state (--mesh fsdp=N)"
         levers += ", optimizer-state offload" if has_optimizer else ""
+        about = "about " if estimated else ""
+        how = " (their sizes beside XLA's compiled peak; --explain reads what is live there)" if estimated else ""
         out.append(
-            f"the peak is {100 * state / total:.0f}% parameters, optimizer state and gradients: "
+            f"the peak is {about}{100 * state / total:.0f}% parameters, optimizer state and gradients{how}: "
             f"no remat policy changes them; {levers} do"
         )
     logits = at_peak.get("logits / loss", 0)
@@ -577,4 +737,44 @@ def dominance_warnings(at_peak: Mapping[str, int], total: int, *, has_optimizer:
             f"the peak is {100 * logits / total:.0f}% logits and loss buffers: no remat policy changes them; "
             "a chunked loss (--loss-chunks K, remat_kit.model.loss) does"
         )
+    return out
+
+
+def state_at_peak(parameters: int, optimizer_state: int = 0, gradients: int = 0) -> dict[str, int]:
+    """The state a compile holds at its peak when XLA's dump was not read, for :func:`dominance_warnings`
+    (``estimated=True``) against :attr:`remat_kit.memory.CompiledMemory.total`: the parameters and optimizer
+    state (arguments, live for the whole step) and their gradients (a gradient's outputs, or the whole tree an
+    optimizer step reads at once), by size.
+
+    Args:
+      parameters, optimizer_state, gradients: their bytes (per device where the compiled memory is).
+
+    >>> from remat_kit.memory import CompiledMemory
+    >>> m = CompiledMemory(argument=30, output=10, alias=0, temp=60, host_argument=0, host_output=0, host_temp=0)
+    >>> dominance_warnings(state_at_peak(20, 10, 20), m.total, estimated=True)[0].split(" (")[0]
+    'the peak is about 50% parameters, optimizer state and gradients'
+    """
+    return {"parameters": parameters, "optimizer state": optimizer_state, "gradients": gradients}
+
+
+def saved_set(report: Any) -> tuple:
+    """A report's saved set, comparable across policies: :attr:`Explanation.kept` as compiled where the report
+    read XLA's dump, else :func:`saved_signature` of JAX's residuals."""
+    return report.kept or saved_signature(report.residuals)
+
+
+def noop_warnings(reports: Mapping[str, Any]) -> dict[str, str]:
+    """policy -> :func:`noop_warning` for each report that compiles to ``none``'s peak and saved set.
+
+    Reports carry ``peak_bytes``, ``kept`` and ``residuals`` (:class:`remat_kit.inspection.Inspection`,
+    :class:`remat_kit.planning.analysis.Analysis`); without a ``none`` report there is nothing to compare: ``{}``.
+    """
+    base = reports.get("none")
+    if base is None:
+        return {}
+    out = {}
+    for name, r in reports.items():
+        w = noop_warning(name, r.peak_bytes, saved_set(r), base.peak_bytes, saved_set(base))
+        if w:
+            out[name] = w
     return out

@@ -25,6 +25,7 @@ offloaded residuals are counted as device bytes, and the report says so.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import sys
@@ -81,11 +82,16 @@ class Residual:
     """One value the backward pass keeps.
 
     Attributes:
-      label: its ``checkpoint_name`` tag, else a short description of what produced it.
+      label: its ``checkpoint_name`` tag, else a short description of what produced it; a scan's stacked
+        residual, which JAX reports untagged (``scan in run``), is labelled by what one trip of the scan body
+        keeps with its shape (:func:`scan_candidates`): a tag, candidate tags (``"mlp_gate|mlp_up"``) where only
+        shape and dtype tell them apart, or ``scan carry``.
       tag: the tag, when JAX reports one.
       shape, dtype, nbytes: its shape, dtype name and size in bytes.
       memory: the memory kind JAX assigns it: ``"device"`` or a host kind (offloaded).
       source: JAX's full description of what produced it.
+      tags: the tags it may be: ``(tag,)`` when JAX reports one, the scan body's candidate tags for a stacked
+        residual, else ().
     """
 
     label: str
@@ -95,6 +101,7 @@ class Residual:
     nbytes: int
     memory: str
     source: str
+    tags: tuple[str, ...] = ()
 
     @property
     def host(self) -> bool:
@@ -119,11 +126,14 @@ class Inspection:
       platform: the backend compiled for; host_offload_enforced: the host rule there.
       notes: caveats a reader needs (e.g. that no memory moves on CPU).
       policy: the policy spec, for reports made by :func:`compare` (None otherwise).
-      at_peak: with ``explain=True``, group -> bytes live at the compiled peak (:mod:`remat_kit.explain`;
+      at_peak: with ``explain=True``, group -> device bytes live at the compiled peak (:mod:`remat_kit.explain`;
         sums to ``peak_bytes``); empty otherwise.
+      host_at_peak: with ``explain=True``, bytes XLA placed in host memory live at the peak (apart from
+        ``at_peak``: no part of the device peak).
       largest_at_peak: with ``explain=True``, the ten largest buffers live there.
-      warnings: one-line guardrails: offload that moves nothing, a peak no policy touches, and (from
-        :func:`compare`) a policy that did nothing.
+      warnings: one-line guardrails: offload that moves nothing, a peak no policy touches (read from XLA's dump
+        with ``explain=True``, else estimated from the state's size), and (from :func:`compare`) a policy that
+        did nothing.
       timeline: with ``explain=True``, live bytes over the step (:meth:`plot_timeline`).
       kept: with ``explain=True``, the saved set as compiled (:attr:`remat_kit.explain.Explanation.kept`).
       peak_at: with ``explain=True``, the phase and op at the peak (:attr:`remat_kit.explain.Explanation.peak_at`).
@@ -151,6 +161,7 @@ class Inspection:
     timeline: explain_lib.Timeline | None = dataclasses.field(default=None, repr=False, compare=False)
     kept: tuple = dataclasses.field(default=(), repr=False)
     peak_at: str = ""
+    host_at_peak: int = 0
 
     def plot_timeline(self, path: str) -> str:
         """Write this step's memory timeline (live bytes over the instruction sequence, peak marked) as a PNG.
@@ -194,7 +205,9 @@ class Inspection:
         lines += [f"note: {n}" for n in self.notes]
         if self.at_peak:
             lines.append(f"peak in {self.peak_at}")
-            lines.append(explain_lib.format_at_peak(self.at_peak, self.largest_at_peak, self.peak_bytes))
+            lines.append(
+                explain_lib.format_at_peak(self.at_peak, self.largest_at_peak, self.peak_bytes, self.host_at_peak)
+            )
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -298,25 +311,88 @@ _STOP = "(_differentiate_only."
 
 
 def residuals(loss_fn: Callable, *args, argnums=0) -> tuple[Residual, ...]:
-    """What the backward pass of ``loss_fn`` w.r.t. ``argnums`` keeps (trace-only), largest first."""
+    """What the backward pass of ``loss_fn`` w.r.t. ``argnums`` keeps (trace-only), largest first; a scan's
+    stacked residuals labelled by its body's tags (:func:`scan_candidates`)."""
     nums = check_argnums(argnums, len(args))
+    fn = _differentiate_only(loss_fn, nums, len(args))
+    candidates, stack_axes = scan_candidates(jax.make_jaxpr(fn)(*args))
     out = []
-    for r in _jax_internals.saved_residuals(_differentiate_only(loss_fn, nums, len(args)), *args):
+    for r in _jax_internals.saved_residuals(fn, *args):
         if r.is_argument or (r.source.startswith("output of stop_gradient") and _STOP in r.source):
             continue  # the inputs live anyway (those behind the stop_gradient are inputs too)
+        label, tags = (r.tag, (r.tag,)) if r.tag else ("", ())
+        if not r.tag:  # JAX reports a scan's residuals stacked and untagged: one trip of its body names them
+            label, tags = label_stacked(r.shape, r.dtype, candidates, stack_axes, unstacked=False)
         out.append(
             Residual(
-                label=r.tag or short_source(r.source),
+                label=label or short_source(r.source),
                 tag=r.tag,
                 shape=r.shape,
                 dtype=r.dtype,
                 nbytes=r.nbytes,
                 memory="pinned_host" if r.host else "device",
                 source=r.source,
+                tags=tags,
             )
         )
     out.sort(key=lambda r: -r.nbytes)
     return tuple(out)
+
+
+def scan_candidates(jaxpr) -> tuple[dict[tuple, list[tuple[str, str | None]]], set[int]]:
+    """What one trip of each scan body in ``jaxpr`` keeps, for :func:`label_stacked`: ``(shape, dtype)`` ->
+    ``[(label, tag)]`` (a tag, JAX's short description of an untagged value, or ``scan carry`` for a carried
+    input the body keeps), and the scans' trip counts (the axes a stacked residual carries first).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.ad_checkpoint import checkpoint_name
+    >>> keep = jax.checkpoint_policies.save_only_these_names("act")
+    >>> body = jax.checkpoint(lambda h, w: (jnp.sin(checkpoint_name(h @ w, "act")), None), policy=keep)
+    >>> loss = lambda ws, x: jnp.sum(jax.lax.scan(body, x, ws)[0])
+    >>> cands, axes = scan_candidates(jax.make_jaxpr(loss)(jnp.ones((3, 4, 4)), jnp.ones((2, 4))))
+    >>> label_stacked((3, 2, 4), "float32", cands, axes, unstacked=False)
+    ('act', ('act',))
+    """
+    candidates: dict[tuple, list[tuple[str, str | None]]] = collections.defaultdict(list)
+    axes: set[int] = set()
+    for body in _jax_internals.scan_body_residuals(jaxpr):
+        axes |= set(body.lengths)
+        found = [(r, r.tag or short_source(r.source), r.tag) for r in body.residuals]
+        found += [(r, "scan carry", None) for r in body.carried]
+        for r, label, tag in found:
+            if (label, tag) not in candidates[(r.shape, r.dtype)]:
+                candidates[(r.shape, r.dtype)].append((label, tag))
+    return dict(candidates), axes
+
+
+def label_stacked(
+    shape: Sequence[int], dtype: str, candidates: dict, stack_axes: set[int], *, unstacked: bool = True
+) -> tuple[str, tuple[str, ...]]:
+    """Label a residual by what one layer (one trip of a scan body) keeps with that shape, after stripping scan axes.
+
+    Stacked residuals carry up to two leading scan axes (groups, then layers within a group). Tags are preferred
+    over JAX's descriptions; several candidates are all listed (``"mlp_gate|mlp_up"``).
+
+    Args:
+      shape, dtype: the residual's.
+      candidates: ``(shape, dtype)`` -> ``[(label, tag or None)]`` of one layer (:func:`scan_candidates`).
+      stack_axes: the sizes a leading scan axis may have.
+      unstacked: also match the residual's own shape (a value kept unstacked); False matches stacked ones only.
+
+    Returns:
+      ``(label, tags)``; ``("", ())`` when nothing matches.
+    """
+    keys = [(tuple(shape), dtype)] if unstacked else []
+    for k in (1, 2):
+        if len(shape) > k and all(d in stack_axes for d in shape[:k]):
+            keys.insert(0, (tuple(shape[k:]), dtype))
+    for key in keys:
+        if key in candidates:
+            labels = candidates[key]
+            tags = tuple(t for _, t in labels if t)
+            weights = [label for label, t in labels if label.startswith("weight ")]
+            return "|".join(tags or weights or [label for label, _ in labels]), tags
+    return "", ()
 
 
 # ---- inspect and compare ---------------------------------------------------------------------------
@@ -367,11 +443,21 @@ def inspect(
     if any(r.host for r in rows) and not enforced:
         notes.append(rule.note)
     found = _explain(program, held, args, nums, rows) if program is not None else None
-    warnings = explain_lib.offload_warnings(
-        sum(r.nbytes for r in rows if r.host), enforced, explain_lib.policy_offloads(policy or ""), held.host
+    # The policy offloads when its label says so or when the gradient copies residuals to a memory space (a
+    # user's own jax.checkpoint policy, whatever its destination).
+    offloads = explain_lib.policy_offloads(policy or "") or any(
+        map(_jax_internals.is_host_transfer, _jax_internals.iter_eqns(traced.jaxpr))
     )
+    warnings = explain_lib.offload_warnings(sum(r.nbytes for r in rows if r.host), enforced, offloads, held.host)
     if found is not None:
         warnings += explain_lib.dominance_warnings(found.at_peak, found.total)
+        if note := explain_lib.reserved_note(found.at_peak, found.total):
+            notes.append(note)
+    else:  # no dump read: the differentiated arguments and their gradients (the outputs), by size
+        state = sum(_leaf_bytes(args[i]) for i in nums)
+        warnings += explain_lib.dominance_warnings(
+            explain_lib.state_at_peak(state, gradients=state), held.total, estimated=True
+        )
     return Inspection(
         residuals=rows,
         saved_bytes=saved,
@@ -395,7 +481,12 @@ def inspect(
         timeline=found.timeline if found else None,
         kept=found.kept if found else (),
         peak_at=found.peak_at if found else "",
+        host_at_peak=found.host_bytes if found else 0,
     )
+
+
+def _leaf_bytes(tree) -> int:
+    return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
 def _explain(program, held: CompiledMemory, args, nums: tuple[int, ...], rows) -> explain_lib.Explanation:
@@ -408,19 +499,21 @@ def _explain(program, held: CompiledMemory, args, nums: tuple[int, ...], rows) -
             if i in nums:
                 grads.append((tuple(leaf.shape), str(leaf.dtype)))
             n += 1
-    tags = _unique_tags(rows)
+    tags = unique_tags(rows)
     saved = [(tuple(r.shape), str(r.dtype)) for r in rows]
     return explain_lib.explain(
         program, held, parameter_groups=groups, gradient_shapes=grads, tags=tags, residual_shapes=saved
     )
 
 
-def _unique_tags(rows) -> dict:
-    """``(shape, dtype) -> tag`` for residual shapes that only one tag has (a shape two tags share is ambiguous)."""
+def unique_tags(rows) -> dict:
+    """``(shape, dtype) -> label`` for residual shapes whose residuals all carry one tag label (JAX's tag, or a
+    scan body's candidate tags, ``"mlp_gate|mlp_up"``); a shape shared by two labels, or by an untagged
+    residual, is ambiguous and left out. ``rows`` carry ``shape``, ``dtype``, ``label`` and ``tags``."""
     seen: dict = {}
     for r in rows:
         key = (tuple(r.shape), str(r.dtype))
-        seen.setdefault(key, set()).add(r.tag or "")
+        seen.setdefault(key, set()).add(r.label if r.tags else "")
     return {k: next(iter(v)) for k, v in seen.items() if len(v) == 1 and "" not in v}
 
 
@@ -547,13 +640,10 @@ def _guardrails(specs: tuple[str, ...], reports: tuple[Inspection, ...]) -> tupl
     compiles to ``none``'s peak and saved set (:func:`remat_kit.explain.noop_warning`), else a note if XLA's
     CSE emptied its saving (:func:`remat_kit.explain.cse_note`)."""
     base = reports[specs.index("none")]
-
-    def sig(r):
-        return r.kept or explain_lib.saved_signature(r.residuals)
-
+    noops = explain_lib.noop_warnings(dict(zip(specs, reports, strict=True)))
     out = []
     for spec, r in zip(specs, reports, strict=True):
-        if w := explain_lib.noop_warning(spec, r.peak_bytes, sig(r), base.peak_bytes, sig(base)):
+        if w := noops.get(spec):
             r = dataclasses.replace(r, warnings=(w, *r.warnings))
         elif note := explain_lib.cse_note(r.policy, base.saved_bytes - r.saved_bytes, base.temp_bytes - r.temp_bytes):
             r = dataclasses.replace(r, notes=(*r.notes, note))

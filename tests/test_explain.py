@@ -1,6 +1,8 @@
 """What is live at the compiled peak, the memory timeline and the guardrails (remat_kit/explain.py), compile-only,
 on users' models (a Linen nn.scan stack and an NNX stack), the built-in model and tiny functions."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import plan_model_factory as M
@@ -87,6 +89,9 @@ def test_the_timeline_peaks_at_the_live_bytes_and_plots(reports, tmp_path):
 
 
 def test_a_scan_body_is_drawn_once_per_trip():
+    from remat_kit import _xla_dump
+    from remat_kit.memory import CompiledMemory
+
     def layer(h, w):
         return jnp.tanh(h @ w), None
 
@@ -94,10 +99,18 @@ def test_a_scan_body_is_drawn_once_per_trip():
         return jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2)
 
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
-    short = remat_kit.inspect(loss, jax.ShapeDtypeStruct((2, 16, 16), jnp.float32), x, explain=True).timeline
-    long = remat_kit.inspect(loss, jax.ShapeDtypeStruct((6, 16, 16), jnp.float32), x, explain=True).timeline
-    # The same program but for the trip count: three times the trips, a longer timeline.
-    assert len(long.live) > len(short.live)
+    drawn = {}
+    for trips in (2, 6):
+        lowered = jax.jit(jax.value_and_grad(loss)).lower(jax.ShapeDtypeStruct((trips, 16, 16), jnp.float32), x)
+        compiled, program = _xla_dump.compile_with_dump(lowered)
+        e = explain.explain(program, CompiledMemory.from_compiled(compiled), parameter_groups={0: "parameters"})
+        # The instructions of the loop bodies (forward and backward scan), listed once in XLA's sequence.
+        body = sum(1 for i in program.sequence if i.computation in program.trips)
+        assert body > 0 and len(e.timeline.live) == len(program.sequence) + (trips - 1) * body, trips
+        drawn[trips] = (len(e.timeline.live), body)
+    # The same program but for the trip count: four more trips draw the loop bodies exactly four more times.
+    (short, body), (long, body_long) = drawn[2], drawn[6]
+    assert body == body_long and long - short == (6 - 2) * body
 
 
 def test_compare_plots_one_line_per_policy(tmp_path):
@@ -142,7 +155,8 @@ def test_a_policy_that_did_nothing_is_named():
 def test_a_policy_gets_one_guardrail_not_two():
     # Without the dump the compiled saved set is unknown: JAX's residuals drop, so only the CSE note can fire.
     plain = remat_kit.compare(_unrolled, ["none", "full"], *UNROLLED)
-    assert not plain["full"].warnings and any("XLA removed" in n for n in plain["full"].notes)
+    assert not any("did nothing" in w for w in plain["full"].warnings)
+    assert any("XLA removed" in n for n in plain["full"].notes)
     # With it the no-op warning fires, and the CSE note (the weaker claim) is left out.
     dumped = remat_kit.compare(_unrolled, ["none", "full"], *UNROLLED, explain=True)
     assert any("did nothing" in w for w in dumped["full"].warnings)
@@ -244,6 +258,9 @@ def _check_residual_groups(at_peak, largest, residuals, saved_bytes):
             assert "convert bf16->f32 of " in b.producer, b
         else:  # XLA's converts of the forward's outputs are residuals, never temporaries
             assert "convert bf16->f32 of " not in b.producer, b
+    # XLA's own fusions and casts carry no metadata: they are named by their root op or by what they move.
+    raw = [b.producer for b in largest if re.search(r"fusion|wrapped_|^[\w\-]+\.\d+$", b.producer)]
+    assert not raw, raw
     # The residuals at the peak counted at JAX's width (a widened one at half its bytes).
     return at_peak.get("saved residuals", 0) + widened * BF16 // F32
 
@@ -315,3 +332,208 @@ def test_plan_explain_prints_the_groups_and_writes_the_timeline(tmp_path, capsys
     assert out.count("at the peak, ") == 2 and "optimizer state" in out and out.count("peak in ") == 2
     assert "warning (" in out  # the tiny model's peak is its state: the levers are named
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_model_explain_prints_the_groups_and_writes_the_timeline(tmp_path, capsys):
+    png = tmp_path / "model.png"
+    argv = ["plan", "--model", "plan_model_factory:factory", "--policies", "none,full", "--explain"]
+    assert main([*argv, "--timeline", str(png), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("at the peak, ") == 2 and out.count(": peak in backward") == 2, out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- a scanned user model names its tags at the peak -----------------------------------------------
+
+
+def _tagged_stack(policy):
+    """A tagged MLP block stacked by remat_kit.stack (one scan)."""
+    import flax.linen as nn
+
+    from remat_kit.names import tag
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = tag(nn.Dense(4 * x.shape[-1], use_bias=False, name="up")(x), "mlp_up")
+            return x + nn.Dense(x.shape[-1], use_bias=False, name="down")(jnp.tanh(h))
+
+    layers = remat_kit.stack(Mlp, M.LAYERS, policy)
+    x = jax.ShapeDtypeStruct((M.BATCH, M.SEQ, M.D), jnp.float32)
+    params = jax.eval_shape(lambda k: layers.init(k, jnp.zeros(x.shape))["params"], jax.random.key(0))
+    return (lambda p, x: jnp.mean(layers.apply({"params": p}, x) ** 2)), (params, x)
+
+
+def _tagged_linen_scan(policy):
+    """The same block under a Linen nn.scan of the user's own."""
+    import flax.linen as nn
+
+    from remat_kit.names import tag
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = tag(nn.Dense(4 * x.shape[-1], use_bias=False, name="up")(x), "mlp_up")
+            return x + nn.Dense(x.shape[-1], use_bias=False, name="down")(jnp.tanh(h)), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            block = policy(Mlp, prevent_cse=False)
+            scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=M.LAYERS)
+            return jnp.mean(scan(name="blocks")(x, None)[0] ** 2)
+
+    net = Net()
+    x = jax.ShapeDtypeStruct((M.BATCH, M.SEQ, M.D), jnp.float32)
+    params = jax.eval_shape(lambda k: net.init(k, jnp.zeros(x.shape))["params"], jax.random.key(0))
+    return (lambda p, x: net.apply({"params": p}, x)), (params, x)
+
+
+@pytest.mark.parametrize("make", [_tagged_stack, _tagged_linen_scan], ids=["remat_kit_stack", "linen_nn_scan"])
+def test_a_scanned_models_residuals_carry_its_tags_at_the_peak(make):
+    # JAX reports the scan's stacked residuals untagged; one trip of the scan body names them.
+    loss, args = make(policies.parse("selective:mlp_up"))
+    r = remat_kit.inspect(loss, *args, explain=True)
+    stacked = (M.LAYERS, M.BATCH, M.SEQ, 4 * M.D)
+    [up] = [x for x in r.residuals if x.shape == stacked]
+    assert (up.label, up.tags, up.tag) == ("mlp_up", ("mlp_up",), None), up
+    [held] = [b for b in r.largest_at_peak if b.shape == stacked]
+    assert (held.group, held.producer) == ("saved residuals", "mlp_up"), held
+
+
+# ---- the groups, host memory and 'reserved' on a synthetic program ----------------------------------
+
+
+def _synthetic_program(host_bytes: int):
+    """A two-instruction program: a parameter, a forward value and (with ``host_bytes``) a value in host memory."""
+    from remat_kit import _xla_dump
+
+    seq = (
+        _xla_dump.Instruction("p0", "main", "parameter", "params['w']", "", parameter=0, dtype="f32", shape=(64,)),
+        _xla_dump.Instruction("t1", "main", "tanh", "jit(f)/jvp()/tanh", "f.py:3", operands=("p0",), dtype="f32"),
+    )
+
+    def buf(name, nbytes, allocation, kind, color=0, parameter=None):
+        return _xla_dump.Buffer(
+            name, name, (nbytes // F32,), "f32", nbytes, allocation, 0, kind, color, parameter, False, 0, 1
+        )
+
+    buffers = [buf("p0", 256, 0, "parameter", parameter=0), buf("t1", 512, 1, "temp")]
+    if host_bytes:
+        buffers.append(buf("h2", host_bytes, 2, "temp", color=_xla_dump.HOST_COLOR))
+        seq += (_xla_dump.Instruction("h2", "main", "copy", "jit(f)/jvp()/copy", "f.py:4", dtype="f32"),)
+    allocations = {b.allocation: (b.nbytes, b.kind, b.color) for b in buffers}
+    return _xla_dump.Program(seq, tuple(buffers), allocations, {}, {i.name: i for i in seq})
+
+
+class _Memory:
+    def __init__(self, total):
+        self.total = total
+
+
+@pytest.mark.parametrize("host", [0, 4096], ids=["device-only", "host-buffer"])
+def test_host_memory_is_apart_and_the_device_groups_sum_to_the_peak(host):
+    e = explain.explain(_synthetic_program(host), _Memory(1000), parameter_groups={0: "parameters"})
+    assert sum(e.at_peak.values()) == e.total == 1000, e.at_peak
+    assert explain.HOST_GROUP not in e.at_peak and e.host_bytes == host
+    assert e.at_peak["reserved"] == 1000 - 256 - 512
+    assert [b.host for b in e.largest_at_peak].count(True) == (1 if host else 0)
+    table = explain.format_at_peak(e.at_peak, e.largest_at_peak, e.total, e.host_bytes)
+    assert ("not in the device peak" in table) == bool(host)
+
+
+def test_more_live_than_xla_counts_fails_loudly():
+    from remat_kit import _xla_dump
+
+    with pytest.raises(_xla_dump.DumpFormatError, match=r"768 device bytes are live .* counts 700"):
+        explain.explain(_synthetic_program(0), _Memory(700), parameter_groups={0: "parameters"})
+
+
+def test_a_reserved_share_above_the_tolerance_is_said():
+    over = {"parameters": 256, "reserved": 744}
+    assert "above the 10% tolerance" in explain.format_at_peak(over, (), 1000)
+    assert "tolerance" not in explain.format_at_peak({"parameters": 950, "reserved": 50}, (), 1000)
+
+
+# ---- the guardrails without XLA's dump ----------------------------------------------------------------
+
+# The 2B preset at batch 2 x 1,024 (benchmarks/results/explain_2b.txt): 7.67 GB of parameters, 15.34 GB of AdamW
+# moments and a 46.38 GB peak; its float32 gradients are the parameters' size again.
+_2B = (7_670_000_000, 15_340_000_000, 7_670_000_000)
+
+
+@pytest.mark.parametrize(
+    "sizes, total, fires",
+    [(_2B, 46_380_000_000, True), (_2B, 80_000_000_000, False), ((10, 0, 10), 100, False)],
+    ids=["2b-state-dominates", "2b-activations-dominate", "small-state"],
+)
+def test_the_state_warning_needs_no_dump(sizes, total, fires):
+    # What bench's records carry: analysis and inspect without explain estimate the state by its size.
+    out = explain.dominance_warnings(explain.state_at_peak(*sizes), total, has_optimizer=True, estimated=True)
+    assert bool(out) == fires, out
+    if fires:
+        assert out[0].startswith("the peak is about 66% parameters") and "--lora-rank" in out[0], out
+
+
+@pytest.fixture(scope="module")
+def tiny_none():
+    """The tiny preset's step under none, without XLA's dump (as bench measures it)."""
+    return analysis.analyze(TransformerConfig.preset("tiny"), "none", batch=2, seq=16)
+
+
+def test_every_report_carries_the_state_warning_without_explain(tiny_none):
+    # bench measures through analyze_compiled and inspect without the dump: the warning must be there anyway.
+    a = tiny_none
+    assert any("about" in w and "--lora-rank" in w for w in a.warnings), a.warnings
+    loss, args = M.make(policies.none(), batch=1, seq=1, d=64)
+    r = remat_kit.inspect(loss, *args)
+    assert any("about" in w and "--lora-rank" in w for w in r.warnings), r.warnings
+
+
+def test_with_noop_warnings_names_a_policy_at_nones_peak_and_saved_set(tiny_none):
+    import dataclasses
+
+    a = tiny_none
+    same = dataclasses.replace(a, policy="full")
+    lower = dataclasses.replace(a, policy="selective", memory=dataclasses.replace(a.memory, temp=a.memory.temp - 1))
+    out = analysis.with_noop_warnings({"none": a, "full": same, "selective": lower})
+    assert [w for w in out["full"].warnings if "did nothing" in w] and "'full'" in out["full"].warnings[0]
+    assert not any("did nothing" in w for n in ("none", "selective") for w in out[n].warnings)
+    assert analysis.with_noop_warnings({"full": same}) == {"full": same}  # nothing to compare without none
+
+
+# ---- the timeline's axis ------------------------------------------------------------------------------
+
+
+def test_phases_line_up_across_policies_and_a_short_phase_stays_visible():
+    # A long backward (full's recompute) and a short one, a 2-step loss and a 1-step optimizer.
+    short = explain.Timeline((1,) * 40, ("forward",) * 20 + ("loss",) * 2 + ("backward",) * 17 + ("optimizer",), 0)
+    long = explain.Timeline((1,) * 60, ("forward",) * 20 + ("loss",) * 2 + ("backward",) * 37 + ("optimizer",), 0)
+    edges, (xs, xl) = explain.stage_axis([short, long])
+    # The backward pass starts at the same x in both, though at step 22 of 40 and of 60.
+    assert xs[22] == xl[22] == edges[3]
+    assert xs[-1] >= edges[4] and xl[-1] >= edges[4]
+    # The loss (2 of 60 steps) and the optimizer (1 step) each get at least the minimum width.
+    assert edges[3] - edges[2] >= explain.MIN_STAGE_WIDTH - 1e-12 and 1 - edges[4] >= explain.MIN_STAGE_WIDTH - 1e-12
+
+
+# ---- the offload guardrail end to end -----------------------------------------------------------------
+
+
+def test_an_offload_to_a_destination_jax_ignores_is_named():
+    # A user's own jax.checkpoint policy (no remat_kit label): JAX keeps 'unpinned_host' residuals on the device.
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["h"],
+        offload_src="device",
+        offload_dst="unpinned_host",
+    )
+
+    def loss(w, x):
+        return jax.checkpoint(lambda w, x: jnp.sum(jnp.sin(checkpoint_name(jnp.tanh(x @ w), "h"))), policy=policy)(w, x)
+
+    r = remat_kit.inspect(
+        loss, jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    )
+    [w] = [w for w in r.warnings if "offloads" in w]
+    assert "nothing is saved to host memory" in w and "'pinned_host'" in w

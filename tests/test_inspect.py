@@ -213,8 +213,20 @@ def test_plan_model_budget_nothing_fits(capsys):
         ("plan_model_factory:not_a_pair", [], "loss_fn, example_args"),
         ("plan_model_factory:factory", ["--batch", "4"], "--batch"),
         ("plan_model_factory:factory", ["--budget", "lots"], "memory size"),
+        ("plan_model_factory:factory", ["--budget", "1GB", "--explain"], "do not go with --budget"),
+        ("plan_model_factory:factory", ["--timeline", "t.txt"], "--timeline"),
     ],
-    ids=["no-colon", "no-module", "no-attr", "not-callable", "not-a-pair", "preset-flag", "bad-budget"],
+    ids=[
+        "no-colon",
+        "no-module",
+        "no-attr",
+        "not-callable",
+        "not-a-pair",
+        "preset-flag",
+        "bad-budget",
+        "explain-with-budget",
+        "timeline-not-a-picture",
+    ],
 )
 def test_plan_model_bad_inputs_exit_2(model, extra, match, capsys):
     assert main(["plan", "--model", model, *extra]) == 2

@@ -127,3 +127,12 @@ def test_a_moved_value_is_followed_back_to_the_value_it_reads():
     carried = {p.carried(b.name) for b in p.buffers} - {None}
     assert carried and carried <= {f"{w}{{{k}}}" for w, _ in p.trips.values() for k in range(64)}
     assert any(c in outputs for c in carried), (carried, outputs)
+    # XLA gives the fusions it makes no metadata; the op at a fused computation's root (through casts and copies)
+    # carries JAX's op_name and source line.
+    fusions = [i for i in p.instructions.values() if i.opcode == "fusion"]
+    computations = {i.computation for i in p.instructions.values()}
+    assert fusions and all(i.calls in computations for i in fusions), fusions
+    named = [(i, p.annotated(i.name)) for i in fusions if not i.op_name]
+    assert any(a is not None for _, a in named), named
+    for i, a in named:
+        assert a is None or (a.op_name.startswith("jit(") and a.source), (i, a)

@@ -46,7 +46,7 @@ DESCRIPTION = (
 def _model_command(args: argparse.Namespace) -> int:
     """``plan --model``: compare the policies on the factory's model, or (``--budget``) choose one."""
     from remat_kit import inspection
-    from remat_kit.cli.plan_report import parse_model_policies
+    from remat_kit.cli.plan_report import format_explain, parse_model_policies
     from remat_kit.planning import budget, planner
     from remat_kit.planning.user_model import load_factory, model_from_factory
 
@@ -59,6 +59,7 @@ def _model_command(args: argparse.Namespace) -> int:
     if args.margin is not None and args.budget is None:
         raise ValueError("--margin goes with --budget")
     check_writable(args.json, "--json")
+    check_plot(args.timeline, "--timeline")
     specs = parse_model_policies(args.policies)
     budget_bytes = budget.parse_bytes(args.budget) if args.budget is not None else None
     margin = planner.DEFAULT_MARGIN if args.margin is None else args.margin
@@ -68,13 +69,20 @@ def _model_command(args: argparse.Namespace) -> int:
     if not args.no_progress:
         print(f"[plan] {args.model}: {len(specs)} policies ...", file=sys.stderr, flush=True)
     if budget_bytes is None:
-        comparison = inspection.compare(make_loss, specs, *example)
+        explain = args.explain or args.timeline is not None
+        comparison = inspection.compare(make_loss, specs, *example, explain=explain)
         print(f"remat-kit plan --model {args.model}: value_and_grad of the loss (first argument)")
         print(
             "saved = values the backward pass keeps; peak = arguments + outputs − aliased + temp; GFLOPs = matmul "
             "FLOPs of the gradient with scans × trip count; ×none = over `none`.\n"
         )
         print(comparison.table())
+        if args.explain:
+            print()
+            print("\n".join(format_explain(dict(zip(comparison.policies, comparison.reports, strict=True)))))
+        if args.timeline:
+            comparison.plot_timeline(args.timeline, f"{args.model}: live device memory per policy")
+            print(f"\nwrote {args.timeline}")
         payload = {"command": command_line("plan", args), "model": args.model, **comparison.to_dict()}
     else:
         result = budget.auto(
@@ -119,6 +127,8 @@ def _plan_command(args: argparse.Namespace) -> int:
 
     check_jobs(args.jobs)
     check_plot(args.plot)
+    if args.budget is not None and (args.explain or args.timeline is not None):
+        raise ValueError("--explain and --timeline compare policies at their peaks; they do not go with --budget")
     if args.model:
         return _model_command(args)
     config, batch, seq = config_from_args(args)

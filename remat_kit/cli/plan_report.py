@@ -162,17 +162,21 @@ def format_table(results: dict[str, analysis.Analysis]) -> list[str]:
     return rows
 
 
-def format_explain(results: dict[str, analysis.Analysis]) -> list[str]:
-    """``plan --explain``: per policy, the groups live at the compiled peak (summing to it) and the largest buffers."""
+def format_explain(results: dict[str, Any]) -> list[str]:
+    """``plan --explain``: per policy, the groups live at the compiled peak (summing to it) and the largest buffers.
+
+    ``results``: policy -> :class:`remat_kit.planning.analysis.Analysis` or :class:`remat_kit.inspection.Inspection`
+    (``plan --model``), read with ``explain=True``.
+    """
     lines = [
         "what is live at each policy's compiled peak (XLA's buffer assignment and live ranges, compile-only; "
-        "'reserved' = bytes XLA holds but no value uses at that instruction, so the groups sum to the peak):"
+        "'reserved' = bytes XLA holds but no value uses at that instruction, so the device groups sum to the peak):"
     ]
     for name, a in results.items():
         if not a.at_peak:
             continue
         lines.append(f"  {name}: peak in {a.peak_at}")
-        table = explain.format_at_peak(a.at_peak, a.largest_at_peak, a.peak_bytes)
+        table = explain.format_at_peak(a.at_peak, a.largest_at_peak, a.peak_bytes, a.host_at_peak)
         lines += ["    " + line for line in table.splitlines()]
         live = a.peak_bytes - a.at_peak.get("reserved", 0)
         lines.append(

@@ -36,6 +36,7 @@ import optax
 from remat_kit import _jax_internals, _xla_dump, flops, inspection, policies
 from remat_kit import explain as explain_lib
 from remat_kit.memory import CompiledMemory, host_offload
+from remat_kit.model import lora
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params
 from remat_kit.planning import estimates as estimates_lib
@@ -97,10 +98,12 @@ class Analysis:
       notes: caveats, e.g. that offloaded bytes stay on the device on CPU
         (:func:`remat_kit.memory.host_offload`).
       at_peak, largest_at_peak, timeline: with ``explain=True``, what is live at the compiled peak (group ->
-        bytes, summing to ``peak_bytes``), the ten largest buffers there and the memory timeline
-        (:mod:`remat_kit.explain`); empty otherwise. kept: the saved set as compiled; peak_at: where the peak is.
+        device bytes, summing to ``peak_bytes``), the ten largest buffers there and the memory timeline
+        (:mod:`remat_kit.explain`); empty otherwise. kept: the saved set as compiled; peak_at: where the peak is;
+        host_at_peak: bytes in host memory live there, apart (no part of the device peak).
       warnings: one-line guardrails (:mod:`remat_kit.explain`): offload that moves nothing, a peak no policy
-        touches, a policy that did nothing (set by :func:`analyze_policies` beside ``none``).
+        touches (read from XLA's dump with ``explain=True``, else estimated from the state's size), a policy
+        that did nothing (set by :func:`analyze_policies` beside ``none``).
     """
 
     policy: str
@@ -129,6 +132,7 @@ class Analysis:
     timeline: explain_lib.Timeline | None = dataclasses.field(default=None, repr=False, compare=False)
     kept: tuple = dataclasses.field(default=(), repr=False)
     peak_at: str = ""
+    host_at_peak: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -186,6 +190,7 @@ class Analysis:
             "saved_bytes_per_device": self.saved_bytes_per_device,
             "notes": list(self.notes),
             "at_peak": dict(self.at_peak),
+            "host_at_peak": self.host_at_peak,
             "peak_at": self.peak_at,
             "largest_at_peak": [dataclasses.asdict(b) for b in self.largest_at_peak],
             "warnings": list(self.warnings),
@@ -323,25 +328,6 @@ def _block_candidates(config: TransformerConfig, policy: policies.Policy, batch:
     return found
 
 
-def _label(shape, dtype, candidates, stack_axes: set[int]) -> tuple[str, tuple[str, ...]]:
-    """Label a residual by what one block keeps with that shape, after stripping scan axes.
-
-    Stacked residuals carry up to two leading scan axes (groups, then layers within a group).
-    Tags are preferred over JAX's descriptions; several candidates are all listed.
-    """
-    keys = [(tuple(shape), dtype)]
-    for k in (1, 2):
-        if len(shape) > k and all(d in stack_axes for d in shape[:k]):
-            keys.insert(0, (tuple(shape[k:]), dtype))
-    for key in keys:
-        if key in candidates:
-            labels = candidates[key]
-            tags = tuple(t for _, t in labels if t)
-            weights = [label for label, t in labels if label.startswith("weight ")]
-            return "|".join(tags or weights or [label for label, _ in labels]), tags
-    return "", ()
-
-
 def _stack_residuals(model: Transformer, params, batch: int, seq: int):
     x = jax.ShapeDtypeStruct((batch, seq, model.config.d_model), jnp.dtype(model.config.dtype))
     # The stack alone under a linear read-out (which keeps nothing): its residuals are the layers' share.
@@ -405,7 +391,7 @@ def _residuals(config, policy, batch, seq, loss_chunks):
         region = "layers" if pool[key] > 0 else "head"
         if region == "layers":
             pool[key] -= 1
-            label, tags = _label(r.shape, r.dtype, candidates, stack_axes)
+            label, tags = inspection.label_stacked(r.shape, r.dtype, candidates, stack_axes)
         else:
             label, tags = fused.get((r.shape, r.dtype), ""), ()
         if r.tag:
@@ -526,8 +512,17 @@ def analyze_compiled(
         explain_lib.policy_offloads(policy),
         memory.host,
     )
+    notes = [] if note is None else [note]
     if found is not None:
         warnings += explain_lib.dominance_warnings(found.at_peak, found.total, has_optimizer=True)
+        notes += [n for n in (explain_lib.reserved_note(found.at_peak, found.total),) if n]
+    else:
+        warnings += explain_lib.dominance_warnings(
+            _state_at_peak(config, batch, seq, learning_rate, model, memory),
+            memory.total,
+            has_optimizer=True,
+            estimated=True,
+        )
     analysis = Analysis(
         policy=str(policy),
         config=config,
@@ -548,15 +543,30 @@ def analyze_compiled(
         compile_s=seconds,
         mesh=None if mesh is None else f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
         batch_devices=1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"],
-        notes=() if note is None else (note,),
+        notes=tuple(notes),
         at_peak=found.at_peak if found else {},
         largest_at_peak=found.largest_at_peak if found else (),
         warnings=tuple(warnings),
         timeline=found.timeline if found else None,
         kept=found.kept if found else (),
         peak_at=found.peak_at if found else "",
+        host_at_peak=found.host_bytes if found else 0,
     )
     return analysis, compiled
+
+
+def _state_at_peak(config, batch, seq, learning_rate, model, memory: CompiledMemory) -> dict[str, int]:
+    """The step's state by size without XLA's dump (:func:`remat_kit.explain.state_at_peak`): parameters and
+    optimizer state as XLA counts its arguments (per device over a mesh), and the trainable parameters' gradients,
+    which the clipped optimizer reads whole, at the same scale."""
+    params, opt_state, tokens = abstract_inputs(config, batch, seq, optimizer(learning_rate), model)
+    size = lambda tree: sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    trainable, _ = lora.partition(params)
+    # Over a mesh XLA's arguments are per device: the state is sharded alike, its gradients too.
+    scale = memory.argument / max(size((params, opt_state, tokens)), 1)
+    return explain_lib.state_at_peak(
+        int(size(params) * scale), int(size(opt_state) * scale), int(size(trainable) * scale)
+    )
 
 
 def _explain(program, memory, config, batch, seq, learning_rate, model, residuals) -> explain_lib.Explanation:
@@ -568,10 +578,8 @@ def _explain(program, memory, config, batch, seq, learning_rate, model, residual
         return "parameters" if n < n_params else "optimizer state" if n < n_params + n_state else "inputs"
 
     grads = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)]
-    seen: dict = {}
-    for r in residuals:  # a label names candidate tags ("mlp_gate|mlp_up") where only the shape tells them apart
-        seen.setdefault((tuple(r.shape), str(r.dtype)), set()).add(r.label if r.tags else "")
-    tags = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1 and "" not in v}
+    # A label names candidate tags ("mlp_gate|mlp_up") where only the shape tells them apart.
+    tags = inspection.unique_tags(residuals)
     return explain_lib.explain(
         program,
         memory,
@@ -620,15 +628,8 @@ def analyze_policies(
 
 def with_noop_warnings(results: dict[str, Analysis]) -> dict[str, Analysis]:
     """``results`` with a warning on each policy that compiles to ``none``'s peak and saved set (needs ``none``)."""
-    base = results.get("none")
-    if base is None:
-        return results
-
-    def sig(r):
-        return r.kept or explain_lib.saved_signature(r.residuals)
-
-    out = {}
-    for name, a in results.items():
-        w = explain_lib.noop_warning(name, a.peak_bytes, sig(a), base.peak_bytes, sig(base))
-        out[name] = dataclasses.replace(a, warnings=(w, *a.warnings)) if w else a
-    return out
+    noops = explain_lib.noop_warnings(results)
+    return {
+        name: dataclasses.replace(a, warnings=(noops[name], *a.warnings)) if name in noops else a
+        for name, a in results.items()
+    }

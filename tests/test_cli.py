@@ -66,6 +66,27 @@ def test_version(capsys):
     assert cli.version().count(".") >= 2
 
 
+@pytest.mark.parametrize(
+    "where",
+    ["version", "build_parser", "parse_args"],
+    ids=["reading-the-version", "building-the-parser", "reading-the-arguments"],
+)
+def test_ctrl_c_before_the_command_runs_is_one_line_and_exit_130(where, monkeypatch, capsys):
+    import argparse
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    owner = argparse.ArgumentParser if where == "parse_args" else cli
+    monkeypatch.setattr(owner, where, interrupted)
+    try:
+        code = cli.main(["plan", "--preset", "tiny"])
+    except KeyboardInterrupt:  # escaping, it would end the whole test session
+        pytest.fail("Ctrl-C escaped main: a traceback and exit -2")
+    assert code == 130
+    assert capsys.readouterr().err == "remat-kit: interrupted\n"
+
+
 def test_constants_match_the_library():
     # --help reads these from the jax-free constants module; here they meet the modules that own them.
     from remat_kit.model import attention, lora

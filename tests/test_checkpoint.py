@@ -312,3 +312,28 @@ def test_lock_refuses_a_second_holder_and_is_freed_when_its_holder_is_killed(tmp
         proc.wait()
     with DirectoryLock(tmp_path):  # the kernel released the dead holder's lock: nothing stuck
         pass
+
+
+def test_a_discarded_lock_file_is_gone_and_a_run_that_opened_it_takes_the_new_one(tmp_path, monkeypatch):
+    import fcntl
+    import os
+
+    from remat_kit.train import lock as lock_lib
+
+    first = lock_lib.DirectoryLock(tmp_path).acquire()
+    first.discard()  # a refused run: nothing of it stays
+    assert list(tmp_path.iterdir()) == []
+    # A second run opens the file, then its holder discards it before the second run's flock: the second
+    # run's lock would be on a removed file, which locks nothing, so it takes the file there now.
+    calls, flock = [], fcntl.flock
+
+    def flock_after_a_discard(fd, how):
+        calls.append(fd)
+        if len(calls) == 1:
+            (tmp_path / lock_lib.LOCK_NAME).unlink()
+        return flock(fd, how)
+
+    monkeypatch.setattr(lock_lib.fcntl, "flock", flock_after_a_discard)
+    with lock_lib.DirectoryLock(tmp_path) as second:
+        assert len(calls) == 2 and lock_lib._same_file(second._fd, second.path)
+        assert os.path.exists(second.path)

@@ -108,6 +108,16 @@ def test_constants_match_the_library():
     assert set(constants.TRAIN_DEFAULTS) <= {f.name for f in dataclasses.fields(TrainConfig)}  # no stray default
 
 
+def test_every_checked_train_flag_names_a_setting_the_library_checks():
+    from remat_kit.cli.train import CHECKED_FLAGS
+    from remat_kit.train import config
+
+    args = vars(cli.build_parser().parse_args(["train"]))
+    assert all(flag[2:].replace("-", "_") in args for flag in CHECKED_FLAGS)
+    settings = set(config.INT_MINIMUMS) | set(config.NUMBER_RANGES)
+    assert settings - set(CHECKED_FLAGS.values()) == {"min_lr_ratio"}  # the one setting no flag sets
+
+
 @pytest.mark.parametrize("command", ["plan", "bench", "train"])
 def test_one_shape_vocabulary_with_hidden_aliases(command):
     parser = cli.build_parser()
@@ -272,7 +282,7 @@ def test_one_integer_check(value, low, message):
     [
         (["train", "--plot", "plot.txt"], 2, "'plot.txt': cannot write a .txt picture"),
         (["train", "--metrics", "FILE/m.jsonl"], 2, "FILE' is a file, not a folder"),
-        (["train", "--lr", "inf"], 2, "--lr must be a finite number, got inf"),
+        (["train", "--lr", "inf"], 2, "--lr must be a finite number > 0, got inf"),
         (["plan", "--preset", "tiny", "--budget", "1e400GB"], 2, "'1e400GB' is too large"),
         (["plan", "--preset", "tiny", "--budget", "1KB"], 1, "nothing fits --budget 1KB: the parameters and optimizer"),
     ],
@@ -340,6 +350,13 @@ BAD_INPUTS = [
     (["train", "--metrics", "-"], "--metrics '-': metrics are written to a file"),
     (["train", "--metrics", "{tmp}/adir"], "--metrics '{tmp}/adir' is a directory; give a file path"),
     (["train", "--policy", "every_n:99999999999999999999"], "every_n:N must be 1 <= N <= 2147483647"),
+    # The library's rule, the flag's name (not keep, checkpoint_every, max_corpus_bytes, learning_rate) and value.
+    (["train", "--keep", "0"], "--keep must be a positive integer, got 0"),
+    (["train", "--checkpoint-every", "0"], "--checkpoint-every must be a positive integer, got 0"),
+    (["train", "--max-corpus-bytes", "0"], "--max-corpus-bytes must be a positive integer, got 0"),
+    (["train", "--lr", "-1"], "--lr must be a finite number > 0, got -1"),
+    (["train", "--lr", "1e309"], "--lr must be a finite number > 0, got 1e309"),  # as typed, not inf
+    (["train", "--val-fraction", "1"], "--val-fraction must be a finite number in (0, 1), got 1"),
 ]
 
 
@@ -363,6 +380,12 @@ BAD_INPUTS = [
         "train-metrics-dash",
         "train-metrics-dir",
         "train-huge-every_n",
+        "train-keep-0",
+        "train-checkpoint-every-0",
+        "train-max-corpus-bytes-0",
+        "train-lr-negative",
+        "train-lr-overflow",
+        "train-val-fraction-1",
     ],
 )
 def test_bad_input_is_one_line_exit_2_before_any_work(argv, message, tmp_path, capsys, no_work, monkeypatch):

@@ -287,7 +287,7 @@ def test_unwritable_checkpoint_dir(capsys, tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--keep", "0"], "keep must be a positive integer, got 0"),
+        (["--keep", "0"], "--keep must be a positive integer, got 0"),
         (["--mesh", "fsdp=1000", "--batch-size", "1000"], "needs 1000 devices"),
         (["--data", "{tmp}/nonexistent"], "does not exist"),
         (["--batch-size", "4"], "the training step needs"),  # refused after the lock: what was made is taken back

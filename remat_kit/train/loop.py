@@ -37,13 +37,13 @@ from remat_kit.train.config import (
     TrainResult,
     TrainState,
     check_compatible,
+    check_setting,
     schedule_changes,
 )
 from remat_kit.train.interrupt import stop_requests
 from remat_kit.train.lock import DirectoryInUseError, DirectoryLock
 from remat_kit.train.progress import _any_process, _progress, write_loss_plot
 from remat_kit.train.trainer import Trainer
-from remat_kit.units import check_int
 
 # ---- the training loop --------------------------------------------------------------------------------
 
@@ -98,8 +98,12 @@ def train(
     prefix = distributed.process_prefix()
     if prefix:  # another process than 0 of a multi-process run: its lines say which process they are from
         log = functools.partial(lambda inner, msg: inner(prefix + msg), log)
-    check_int("checkpoint_every", checkpoint_every, 1)
-    check_int("keep", keep, 1)
+    for setting, value in (
+        ("checkpoint_every", checkpoint_every),
+        ("keep", keep),
+        ("max_corpus_bytes", max_corpus_bytes),
+    ):
+        check_setting(setting, value)
     if resume and checkpoint_dir is None:
         raise ValueError("resume needs a checkpoint directory")
     metrics_path = Path(metrics_path) if metrics_path is not None else None

@@ -285,8 +285,9 @@ def test_one_integer_check(value, low, message):
         (["train", "--lr", "inf"], 2, "--lr must be a finite number > 0, got inf"),
         (["plan", "--preset", "tiny", "--budget", "1e400GB"], 2, "'1e400GB' is too large"),
         (["plan", "--preset", "tiny", "--budget", "1KB"], 1, "nothing fits --budget 1KB: the parameters and optimizer"),
+        (["plan", "--preset", "tiny", "--budget", "1KB"], 1, "(--lora-rank R --quantize nf4 or int8)"),  # the levers
     ],
-    ids=["plot_suffix", "metrics_under_a_file", "lr_inf", "budget_overflow", "budget_below_the_state"],
+    ids=["plot_suffix", "metrics_under_a_file", "lr_inf", "budget_overflow", "budget_below_the_state", "levers"],
 )
 def test_bad_input_is_one_line_before_any_work(argv, code, named, tmp_path, monkeypatch, capsys):
     from remat_kit.planning import budget
@@ -357,6 +358,8 @@ BAD_INPUTS = [
     (["train", "--lr", "-1"], "--lr must be a finite number > 0, got -1"),
     (["train", "--lr", "1e309"], "--lr must be a finite number > 0, got 1e309"),  # as typed, not inf
     (["train", "--val-fraction", "1"], "--val-fraction must be a finite number in (0, 1), got 1"),
+    (["train", "--quantize", "nf4"], "quantize='nf4' needs lora_rank > 0"),
+    (["bench", "--preset", "tiny", "--quantize", "nf4"], "quantize='nf4' needs lora_rank > 0"),
 ]
 
 
@@ -386,6 +389,8 @@ BAD_INPUTS = [
         "train-lr-negative",
         "train-lr-overflow",
         "train-val-fraction-1",
+        "train-nf4-without-lora-rank",
+        "bench-nf4-without-lora-rank",
     ],
 )
 def test_bad_input_is_one_line_exit_2_before_any_work(argv, message, tmp_path, capsys, no_work, monkeypatch):

@@ -8,7 +8,9 @@ compiled step's device bytes at batch 2 × 1,024 and the longest sequence that f
 The longest sequence is found from two compiles per policy (bytes are affine in the sequence length
 under chunked attention and a chunked loss, to within a few percent): the affine fit's answer,
 rounded down to a multiple of ``--round``, is then compiled once more to verify it fits at 24 GB
-(and, with ``--verify-16``, at 16 GB; otherwise the 16 GB column is the fit's estimate, marked ~).
+(and, with ``--verify-16``, at 16 GB; otherwise the 16 GB column is the fit's estimate, marked ~),
+and the next multiple of ``--round`` up is compiled to show it does not (the "edges" lines; where
+it does fit, the answer moves up until the next one does not).
 Usage::
 
     python benchmarks/lora_2b.py --policies none,dots,selective,full > benchmarks/results/lora_2b.txt
@@ -32,6 +34,30 @@ from remat_kit.planning import planner as planner_lib
 from remat_kit.units import fmt_bytes
 
 GB = 10**9
+
+
+def _longest(planner, policy, batch: int, est: int, budget: int, slope: float, args, margin: float):
+    """The longest multiple of ``args.round`` that fits ``budget`` (with the margin), from the affine estimate
+    ``est``: compiled there, stepped down while it does not fit, then up while the next length fits.
+
+    Returns ``(length, fits, edge)``: ``edge`` is ``(its need, next length, the next one's need)``, the next
+    length up compiled and shown not to fit (next length and need None when it would pass ``--max-seq``);
+    ``(0, False, None)`` when nothing fits.
+    """
+    fits = lambda need: need * (1 + margin) <= budget
+    got = planner.memory(policy, batch, est)[0]
+    while not fits(got):  # the fit overshot: step down by the excess, then recheck
+        over = got * (1 + margin) - budget
+        est -= max(args.round, -(-int(over / (1 + margin) / slope) // args.round) * args.round)
+        if est < args.round:
+            return 0, False, None
+        got = planner.memory(policy, batch, est)[0]
+    while est + args.round <= args.max_seq:  # the fit undershot, or it is exact: the next length must not fit
+        nxt = planner.memory(policy, batch, est + args.round)[0]
+        if not fits(nxt):
+            return est, True, (got, est + args.round, nxt)
+        est, got = est + args.round, nxt
+    return est, True, (got, None, None)
 
 
 def main(argv=None) -> int:
@@ -99,24 +125,15 @@ def main(argv=None) -> int:
             target = gb * GB / (1 + margin)
             est = int((target - intercept) / slope) // args.round * args.round
             est = max(0, min(est, args.max_seq))
-            verified = None
+            verified, edge = None, None
             if est and not args.no_verify and (gb == 24 or args.verify_16):
-                got = planner.memory(p, b, est)[0]
-                verified = got * (1 + margin) <= gb * GB
-                while not verified and est > args.round:  # the fit overshot: step down by the excess, then recheck
-                    over = got * (1 + margin) - gb * GB
-                    est -= max(args.round, -(-int(over / (1 + margin) / slope) // args.round) * args.round)
-                    if est < args.round:
-                        est, verified = 0, False
-                        break
-                    got = planner.memory(p, b, est)[0]
-                    verified = got * (1 + margin) <= gb * GB
-            fits[gb] = (est, verified)
+                est, verified, edge = _longest(planner, p, b, est, gb * GB, slope, args, margin)
+            fits[gb] = (est, verified, edge)
         flops = planner.flops(p, b, args.seq)
         rows.append((str(p), need, flops, slope, fits))
         print(
             f"  [{time.perf_counter() - t0:.0f} s, {planner.compiles} compiles] {p}: {fmt_bytes(need)} at "
-            f"{args.seq}, {fmt_bytes(need2)} at {args.probe_seq}, max seq {fits}",
+            f"{args.seq}, {fmt_bytes(need2)} at {args.probe_seq}, max seq { {gb: f[:2] for gb, f in fits.items()} }",
             flush=True,
         )
 
@@ -131,12 +148,27 @@ def main(argv=None) -> int:
     for spec, need, flops, slope, fits in rows:
         cells = []
         for gb in (24, 16):
-            est, ok = fits[gb]
+            est, ok, _ = fits[gb]
             cells.append(f"{est:,}" + ("" if ok else " ~" if ok is None else " !"))
         print(
             f"{spec:12} {(flops - base_flops) / 1e9:8.0f} G {fmt_bytes(need):>12} {fmt_bytes(slope):>10} "
             f"{cells[0]:>13} {cells[1]:>13}"
         )
+    print(
+        f"\nthe edges, compiled: the longest sequence fits, the next multiple of {args.round} does not (+{margin:.0%})"
+    )
+    for spec, _, _, _, fits in rows:
+        for gb in (24, 16):
+            est, ok, edge = fits[gb]
+            if not ok:
+                continue
+            need, nxt, nxt_need = edge
+            line = f"  {spec:12} {gb} GB: {est:,} needs {fmt_bytes(need * (1 + margin))}"
+            if nxt is None:
+                line += f"; {est + args.round:,} is past --max-seq {args.max_seq:,}"
+            else:
+                line += f"; {nxt:,} needs {fmt_bytes(nxt_need * (1 + margin))}, over {gb} GB"
+            print(line)
     best = {gb: max(r[4][gb][0] for r in rows) for gb in (24, 16)}
     worst = {gb: min(r[4][gb][0] for r in rows) for gb in (24, 16)}
     for gb in (24, 16):

@@ -113,12 +113,16 @@ def _split_static(args: tuple, static_argnums: tuple[int, ...]):
 
 def captured_nnx_modules(fn: Callable) -> list[nnx.Module]:
     """The NNX modules ``fn`` holds without taking them as arguments: in its closure or the module-level
-    names its code reads, a bound method's ``self``, or a ``functools.partial``'s arguments.
+    names its code reads, a bound method's ``self``, or a ``functools.partial``'s arguments, and inside
+    the lists, tuples and dicts (any pytree) those hold.
 
     >>> from flax import nnx
     >>> lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     >>> [type(m).__name__ for m in captured_nnx_modules(lambda x: lin(x))], captured_nnx_modules(lambda m, x: m(x))
     (['Linear'], [])
+    >>> layers = {"first": [lin]}
+    >>> [type(m).__name__ for m in captured_nnx_modules(lambda x: layers["first"][0](x))]
+    ['Linear']
     """
     held = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if c.cell_contents is not None]
     code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
@@ -126,7 +130,10 @@ def captured_nnx_modules(fn: Callable) -> list[nnx.Module]:
     held += [getattr(fn, "__self__", None)]
     if isinstance(fn, functools.partial):
         held += [*fn.args, *fn.keywords.values(), *captured_nnx_modules(fn.func)]
-    return [m for m in held if isinstance(m, nnx.Module)]
+    # A module in a container (layers[0]) is as captured as one held directly; a module is not looked into.
+    leaves = jax.tree.leaves(held, is_leaf=lambda x: isinstance(x, nnx.Module))
+    found = {id(m): m for m in leaves if isinstance(m, nnx.Module)}
+    return list(found.values())
 
 
 def _check_not_captured(fn: Callable, modules: list[nnx.Module], args: tuple, kwargs: dict) -> None:

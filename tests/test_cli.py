@@ -66,6 +66,27 @@ def test_version(capsys):
     assert cli.version().count(".") >= 2
 
 
+@pytest.mark.parametrize(
+    "where",
+    ["version", "build_parser", "parse_args"],
+    ids=["reading-the-version", "building-the-parser", "reading-the-arguments"],
+)
+def test_ctrl_c_before_the_command_runs_is_one_line_and_exit_130(where, monkeypatch, capsys):
+    import argparse
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    owner = argparse.ArgumentParser if where == "parse_args" else cli
+    monkeypatch.setattr(owner, where, interrupted)
+    try:
+        code = cli.main(["plan", "--preset", "tiny"])
+    except KeyboardInterrupt:  # escaping, it would end the whole test session
+        pytest.fail("Ctrl-C escaped main: a traceback and exit -2")
+    assert code == 130
+    assert capsys.readouterr().err == "remat-kit: interrupted\n"
+
+
 def test_constants_match_the_library():
     # --help reads these from the jax-free constants module; here they meet the modules that own them.
     from remat_kit.model import attention, lora
@@ -85,6 +106,16 @@ def test_constants_match_the_library():
     assert constants.DEFAULT_MARGIN is planner.DEFAULT_MARGIN
     assert distributed.JAX_JOIN_TIMEOUT_S is constants.JAX_JOIN_TIMEOUT_S
     assert set(constants.TRAIN_DEFAULTS) <= {f.name for f in dataclasses.fields(TrainConfig)}  # no stray default
+
+
+def test_every_checked_train_flag_names_a_setting_the_library_checks():
+    from remat_kit.cli.train import CHECKED_FLAGS
+    from remat_kit.train import config
+
+    args = vars(cli.build_parser().parse_args(["train"]))
+    assert all(flag[2:].replace("-", "_") in args for flag in CHECKED_FLAGS)
+    settings = set(config.INT_MINIMUMS) | set(config.NUMBER_RANGES)
+    assert settings - set(CHECKED_FLAGS.values()) == {"min_lr_ratio"}  # the one setting no flag sets
 
 
 @pytest.mark.parametrize("command", ["plan", "bench", "train"])
@@ -251,11 +282,12 @@ def test_one_integer_check(value, low, message):
     [
         (["train", "--plot", "plot.txt"], 2, "'plot.txt': cannot write a .txt picture"),
         (["train", "--metrics", "FILE/m.jsonl"], 2, "FILE' is a file, not a folder"),
-        (["train", "--lr", "inf"], 2, "--lr must be a finite number, got inf"),
+        (["train", "--lr", "inf"], 2, "--lr must be a finite number > 0, got inf"),
         (["plan", "--preset", "tiny", "--budget", "1e400GB"], 2, "'1e400GB' is too large"),
         (["plan", "--preset", "tiny", "--budget", "1KB"], 1, "nothing fits --budget 1KB: the parameters and optimizer"),
+        (["plan", "--preset", "tiny", "--budget", "1KB"], 1, "(--lora-rank R --quantize nf4 or int8)"),  # the levers
     ],
-    ids=["plot_suffix", "metrics_under_a_file", "lr_inf", "budget_overflow", "budget_below_the_state"],
+    ids=["plot_suffix", "metrics_under_a_file", "lr_inf", "budget_overflow", "budget_below_the_state", "levers"],
 )
 def test_bad_input_is_one_line_before_any_work(argv, code, named, tmp_path, monkeypatch, capsys):
     from remat_kit.planning import budget
@@ -319,6 +351,15 @@ BAD_INPUTS = [
     (["train", "--metrics", "-"], "--metrics '-': metrics are written to a file"),
     (["train", "--metrics", "{tmp}/adir"], "--metrics '{tmp}/adir' is a directory; give a file path"),
     (["train", "--policy", "every_n:99999999999999999999"], "every_n:N must be 1 <= N <= 2147483647"),
+    # The library's rule, the flag's name (not keep, checkpoint_every, max_corpus_bytes, learning_rate) and value.
+    (["train", "--keep", "0"], "--keep must be a positive integer, got 0"),
+    (["train", "--checkpoint-every", "0"], "--checkpoint-every must be a positive integer, got 0"),
+    (["train", "--max-corpus-bytes", "0"], "--max-corpus-bytes must be a positive integer, got 0"),
+    (["train", "--lr", "-1"], "--lr must be a finite number > 0, got -1"),
+    (["train", "--lr", "1e309"], "--lr must be a finite number > 0, got 1e309"),  # as typed, not inf
+    (["train", "--val-fraction", "1"], "--val-fraction must be a finite number in (0, 1), got 1"),
+    (["train", "--quantize", "nf4"], "quantize='nf4' needs lora_rank > 0"),
+    (["bench", "--preset", "tiny", "--quantize", "nf4"], "quantize='nf4' needs lora_rank > 0"),
 ]
 
 
@@ -342,6 +383,14 @@ BAD_INPUTS = [
         "train-metrics-dash",
         "train-metrics-dir",
         "train-huge-every_n",
+        "train-keep-0",
+        "train-checkpoint-every-0",
+        "train-max-corpus-bytes-0",
+        "train-lr-negative",
+        "train-lr-overflow",
+        "train-val-fraction-1",
+        "train-nf4-without-lora-rank",
+        "bench-nf4-without-lora-rank",
     ],
 )
 def test_bad_input_is_one_line_exit_2_before_any_work(argv, message, tmp_path, capsys, no_work, monkeypatch):

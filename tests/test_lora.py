@@ -1,5 +1,6 @@
 """LoRA adapters and the int8 / NF4 bases: equal gradients under every policy, a frozen base, exact resume."""
 
+import dataclasses
 import shutil
 
 import jax
@@ -24,9 +25,6 @@ NF4 = TransformerConfig.preset("tiny", lora_rank=4, lora_targets=("q_proj", "v_p
 
 #: Relative tolerance of a whole model's float32 outputs (house rule: 1e-4 for the model).
 MODEL_RTOL = 1e-4
-
-#: The policies the quantized bases are checked under: one of each kind the issue names, and dots.
-QUANT_SPECS = ["none", "full", "every_n:2", "selective", "dots"]
 
 #: Relative error of the int8 model's logits against the float model's (per-channel absmax int8
 #: rounds each weight by at most half a step, 1/254 of its channel's largest entry).
@@ -254,24 +252,28 @@ def test_nf4_model_starts_equal_to_the_dequantized_base(tokens_m):
     assert 0 < np.max(np.abs(out - exact)) / np.max(np.abs(exact)) < NF4_LOGITS_RTOL
 
 
-@pytest.mark.parametrize("spec", [s for s in QUANT_SPECS if s != "none"], ids=str)
+@pytest.mark.parametrize("spec", [s for s in ALL_SPECS if s != "none"], ids=str)
 def test_nf4_adapter_gradients_equal_under_every_policy(nf4_params, nf4_reference_grads, tokens_m, spec):
     grads = _nf4_grads(spec, *nf4_params, tokens_m)
     assert max_rel_err(grads, nf4_reference_grads) < RTOL_F32
     assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(nf4_reference_grads))
 
 
-@pytest.mark.parametrize("spec", QUANT_SPECS, ids=str)
-def test_no_dequantized_nf4_kernel_is_saved_under_remat(nf4_params, tokens_m, spec):
-    trainable, frozen = nf4_params
-    model = Transformer(config=NF4, policy=spec)
+@pytest.mark.parametrize(
+    ("spec", "dtype"),
+    [*((s, "float32") for s in ALL_SPECS), ("none", "bfloat16"), ("full", "bfloat16")],
+    ids=lambda v: v if v not in ("float32", "bfloat16") else {"float32": "f32", "bfloat16": "bf16"}[v],
+)
+def test_no_dequantized_nf4_kernel_is_saved_under_remat(nf4_params, tokens_m, spec, dtype):
+    trainable, frozen = nf4_params  # float32 parameters; the bfloat16 model computes in bfloat16 from them
+    model = Transformer(config=dataclasses.replace(NF4, dtype=dtype), policy=spec)
     res = _jax_internals.saved_residuals(lambda t, x: lm_loss(model, lora.combine(t, frozen), x), trainable, tokens_m)
     # Every form a dequantized kernel could take: [d_in, d_out], transposed, per-block, flat, stacked.
     shapes = set()
     for d_in, d_out in lora.kernel_shapes(NF4).values():
         for form in [(d_in, d_out), (d_out, d_in), (d_in * d_out // nf4.BLOCK, nf4.BLOCK), (d_in * d_out,)]:
             shapes |= {form, (NF4.num_layers, *form)}
-    floats = [r for r in res if r.shape in shapes and r.dtype not in ("uint8", "int8")]
+    floats = [r for r in res if r.shape in shapes and r.dtype not in ("uint8", "int8")]  # float32 or bfloat16
     assert not floats, floats
     if spec == "none":  # what is kept instead: the packed codes (one byte per two weights)
         assert any(r.dtype == "uint8" and r.shape[-1] == 64 // 2 for r in res), res

@@ -369,8 +369,11 @@ def test_function_closing_over_a_module_is_refused_under_a_transform():
     x = jnp.ones((2, 8))
     captured = policies.full()(lambda x: block(x))  # the module is a closure cell, not an argument
     bound = policies.full()(block.__call__)
+    layers, named = [block], {"blocks": (block,)}  # held inside containers the closure holds
+    in_list = policies.full()(lambda x: layers[0](x))
+    in_dict = policies.full()(lambda x: named["blocks"][0](x))
     assert captured(x).shape == x.shape  # eager, outside any transform: it runs as it is
-    for fn in (captured, bound):
+    for fn in (captured, bound, in_list, in_dict):
         with pytest.raises(ValueError, match=r"closes over the NNX module Linear, .* all-zero gradients"):
             nnx.grad(lambda m, fn=fn: fn(x).sum())(block)
     # Wrapped inside the transform, the closure holds the traced module: gradients flow as without remat.

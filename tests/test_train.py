@@ -284,6 +284,25 @@ def test_unwritable_checkpoint_dir(capsys, tmp_path):
     assert code == 2 and "not writable" in err and str(blocker / "ckpt") in err
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--keep", "0"], "--keep must be a positive integer, got 0"),
+        (["--mesh", "fsdp=1000", "--batch-size", "1000"], "needs 1000 devices"),
+        (["--data", "{tmp}/nonexistent"], "does not exist"),
+        (["--batch-size", "4"], "the training step needs"),  # refused after the lock: what was made is taken back
+    ],
+    ids=["keep-0", "impossible-mesh", "missing-data", "too-little-memory"],
+)
+def test_a_refused_run_leaves_no_checkpoint_folder(extra, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer_lib, "available_memory", lambda device: (1000, "this test's machine"))
+    ckpt = tmp_path / "runs" / "ckpt"
+    argv = ["train", "--steps", "2", "--seq-len", "16", "--checkpoint-dir", str(ckpt)]
+    code, err = _run_cli([*argv, *[e.format(tmp=tmp_path) for e in extra]], capsys)
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []  # neither the folder, its parent, nor a lock file
+
+
 def test_checkpoint_from_a_different_model(capsys, saved_run):
     ckpt, args = saved_run
     before = _tree_snapshot(ckpt)

@@ -84,6 +84,16 @@ def _stop_on_signal(command: str):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 success, 1 nothing fits, 2 bad input, 130 interrupted)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before a command's own handling is in place: while the parser is built (which imports every
+        # command's module) or the arguments are read. One line, as for Ctrl-C later.
+        print("remat-kit: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     import contextlib
     import warnings
 

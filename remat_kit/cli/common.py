@@ -127,6 +127,34 @@ def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None
     add_lora_args(parser)
 
 
+class TypedFloat(float):
+    """argparse type of a float option that remembers how it was typed: its repr, which error messages
+    show, is the text (``--lr 1e309`` is refused as ``got 1e309``, not ``got inf``).
+
+    >>> value = TypedFloat("1e309")
+    >>> value == float("inf"), repr(value), repr(float(value))
+    (True, '1e309', 'inf')
+    """
+
+    text: str
+
+    def __new__(cls, text: str) -> TypedFloat:
+        value = super().__new__(cls, text)
+        value.text = text.strip()
+        return value
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def float_arg(text: str) -> TypedFloat:
+    """argparse type of a float option: a :class:`TypedFloat`, else argparse's own "invalid float value"."""
+    try:
+        return TypedFloat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+
+
 def loss_chunks_arg(text: str) -> int | str:
     """argparse type of ``--loss-chunks``: ``auto`` or an integer (checked later, with the shape)."""
     if text == "auto":

@@ -325,7 +325,8 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         print(
             f"remat-kit plan: nothing fits --budget {args.budget}: the parameters and optimizer state alone take "
             f"{fmt_bytes(floor)}{per} ({fmt_bytes(floor * (1 + margin))} with the {margin:.0%} margin), before any "
-            "activation; raise --budget, train LoRA adapters (--lora-rank, --quantize int8) or shard over a mesh "
+            "activation; raise --budget, train LoRA adapters over a 4- or 8-bit base (--lora-rank R --quantize "
+            "nf4 or int8) or shard over a mesh "
             "(--mesh fsdp=N)",
             file=sys.stderr,
         )

@@ -10,10 +10,36 @@ import sys
 from pathlib import Path
 
 from remat_kit import constants
-from remat_kit.cli.common import add_lora_args, add_parser, add_shape_args, lora_overrides, loss_chunks_arg
+from remat_kit.cli.common import (
+    add_lora_args,
+    add_parser,
+    add_shape_args,
+    float_arg,
+    lora_overrides,
+    loss_chunks_arg,
+)
 from remat_kit.train.outputs import PLOT_SUFFIXES, check_output
 
-#: ``TrainConfig``'s defaults, spelled out so that ``--help`` needs no jax (tests/test_cli.py checks they agree).
+#: The flags whose values the library checks, and the setting each sets (a key of
+#: :data:`remat_kit.train.config.INT_MINIMUMS` or ``NUMBER_RANGES``): the rule is the library's, the error
+#: names the flag. Each flag's argparse ``dest`` is its name without dashes.
+CHECKED_FLAGS: dict[str, str] = {
+    "--steps": "steps",
+    "--batch-size": "batch_size",
+    "--seq-len": "seq_len",
+    "--grad-accum": "grad_accum",
+    "--lr": "learning_rate",
+    "--warmup-steps": "warmup_steps",
+    "--weight-decay": "weight_decay",
+    "--clip-norm": "clip_norm",
+    "--seed": "seed",
+    "--val-fraction": "val_fraction",
+    "--eval-every": "eval_every",
+    "--eval-batches": "eval_batches",
+    "--checkpoint-every": "checkpoint_every",
+    "--keep": "keep",
+    "--max-corpus-bytes": "max_corpus_bytes",
+}
 
 
 def add_cli(subparsers) -> None:
@@ -37,13 +63,13 @@ def add_cli(subparsers) -> None:
         seq_help="tokens per sequence (0: the preset's max_seq_len, at most 256)",
     )
     p.add_argument("--grad-accum", type=int, default=d["grad_accum"], help="micro-batches per update")
-    p.add_argument("--lr", type=float, default=d["learning_rate"], help="peak learning rate")
+    p.add_argument("--lr", type=float_arg, default=d["learning_rate"], help="peak learning rate")
     p.add_argument(
         "--warmup-steps", type=int, default=d["warmup_steps"], help="warm-up steps (-1: 10%% of steps, <= 100)"
     )
-    p.add_argument("--weight-decay", type=float, default=d["weight_decay"], help="AdamW weight decay")
-    p.add_argument("--clip-norm", type=float, default=d["clip_norm"], help="global gradient-norm clip")
-    p.add_argument("--dropout", type=float, default=None, help="override the preset's dropout rate")
+    p.add_argument("--weight-decay", type=float_arg, default=d["weight_decay"], help="AdamW weight decay")
+    p.add_argument("--clip-norm", type=float_arg, default=d["clip_norm"], help="global gradient-norm clip")
+    p.add_argument("--dropout", type=float_arg, default=None, help="override the preset's dropout rate")
     add_lora_args(p)
     p.add_argument(
         "--loss-chunks",
@@ -55,7 +81,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--seed", type=int, default=d["seed"], help="initialization, dropout and data-order seed")
     p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders (default: Python stdlib)")
     p.add_argument("--max-corpus-bytes", type=int, default=None, help="read at most this many bytes of text")
-    p.add_argument("--val-fraction", type=float, default=d["val_fraction"], help="held-out tail of the corpus")
+    p.add_argument("--val-fraction", type=float_arg, default=d["val_fraction"], help="held-out tail of the corpus")
     p.add_argument("--eval-every", type=int, default=d["eval_every"], help="steps between validation losses (0: never)")
     p.add_argument("--eval-batches", type=int, default=d["eval_batches"], help="validation batches per evaluation")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save orbax checkpoints here")
@@ -105,7 +131,7 @@ def config_from_args(args: argparse.Namespace):
     from remat_kit.model.transformer import TransformerConfig
     from remat_kit.train.loop import TrainConfig
 
-    overrides = {} if args.dropout is None else {"dropout": args.dropout}
+    overrides = {} if args.dropout is None else {"dropout": float(args.dropout)}
     overrides.update(lora_overrides(args))
     return TrainConfig(
         model=TransformerConfig.preset(args.preset, **overrides),
@@ -114,13 +140,13 @@ def config_from_args(args: argparse.Namespace):
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         grad_accum=args.grad_accum,
-        learning_rate=args.lr,
+        learning_rate=float(args.lr),
         warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        clip_norm=args.clip_norm,
+        weight_decay=float(args.weight_decay),
+        clip_norm=float(args.clip_norm),
         loss_chunks=args.loss_chunks,
         seed=args.seed,
-        val_fraction=args.val_fraction,
+        val_fraction=float(args.val_fraction),
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
     )
@@ -146,10 +172,8 @@ def check_outputs(args: argparse.Namespace) -> None:
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file, not a directory")
     if args.resume and args.overwrite:
         raise ValueError("--resume appends to --metrics and --overwrite replaces it; give one of them")
-    for flag in ("lr", "weight_decay", "clip_norm", "dropout", "val_fraction"):
-        value = getattr(args, flag)
-        if value is not None and not math.isfinite(value):
-            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number, got {value!r}")
+    if args.dropout is not None and not math.isfinite(args.dropout):  # its range is the model's (dropout)
+        raise ValueError(f"--dropout must be a finite number, got {args.dropout!r}")
     plot = args.plot or (str(Path(args.metrics).with_suffix(".png")) if args.metrics else None)
     check_output(args.metrics, "--metrics")
     check_output(plot, "--plot", suffixes=PLOT_SUFFIXES)
@@ -164,8 +188,17 @@ def check_outputs(args: argparse.Namespace) -> None:
         )
 
 
+def check_values(args: argparse.Namespace) -> None:
+    """Refuse a value the library would refuse, naming the flag as typed (``--keep must be …, got 0``)."""
+    from remat_kit.train.config import check_setting
+
+    for flag, setting in CHECKED_FLAGS.items():
+        check_setting(setting, getattr(args, flag[2:].replace("-", "_")), flag)
+
+
 def _train_command(args: argparse.Namespace) -> int:
     check_outputs(args)
+    check_values(args)
     import numpy as np
 
     from remat_kit.train import distributed

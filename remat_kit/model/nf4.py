@@ -6,7 +6,8 @@ Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs" (2023), section
   ``[-1, 1]``, asymmetric (8 positive, 7 negative) so that zero is represented exactly: with
   ``δ = ½ (1/30 + 1/32)`` the positive half is ``Φ⁻¹`` at 8 of 9 evenly spaced probabilities in
   ``[1 - δ, ½]``, the negative half ``-Φ⁻¹`` at 7 of 8 in the same range, plus 0, all divided by
-  ``Φ⁻¹(1 - δ)``. Computed here with :class:`statistics.NormalDist`, equal to the paper's table to 1e-6.
+  ``Φ⁻¹(1 - δ)``. The published float32 values are used as they are; :func:`_table` derives them with
+  :class:`statistics.NormalDist`, equal to 1e-6.
 - **Blocks of 64 weights** (:data:`BLOCK`), consecutive in the row-major flattening of each kernel
   (as bitsandbytes flattens it), each with its absmax as scale: a weight is stored as the index of
   the nearest table value to ``w / absmax``.
@@ -50,7 +51,34 @@ SCALE_BLOCK = 256
 LEAVES: tuple[str, ...] = ("codes", "absmax_q", "absmax_scale", "absmax_offset")
 
 
+#: The 16 NF4 values as published (QLoRA appendix E; bitsandbytes' NF4 map), float32, ascending
+#: (``TABLE[7] == 0``, ``TABLE[0] == -1``, ``TABLE[15] == 1``): a checkpoint's codes mean exactly these.
+#: :func:`_table` derives them from the normal quantiles (tests/test_nf4.py: equal to 1e-6).
+TABLE: np.ndarray = np.array(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    np.float32,
+)
+
+
 def _table() -> np.ndarray:
+    """The NF4 values from their definition (the module docstring), float32: :data:`TABLE` to 1e-6."""
     delta = 0.5 * (1 / 30 + 1 / 32)
     inv = NormalDist().inv_cdf
     positive = [inv(p) for p in np.linspace(1 - delta, 0.5, 9)[:-1]]
@@ -58,9 +86,6 @@ def _table() -> np.ndarray:
     values = np.sort(np.array(positive + negative + [0.0]))
     return (values / values.max()).astype(np.float32)
 
-
-#: The 16 NF4 values, ascending (``TABLE[7] == 0``, ``TABLE[0] == -1``, ``TABLE[15] == 1``).
-TABLE: np.ndarray = _table()
 
 # Decision boundaries of round-to-nearest: the midpoints between neighbouring table values.
 _MIDPOINTS: np.ndarray = ((TABLE[1:] + TABLE[:-1]) / 2).astype(np.float32)

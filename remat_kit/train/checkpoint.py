@@ -49,37 +49,49 @@ def _is_echo(text: str) -> bool:
     return any(e in text for e in _ECHOES)
 
 
+class _Echoes:
+    """While installed, drops the echoes of a failed orbax read or write (:data:`_ECHOES`) from asyncio's log
+    and from the three hooks Python reports stray errors through (tensorstore's callbacks into a closed
+    loop arrive through ``sys.unraisablehook``); everything else passes on to the hooks it replaced."""
+
+    def install(self) -> _Echoes:
+        self._logger, self._drop = logging.getLogger("asyncio"), logging.Filter()
+        self._drop.filter = lambda record: not _is_echo(record.getMessage())
+        self._hooks = hooks = sys.excepthook, sys.unraisablehook, threading.excepthook
+
+        def excepthook(kind, value, tb):
+            if not _is_echo(str(value)):
+                hooks[0](kind, value, tb)
+
+        def unraisablehook(unraisable):
+            if not _is_echo(str(unraisable.exc_value)):
+                hooks[1](unraisable)
+
+        def thread_excepthook(args):
+            if not _is_echo(str(args.exc_value)):
+                hooks[2](args)
+
+        self._logger.addFilter(self._drop)
+        sys.excepthook, sys.unraisablehook, threading.excepthook = excepthook, unraisablehook, thread_excepthook
+        return self
+
+    def remove(self, *, collect: bool = True) -> None:
+        """Put the hooks back (installs and removals nest); ``collect``: first collect the unretrieved
+        futures of a failure, which report when garbage-collected."""
+        if collect:
+            gc.collect()
+        sys.excepthook, sys.unraisablehook, threading.excepthook = self._hooks
+        self._logger.removeFilter(self._drop)
+
+
 @contextlib.contextmanager
 def _quiet_failed_reads():
-    """Drop the echoes of a failed read while a restore runs; the failure is reported once (CheckpointWarning).
-
-    The unretrieved futures report when garbage-collected, so they are collected before the filters go.
-    """
-    logger = logging.getLogger("asyncio")
-    drop = logging.Filter()
-    drop.filter = lambda record: not _is_echo(record.getMessage())
-    hooks = sys.excepthook, sys.unraisablehook, threading.excepthook
-
-    def excepthook(kind, value, tb):
-        if not _is_echo(str(value)):
-            hooks[0](kind, value, tb)
-
-    def unraisablehook(unraisable):
-        if not _is_echo(str(unraisable.exc_value)):
-            hooks[1](unraisable)
-
-    def thread_excepthook(args):
-        if not _is_echo(str(args.exc_value)):
-            hooks[2](args)
-
-    logger.addFilter(drop)
-    sys.excepthook, sys.unraisablehook, threading.excepthook = excepthook, unraisablehook, thread_excepthook
+    """Drop the echoes of a failed read while a restore runs; the failure is reported once (CheckpointWarning)."""
+    echoes = _Echoes().install()
     try:
         yield
     finally:
-        gc.collect()
-        sys.excepthook, sys.unraisablehook, threading.excepthook = hooks
-        logger.removeFilter(drop)
+        echoes.remove()
 
 
 class _DropOrbaxLogs(logging.Filter):
@@ -190,6 +202,7 @@ class Checkpoints:
           OSError: the step could not be written (one line, naming the last good step, which is kept).
         """
         meta = {**meta, "step": int(step), "state_sha256": tree_digest(state)}
+        echoes = _Echoes().install()
         try:
             self._manager.save(
                 int(step),
@@ -198,11 +211,14 @@ class Checkpoints:
             )
             self._manager.wait_until_finished()
         except Exception as err:  # orbax re-raises the writer's error (OSError, or tensorstore's ValueError)
+            # ``echoes`` stays installed until the process exits: a failed array write echoes from orbax's
+            # threads and from its futures as they are collected, during this save and long after it.
             self._failed = True
             kept = [s for s in self.steps() if s != int(step)]
             last = f"the last good checkpoint, step {kept[-1]}, is kept" if kept else "no checkpoint was saved"
-            why = getattr(err, "strerror", None) or _describe(err)
+            why = getattr(err, "strerror", None) or _os_error(err) or _describe(err)
             raise OSError(f"could not save step {step} in {self.directory}: {why}; {last}") from None
+        echoes.remove(collect=False)
 
     def wait(self) -> None:
         """Block until pending saves are on disk."""
@@ -337,8 +353,15 @@ class Checkpoints:
 
 
 #: What tensorstore and pybind11 append to an error that says nothing to a user: the whole JSON spec of
-#: the store, source locations, and reprs of bound C++ methods.
-_NOISE = re.compile(r"\s*\[(tensorstore_spec|source locations)=.*$|\s*<bound method [^<>]*(<[^<>]*>[^<>]*)*>")
+#: the store, source locations, and reprs of bound C++ methods; orbax's "See full TensorStore details:"
+#: and a ``<bound method ... of TensorStore({`` whose multi-line repr closes lines later run to the end.
+_NOISE = re.compile(
+    r"\s*\[(tensorstore_spec|source locations)=.*$|\s*<bound method [^<>]*(<[^<>]*>[^<>]*)*>"
+    r"|\s*See full TensorStore details:.*$|\s*<bound method .*$"
+)
+
+#: The operating system's error number tensorstore quotes when a file operation fails.
+_OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]")
 
 
 def _describe(err: BaseException) -> str:
@@ -348,6 +371,18 @@ def _describe(err: BaseException) -> str:
     'ValueError: NOT_FOUND: no file'
     >>> _describe(TypeError("cannot read <bound method pybind11_object.read of <Store at 0x7f>> here"))
     'TypeError: cannot read here'
+    >>> _describe(Exception("Could not read. See full TensorStore details: <bound method spec of TensorStore({\\n"))
+    'Exception: Could not read.'
     """
     text = _NOISE.sub("", str(err).splitlines()[0] if str(err) else "")
     return f"{type(err).__name__}: {text[:200]}"
+
+
+def _os_error(err: BaseException) -> str | None:
+    """The operating system's words for the file error a tensorstore write ended in, if it quotes one.
+
+    >>> _os_error(ValueError("RESOURCE_EXHAUSTED: Failed writing: ... [os_error_code='28']"))
+    'No space left on device'
+    """
+    found = _OS_ERROR_CODE.search(str(err))
+    return os.strerror(int(found.group(1))) if found else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax
@@ -35,6 +36,54 @@ MODEL_MAY_CHANGE = ("attention", "attention_block")
 
 
 _DEFAULTS = constants.TRAIN_DEFAULTS
+
+#: The least value of each integer setting of a run: :class:`TrainConfig`'s fields and
+#: :func:`remat_kit.train.loop.train`'s own arguments (None: the setting may be None, "no limit").
+INT_MINIMUMS: dict[str, int] = {
+    "steps": 1,
+    "batch_size": 1,
+    "grad_accum": 1,
+    "eval_batches": 1,
+    "seq_len": 0,
+    "seed": 0,
+    "eval_every": 0,
+    "warmup_steps": -1,
+    "checkpoint_every": 1,
+    "keep": 1,
+    "max_corpus_bytes": 1,
+}
+#: Integer settings that may also be None (no limit).
+NONE_OK = ("max_corpus_bytes",)
+
+#: What each float setting allows, in words and as a test (the value is also finite).
+NUMBER_RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "learning_rate": ("> 0", lambda v: v > 0),
+    "clip_norm": ("> 0", lambda v: v > 0),
+    "min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "weight_decay": (">= 0", lambda v: v >= 0),
+    "val_fraction": ("in (0, 1)", lambda v: 0 < v < 1),
+}
+
+
+def check_setting(setting: str, value: Any, name: str | None = None) -> None:
+    """Raise a one-line ValueError unless ``value`` is allowed for ``setting`` (a key of :data:`INT_MINIMUMS`
+    or :data:`NUMBER_RANGES`); the message calls it ``name`` (default: the setting; the CLI gives its flag).
+
+    >>> check_setting("learning_rate", 1e-3)
+    >>> check_setting("learning_rate", -1.0, "--lr")
+    Traceback (most recent call last):
+    ...
+    ValueError: --lr must be a finite number > 0, got -1.0
+    """
+    name = name or setting
+    if setting in INT_MINIMUMS:
+        if value is not None or setting not in NONE_OK:  # None: not given (no limit)
+            check_int(name, value, INT_MINIMUMS[setting])
+        return
+    allowed, ok = NUMBER_RANGES[setting]
+    number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not number or not ok(value):
+        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +138,10 @@ class TrainConfig:
             )
         # Canonical spec: "minimal" and "selective:q_proj,..." of the same policy compare equal.
         object.__setattr__(self, "policy", str(policies.parse(self.policy)))
-        for field in ("steps", "batch_size", "grad_accum", "eval_batches"):
-            check_int(field, getattr(self, field), 1)
-        for field in ("seq_len", "seed", "eval_every"):
-            check_int(field, getattr(self, field), 0)
+        for field in ("steps", "batch_size", "grad_accum", "eval_batches", "seq_len", "seed", "eval_every"):
+            check_setting(field, getattr(self, field))
         loss.check_chunks(self.loss_chunks)
-        check_int("warmup_steps", self.warmup_steps, -1)
+        check_setting("warmup_steps", self.warmup_steps)
         if self.seq_len == 0:
             object.__setattr__(self, "seq_len", min(self.model.max_seq_len, 256))
         if self.seq_len > self.model.max_seq_len:
@@ -103,17 +150,8 @@ class TrainConfig:
             object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be smaller than steps={self.steps}")
-        for field, allowed, ok in (
-            ("learning_rate", "> 0", lambda v: v > 0),
-            ("clip_norm", "> 0", lambda v: v > 0),
-            ("min_lr_ratio", "in [0, 1]", lambda v: 0 <= v <= 1),
-            ("weight_decay", ">= 0", lambda v: v >= 0),
-            ("val_fraction", "in (0, 1)", lambda v: 0 < v < 1),
-        ):
-            value = getattr(self, field)
-            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-            if not number or not ok(value):
-                raise ValueError(f"{field} must be a finite number {allowed}, got {value!r}")
+        for field in NUMBER_RANGES:
+            check_setting(field, getattr(self, field))
 
     @property
     def tokens_per_step(self) -> int:

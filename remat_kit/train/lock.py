@@ -14,6 +14,7 @@ directory by design, process 0 alone takes the lock (:func:`remat_kit.train.loop
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -47,19 +48,23 @@ class DirectoryLock:
     def acquire(self) -> DirectoryLock:
         """Take the lock now or raise :class:`DirectoryInUseError`."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise DirectoryInUseError(
-                f"checkpoint directory {str(self.path.parent)!r} is in use by another run ({holder}); wait for it "
-                "to finish, stop it, or choose another --checkpoint-dir"
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise DirectoryInUseError(
+                    f"checkpoint directory {str(self.path.parent)!r} is in use by another run ({holder}); wait for "
+                    "it to finish, stop it, or choose another --checkpoint-dir"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # locked a file its holder removed (discard) after this open: take the one there now
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
@@ -74,11 +79,29 @@ class DirectoryLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    def discard(self) -> None:
+        """Remove the lock file and give the lock back (a refused run leaves nothing behind).
+
+        Removed while held, so a run waiting on the old file finds it gone and takes the new one.
+        """
+        if self._fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            self.release()
+
     def __enter__(self) -> DirectoryLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _read_holder(fd: int) -> str:

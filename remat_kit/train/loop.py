@@ -37,13 +37,13 @@ from remat_kit.train.config import (
     TrainResult,
     TrainState,
     check_compatible,
+    check_setting,
     schedule_changes,
 )
 from remat_kit.train.interrupt import stop_requests
 from remat_kit.train.lock import DirectoryInUseError, DirectoryLock
 from remat_kit.train.progress import _any_process, _progress, write_loss_plot
 from remat_kit.train.trainer import Trainer
-from remat_kit.units import check_int
 
 # ---- the training loop --------------------------------------------------------------------------------
 
@@ -98,7 +98,12 @@ def train(
     prefix = distributed.process_prefix()
     if prefix:  # another process than 0 of a multi-process run: its lines say which process they are from
         log = functools.partial(lambda inner, msg: inner(prefix + msg), log)
-    check_int("checkpoint_every", checkpoint_every, 1)
+    for setting, value in (
+        ("checkpoint_every", checkpoint_every),
+        ("keep", keep),
+        ("max_corpus_bytes", max_corpus_bytes),
+    ):
+        check_setting(setting, value)
     if resume and checkpoint_dir is None:
         raise ValueError("resume needs a checkpoint directory")
     metrics_path = Path(metrics_path) if metrics_path is not None else None
@@ -110,18 +115,26 @@ def train(
         metrics_path = plot_path = None
         progress = False
     # A signal from here on only sets a flag (never an exception inside JAX), read where stopping is safe.
-    with stop_requests(log) as stop, contextlib.ExitStack() as held:
-        if checkpoint_dir is not None:
-            prepare_directory(checkpoint_dir)
-            held.enter_context(_lock(checkpoint_dir))
+    with stop_requests(log) as stop:
         where = _Run(corpus, data_paths, max_corpus_bytes, checkpoint_dir, resume, checkpoint_every, keep)
         report = _Outputs(metrics_path, plot_path, progress, log, tuple(callbacks))
         return _train(config, where, report, mesh, stop)
 
 
 @contextlib.contextmanager
-def _lock(checkpoint_dir):
-    """One writer per checkpoint directory: process 0 holds the lock; every process learns if it was refused."""
+def _claim(checkpoint_dir):
+    """Create ``checkpoint_dir`` if needed and hold it: one writer per directory, process 0 holds the lock,
+    every process learns if it was refused.
+
+    A run that ends in an error before its first save (a step too big for the memory, a checkpoint of
+    another model, Ctrl-C before step 1) takes back what it made: the lock file and the folders it created.
+    """
+    path = Path(checkpoint_dir).absolute()
+    made = []  # the folders prepare_directory creates, deepest first
+    while not path.exists() and path != path.parent:
+        made.append(path)
+        path = path.parent
+    prepare_directory(checkpoint_dir)
     lock, refused = DirectoryLock(checkpoint_dir), None
     if distributed.is_main_process():
         try:
@@ -132,6 +145,13 @@ def _lock(checkpoint_dir):
         raise refused or DirectoryInUseError(f"process 0 could not lock the checkpoint directory {checkpoint_dir}")
     try:
         yield lock
+    except BaseException:
+        if distributed.is_main_process() and [p.name for p in lock.path.parent.iterdir()] == [lock.path.name]:
+            lock.discard()
+            for folder in made:
+                with contextlib.suppress(OSError):  # another run may have claimed it in between: it stays
+                    folder.rmdir()
+        raise
     finally:
         lock.release()
 
@@ -194,17 +214,20 @@ def _train(config: TrainConfig, run: _Run, report: _Outputs, mesh, stop):
         },
         "run configuration",
     )
-    ckpts = Checkpoints(checkpoint_dir, keep=keep) if checkpoint_dir is not None else None
-    try:
+    trainer = Trainer(config, mesh)  # refuses a mesh the devices or the batch cannot make: before any folder
+    note = mesh_lib.simulated_note(trainer.mesh) if trainer.mesh is not None else None
+    if note and distributed.is_main_process():
+        log(note)
+    with contextlib.ExitStack() as held:
+        ckpts = None
+        if checkpoint_dir is not None:
+            held.enter_context(_claim(checkpoint_dir))
+            ckpts = held.enter_context(Checkpoints(checkpoint_dir, keep=keep))
         if ckpts is not None and ckpts.steps() and not resume:
             raise ValueError(
                 f"{ckpts.directory} already holds checkpoints (steps {ckpts.steps()}); pass --resume to continue "
                 "that run or choose another --checkpoint-dir"
             )
-        trainer = Trainer(config, mesh)
-        note = mesh_lib.simulated_note(trainer.mesh) if trainer.mesh is not None else None
-        if note and distributed.is_main_process():
-            log(note)
         _check_memory(trainer)  # compiles the step (nothing allocated): before the batches and the state
         _stop_if_asked(stop, log, nothing)
         train_tokens, val_tokens = corpus.split(config.val_fraction)
@@ -250,9 +273,6 @@ def _train(config: TrainConfig, run: _Run, report: _Outputs, mesh, stop):
             report.callbacks,
             stop,
         )
-    finally:
-        if ckpts is not None:
-            ckpts.close()
     if plot_path is not None and history:
         write_loss_plot(history, plot_path, title=_title(config))
     return TrainResult(

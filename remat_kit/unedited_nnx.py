@@ -121,8 +121,9 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
         dargs, dkwargs = jax.tree.unflatten(treedef, call_flat)
         full_args, full_kwargs = rebuild(dargs, dkwargs)
         out = call_naming_submodules(original, inner, full_args, full_kwargs)
+        # A State, not leaves: the call may add variables (a first ``sow``), changing the tree.
         _, _, new_rest = nnx.split(merged, nnx.Param, ...)
-        return out, jax.tree.leaves(new_rest)
+        return out, new_rest
 
     leaf_names = [_param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     all_args = (param_leaves, rest_leaves, arrays)
@@ -135,7 +136,7 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
         out, new_rest = named(*all_args)
     else:
         out, new_rest = checkpointed(policy, where, named, jaxpr, all_args)
-    nnx.update(nodes, jax.tree.unflatten(rest_tree, new_rest))
+    nnx.update(nodes, new_rest)
     return out
 
 

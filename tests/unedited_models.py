@@ -112,34 +112,41 @@ class NnxFeedForward(nnx.Module):
 
 
 class NnxAttention(nnx.Module):
-    def __init__(self, d, *, rngs):
-        self.q_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
-        self.k_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
-        self.attn_vec_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+    def __init__(self, d, *, dtype=None, rngs):
+        self.q_einsum = nnx.Linear(d, d, use_bias=False, dtype=dtype, rngs=rngs)
+        self.k_einsum = nnx.Linear(d, d, use_bias=False, dtype=dtype, rngs=rngs)
+        self.attn_vec_einsum = nnx.Linear(d, d, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, is_local):
         return self.attn_vec_einsum(_attend(self.q_einsum(x), self.k_einsum(x), x, is_local))
 
 
 class NnxBlock(nnx.Module):
-    def __init__(self, d, *, rngs):
-        self.pre_attention_norm = nnx.RMSNorm(d, rngs=rngs)
-        self.attn = NnxAttention(d, rngs=rngs)
+    """``sow``: store the residual after attention as an ``nnx.Intermediate`` (Gemma's ``sow_config``);
+    ``dtype``: the compute dtype (parameters stay float32)."""
+
+    def __init__(self, d, *, sow=False, dtype=None, rngs):
+        self.pre_attention_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
+        self.attn = NnxAttention(d, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(0.1, rngs=rngs)
-        self.pre_ffw_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.pre_ffw_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
         self.mlp = NnxFeedForward(d, 2 * d, rngs=rngs)
+        self.sow_residual = sow
 
     def __call__(self, x, is_local, deterministic=False):
         x = x + self.dropout(self.attn(self.pre_attention_norm(x), is_local), deterministic=deterministic)
+        if self.sow_residual:
+            self.sow(nnx.Intermediate, "residual", x)
         return x + self.mlp(self.pre_ffw_norm(x))
 
 
 class NnxModel(nnx.Module):
-    """``self.layers`` an ``nnx.List``; ``alternate``: local/global attention per layer."""
+    """``self.layers`` an ``nnx.List``; ``alternate``: local/global attention per layer; ``sow``, ``dtype``:
+    see NnxBlock."""
 
-    def __init__(self, num_layers=4, d=8, *, alternate=True, rngs):
-        self.layers = nnx.List([NnxBlock(d, rngs=rngs) for _ in range(num_layers)])
-        self.final_norm = nnx.RMSNorm(d, rngs=rngs)
+    def __init__(self, num_layers=4, d=8, *, alternate=True, sow=False, dtype=None, rngs):
+        self.layers = nnx.List([NnxBlock(d, sow=sow, dtype=dtype, rngs=rngs) for _ in range(num_layers)])
+        self.final_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
         self.alternate = alternate
 
     def __call__(self, x, deterministic=False):

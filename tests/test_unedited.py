@@ -73,6 +73,15 @@ def test_linen_selective_keeps_the_named_values():
     assert {"attn/q_einsum", "mlp/gating_einsum"} <= kept
 
 
+def test_linen_model_tags_and_aliases_keep_working_beside_module_paths():
+    """A MaxText-style layer's own tags, by either spelling, beside a glob and a module path: all kept."""
+    model = um.TaggedModel()
+    variables = model.init(jax.random.key(0), X)
+    applied = remat_kit.apply(model, "selective:query_proj,mlp*,norm")  # query_proj is stored as q_proj
+    kept = {r.tag for r in _jax_internals.saved_residuals(lambda v: applied.apply(v, X).sum(), variables)}
+    assert {"query_proj", "mlpwi_0", "mlpwi_1", "norm"} <= kept
+
+
 @pytest.mark.parametrize("kind", ["inline", "setup"], ids=["inline", "setup"])
 def test_linen_names_of_lists_module_and_param_paths(kind):
     table = remat_kit.names_of(_linen(kind)[0], X)

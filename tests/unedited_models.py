@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 
 def _attend(q, k, v, is_local):
@@ -95,6 +96,35 @@ class SetupModel(nn.Module):
         for block in self.blocks:
             x = block(x, False, deterministic)
         return self.final_norm(x)
+
+
+# ---- Linen (MaxText style: the layer carries its own checkpoint_name tags) ---------------------------
+
+
+class TaggedBlock(nn.Module):
+    """Tags its values with MaxText's names (``query_proj``, ``mlpwi_0``, ``mlpwi_1``), beside its submodules."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        q = nn.Dense(self.features, use_bias=False, name="query")(nn.RMSNorm(name="norm")(x))
+        q = checkpoint_name(q, "query_proj")
+        h = x + jnp.tanh(q)
+        gate = checkpoint_name(nn.Dense(2 * self.features, use_bias=False, name="wi_0")(h), "mlpwi_0")
+        up = checkpoint_name(nn.Dense(2 * self.features, use_bias=False, name="wi_1")(h), "mlpwi_1")
+        return h + nn.Dense(self.features, use_bias=False, name="wo")(nn.silu(gate) * up)
+
+
+class TaggedModel(nn.Module):
+    num_layers: int = 2
+    features: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.num_layers):
+            x = TaggedBlock(self.features, name=f"layers_{i}")(x)
+        return x
 
 
 # ---- NNX (Flax's NNX examples style) ---------------------------------------------------------------

@@ -168,7 +168,8 @@ class Applied:
             trace_only(getattr(self.module, method), args, kwargs)
         found = run.discovered
         matcher = self._matcher or Where(classes=(repeated_block([(p, c) for p, c, _ in found]),))
-        if not any(_may_match(matcher, path, cls) for path, cls, _ in found if path):
+        blocks = [module for path, _, module in found if path and matcher(module, join(path))]
+        if not blocks:
             listed = ", ".join(join(p) for p, *_ in found if p)
             raise ValueError(
                 f"where={matcher} matches no module of {type(self.module).__name__}; its modules: {listed}"
@@ -184,15 +185,6 @@ class Applied:
             out = getattr(self.module, method)(*args, **kwargs)
         unedited_scan.linen_finish(run)
         return out
-
-
-def _may_match(where: Where, path: tuple[str, ...], cls: type) -> bool:
-    """Whether a discovered module can match ``where`` (a predicate needs the module: assumed yes)."""
-    if where.classes:
-        return issubclass(cls, where.classes)
-    if where.pattern is not None:
-        return where(None, join(path))
-    return True
 
 
 class _running:

@@ -104,9 +104,11 @@ def test_linen_names_of_lists_module_and_param_paths(kind):
     [
         ("layer_*", None),
         (um.Block, None),
+        (lambda m: isinstance(m, um.Block), None),
         ("layers_*", "matches no module"),
+        (lambda m: isinstance(m, um.Attention) and m.name == "attention", "where=<lambda> matches no module"),
     ],
-    ids=["glob", "class", "misspelt-glob"],
+    ids=["glob", "class", "predicate", "misspelt-glob", "predicate-matching-nothing"],
 )
 def test_linen_where(where, message):
     applied = remat_kit.apply(um.InlineModel(), "full", where=where)

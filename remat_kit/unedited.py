@@ -55,7 +55,16 @@ from flax import nnx
 from flax.core import lift
 
 from remat_kit import _jax_internals, unedited_nnx, unedited_scan
-from remat_kit._unedited import Collector, Plan, checkpointed, make_plan, name_tree, split_static, trace_only
+from remat_kit._unedited import (
+    Collector,
+    Plan,
+    check_static_argnames,
+    checkpointed,
+    make_plan,
+    name_tree,
+    split_static,
+    trace_only,
+)
 from remat_kit.pathnames import NameTable, Where, join, repeated_block
 from remat_kit.policies import Policy
 
@@ -174,6 +183,7 @@ class Applied:
             raise ValueError(
                 f"where={matcher} matches no module of {type(self.module).__name__}; its modules: {listed}"
             )
+        check_static_argnames(self.plan.static_argnames, [type(b) for b in blocks])
         self._matcher, self._checked, self._found = matcher, True, found
         return matcher
 

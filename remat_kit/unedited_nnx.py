@@ -23,6 +23,7 @@ from remat_kit._unedited import (
     Collector,
     Plan,
     call_naming_submodules,
+    check_static_argnames,
     checkpointed,
     make_plan,
     split_static,
@@ -57,6 +58,7 @@ def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
     """A copy of ``model`` whose blocks run under ``plan`` (see :func:`remat_kit.apply`)."""
     copy = nnx.clone(model)
     found = blocks(copy, plan.where)
+    check_static_argnames(plan.static_argnames, [type(b) for _, b in found])
     if plan.scan:
         return unedited_scan.nnx_scan(copy, plan, found)
     for index, (_, block) in enumerate(found):

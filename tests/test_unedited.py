@@ -147,6 +147,25 @@ def test_default_where_with_two_repeated_classes_names_them():
         applied.init(jax.random.key(0), X)
 
 
+@pytest.mark.parametrize(
+    ("static_argnames", "error", "message"),
+    [
+        (5, TypeError, "static_argnames must be a block argument's name or an iterable of names.*got 5"),
+        (["is_local", 3], TypeError, r"an iterable of names \(strings\), got \['is_local', 3\]"),
+        ("is_locl", ValueError, r"names is_locl, not an argument of Block\.__call__; its arguments: x, is_local, d"),
+    ],
+    ids=["int", "non-string", "not-an-argument"],
+)
+def test_linen_static_argnames_misuse_is_a_clear_error(static_argnames, error, message):
+    with pytest.raises(error, match=message):
+        remat_kit.apply(um.InlineModel(), "full", static_argnames=static_argnames).init(jax.random.key(0), X)
+
+
+def test_nnx_static_argnames_not_an_argument_is_refused_at_apply():
+    with pytest.raises(ValueError, match=r"names is_locl, not an argument of NnxBlock\.__call__; its arguments: x"):
+        remat_kit.apply(um.NnxModel(num_layers=2, rngs=nnx.Rngs(0)), "full", static_argnames="is_locl")
+
+
 def test_grouping_policy_without_scan_is_refused():
     with pytest.raises(ValueError, match="scan=True"):
         remat_kit.apply(um.InlineModel(), "segments:2")

@@ -96,6 +96,20 @@ def check_static_argnames(static_argnames: frozenset[str], blocks: Iterable[type
             )
 
 
+def applied_twice(model: str, policy: Any, plain: str) -> TypeError:
+    """The error for :func:`remat_kit.apply` given a model it made (Linen and NNX alike).
+
+    Args:
+      model: the model's class name.
+      policy: the policy its blocks already run.
+      plain: where the plain model is.
+    """
+    return TypeError(
+        f"remat_kit.apply takes the plain model: this {model} was made by remat_kit.apply and its blocks already "
+        f"run {policy}, which another apply would nest; apply to the plain model ({plain}) instead"
+    )
+
+
 def split_static(fn: Callable, args: tuple, kwargs: dict, static_argnames: frozenset[str], is_static: Callable):
     """Split a call's arguments into static ones (closed over) and dynamic ones (traced).
 

@@ -58,6 +58,7 @@ from remat_kit import _jax_internals, unedited_nnx, unedited_scan
 from remat_kit._unedited import (
     Collector,
     Plan,
+    applied_twice,
     check_static_argnames,
     checkpointed,
     make_plan,
@@ -103,6 +104,8 @@ def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = 
     plan = make_plan(policy, where, static_argnames, scan, nnx.Module if isinstance(model, nnx.Module) else nn.Module)
     if isinstance(model, nnx.Module):
         return unedited_nnx.apply(model, plan)
+    if isinstance(model, Applied):
+        raise applied_twice(type(model.module).__name__, model.plan.policy, "its .module")
     if isinstance(model, nn.Module):
         if model.scope is not None:
             raise TypeError(f"remat_kit.apply takes an unbound Linen module, got a bound {type(model).__name__}")

@@ -22,6 +22,7 @@ from remat_kit import _jax_internals, unedited_scan
 from remat_kit._unedited import (
     Collector,
     Plan,
+    applied_twice,
     call_naming_submodules,
     check_static_argnames,
     checkpointed,
@@ -56,6 +57,9 @@ def blocks(model: nnx.Module, where: Where | None) -> list[tuple[tuple, nnx.Modu
 
 def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
     """A copy of ``model`` whose blocks run under ``plan`` (see :func:`remat_kit.apply`)."""
+    for _, node in nnx.iter_graph(model):
+        if hasattr(type(node), "_remat_kit_policy"):
+            raise applied_twice(type(model).__name__, node._remat_kit_policy, "apply returned a copy of it")
     copy = nnx.clone(model)
     found = blocks(copy, plan.where)
     check_static_argnames(plan.static_argnames, [type(b) for _, b in found])

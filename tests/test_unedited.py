@@ -166,6 +166,17 @@ def test_nnx_static_argnames_not_an_argument_is_refused_at_apply():
         remat_kit.apply(um.NnxModel(num_layers=2, rngs=nnx.Rngs(0)), "full", static_argnames="is_locl")
 
 
+def test_applying_to_an_applied_model_is_refused():
+    """The policies would nest (NNX once did so silently): the same TypeError on Linen and NNX."""
+    message = r"takes the plain model: this (InlineModel|NnxModel) was made by remat_kit.apply.*already run full"
+    with pytest.raises(TypeError, match=message):
+        remat_kit.apply(remat_kit.apply(um.InlineModel(), "full"), "selective:mlp/*")
+    for scan in (False, True):
+        applied = remat_kit.apply(um.NnxModel(num_layers=2, alternate=False, rngs=nnx.Rngs(0)), "full", scan=scan)
+        with pytest.raises(TypeError, match=message):
+            remat_kit.apply(applied, "selective:mlp/*")
+
+
 def test_grouping_policy_without_scan_is_refused():
     with pytest.raises(ValueError, match="scan=True"):
         remat_kit.apply(um.InlineModel(), "segments:2")

@@ -95,6 +95,13 @@ def nnx_scan(model: nnx.Module, plan: Plan, found: list[tuple[tuple, nnx.Module]
     groups = runs(model, found)
     if all(len(g) < 2 for g in groups):
         names = ", ".join(f"{join(p)} ({type(b).__name__})" for p, b in found)
+        loose = [join(p) for p, _ in found if not isinstance(p[-1], int)]
+        if loose:  # held as attributes or in a dict: their call order is not known before the call
+            raise ValueError(
+                f"scan=True scans consecutive items of one list (nnx.List), and {', '.join(loose)} "
+                f"{'is no list item' if len(loose) == 1 else 'are no list items'}: hold the blocks in an nnx.List, "
+                "or use scan=False"
+            )
         raise ValueError(
             f"scan=True: no two consecutive blocks are identical (same list, class and parameter shapes): {names}; "
             "use scan=False"

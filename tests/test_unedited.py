@@ -249,6 +249,27 @@ def test_nnx_names_of_and_misspelt_path():
         applied(X)
 
 
+class NnxAttributes(nnx.Module):
+    """Identical blocks held as attributes (``layout="attributes"``) or in an ``nnx.Dict``."""
+
+    def __init__(self, layout, *, rngs):
+        blocks = {f"layer_{i}": um.NnxBlock(8, rngs=rngs) for i in range(2)}
+        if layout == "dict":
+            self.blocks = nnx.Dict(blocks)
+        else:
+            for name, block in blocks.items():
+                setattr(self, name, block)
+
+    def __call__(self, x):
+        return x
+
+
+@pytest.mark.parametrize("layout", ["attributes", "dict"], ids=["attributes", "dict"])
+def test_nnx_scan_of_blocks_outside_a_list_says_they_must_be_in_one(layout):
+    with pytest.raises(ValueError, match=r"scans consecutive items of one list \(nnx.List\).*are no list items"):
+        remat_kit.apply(NnxAttributes(layout, rngs=nnx.Rngs(0)), "full", scan=True)
+
+
 def test_nnx_scan_of_alternating_blocks_says_why_not():
     applied = remat_kit.apply(um.NnxModel(rngs=nnx.Rngs(0)), "full", scan=True)
     with pytest.raises(ValueError, match="same other arguments"):

@@ -12,6 +12,7 @@ from flax import nnx
 
 import remat_kit
 from remat_kit import _jax_internals
+from remat_kit.planning.planner import StepPlanner
 from tests import unedited_models as um
 
 X = jax.random.normal(jax.random.key(1), (2, 6, 8))
@@ -59,7 +60,7 @@ def test_linen_gradients_tree_and_sow_equal_the_plain_model(kind, policy):
     model, rtol = _linen(kind)
     variables = model.init(jax.random.key(0), X)
     applied = remat_kit.apply(model, policy)
-    assert jax.tree.structure(applied.init(jax.random.key(0), X)) == jax.tree.structure(variables)
+    assert_grads_equal(applied.init(jax.random.key(0), X), variables, 0)  # the same tree, the same values
     want, want_state = jax.jit(jax.grad(lambda v: _linen_loss(model, v), has_aux=True))(variables)
     got, got_state = jax.jit(jax.grad(lambda v: _linen_loss(applied, v), has_aux=True))(variables)
     assert_grads_equal(got, want, rtol)
@@ -225,6 +226,29 @@ def test_nnx_gradients_state_and_sow_equal_the_plain_model(kind, policy):
     assert_grads_equal(nnx.state(applied, nnx.RngCount), nnx.state(plain, nnx.RngCount), 0)
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_nnx_plain_checkpoint_loads_into_the_applied_model(scan):
+    """The plain model's state (what a checkpoint restores) loads by value and gives the plain outputs."""
+    plain = um.NnxModel(num_layers=2, alternate=False, rngs=nnx.Rngs(7))
+    applied = remat_kit.apply(um.NnxModel(num_layers=2, alternate=False, rngs=nnx.Rngs(0)), "full", scan=scan)
+    nnx.update(applied, nnx.state(plain))
+    assert_grads_equal(nnx.state(applied, nnx.Param), nnx.state(plain, nnx.Param), 0)
+    run = nnx.jit(lambda m: m(X, True))
+    np.testing.assert_allclose(run(applied), run(plain), rtol=RTOL_F32, atol=RTOL_F32)
+
+
+@pytest.mark.parametrize(
+    ("where", "blocks"),
+    [("layers/*", [0, 1, 2]), ("layers/[02]", [0, 2]), (lambda m: isinstance(m, um.NnxBlock), [0, 1, 2])],
+    ids=["glob", "glob-some", "predicate"],
+)
+def test_nnx_where_that_matches_picks_those_blocks(where, blocks):
+    plain = um.NnxModel(num_layers=3, rngs=nnx.Rngs(0))
+    applied = remat_kit.apply(plain, "full", where=where)
+    assert [i for i, layer in enumerate(applied.layers) if hasattr(type(layer), "_remat_kit_policy")] == blocks
+    np.testing.assert_allclose(applied(X, True), plain(X, True), rtol=RTOL_F32, atol=RTOL_F32)
+
+
 def test_nnx_trains_with_optimizer():
     import optax
 
@@ -296,7 +320,7 @@ def test_linen_scan_gradients_tree_dropout_and_sow_equal_the_plain_model(kind, p
     model = make()
     variables = model.init(jax.random.key(0), X)
     applied = remat_kit.apply(model, policy, scan=True)
-    assert jax.tree.structure(applied.init(jax.random.key(0), X)) == jax.tree.structure(variables)
+    assert_grads_equal(applied.init(jax.random.key(0), X), variables, 0)  # the same tree, the same values
     want, want_state = jax.jit(jax.grad(lambda v: _linen_loss(model, v), has_aux=True))(variables)
     got, got_state = jax.jit(jax.grad(lambda v: _linen_loss(applied, v), has_aux=True))(variables)
     assert_grads_equal(got, want, rtol)
@@ -327,6 +351,23 @@ def test_linen_scan_keeps_less_than_the_loop_saves_in_compiled_memory():
     none, full = table
     assert full.saved_bytes < none.saved_bytes
     assert "XLA removed" not in str(table)  # scanned: the saving is real
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_linen_batch_stats_and_cache_update_as_without_remat(scan):
+    model = um.StatefulModel()
+    variables = model.init(jax.random.key(0), X)
+    applied = remat_kit.apply(model, "full", scan=scan)
+
+    def loss(m, params):
+        out, state = m.apply({**variables, "params": params}, X, mutable=["batch_stats", "cache"])
+        return jnp.sum(out * T), state
+
+    want, want_state = jax.jit(jax.grad(lambda p: loss(model, p), has_aux=True))(variables["params"])
+    got, got_state = jax.jit(jax.grad(lambda p: loss(applied, p), has_aux=True))(variables["params"])
+    assert_grads_equal(got, want, RTOL_F32)
+    assert_grads_equal(got_state, want_state, RTOL_F32)  # every block's own batch_stats and cache, as plain
+    assert int(got_state["cache"]["layer_2"]["calls"]) == int(variables["cache"]["layer_2"]["calls"]) + 1
 
 
 @pytest.mark.parametrize(
@@ -429,16 +470,36 @@ def test_auto_on_a_scanned_applied_model_fits_a_budget_between_full_and_none():
     assert full_saved < none_saved
     assert "XLA removed" not in str(table)  # scanned: the saving is real
     # Each candidate's need as auto measures it (the whole step), then a budget between full's and none's.
-    needs = {
-        c.policy: c.need_bytes
-        for c in remat_kit.auto(
-            make_loss, params, x, budget_bytes=10**12, candidates=["none", "full"], mixes=False, exhaustive=True
-        ).candidates
-    }
+    planner = StepPlanner(lambda policy, batch, seq: (make_loss(policy), params, (x,)))  # each compiled once
+    options = dict(candidates=["none", "full"], mixes=False, planner=planner)
+    every = remat_kit.auto(make_loss, params, x, budget_bytes=10**12, exhaustive=True, **options)
+    needs = {c.policy: c.need_bytes for c in every.candidates}
     assert needs["full"] < needs["none"]
     budget = (needs["full"] + needs["none"]) // 2
-    result = remat_kit.auto(make_loss, params, x, budget_bytes=budget, candidates=["none", "full"], mixes=False)
+    result = remat_kit.auto(make_loss, params, x, budget_bytes=budget, **options)
     assert str(result.chosen) == "full"
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_auto_on_an_applied_linen_model_picks_the_least_recompute_that_fits(scan):
+    """A budget between full's need and none's: none does not fit, selective does (on a Python loop XLA's CSE
+    makes its need full's), and it recomputes less than full, so it is the answer."""
+    model = um.InlineModel(num_layers=2, features=16, alternate=not scan)  # the loop alternates local/global
+    x = jax.ShapeDtypeStruct((8, 32, 16), jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
+    make_loss = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2), scan=scan)
+    selective = "selective:attn/q_einsum,attn/k_einsum,mlp/gating_einsum"
+    options = dict(candidates=["none", selective, "full"], mixes=False, margin=0.0)
+    # One planner for both searches: each candidate is compiled once.
+    planner = StepPlanner(lambda policy, batch, seq: (make_loss(policy), variables, (x,)))
+    every = remat_kit.auto(make_loss, variables, x, budget_bytes=10**12, exhaustive=True, planner=planner, **options)
+    needs = {c.policy: c.need_bytes for c in every.candidates}
+    assert needs["full"] < needs["none"]
+    budget = (needs["full"] + needs["none"]) // 2
+    result = remat_kit.auto(make_loss, variables, x, budget_bytes=budget, planner=planner, **options)
+    assert str(result.chosen) == selective
+    assert needs[selective] <= budget
+    assert planner.compiles == 3
 
 
 def test_compare_says_when_xla_removed_the_recompute_of_a_loop():

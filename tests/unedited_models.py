@@ -127,6 +127,36 @@ class TaggedModel(nn.Module):
         return x
 
 
+# ---- Linen: blocks that write mutable collections ----------------------------------------------------
+
+
+class StatefulBlock(nn.Module):
+    """Writes ``batch_stats`` (BatchNorm in training) and a ``cache`` (a call count, the last input)."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.BatchNorm(use_running_average=not self.is_mutable_collection("batch_stats"), name="norm")(x)
+        calls = self.variable("cache", "calls", jnp.zeros, (), jnp.int32)
+        last = self.variable("cache", "last_input", jnp.zeros, x.shape, x.dtype)
+        if self.is_mutable_collection("cache"):
+            calls.value += 1
+            last.value = x
+        return x + nn.Dense(self.features, name="up")(jnp.tanh(h))
+
+
+class StatefulModel(nn.Module):
+    num_layers: int = 3
+    features: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.num_layers):
+            x = StatefulBlock(self.features, name=f"layer_{i}")(x)
+        return x
+
+
 # ---- NNX (Flax's NNX examples style) ---------------------------------------------------------------
 
 

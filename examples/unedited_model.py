@@ -3,9 +3,10 @@
 The model (tests/unedited_models.py's NnxModel, written like Flax's NNX examples) has no remat hook and
 no checkpoint_name tags. remat_kit.apply names what each block computes by module path, runs its
 identical blocks as one scan (scan=True: on CPU a Python loop's recompute is removed by XLA), and
-remat_kit.auto picks the least-recompute policy whose compiled step fits the budget.
+remat_kit.auto picks the least-recompute policy whose compiled step fits a budget halfway between full's
+need and none's.
 
-    python examples/unedited_model.py --steps 3 --budget-between full,none
+    python examples/unedited_model.py --steps 3
 """
 
 from __future__ import annotations

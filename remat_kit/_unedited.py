@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import inspect as _inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -52,14 +52,62 @@ def make_plan(policy: Any, where: Any, static_argnames: Any, scan: bool, base: t
             f"policy {parsed} groups layers and needs one scan over the blocks: pass scan=True, "
             "or use full, every_n:N, selective, offload or dots"
         )
-    names = (
-        () if static_argnames is None else (static_argnames,) if isinstance(static_argnames, str) else static_argnames
-    )
+    if static_argnames is None:
+        names: tuple = ()
+    elif isinstance(static_argnames, str):
+        names = (static_argnames,)
+    else:
+        names = tuple(static_argnames) if isinstance(static_argnames, Iterable) else (static_argnames,)
     if not all(isinstance(n, str) for n in names):
-        raise TypeError(f"static_argnames must be a string or strings, got {static_argnames!r}")
+        raise TypeError(
+            "static_argnames must be a block argument's name or an iterable of names (strings), "
+            f"got {static_argnames!r}"
+        )
     if not isinstance(scan, bool):
         raise TypeError(f"scan must be True or False, got {scan!r}")
     return Plan(parsed, parse_where(where, base), frozenset(names), scan)
+
+
+def check_static_argnames(static_argnames: frozenset[str], blocks: Iterable[type]) -> None:
+    """Raise ValueError if a name in ``static_argnames`` is no argument of a block class's ``__call__``.
+
+    A ``__call__`` taking ``**kwargs`` (or whose signature cannot be read) accepts any name.
+
+    >>> class Block:
+    ...     def __call__(self, x, is_local=False): ...
+    >>> check_static_argnames(frozenset({"is_locl"}), [Block])
+    Traceback (most recent call last):
+    ...
+    ValueError: static_argnames names is_locl, not an argument of Block.__call__; its arguments: x, is_local
+    """
+    for cls in dict.fromkeys(blocks):
+        try:
+            params = list(_inspect.signature(cls.__call__).parameters.values())[1:]  # without self
+        except (TypeError, ValueError):
+            continue
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            continue
+        args = [p.name for p in params if p.kind is not p.VAR_POSITIONAL]
+        unknown = sorted(static_argnames - set(args))
+        if unknown:
+            raise ValueError(
+                f"static_argnames names {', '.join(unknown)}, not an argument of {cls.__name__}.__call__; "
+                f"its arguments: {', '.join(args) or '(none)'}"
+            )
+
+
+def applied_twice(model: str, policy: Any, plain: str) -> TypeError:
+    """The error for :func:`remat_kit.apply` given a model it made (Linen and NNX alike).
+
+    Args:
+      model: the model's class name.
+      policy: the policy its blocks already run.
+      plain: where the plain model is.
+    """
+    return TypeError(
+        f"remat_kit.apply takes the plain model: this {model} was made by remat_kit.apply and its blocks already "
+        f"run {policy}, which another apply would nest; apply to the plain model ({plain}) instead"
+    )
 
 
 def split_static(fn: Callable, args: tuple, kwargs: dict, static_argnames: frozenset[str], is_static: Callable):

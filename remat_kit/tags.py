@@ -93,10 +93,12 @@ def resolve(policy, emitted: Iterable[str], where: str):
 
     JAX's name policies match exact names, so a pattern is expanded against what the code emits before
     the policy reaches ``jax.checkpoint``. A non-strict policy drops a pattern that matches nothing.
+    A name that is not a pattern stays as it is, whatever the code emits: the policy keeps it under
+    every spelling (:func:`remat_kit.names.spellings`: ``q_proj`` keeps MaxText's ``query_proj``).
 
     >>> from remat_kit import policies
-    >>> str(resolve(policies.selective(["mlp/*"]), ["mlp/up", "attn/q"], "Block"))
-    'selective:mlp/up'
+    >>> str(resolve(policies.selective(["mlp/*", "query_proj"]), ["mlp/up", "query_proj"], "Block"))
+    'selective:mlp/up,q_proj'
     """
     if not any(is_pattern(t) for t in policy.tags):
         return policy
@@ -104,7 +106,7 @@ def resolve(policy, emitted: Iterable[str], where: str):
     emitted = frozenset(emitted)
 
     def expand(tags_):
-        return tuple(dict.fromkeys(n for t in tags_ for n in matching(t, emitted)))
+        return tuple(dict.fromkeys(n for t in tags_ for n in (matching(t, emitted) if is_pattern(t) else (t,))))
 
     offload = expand(policy.offload)
     save = tuple(n for n in expand(policy.save) if n not in offload)

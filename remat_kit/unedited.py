@@ -55,7 +55,17 @@ from flax import nnx
 from flax.core import lift
 
 from remat_kit import _jax_internals, unedited_nnx, unedited_scan
-from remat_kit._unedited import Collector, Plan, checkpointed, make_plan, name_tree, split_static, trace_only
+from remat_kit._unedited import (
+    Collector,
+    Plan,
+    applied_twice,
+    check_static_argnames,
+    checkpointed,
+    make_plan,
+    name_tree,
+    split_static,
+    trace_only,
+)
 from remat_kit.pathnames import NameTable, Where, join, repeated_block
 from remat_kit.policies import Policy
 
@@ -94,6 +104,8 @@ def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = 
     plan = make_plan(policy, where, static_argnames, scan, nnx.Module if isinstance(model, nnx.Module) else nn.Module)
     if isinstance(model, nnx.Module):
         return unedited_nnx.apply(model, plan)
+    if isinstance(model, Applied):
+        raise applied_twice(type(model.module).__name__, model.plan.policy, "its .module")
     if isinstance(model, nn.Module):
         if model.scope is not None:
             raise TypeError(f"remat_kit.apply takes an unbound Linen module, got a bound {type(model).__name__}")
@@ -168,11 +180,13 @@ class Applied:
             trace_only(getattr(self.module, method), args, kwargs)
         found = run.discovered
         matcher = self._matcher or Where(classes=(repeated_block([(p, c) for p, c, _ in found]),))
-        if not any(_may_match(matcher, path, cls) for path, cls, _ in found if path):
+        blocks = [module for path, _, module in found if path and matcher(module, join(path))]
+        if not blocks:
             listed = ", ".join(join(p) for p, *_ in found if p)
             raise ValueError(
                 f"where={matcher} matches no module of {type(self.module).__name__}; its modules: {listed}"
             )
+        check_static_argnames(self.plan.static_argnames, [type(b) for b in blocks])
         self._matcher, self._checked, self._found = matcher, True, found
         return matcher
 
@@ -184,15 +198,6 @@ class Applied:
             out = getattr(self.module, method)(*args, **kwargs)
         unedited_scan.linen_finish(run)
         return out
-
-
-def _may_match(where: Where, path: tuple[str, ...], cls: type) -> bool:
-    """Whether a discovered module can match ``where`` (a predicate needs the module: assumed yes)."""
-    if where.classes:
-        return issubclass(cls, where.classes)
-    if where.pattern is not None:
-        return where(None, join(path))
-    return True
 
 
 class _running:

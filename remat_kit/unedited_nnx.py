@@ -22,7 +22,9 @@ from remat_kit import _jax_internals, unedited_scan
 from remat_kit._unedited import (
     Collector,
     Plan,
+    applied_twice,
     call_naming_submodules,
+    check_static_argnames,
     checkpointed,
     make_plan,
     split_static,
@@ -55,8 +57,12 @@ def blocks(model: nnx.Module, where: Where | None) -> list[tuple[tuple, nnx.Modu
 
 def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
     """A copy of ``model`` whose blocks run under ``plan`` (see :func:`remat_kit.apply`)."""
+    for _, node in nnx.iter_graph(model):
+        if hasattr(type(node), "_remat_kit_policy"):
+            raise applied_twice(type(model).__name__, node._remat_kit_policy, "apply returned a copy of it")
     copy = nnx.clone(model)
     found = blocks(copy, plan.where)
+    check_static_argnames(plan.static_argnames, [type(b) for _, b in found])
     if plan.scan:
         return unedited_scan.nnx_scan(copy, plan, found)
     for index, (_, block) in enumerate(found):
@@ -121,8 +127,9 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
         dargs, dkwargs = jax.tree.unflatten(treedef, call_flat)
         full_args, full_kwargs = rebuild(dargs, dkwargs)
         out = call_naming_submodules(original, inner, full_args, full_kwargs)
+        # A State, not leaves: the call may add variables (a first ``sow``), changing the tree.
         _, _, new_rest = nnx.split(merged, nnx.Param, ...)
-        return out, jax.tree.leaves(new_rest)
+        return out, new_rest
 
     leaf_names = [_param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     all_args = (param_leaves, rest_leaves, arrays)
@@ -135,7 +142,7 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
         out, new_rest = named(*all_args)
     else:
         out, new_rest = checkpointed(policy, where, named, jaxpr, all_args)
-    nnx.update(nodes, jax.tree.unflatten(rest_tree, new_rest))
+    nnx.update(nodes, new_rest)
     return out
 
 

@@ -95,6 +95,13 @@ def nnx_scan(model: nnx.Module, plan: Plan, found: list[tuple[tuple, nnx.Module]
     groups = runs(model, found)
     if all(len(g) < 2 for g in groups):
         names = ", ".join(f"{join(p)} ({type(b).__name__})" for p, b in found)
+        loose = [join(p) for p, _ in found if not isinstance(p[-1], int)]
+        if loose:  # held as attributes or in a dict: their call order is not known before the call
+            raise ValueError(
+                f"scan=True scans consecutive items of one list (nnx.List), and {', '.join(loose)} "
+                f"{'is no list item' if len(loose) == 1 else 'are no list items'}: hold the blocks in an nnx.List, "
+                "or use scan=False"
+            )
         raise ValueError(
             f"scan=True: no two consecutive blocks are identical (same list, class and parameter shapes): {names}; "
             "use scan=False"
@@ -206,18 +213,17 @@ def _scan(layers: list[nnx.Module], original, plan: Plan, x, args: tuple, kwargs
     stacked = [jnp.stack([lv[j] for lv in leaves]) for j in range(len(carried)) if not carried[j]]
     carry0 = [leaves[0][j] for j in range(len(carried)) if carried[j]]
     stack_names = [names[j] if is_param[j] else None for j in range(len(carried)) if not carried[j]]
+    keypaths = [p for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(layers[0]))[0]]
+    carried_paths = [tuple(state_keys(keypaths[j])) for j in range(len(carried)) if carried[j]]
 
     def layer_call(layer_stack, h, carry):
         it_s, it_c = iter(layer_stack), iter(carry)
         full = [next(it_c) if carried[j] else next(it_s) for j in range(len(carried))]
         layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, full))
         y = call_naming_submodules(original, layer, (h, *args), kwargs)
-        new = jax.tree.leaves(nnx.state(layer))
-        return (
-            y,
-            [new[j] for j in range(len(carried)) if carried[j]],
-            [new[j] for j in range(len(carried)) if not carried[j]],
-        )
+        # By path, not position: the call may add variables (a first sow), shifting the leaves after them.
+        new = dict(nnx.to_flat_state(nnx.state(layer)))
+        return y, [new.pop(p).get_value() for p in carried_paths], nnx.from_flat_state(new)
 
     def step(layer_stack, hc, i):
         h, carry = hc
@@ -238,9 +244,9 @@ def _scan(layers: list[nnx.Module], original, plan: Plan, x, args: tuple, kwargs
         tags.check(policy, emitted, where)
     (_, carry), (outs, new_stack) = _layers.run(policy, len(layers), step, stacked, (x, carry0))
     for k, layer in enumerate(layers):
-        it_s, it_c = iter(new_stack), iter(carry)
-        new = [next(it_c) if carried[j] else next(it_s)[k] for j in range(len(carried))]
-        nnx.update(layer, jax.tree.unflatten(treedef, new))
+        nnx.update(layer, jax.tree.map(lambda a, k=k: a[k], new_stack))  # sown values included, each its own
+    for variable, value in zip([v for v, c in zip(held[0], carried, strict=True) if c], carry, strict=True):
+        variable.set_value(value)
     return jax.tree.map(lambda a: a[0], outs), outs
 
 

@@ -1,5 +1,6 @@
 """Each example runs end to end in a reduced mode (a few steps), as a user would run it."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -85,10 +86,17 @@ def test_plan_your_model(tmp_path):
     assert "chosen: dots" in out  # none does not fit; dots recomputes less than full
 
 
+def docstring_flags(name):
+    """The flags of the command an example's docstring shows (``python examples/NAME ...``)."""
+    doc = ast.get_docstring(ast.parse((EXAMPLES / name).read_text()))
+    line = next(line for line in doc.splitlines() if line.strip().startswith(f"python examples/{name}"))
+    return line.split()[2:]
+
+
 def test_unedited_model(tmp_path):
-    out = run_example(
-        "unedited_model.py", "--steps", "3", "--layers", "2", "--width", "16", "--seq-len", "16", cwd=tmp_path
-    )
+    # The docstring's own command (its flags must parse), at a reduced size.
+    flags = docstring_flags("unedited_model.py")
+    out = run_example("unedited_model.py", *flags, "--layers", "2", "--width", "16", "--seq-len", "16", cwd=tmp_path)
     assert "attn/q_einsum" in out and "mlp/gating_einsum" in out  # names_of's table
     chosen = out.split("chosen: ")[1].split()[0]
     assert chosen not in ("none", "full"), out  # the budget lies between them

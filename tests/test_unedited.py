@@ -7,27 +7,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import RTOL_F32, max_rel_err
 from flax import nnx
 
 import remat_kit
 from remat_kit import _jax_internals
+from remat_kit.planning.planner import StepPlanner
 from tests import unedited_models as um
 
 X = jax.random.normal(jax.random.key(1), (2, 6, 8))
+#: The losses weigh the output by a fixed random T, so every block's gradient is far from zero (a loss of
+#: sum(norm(out) ** 2) hardly depends on the blocks at init: zeroed block gradients would pass).
+T = jax.random.normal(jax.random.key(2), X.shape)
 POLICIES = ["full", "every_n:2", "selective:attn/q_einsum,mlp/*", "offload:attn/*"]
 
 
 def assert_grads_equal(got, want, rtol):
-    """Every leaf within ``rtol`` of the largest gradient of the tree (leaves far below it are noise)."""
-    scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+    """The same tree, and every leaf within ``rtol`` of its own largest value (conftest.max_rel_err)."""
     assert jax.tree.structure(got) == jax.tree.structure(want)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=0, atol=rtol * scale)
+    assert max_rel_err(got, want) <= rtol
 
 
 LINEN = {
-    "inline": (um.InlineModel, jnp.float32, 1e-5),
-    "setup": (um.SetupModel, None, 1e-5),
+    "inline": (um.InlineModel, jnp.float32, RTOL_F32),
+    "setup": (um.SetupModel, None, RTOL_F32),
     "inline-bf16": (um.InlineModel, jnp.bfloat16, 1e-2),  # bf16 compute: its epsilon is 2**-8
 }
 
@@ -40,7 +43,7 @@ def _linen(kind):
 
 def _linen_loss(model, variables):
     out, state = model.apply(variables, X, False, rngs={"dropout": jax.random.key(3)}, mutable=["intermediates"])
-    return jnp.sum(out.astype(jnp.float32) ** 2), state
+    return jnp.sum(out.astype(jnp.float32) * T), state
 
 
 # Every policy on the inline model; the other layouts under two (each case compiles two gradients).
@@ -57,7 +60,7 @@ def test_linen_gradients_tree_and_sow_equal_the_plain_model(kind, policy):
     model, rtol = _linen(kind)
     variables = model.init(jax.random.key(0), X)
     applied = remat_kit.apply(model, policy)
-    assert jax.tree.structure(applied.init(jax.random.key(0), X)) == jax.tree.structure(variables)
+    assert_grads_equal(applied.init(jax.random.key(0), X), variables, 0)  # the same tree, the same values
     want, want_state = jax.jit(jax.grad(lambda v: _linen_loss(model, v), has_aux=True))(variables)
     got, got_state = jax.jit(jax.grad(lambda v: _linen_loss(applied, v), has_aux=True))(variables)
     assert_grads_equal(got, want, rtol)
@@ -69,6 +72,15 @@ def test_linen_selective_keeps_the_named_values():
     variables = um.InlineModel().init(jax.random.key(0), X)
     kept = {r.tag for r in _jax_internals.saved_residuals(lambda v: applied.apply(v, X).sum(), variables)}
     assert {"attn/q_einsum", "mlp/gating_einsum"} <= kept
+
+
+def test_linen_model_tags_and_aliases_keep_working_beside_module_paths():
+    """A MaxText-style layer's own tags, by either spelling, beside a glob and a module path: all kept."""
+    model = um.TaggedModel()
+    variables = model.init(jax.random.key(0), X)
+    applied = remat_kit.apply(model, "selective:query_proj,mlp*,norm")  # query_proj is stored as q_proj
+    kept = {r.tag for r in _jax_internals.saved_residuals(lambda v: applied.apply(v, X).sum(), variables)}
+    assert {"query_proj", "mlpwi_0", "mlpwi_1", "norm"} <= kept
 
 
 @pytest.mark.parametrize("kind", ["inline", "setup"], ids=["inline", "setup"])
@@ -93,9 +105,11 @@ def test_linen_names_of_lists_module_and_param_paths(kind):
     [
         ("layer_*", None),
         (um.Block, None),
+        (lambda m: isinstance(m, um.Block), None),
         ("layers_*", "matches no module"),
+        (lambda m: isinstance(m, um.Attention) and m.name == "attention", "where=<lambda> matches no module"),
     ],
-    ids=["glob", "class", "misspelt-glob"],
+    ids=["glob", "class", "predicate", "misspelt-glob", "predicate-matching-nothing"],
 )
 def test_linen_where(where, message):
     applied = remat_kit.apply(um.InlineModel(), "full", where=where)
@@ -134,6 +148,36 @@ def test_default_where_with_two_repeated_classes_names_them():
         applied.init(jax.random.key(0), X)
 
 
+@pytest.mark.parametrize(
+    ("static_argnames", "error", "message"),
+    [
+        (5, TypeError, "static_argnames must be a block argument's name or an iterable of names.*got 5"),
+        (["is_local", 3], TypeError, r"an iterable of names \(strings\), got \['is_local', 3\]"),
+        ("is_locl", ValueError, r"names is_locl, not an argument of Block\.__call__; its arguments: x, is_local, d"),
+    ],
+    ids=["int", "non-string", "not-an-argument"],
+)
+def test_linen_static_argnames_misuse_is_a_clear_error(static_argnames, error, message):
+    with pytest.raises(error, match=message):
+        remat_kit.apply(um.InlineModel(), "full", static_argnames=static_argnames).init(jax.random.key(0), X)
+
+
+def test_nnx_static_argnames_not_an_argument_is_refused_at_apply():
+    with pytest.raises(ValueError, match=r"names is_locl, not an argument of NnxBlock\.__call__; its arguments: x"):
+        remat_kit.apply(um.NnxModel(num_layers=2, rngs=nnx.Rngs(0)), "full", static_argnames="is_locl")
+
+
+def test_applying_to_an_applied_model_is_refused():
+    """The policies would nest (NNX once did so silently): the same TypeError on Linen and NNX."""
+    message = r"takes the plain model: this (InlineModel|NnxModel) was made by remat_kit.apply.*already run full"
+    with pytest.raises(TypeError, match=message):
+        remat_kit.apply(remat_kit.apply(um.InlineModel(), "full"), "selective:mlp/*")
+    for scan in (False, True):
+        applied = remat_kit.apply(um.NnxModel(num_layers=2, alternate=False, rngs=nnx.Rngs(0)), "full", scan=scan)
+        with pytest.raises(TypeError, match=message):
+            remat_kit.apply(applied, "selective:mlp/*")
+
+
 def test_grouping_policy_without_scan_is_refused():
     with pytest.raises(ValueError, match="scan=True"):
         remat_kit.apply(um.InlineModel(), "segments:2")
@@ -143,34 +187,66 @@ def test_grouping_policy_without_scan_is_refused():
 
 
 def _nnx_loss(model):
-    return jnp.sum(model(X) ** 2)
+    return jnp.sum(model(X) * T)
 
 
-NNX = {"loop-alternating": (True, False), "scan-uniform": (False, True)}
+#: kind -> (alternate local/global, scan, compute dtype, gradient tolerance)
+NNX = {
+    "loop-alternating": (True, False, None, RTOL_F32),
+    "scan-uniform": (False, True, None, RTOL_F32),
+    "scan-uniform-bf16": (False, True, jnp.bfloat16, 1e-2),  # bf16 compute: its epsilon is 2**-8
+}
 
 
 NNX_CASES = [("loop-alternating", p) for p in POLICIES] + [
     ("scan-uniform", "every_n:2"),
     ("scan-uniform", "selective:attn/q_einsum,mlp/*"),
     ("scan-uniform", "offload:attn/*"),
+    ("scan-uniform-bf16", "selective:attn/q_einsum,mlp/*"),
 ]
 
 
 @pytest.mark.parametrize(("kind", "policy"), NNX_CASES, ids=[f"{k}-{p}" for k, p in NNX_CASES])
-def test_nnx_gradients_and_state_equal_the_plain_model(kind, policy):
-    alternate, scan = NNX[kind]
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside:DeprecationWarning")  # Gemma's NNX sow
+def test_nnx_gradients_state_and_sow_equal_the_plain_model(kind, policy):
+    alternate, scan, dtype, rtol = NNX[kind]
 
     def make():
-        return um.NnxModel(alternate=alternate, rngs=nnx.Rngs(0))
+        return um.NnxModel(alternate=alternate, sow=True, dtype=dtype, rngs=nnx.Rngs(0))
 
     applied = remat_kit.apply(make(), policy, scan=scan)
     plain = make()
     assert jax.tree.structure(nnx.state(applied)) == jax.tree.structure(nnx.state(plain))
     want = nnx.jit(nnx.grad(_nnx_loss))(plain)
     got = nnx.jit(nnx.grad(_nnx_loss))(applied)
-    assert_grads_equal(nnx.state(got), nnx.state(want), 1e-5)
-    # RNG counts moved as in the plain model.
+    assert_grads_equal(nnx.state(got), nnx.state(want), rtol)
+    # Parameters untouched (a scan once wrote a sown value over one), sown values and RNG counts as plain.
+    assert_grads_equal(nnx.state(applied, nnx.Param), nnx.state(plain, nnx.Param), 0)
+    assert_grads_equal(nnx.state(applied, nnx.Intermediate), nnx.state(plain, nnx.Intermediate), rtol)
     assert_grads_equal(nnx.state(applied, nnx.RngCount), nnx.state(plain, nnx.RngCount), 0)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_nnx_plain_checkpoint_loads_into_the_applied_model(scan):
+    """The plain model's state (what a checkpoint restores) loads by value and gives the plain outputs."""
+    plain = um.NnxModel(num_layers=2, alternate=False, rngs=nnx.Rngs(7))
+    applied = remat_kit.apply(um.NnxModel(num_layers=2, alternate=False, rngs=nnx.Rngs(0)), "full", scan=scan)
+    nnx.update(applied, nnx.state(plain))
+    assert_grads_equal(nnx.state(applied, nnx.Param), nnx.state(plain, nnx.Param), 0)
+    run = nnx.jit(lambda m: m(X, True))
+    np.testing.assert_allclose(run(applied), run(plain), rtol=RTOL_F32, atol=RTOL_F32)
+
+
+@pytest.mark.parametrize(
+    ("where", "blocks"),
+    [("layers/*", [0, 1, 2]), ("layers/[02]", [0, 2]), (lambda m: isinstance(m, um.NnxBlock), [0, 1, 2])],
+    ids=["glob", "glob-some", "predicate"],
+)
+def test_nnx_where_that_matches_picks_those_blocks(where, blocks):
+    plain = um.NnxModel(num_layers=3, rngs=nnx.Rngs(0))
+    applied = remat_kit.apply(plain, "full", where=where)
+    assert [i for i, layer in enumerate(applied.layers) if hasattr(type(layer), "_remat_kit_policy")] == blocks
+    np.testing.assert_allclose(applied(X, True), plain(X, True), rtol=RTOL_F32, atol=RTOL_F32)
 
 
 def test_nnx_trains_with_optimizer():
@@ -197,6 +273,27 @@ def test_nnx_names_of_and_misspelt_path():
         applied(X)
 
 
+class NnxAttributes(nnx.Module):
+    """Identical blocks held as attributes (``layout="attributes"``) or in an ``nnx.Dict``."""
+
+    def __init__(self, layout, *, rngs):
+        blocks = {f"layer_{i}": um.NnxBlock(8, rngs=rngs) for i in range(2)}
+        if layout == "dict":
+            self.blocks = nnx.Dict(blocks)
+        else:
+            for name, block in blocks.items():
+                setattr(self, name, block)
+
+    def __call__(self, x):
+        return x
+
+
+@pytest.mark.parametrize("layout", ["attributes", "dict"], ids=["attributes", "dict"])
+def test_nnx_scan_of_blocks_outside_a_list_says_they_must_be_in_one(layout):
+    with pytest.raises(ValueError, match=r"scans consecutive items of one list \(nnx.List\).*are no list items"):
+        remat_kit.apply(NnxAttributes(layout, rngs=nnx.Rngs(0)), "full", scan=True)
+
+
 def test_nnx_scan_of_alternating_blocks_says_why_not():
     applied = remat_kit.apply(um.NnxModel(rngs=nnx.Rngs(0)), "full", scan=True)
     with pytest.raises(ValueError, match="same other arguments"):
@@ -206,8 +303,8 @@ def test_nnx_scan_of_alternating_blocks_says_why_not():
 # ---- Linen scan=True -----------------------------------------------------------------------------------
 
 LINEN_SCAN = {
-    "inline-uniform": (lambda: um.InlineModel(alternate=False), 1e-5),
-    "setup": (um.SetupModel, 1e-5),
+    "inline-uniform": (lambda: um.InlineModel(alternate=False), RTOL_F32),
+    "setup": (um.SetupModel, RTOL_F32),
     "inline-uniform-bf16": (lambda: um.InlineModel(alternate=False, dtype=jnp.bfloat16), 1e-2),
 }
 LINEN_SCAN_CASES = [("inline-uniform", p) for p in POLICIES] + [
@@ -223,7 +320,7 @@ def test_linen_scan_gradients_tree_dropout_and_sow_equal_the_plain_model(kind, p
     model = make()
     variables = model.init(jax.random.key(0), X)
     applied = remat_kit.apply(model, policy, scan=True)
-    assert jax.tree.structure(applied.init(jax.random.key(0), X)) == jax.tree.structure(variables)
+    assert_grads_equal(applied.init(jax.random.key(0), X), variables, 0)  # the same tree, the same values
     want, want_state = jax.jit(jax.grad(lambda v: _linen_loss(model, v), has_aux=True))(variables)
     got, got_state = jax.jit(jax.grad(lambda v: _linen_loss(applied, v), has_aux=True))(variables)
     assert_grads_equal(got, want, rtol)
@@ -254,6 +351,23 @@ def test_linen_scan_keeps_less_than_the_loop_saves_in_compiled_memory():
     none, full = table
     assert full.saved_bytes < none.saved_bytes
     assert "XLA removed" not in str(table)  # scanned: the saving is real
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_linen_batch_stats_and_cache_update_as_without_remat(scan):
+    model = um.StatefulModel()
+    variables = model.init(jax.random.key(0), X)
+    applied = remat_kit.apply(model, "full", scan=scan)
+
+    def loss(m, params):
+        out, state = m.apply({**variables, "params": params}, X, mutable=["batch_stats", "cache"])
+        return jnp.sum(out * T), state
+
+    want, want_state = jax.jit(jax.grad(lambda p: loss(model, p), has_aux=True))(variables["params"])
+    got, got_state = jax.jit(jax.grad(lambda p: loss(applied, p), has_aux=True))(variables["params"])
+    assert_grads_equal(got, want, RTOL_F32)
+    assert_grads_equal(got_state, want_state, RTOL_F32)  # every block's own batch_stats and cache, as plain
+    assert int(got_state["cache"]["layer_2"]["calls"]) == int(variables["cache"]["layer_2"]["calls"]) + 1
 
 
 @pytest.mark.parametrize(
@@ -315,7 +429,7 @@ def test_linen_scan_broadcasts_an_array_argument_every_block_shares():
     applied = remat_kit.apply(Model(), "selective:up", scan=True)
     want = jax.grad(lambda v: jnp.sum(Model().apply(v, X, mask) ** 2))(variables)
     got = jax.jit(jax.grad(lambda v: jnp.sum(applied.apply(v, X, mask) ** 2)))(variables)
-    assert_grads_equal(got, want, 1e-5)
+    assert_grads_equal(got, want, RTOL_F32)
 
     class PerLayer(Model):
         @nn.compact
@@ -356,16 +470,36 @@ def test_auto_on_a_scanned_applied_model_fits_a_budget_between_full_and_none():
     assert full_saved < none_saved
     assert "XLA removed" not in str(table)  # scanned: the saving is real
     # Each candidate's need as auto measures it (the whole step), then a budget between full's and none's.
-    needs = {
-        c.policy: c.need_bytes
-        for c in remat_kit.auto(
-            make_loss, params, x, budget_bytes=10**12, candidates=["none", "full"], mixes=False, exhaustive=True
-        ).candidates
-    }
+    planner = StepPlanner(lambda policy, batch, seq: (make_loss(policy), params, (x,)))  # each compiled once
+    options = dict(candidates=["none", "full"], mixes=False, planner=planner)
+    every = remat_kit.auto(make_loss, params, x, budget_bytes=10**12, exhaustive=True, **options)
+    needs = {c.policy: c.need_bytes for c in every.candidates}
     assert needs["full"] < needs["none"]
     budget = (needs["full"] + needs["none"]) // 2
-    result = remat_kit.auto(make_loss, params, x, budget_bytes=budget, candidates=["none", "full"], mixes=False)
+    result = remat_kit.auto(make_loss, params, x, budget_bytes=budget, **options)
     assert str(result.chosen) == "full"
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_auto_on_an_applied_linen_model_picks_the_least_recompute_that_fits(scan):
+    """A budget between full's need and none's: none does not fit, selective does (on a Python loop XLA's CSE
+    makes its need full's), and it recomputes less than full, so it is the answer."""
+    model = um.InlineModel(num_layers=2, features=16, alternate=not scan)  # the loop alternates local/global
+    x = jax.ShapeDtypeStruct((8, 32, 16), jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
+    make_loss = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2), scan=scan)
+    selective = "selective:attn/q_einsum,attn/k_einsum,mlp/gating_einsum"
+    options = dict(candidates=["none", selective, "full"], mixes=False, margin=0.0)
+    # One planner for both searches: each candidate is compiled once.
+    planner = StepPlanner(lambda policy, batch, seq: (make_loss(policy), variables, (x,)))
+    every = remat_kit.auto(make_loss, variables, x, budget_bytes=10**12, exhaustive=True, planner=planner, **options)
+    needs = {c.policy: c.need_bytes for c in every.candidates}
+    assert needs["full"] < needs["none"]
+    budget = (needs["full"] + needs["none"]) // 2
+    result = remat_kit.auto(make_loss, variables, x, budget_bytes=budget, planner=planner, **options)
+    assert str(result.chosen) == selective
+    assert needs[selective] <= budget
+    assert planner.compiles == 3
 
 
 def test_compare_says_when_xla_removed_the_recompute_of_a_loop():

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 
 def _attend(q, k, v, is_local):
@@ -97,6 +98,65 @@ class SetupModel(nn.Module):
         return self.final_norm(x)
 
 
+# ---- Linen (MaxText style: the layer carries its own checkpoint_name tags) ---------------------------
+
+
+class TaggedBlock(nn.Module):
+    """Tags its values with MaxText's names (``query_proj``, ``mlpwi_0``, ``mlpwi_1``), beside its submodules."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        q = nn.Dense(self.features, use_bias=False, name="query")(nn.RMSNorm(name="norm")(x))
+        q = checkpoint_name(q, "query_proj")
+        h = x + jnp.tanh(q)
+        gate = checkpoint_name(nn.Dense(2 * self.features, use_bias=False, name="wi_0")(h), "mlpwi_0")
+        up = checkpoint_name(nn.Dense(2 * self.features, use_bias=False, name="wi_1")(h), "mlpwi_1")
+        return h + nn.Dense(self.features, use_bias=False, name="wo")(nn.silu(gate) * up)
+
+
+class TaggedModel(nn.Module):
+    num_layers: int = 2
+    features: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.num_layers):
+            x = TaggedBlock(self.features, name=f"layers_{i}")(x)
+        return x
+
+
+# ---- Linen: blocks that write mutable collections ----------------------------------------------------
+
+
+class StatefulBlock(nn.Module):
+    """Writes ``batch_stats`` (BatchNorm in training) and a ``cache`` (a call count, the last input)."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.BatchNorm(use_running_average=not self.is_mutable_collection("batch_stats"), name="norm")(x)
+        calls = self.variable("cache", "calls", jnp.zeros, (), jnp.int32)
+        last = self.variable("cache", "last_input", jnp.zeros, x.shape, x.dtype)
+        if self.is_mutable_collection("cache"):
+            calls.value += 1
+            last.value = x
+        return x + nn.Dense(self.features, name="up")(jnp.tanh(h))
+
+
+class StatefulModel(nn.Module):
+    num_layers: int = 3
+    features: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.num_layers):
+            x = StatefulBlock(self.features, name=f"layer_{i}")(x)
+        return x
+
+
 # ---- NNX (Flax's NNX examples style) ---------------------------------------------------------------
 
 
@@ -112,34 +172,41 @@ class NnxFeedForward(nnx.Module):
 
 
 class NnxAttention(nnx.Module):
-    def __init__(self, d, *, rngs):
-        self.q_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
-        self.k_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
-        self.attn_vec_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+    def __init__(self, d, *, dtype=None, rngs):
+        self.q_einsum = nnx.Linear(d, d, use_bias=False, dtype=dtype, rngs=rngs)
+        self.k_einsum = nnx.Linear(d, d, use_bias=False, dtype=dtype, rngs=rngs)
+        self.attn_vec_einsum = nnx.Linear(d, d, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, is_local):
         return self.attn_vec_einsum(_attend(self.q_einsum(x), self.k_einsum(x), x, is_local))
 
 
 class NnxBlock(nnx.Module):
-    def __init__(self, d, *, rngs):
-        self.pre_attention_norm = nnx.RMSNorm(d, rngs=rngs)
-        self.attn = NnxAttention(d, rngs=rngs)
+    """``sow``: store the residual after attention as an ``nnx.Intermediate`` (Gemma's ``sow_config``);
+    ``dtype``: the compute dtype (parameters stay float32)."""
+
+    def __init__(self, d, *, sow=False, dtype=None, rngs):
+        self.pre_attention_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
+        self.attn = NnxAttention(d, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(0.1, rngs=rngs)
-        self.pre_ffw_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.pre_ffw_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
         self.mlp = NnxFeedForward(d, 2 * d, rngs=rngs)
+        self.sow_residual = sow
 
     def __call__(self, x, is_local, deterministic=False):
         x = x + self.dropout(self.attn(self.pre_attention_norm(x), is_local), deterministic=deterministic)
+        if self.sow_residual:
+            self.sow(nnx.Intermediate, "residual", x)
         return x + self.mlp(self.pre_ffw_norm(x))
 
 
 class NnxModel(nnx.Module):
-    """``self.layers`` an ``nnx.List``; ``alternate``: local/global attention per layer."""
+    """``self.layers`` an ``nnx.List``; ``alternate``: local/global attention per layer; ``sow``, ``dtype``:
+    see NnxBlock."""
 
-    def __init__(self, num_layers=4, d=8, *, alternate=True, rngs):
-        self.layers = nnx.List([NnxBlock(d, rngs=rngs) for _ in range(num_layers)])
-        self.final_norm = nnx.RMSNorm(d, rngs=rngs)
+    def __init__(self, num_layers=4, d=8, *, alternate=True, sow=False, dtype=None, rngs):
+        self.layers = nnx.List([NnxBlock(d, sow=sow, dtype=dtype, rngs=rngs) for _ in range(num_layers)])
+        self.final_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
         self.alternate = alternate
 
     def __call__(self, x, deterministic=False):

@@ -5,14 +5,19 @@ Part 1 (``--rank``): on ``small`` at its default shape, every candidate preset's
 (:func:`interleaved`: every step compiled in this process, then rounds of one step per policy in a random
 order, the fastest run kept); Spearman's rank correlation, and the measurement's own split-half agreement.
 
-Part 2 (``--budgets``): at 8 budgets from ``full``'s need to ``none``'s, the estimated cost of the best single
-preset (``auto(mixes=False)``), the best mix (``auto``) and the per-tensor answer
-(:func:`remat_kit.planning.tensors.per_tensor`, its own search, no baseline), all compiled and fitting; for
-``small`` (``--measure``) the measured step times of the answers. Usage::
+Part 2 (``--budgets``): at 8 budgets from ``full``'s need to ``none``'s, over auto's whole default pool (offload
+variants left out: they move nothing on CPU), the estimated cost of the best single preset
+(``auto(mixes=False)``), the best mix (``auto``) and the per-tensor answer
+(:func:`remat_kit.planning.tensors.per_tensor` as ``plan --per-tensor`` runs it: the same pool as its seeds, no
+baseline), all compiled and fitting; ``vs best`` is the per-tensor answer's estimate against the better of the
+other two, ``from`` where it came from (the search's own plan, a preset, auto's mix). For ``small``
+(``--measure``) the measured step times of the answers. Usage::
 
-    python benchmarks/cost_model.py --rank --budgets --measure --presets small \
-        --out benchmarks/results/cost_model_small.txt
-    python benchmarks/cost_model.py --budgets --presets 2b --out benchmarks/results/cost_model_2b.txt
+    python benchmarks/cost_model.py --rank --presets small --out benchmarks/results/cost_model_small.txt
+    python benchmarks/cost_model.py --budgets --measure --presets small --defaults \
+        --out benchmarks/results/cost_model_small_budgets.txt
+    python benchmarks/cost_model.py --budgets --presets 2b --defaults --max-compiles 4 \
+        --out benchmarks/results/cost_model_2b.txt
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from remat_kit.planning import cost, tensors
 from remat_kit.planning import planner as planner_lib
 from remat_kit.units import fmt_bytes
 
-#: The 2b pool (as benchmarks/budget_mixed.py): the whole default pool costs 19 compiles of a 2B step.
+#: A short pool (as benchmarks/budget_mixed.py) for quick runs (--short-pool): its best is not auto's real best.
 POOL_2B = (
     "none",
     "selective",
@@ -142,8 +147,7 @@ def budgets_part(name, out, hw, rounds, max_compiles, short_pool):
     cfg = TransformerConfig.preset(name)
     batch, seq = PRESET_SHAPES[name]
     planner = planner_lib.Planner(cfg)
-    short = name == "2b" or short_pool
-    pool = [P.parse(s) for s in POOL_2B] if short else list(A.candidates_for(cfg, offload=False))
+    pool = [P.parse(s) for s in POOL_2B] if short_pool else list(A.candidates_for(cfg, offload=False))
     t = time.perf_counter()
     full = planner.memory(P.full(), batch, seq)[0]
     none = planner.memory(P.none(), batch, seq)[0]
@@ -151,12 +155,13 @@ def budgets_part(name, out, hw, rounds, max_compiles, short_pool):
     budgets = [int((full + i / 7 * (none - full)) * (1 + m)) + 1 for i in range(8)]
     print(
         f"\n## budgets: {name}, {cfg.num_layers} layers, batch {batch} x seq {seq}, margin {m:.0%}; "
-        f"full needs {fmt_bytes(full)}, none {fmt_bytes(none)}; {hw.describe()}",
+        f"full needs {fmt_bytes(full)}, none {fmt_bytes(none)}; pool: {len(pool)} presets "
+        f"({'the short 2b pool' if short_pool else 'auto default, offload left out'}); {hw.describe()}",
         file=out,
     )
     print(
-        f"{'budget':>10}  {'best preset':34} {'est.':>9}  {'best mix':44} {'est.':>9}  {'per-tensor':60} "
-        f"{'est.':>9} {'peak':>10} {'s':>5} {'<=':>3}  from",
+        f"{'budget':>10}  {'best preset':40} {'est.':>10}  {'best mix':44} {'est.':>10}  {'per-tensor':60} "
+        f"{'est.':>10} {'peak':>10} {'s':>5} {'vs best':>8}  from",
         file=out,
     )
     answers = set()
@@ -167,8 +172,8 @@ def budgets_part(name, out, hw, rounds, max_compiles, short_pool):
         mixed = A.auto(cfg, batch=batch, seq=seq, budget_bytes=b, candidates=pool, planner=planner, hardware=hw)
         row = lambda r: next(c for c in r.candidates if c.policy == str(r.chosen))
         t0 = time.perf_counter()
-        # As `plan --per-tensor` runs it: its own search, with auto's answer as the baseline to beat; the
-        # last column says which won.
+        # As `plan --per-tensor` runs it: the same pool as its seeds, no baseline; `from` says where the answer
+        # came from (per-tensor: the search's own plan; preset or mix: a seed, nothing cheaper found).
         q = tensors.per_tensor(
             cfg,
             batch=batch,
@@ -176,17 +181,16 @@ def budgets_part(name, out, hw, rounds, max_compiles, short_pool):
             budget_bytes=b,
             planner=planner,
             hardware=hw,
+            pool=pool,
             max_compiles=max_compiles,
-            baseline=mixed.chosen,
         )
         took = time.perf_counter() - t0
         best = min(row(plain).cost_s, row(mixed).cost_s)
-        ok = q.cost_s is not None and q.cost_s <= best + 1e-12
+        gain = "=" if q.cost_s == best else f"{(q.cost_s - best) / best:+.0%}" if best else "-"
         print(
-            f"{fmt_bytes(b):>10}  {plain.chosen!s:34} {row(plain).cost_s * 1e3:7.2f}ms  {mixed.chosen!s:44} "
-            f"{row(mixed).cost_s * 1e3:7.2f}ms  {q.chosen!s:60} "
-            f"{(q.cost_s or 0) * 1e3:7.2f}ms {fmt_bytes(q.need_bytes or 0):>10} {took:5.0f} "
-            f"{'yes' if ok else 'NO':>3}  {q.source}",
+            f"{fmt_bytes(b):>10}  {plain.chosen!s:40} {row(plain).cost_s * 1e3:8.2f}ms  {mixed.chosen!s:44} "
+            f"{row(mixed).cost_s * 1e3:8.2f}ms  {q.chosen!s:60} "
+            f"{(q.cost_s or 0) * 1e3:8.2f}ms {fmt_bytes(q.need_bytes or 0):>10} {took:5.0f} {gain:>8}  {q.source}",
             file=out,
         )
         out.flush()
@@ -218,7 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=12, help="interleaved rounds of one step per policy")
     ap.add_argument("--max-compiles", type=int, default=8)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--short-pool", action="store_true", help="the 7-policy 2b pool for every preset")
+    ap.add_argument("--short-pool", action="store_true", help="the 7-policy short pool (a quick run, not auto's best)")
     ap.add_argument("--rank-preset", default="small", help="the preset part 1 ranks (default small)")
     ap.add_argument("--rank-shape", default=None, help="BATCHxSEQ for part 1 (default: the preset's)")
     ap.add_argument("--defaults", action="store_true", help="the backend's default figures, no calibration")

@@ -14,7 +14,8 @@ tag                   value (shape)                              MaxText alias  
 ``k_proj``            key projection [b, s, kv, hd]              ``key_proj``                matmul
 ``v_proj``            value projection [b, s, kv, hd]            ``value_proj``              matmul
 ``attn_probs``        softmax of the scores [b, h, s, s] (xla)                                cheap, big
-``context``           attention output before the out projection  ``context``                 matmul
+``context``           attention output before the out projection  ``context``,                matmul
+                                                                 ``attention_out``
 ``attn_out``          attention out projection [b, s, d]         ``out_proj``                matmul
 ``mlp_norm``          RMSNorm before the MLP [b, s, d]                                        cheap
 ``mlp_gate``          SwiGLU gate projection [b, s, f]           ``mlpwi_0``                 matmul
@@ -83,6 +84,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "qkv_proj": (Q_PROJ, K_PROJ, V_PROJ),
     "kv_proj": (K_PROJ, V_PROJ),
     "out_proj": (ATTN_OUT,),
+    "attention_out": (CONTEXT,),  # MaxText's attention output before its out projection (not attn_out)
     "mlpwi_0": (MLP_GATE,),
     "mlpwi_1": (MLP_UP,),
     "mlpwi": (MLP_GATE, MLP_UP),

@@ -696,6 +696,12 @@ MAXTEXT_ALIASES: dict[str, Callable[[], Policy]] = {
     "minimal": lambda: selective(_MAXTEXT_MINIMAL),
     "minimal_with_context": lambda: selective((*_MAXTEXT_MINIMAL, _names.CONTEXT)),
     "minimal_flash": lambda: selective((*_MAXTEXT_MINIMAL, _names.CONTEXT)),  # MaxText's deprecated name
+    # MaxText's quantized layers also tag their quantized operands "quantization"; other code emits no such
+    # value, so these keep it where it exists (strict=false, as MaxText ignores a name nothing emits).
+    "minimal_with_quantization": lambda: selective((*_MAXTEXT_MINIMAL, "quantization"), strict=False),
+    "minimal_with_context_and_quantization": lambda: selective(
+        (*_MAXTEXT_MINIMAL, _names.CONTEXT, "quantization"), strict=False
+    ),
     "save_dot_with_context_except_mlp": lambda: selective(("q_proj", "k_proj", "v_proj", _names.CONTEXT, "attn_out")),
     "save_dot_except_mlpwi": lambda: selective(("q_proj", "k_proj", "v_proj", "attn_out", "mlp_out")),
     "save_dot_except_mlp": lambda: selective(("q_proj", "k_proj", "v_proj", "attn_out")),
@@ -907,55 +913,105 @@ def _argnums(value) -> tuple[int, ...]:
 #: MaxText's ``custom`` remat settings: each named tensor is recomputed, kept on the device or offloaded.
 MAXTEXT_SETTINGS: tuple[str, ...] = ("remat", "device", "offload")
 
-#: The MaxText tensor names :func:`to_maxtext` writes, each one remat_kit tag (the canonical names; the
-#: groups ``qkv_proj`` and ``mlpwi`` are accepted by :func:`from_maxtext` too, see :data:`remat_kit.names.ALIASES`).
-MAXTEXT_TENSORS: dict[str, str] = {
-    "decoder_layer_input": _names.LAYER_INPUT,
-    "query_proj": _names.Q_PROJ,
-    "key_proj": _names.K_PROJ,
-    "value_proj": _names.V_PROJ,
-    "context": _names.CONTEXT,
-    "out_proj": _names.ATTN_OUT,
-    "mlpwi_0": _names.MLP_GATE,
-    "mlpwi_1": _names.MLP_UP,
-    "mlpwo": _names.MLP_OUT,
+#: How much each setting keeps: where several MaxText names stand for one remat_kit tag (a fused group and its
+#: members, ``context`` and ``attention_out``), :func:`from_maxtext` takes the most kept of their settings.
+_MAXTEXT_KEEPS = {"remat": 0, "offload": 1, "device": 2}
+
+#: Every tensor MaxText's ``custom`` remat names, in the order of its ``configs/base.yml`` (MaxText main, 2026).
+MAXTEXT_TENSOR_NAMES: tuple[str, ...] = (
+    "decoder_layer_input",
+    "indexer_cutoff_threshold",
+    "context",
+    "mlpwi",
+    "mlpwi_0",
+    "mlpwi_1",
+    "mlpwo",
+    "moe_mlpwi_0",
+    "moe_mlpwi_1",
+    "moe_mlpwo",
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "kv_proj",
+    "qkv_proj",
+    "out_proj",
+    "query_wa_proj",
+    "kv_wa_proj",
+    "mla_q",
+    "mla_kv",
+    "attention_out",
+    "engram",
+)
+
+#: Each MaxText tensor and the remat_kit tags it stands for (:data:`remat_kit.names.ALIASES`; ``context`` is
+#: its own name): one tag, a fused group's members, or () for a value remat_kit's block does not compute
+#: (MoE experts, MLA's projections, Engram, the sparse-attention indexer), which only ``remat`` may name.
+MAXTEXT_TENSORS: dict[str, tuple[str, ...]] = {
+    n: _names.ALIASES.get(n, (n,) if n in _names.VOCABULARY else ()) for n in MAXTEXT_TENSOR_NAMES
 }
 
-_MAXTEXT_GROUPS = ("qkv_proj", "mlpwi")
+#: The remat_kit tags MaxText's ``custom`` remat can name: what :func:`to_maxtext` can say.
+MAXTEXT_TAGS: frozenset[str] = frozenset(t for tags in MAXTEXT_TENSORS.values() for t in tags)
+
+#: MaxText's ``remat_policy`` values: its presets (:data:`MAXTEXT_ALIASES`), ``none`` and ``custom``.
+MAXTEXT_REMAT_POLICIES: tuple[str, ...] = ("none", *MAXTEXT_ALIASES, "custom")
 
 
 def from_maxtext(settings: dict[str, str]) -> Policy:
-    """A policy from MaxText's per-tensor ``custom`` remat settings.
+    """A policy from MaxText's remat settings: its ``remat_policy`` and the per-tensor ``custom`` ones.
+
+    Each MaxText name is a separate value in MaxText (whether ``qkv_proj`` or ``query_proj`` is emitted
+    depends on ``fused_qkv``; ``context`` and ``attention_out`` on the attention kernel), while remat_kit's block
+    has one value per tag. Where several names stand for one tag, the most kept setting wins (``device``
+    over ``offload`` over ``remat``): whichever value the model emits, MaxText would keep it. So MaxText's
+    full settings (every name present, as in its base.yml) with ``query_proj: device`` keep q on the device
+    whatever ``qkv_proj`` says.
 
     Args:
-      settings: ``{maxtext_tensor: "remat" | "device" | "offload"}``; tensors are the keys of
-        :data:`MAXTEXT_TENSORS` or the groups ``qkv_proj`` and ``mlpwi``; a tensor not named is
-        recomputed (MaxText's ``remat``). ``decoder_layer_input`` may be ``device`` (what every
-        rematerialized layer keeps anyway) or ``offload``.
+      settings: ``{maxtext_tensor: "remat" | "device" | "offload"}`` for tensors of :data:`MAXTEXT_TENSORS`, and
+        optionally ``remat_policy`` (one of :data:`MAXTEXT_REMAT_POLICIES`): any value but ``custom`` is that
+        preset, the tensor settings ignored as MaxText ignores them. A tensor not named is recomputed.
+        ``decoder_layer_input`` is kept by every rematerialized layer (``device``, or ``offload``). A tensor
+        remat_kit's block does not compute (MoE, MLA, Engram, the indexer) may only be ``remat``.
 
     Returns:
       ``selective`` of the ``device`` tensors (``full`` when there are none), or ``offload`` of the
-      ``offload`` tensors saving the ``device`` ones; tags in block order.
+      ``offload`` tensors saving the ``device`` ones, tags in block order; or the named preset.
 
     Raises:
-      ValueError: an unknown tensor or setting, naming the allowed ones.
+      ValueError/TypeError: an unknown tensor, setting or ``remat_policy``, or a kept tensor remat_kit has no
+        equivalent for, naming the allowed ones.
 
     >>> str(from_maxtext({"query_proj": "offload", "mlpwo": "device", "mlpwi": "remat"}))
     'offload:q_proj;save=mlp_out'
+    >>> str(from_maxtext({"remat_policy": "custom", "qkv_proj": "remat", "query_proj": "device"}))
+    'selective:q_proj'
     >>> from_maxtext(parse("save_qkv_proj").to_maxtext()) == parse("save_qkv_proj")
     True
     """
     if not isinstance(settings, dict):
         raise TypeError(f"from_maxtext takes a dict of tensor name -> setting, got {type(settings).__name__}")
-    allowed = (*MAXTEXT_TENSORS, *_MAXTEXT_GROUPS)
+    settings = dict(settings)
+    name = settings.pop("remat_policy", "custom")
+    if name not in MAXTEXT_REMAT_POLICIES:
+        raise ValueError(f"unknown MaxText remat_policy {name!r}; allowed: {', '.join(MAXTEXT_REMAT_POLICIES)}")
     chosen: dict[str, str] = {}
     for tensor, setting in settings.items():
-        if tensor not in allowed:
-            raise ValueError(f"unknown MaxText tensor {tensor!r}; allowed: {', '.join(allowed)}")
+        if tensor not in MAXTEXT_TENSORS:
+            raise ValueError(f"unknown MaxText tensor {tensor!r}; allowed: remat_policy, {', '.join(MAXTEXT_TENSORS)}")
         if setting not in MAXTEXT_SETTINGS:
             raise ValueError(f"MaxText tensor {tensor!r}: setting {setting!r}; allowed: {', '.join(MAXTEXT_SETTINGS)}")
-        for t in _names.resolve((tensor,)):
-            chosen[t] = setting
+        if not MAXTEXT_TENSORS[tensor] and setting != "remat":
+            raise ValueError(
+                f"MaxText tensor {tensor!r} is a value remat_kit's block does not compute (MoE, MLA, Engram or "
+                f"the sparse-attention indexer), so it cannot be kept ({setting!r}); allowed: 'remat', or keep "
+                f"one of {', '.join(n for n, tags in MAXTEXT_TENSORS.items() if tags)}"
+            )
+        for t in MAXTEXT_TENSORS[tensor]:
+            if _MAXTEXT_KEEPS[setting] >= _MAXTEXT_KEEPS[chosen.get(t, "remat")]:
+                chosen[t] = setting
+    if name != "custom":
+        return none() if name == "none" else MAXTEXT_ALIASES[name]()
     order = [t for t in _names.VOCABULARY if t in chosen]
     save = tuple(t for t in order if chosen[t] == "device" and t != _names.LAYER_INPUT)
     out = tuple(t for t in order if chosen[t] == "offload")
@@ -965,19 +1021,27 @@ def from_maxtext(settings: dict[str, str]) -> Policy:
 
 
 def to_maxtext(policy: Policy | Mix | str) -> dict[str, str]:
-    """MaxText's ``custom`` settings for a policy: ``{tensor: "remat" | "device" | "offload"}`` for every
-    tensor of :data:`MAXTEXT_TENSORS` (``decoder_layer_input`` is ``device`` unless offloaded).
+    """MaxText's remat settings for a policy: ``{"remat_policy": "none"}`` for ``none``, else
+    ``remat_policy: custom`` and ``{tensor: "remat" | "device" | "offload"}`` for every tensor of
+    :data:`MAXTEXT_TENSORS` (ready to paste over MaxText's base.yml).
 
-    ``none`` is every tensor on the device. A policy MaxText cannot say per tensor is refused: a mix or a
-    grouping policy (MaxText applies one setting to every layer), ``dots`` (use MaxText's own policy
-    names), or one that saves or offloads a tag MaxText has no name for (norms, ``attn_probs``, ``mlp_act``).
+    ``decoder_layer_input`` is ``device`` unless offloaded; a fused group (``qkv_proj``, ``kv_proj``,
+    ``mlpwi``) takes its members' setting when they agree, else ``remat`` (a fused value cannot be split);
+    ``attention_out`` takes ``context``'s; a tensor remat_kit's block does not compute is ``remat``.
+    ``none`` is MaxText's own ``none``, not ``custom`` with every tensor on the device (under which MaxText
+    still recomputes the values it does not name: norms, activations). A policy MaxText cannot say per
+    tensor is refused: a mix or a grouping policy (MaxText applies one setting to every layer), ``dots``
+    or a JAX policy (use MaxText's own policy names), or one that saves or offloads a tag MaxText has no
+    name for (norms, ``attn_probs``, ``mlp_act``).
 
     Raises:
       ValueError: the policy has no MaxText equivalent, saying why.
 
     >>> s = to_maxtext("save_dot_except_mlp")
-    >>> s["query_proj"], s["out_proj"], s["mlpwo"]
-    ('device', 'device', 'remat')
+    >>> s["remat_policy"], s["query_proj"], s["qkv_proj"], s["out_proj"], s["mlpwo"]
+    ('custom', 'device', 'device', 'device', 'remat')
+    >>> to_maxtext("none")
+    {'remat_policy': 'none'}
     """
     policy = parse(policy)
     if isinstance(policy, Mix):
@@ -985,20 +1049,22 @@ def to_maxtext(policy: Policy | Mix | str) -> dict[str, str]:
             f"mix {policy} runs layers under different policies; MaxText's custom remat applies one "
             f"setting per tensor to every layer: convert each part on its own"
         )
-    if policy.kind in ("every_n", "segments", "sqrt_n", "dots"):
+    if policy.kind in ("every_n", "segments", "sqrt_n", "dots", "jax"):
         raise ValueError(
             f"policy {policy} has no per-tensor MaxText equivalent; allowed: none, full, selective "
             f"or offload of MaxText-named tensors"
         )
+    if policy.kind == "none":
+        return {"remat_policy": "none"}
     tags = {t: "device" for t in policy.save} | {t: "offload" for t in policy.offload}
-    known = set(MAXTEXT_TENSORS.values())
-    unknown = [t for t in tags if t not in known]
+    unknown = [t for t in tags if t not in MAXTEXT_TAGS]
     if unknown:
-        raise ValueError(f"policy {policy}: MaxText has no tensor name for {unknown}; allowed tags: {sorted(known)}")
-    out = {}
-    for tensor, tag in MAXTEXT_TENSORS.items():
-        if policy.kind == "none" or tag == _names.LAYER_INPUT:
-            out[tensor] = "device" if policy.kind == "none" else tags.get(tag, "device")
-        else:
-            out[tensor] = tags.get(tag, "remat")
+        raise ValueError(
+            f"policy {policy}: MaxText has no tensor name for {unknown}; allowed tags: {sorted(MAXTEXT_TAGS)}"
+        )
+    tags.setdefault(_names.LAYER_INPUT, "device")  # every rematerialized layer keeps its input
+    out = {"remat_policy": "custom"}
+    for tensor, members in MAXTEXT_TENSORS.items():
+        found = {tags.get(t, "remat") for t in members}
+        out[tensor] = found.pop() if len(found) == 1 else "remat"
     return out

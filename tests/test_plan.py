@@ -8,8 +8,10 @@ import sys
 import pytest
 
 from remat_kit import cli, policies
+from remat_kit.cli import plan as plan_cli
 from remat_kit.cli import plan_report as plan
 from remat_kit.model.transformer import TransformerConfig
+from remat_kit.planning import budget as A
 from remat_kit.units import fmt_count
 
 TINY = ["--preset", "tiny", "--attention", "xla", "--batch-size", "2", "--seq-len", "32"]
@@ -186,3 +188,74 @@ def test_plan_json_without_path_goes_to_stdout_and_the_text_to_stderr(capsys):
     payload = json.loads(captured.out)  # stdout is the JSON alone
     assert [r["policy"] for r in payload["records"]] == ["full"]
     assert "against the theory" in captured.err and "tracing and compiling" not in captured.err  # --no-progress
+
+
+# ---- plan --budget --per-tensor / --calibrate --------------------------------------------------------------
+
+BUDGET_TINY = ["plan", *TINY, "--policies", "none,full", "--limits", "none", "--no-progress"]
+
+
+def test_plan_per_tensor_prints_the_answer_and_its_maxtext_settings(tmp_path, capsys):
+    out = tmp_path / "per.json"
+    # MaxText-named groups only (5 groups: 32 one-layer traces); an ample budget: none, a seed, no compile more.
+    argv = [*BUDGET_TINY, "--budget", "1GB", "--per-tensor", "--maxtext", "--json", str(out)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "per tensor: every one of the 32 subsets of q_proj+k_proj+v_proj, context, attn_out" in text
+    assert "  none: est. 0 ms over none" in text and "(compiled, fits; a preset)" in text
+    assert "as MaxText settings: remat_policy: none" in text
+    per = json.loads(out.read_text())["per_tensor"]
+    assert (
+        per["chosen"] == "none"
+        and per["source"] == "preset"
+        and per["maxtext"] == [{"layers": None, "settings": {"remat_policy": "none"}}]
+    )
+
+
+def test_maxtext_settings_are_given_per_part_of_a_mix():
+    got = plan.maxtext_settings(policies.parse("selective:q_proj*1+full*3"))
+    assert [r["layers"] for r in got] == [[0, 0], [1, 3]]
+    assert got[0]["settings"]["query_proj"] == "device" and got[1]["settings"]["query_proj"] == "remat"
+    assert "MaxText has no tensor name for ['mlp_act']" in plan.maxtext_settings(policies.parse("selective:mlp_act"))
+
+
+def test_plan_calibrate_shows_both_figures(capsys):
+    assert cli.main([*BUDGET_TINY, "--budget", "1GB", "--calibrate"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("cost model:"))
+    assert "cpu (calibrated on this machine)" in line and "the defaults: 0.1 TFLOP/s, 20 GB/s memory" in line
+
+
+def test_plan_model_budget_calibrate(capsys):
+    argv = ["plan", "--model", "plan_model_factory:factory", "--policies", "none,full", "--budget", "1GB"]
+    assert cli.main([*argv, "--calibrate", "--no-progress"]) == 0
+    assert "(calibrated on this machine)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--model", "plan_model_factory:factory", "--budget", "1GB", "--per-tensor"], "--per-tensor chooses per tag"),
+        (["--model", "plan_model_factory:factory", "--calibrate"], "--calibrate goes with --budget"),
+        (["--preset", "tiny", "--maxtext"], "--maxtext goes with --budget"),
+        (["--preset", "tiny", "--budget", "1GB", "--maxtext"], "--maxtext goes with --per-tensor"),
+    ],
+    ids=["model-per-tensor", "model-calibrate", "maxtext-alone", "maxtext-without-per-tensor"],
+)
+def test_per_tensor_and_calibrate_flags_are_refused_where_they_do_nothing(argv, match, capsys):
+    assert cli.main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err
+
+
+def test_limits_pareto_takes_the_front_by_estimated_cost():
+    # none and selective recompute 0 matmul FLOPs; by FLOPs selective dominated none (it needs less), by the
+    # estimated cost (selective recomputes norms and activations) both are on the front.
+    rows = [
+        A.Candidate("none", 0, 0, need_bytes=300, recompute_s=0.0),
+        A.Candidate("selective", 0, 0, need_bytes=200, recompute_s=1e-3),
+        A.Candidate("every_n:2", 0, 10, need_bytes=250, recompute_s=2e-3),
+        A.Candidate("full", 0, 20, need_bytes=100, recompute_s=3e-3),
+    ]
+    assert plan_cli.limit_policies(rows, "pareto", None) == ["none", "selective", "full"]
+    assert plan_cli.limit_policies(rows, "chosen", policies.full()) == ["full"]
+    assert plan_cli.limit_policies(rows, "all", None) == ["none", "selective", "every_n:2", "full"]

@@ -58,6 +58,13 @@ def _model_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag} is not available with --model (its shapes are fixed by the factory)")
     if args.margin is not None and args.budget is None:
         raise ValueError("--margin goes with --budget")
+    if args.per_tensor or args.maxtext:
+        raise ValueError(
+            "--per-tensor chooses per tag of the built-in Transformer's block; with --model give --budget alone "
+            "(or selective specs of your model's tags in --policies)"
+        )
+    if args.calibrate and args.budget is None:
+        raise ValueError("--calibrate goes with --budget")
     check_writable(args.json, "--json")
     check_plot(args.timeline, "--timeline")
     specs = parse_model_policies(args.policies)
@@ -68,6 +75,11 @@ def _model_command(args: argparse.Namespace) -> int:
     make_loss, example = model_from_factory(load_factory(args.model), args.model)
     if not args.no_progress:
         print(f"[plan] {args.model}: {len(specs)} policies ...", file=sys.stderr, flush=True)
+    hardware = None
+    if args.calibrate:
+        from remat_kit.planning import cost
+
+        hardware = cost.calibrate()
     if budget_bytes is None:
         explain = args.explain or args.timeline is not None
         comparison = inspection.compare(make_loss, specs, *example, explain=explain)
@@ -93,6 +105,7 @@ def _model_command(args: argparse.Namespace) -> int:
             candidates=specs,
             exhaustive=True,
             jobs=args.jobs,
+            hardware=hardware,
         )
         print(
             f"remat-kit plan --model {args.model} --budget {fmt_bytes(budget_bytes)}: clipped AdamW step, "
@@ -140,7 +153,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     for flag in ("margin", "limits", "plot"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag} goes with --budget")
-    for flag in ("calibrate", "per_tensor"):
+    for flag in ("calibrate", "per_tensor", "maxtext"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} goes with --budget")
     check_plot(args.timeline, "--timeline")
@@ -289,24 +302,50 @@ def add_cli(subparsers) -> None:
         help="with --budget: also choose save/recompute/offload per tag of the block and per layer range "
         "(remat_kit.planning.tensors), compiled to check",
     )
+    p.add_argument(
+        "--maxtext",
+        action="store_true",
+        help="with --per-tensor: decide only the tensors MaxText's custom remat can name, and print the answer as "
+        "MaxText settings (per part for a mix)",
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="policies compiled at once (>= 1)")
     add_json_arg(p, "the figures")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_plan_command)
 
 
+def limit_policies(candidates, limits: str, chosen) -> list[str]:
+    """The specs whose largest batch and sequence ``--limits`` asks for: every candidate (``all``), the chosen
+    one (``chosen``), none, or (``pareto``) those no other beats on both the estimated cost (what ranks them) and
+    the compiled need: a dominated policy is never the best answer at any budget."""
+    if limits == "all":
+        return [c.policy for c in candidates]
+    if limits == "pareto":
+        from remat_kit.planning import pareto
+
+        # By estimated cost, not FLOPs: none and selective both recompute 0 matmul FLOPs, so by FLOPs selective
+        # (less memory) would drop none.
+        compiled = [c for c in candidates if c.need_bytes is not None]
+        return [compiled[i].policy for i in pareto.pareto_front([(c.cost_s, c.need_bytes) for c in compiled])]
+    if limits == "chosen" and chosen is not None:
+        return [str(chosen)]
+    return []
+
+
 def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh) -> int:
     """``plan --budget``: every candidate's need against the budget, the choice, and the limits that fit."""
     from remat_kit import policies
-    from remat_kit.cli.plan_report import compile_progress, parse_policies
+    from remat_kit.cli.plan_report import compile_progress, format_per_tensor, maxtext_settings, parse_policies
     from remat_kit.model import lora
-    from remat_kit.planning import budget, cost, pareto, tensors
+    from remat_kit.planning import budget, cost, tensors
     from remat_kit.planning import fit as fit_lib
     from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner
 
     budget_bytes = budget.parse_bytes(args.budget)
     margin = DEFAULT_MARGIN if args.margin is None else args.margin
     Budget(budget_bytes, margin)  # checked before anything is compiled
+    if args.maxtext and not args.per_tensor:
+        raise ValueError("--maxtext goes with --per-tensor")
     # Only the chosen policy's limits by default: each policy's search costs a few compiles, and the
     # chosen one answers "how far can I push this run"; the others are one flag away.
     limits = args.limits or "chosen"
@@ -359,14 +398,10 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
             loss_chunks=args.loss_chunks,
             planner=planner,
             hardware=result.hardware,
-            baseline=result.chosen,
+            pool=pool,
+            maxtext=args.maxtext,
         )
-    wanted = [c.policy for c in result.candidates] if limits == "all" else []
-    if limits == "pareto":  # a dominated policy is never the best answer at any budget: skip its searches
-        points = [(c.recompute_flops, c.need_bytes) for c in result.candidates]
-        wanted = [result.candidates[i].policy for i in pareto.pareto_front(points)]
-    if limits == "chosen" and result.chosen is not None:
-        wanted = [str(result.chosen)]
+    wanted = limit_policies(result.candidates, limits, result.chosen)
     fit = {}
     if wanted and mesh is None:
         # The searches' first compiles are known in advance (the batch line's two points, the sequence
@@ -410,23 +445,8 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     print(f"\nchosen: {result.chosen}" if result.chosen is not None else "")
     print(result.reason)  # when nothing fits, it says so (once)
     if per is not None:
-        groups = ", ".join("+".join(g) for g in per.groups)
-        print(
-            f"\nper tensor ({len(per.options)} Pareto-optimal layer options of the {per.traces} subsets of: {groups}):"
-        )
-        if per.chosen is None:
-            print("  nothing fits")
-        else:
-            won = "the per-tensor search's own answer" if per.source == "per-tensor" else "auto's answer: none cheaper"
-            print(
-                f"  {per.chosen}: est. {per.cost_s * 1e3:.3g} ms over none, needs {fmt_bytes(per.need_bytes)} "
-                f"(compiled, fits; {won})"
-            )
-            if per.chosen.kind != "mix":
-                try:
-                    print(f"  as MaxText custom remat: {policies.to_maxtext(per.chosen)}")
-                except ValueError as e:
-                    print(f"  no MaxText equivalent: {e}")
+        for line in format_per_tensor(per):
+            print(line)
     if args.plot:
         result.plot(made(args.plot))
         print(f"wrote {args.plot}")
@@ -446,6 +466,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
                 "cost_s": per.cost_s,
                 "need_bytes": per.need_bytes,
                 "source": per.source,
+                "maxtext": maxtext_settings(per.chosen) if per.chosen is not None else None,
                 "groups": [list(g) for g in per.groups],
                 "compiled": [list(c) for c in per.compiled],
             }

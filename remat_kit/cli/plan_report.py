@@ -197,6 +197,57 @@ def format_warnings(results: dict[str, Any]) -> list[str]:
 # ---- plan --budget: the least-recompute policy that fits -----------------------------------------------
 
 
+def maxtext_settings(policy: policies.Policy | policies.Mix) -> list[dict[str, Any]] | str:
+    """MaxText's remat settings of ``policy``, one record per part (``layers``: first and last layer, ``settings``:
+    :func:`remat_kit.policies.to_maxtext`'s); or, as a string, why MaxText cannot say it."""
+    parts = policy.parts if isinstance(policy, policies.Mix) else ((policy, None),)
+    out, first = [], 0
+    try:
+        for part, count in parts:
+            layers = None if count is None else [first, first + count - 1]
+            out.append({"layers": layers, "settings": policies.to_maxtext(part)})
+            first += count or 0
+    except ValueError as e:
+        return str(e)
+    return out
+
+
+def _settings_line(settings: dict[str, str]) -> str:
+    # What differs from MaxText's base.yml (every tensor 'remat', decoder_layer_input 'device').
+    if settings["remat_policy"] != "custom":
+        return f"remat_policy: {settings['remat_policy']}"
+    shown = {k: v for k, v in settings.items() if v != "remat" and (k, v) != ("decoder_layer_input", "device")}
+    return ", ".join(f"{k}: {v}" for k, v in shown.items()) + " (every other tensor as in MaxText's base.yml)"
+
+
+def format_per_tensor(per) -> list[str]:
+    """``plan --per-tensor``'s lines: the search, its answer and where it came from, and its MaxText settings."""
+    groups = ", ".join("+".join(g) for g in per.groups)
+    lines = [
+        f"\nper tensor: every one of the {per.traces} subsets of {groups} priced on one layer "
+        f"({len(per.options)} Pareto-optimal), every option and two-part mix of them scored, the cheapest predicted "
+        "to fit compiled; auto's compiled presets and mix are seeds"
+        + (" (MaxText-named tensors and policies only)" if per.maxtext else "")
+        + ":"
+    ]
+    if per.chosen is None:
+        return [*lines, "  nothing fits"]
+    won = {"per-tensor": "the per-tensor search's own plan", "preset": "a preset", "mix": "auto's mix"}[per.source]
+    lines.append(
+        f"  {per.chosen}: est. {per.cost_s * 1e3:.3g} ms over none, needs {fmt_bytes(per.need_bytes)} "
+        f"(compiled, fits; {won})"
+    )
+    settings = maxtext_settings(per.chosen)
+    if isinstance(settings, str):
+        return [*lines, f"  no MaxText equivalent: {settings} (--maxtext keeps to what MaxText can name)"]
+    for record in settings:
+        where = "" if record["layers"] is None else " layers {}-{}".format(*record["layers"])
+        lines.append(f"  as MaxText settings{where}: {_settings_line(record['settings'])}")
+    if len(settings) > 1:
+        lines.append("  (MaxText applies one setting to every layer it scans: one layer range per scanned stack)")
+    return lines
+
+
 def compile_progress(done: int, total: int, what: str) -> None:
     """Progress on stderr: compiles done, out of those done and expected, and how many are left."""
     print(f"[plan] compiled {done}/{total} ({total - done} left): {what}", file=sys.stderr, flush=True)

@@ -91,13 +91,34 @@ class Hardware:
         """Exposed seconds of moving ``nbytes`` over the host link (the overlapped share is free)."""
         return nbytes / self.host_bytes_per_s * (1 - self.overlap)
 
+    def defaults(self) -> Hardware | None:
+        """The backend's :data:`DEFAULT_HARDWARE` entry these figures were calibrated from (None when they are
+        not calibrated, or named after no default)."""
+        if not self.calibrated:
+            return None
+        return next((h for h in DEFAULT_HARDWARE.values() if h.name == self.name), None)
+
     def describe(self) -> str:
-        """One line: the figures and where they come from."""
+        """One line: the figures and where they come from; calibrated ones with the backend's defaults beside them.
+
+        >>> import dataclasses
+        >>> probe = dataclasses.replace(DEFAULT_HARDWARE["cpu"], flops_per_s=2e11, calibrated=True)
+        >>> probe.describe().split("; ")[0]
+        'cost model: cpu (calibrated on this machine): 0.2 TFLOP/s, 20 GB/s memory, host link 20 GB/s (0% overlapped)'
+        >>> probe.describe().split("; ")[1]
+        'the defaults: 0.1 TFLOP/s, 20 GB/s memory'
+        """
         how = "calibrated on this machine" if self.calibrated else "defaults"
+        base = self.defaults()
+        beside = (
+            ""
+            if base is None
+            else f"; the defaults: {base.flops_per_s / 1e12:.3g} TFLOP/s, {base.bytes_per_s / 1e9:.3g} GB/s memory"
+        )
         return (
             f"cost model: {self.name} ({how}): {self.flops_per_s / 1e12:.3g} TFLOP/s, "
             f"{self.bytes_per_s / 1e9:.3g} GB/s memory, host link {self.host_bytes_per_s / 1e9:.3g} GB/s "
-            f"({self.overlap:.0%} overlapped); per op max(FLOPs/peak, bytes/bandwidth)"
+            f"({self.overlap:.0%} overlapped){beside}; per op max(FLOPs/peak, bytes/bandwidth)"
         )
 
 

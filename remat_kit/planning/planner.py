@@ -151,6 +151,8 @@ class StepPlanner:
     def _lower(self, policy: policies.Policy, batch: int | None, seq: int | None):
         key = self._key(policy, batch, seq)
         if key not in self._lowered:
+            if key not in self._work:  # count the ops now: the trace is dropped below, and a count would retrace
+                self._count(policy, batch, seq)
             self._lowered[key] = self._trace(policy, batch, seq).lower()
             self._traced.pop(key, None)  # keep memory flat over long searches
         return self._lowered[key]
@@ -224,6 +226,11 @@ class StepPlanner:
         host rule (:func:`remat_kit.memory.host_offload`)."""
         m = self.compiled_memory(policy, batch, seq)
         return m.total, m.host
+
+    def compiled_needs(self, batch=None, seq=None) -> dict[str, int]:
+        """The device bytes of every policy already compiled at this shape, by spec (nothing compiled here)."""
+        with self._lock:
+            return {k[0]: m.total for k, m in self._memory.items() if k[1:] == (batch, seq)}
 
     def fits(self, policy, batch, seq, budget: Budget) -> bool:
         """Whether the step's device bytes at this shape fit ``budget`` (with its margin)."""

@@ -4,31 +4,44 @@
 The block's tags (:mod:`remat_kit.names`, those the block really emits at this config) are grouped
 into a handful of *groups* (q/k/v together, the two MLP input projections together: they are
 computed and consumed together), and every assignment of the groups to save / recompute / offload is
-priced:
+priced. What the search is, exactly:
 
-* **Recompute time: exhaustive over the 2^g subsets of kept groups.** What saving a tag spares is not
-  additive (it depends on which neighbours are kept: a saved ``context`` is worth nothing once
-  ``attn_out`` is saved and ``mlp_*`` are recomputed from it), so no knapsack or ILP over per-tag
-  prices would be exact; with g ≈ 9 groups every subset is instead *traced* (one layer's jaxpr under
-  each policy, forward and backward; no compile) and priced by the cost model
+* **Inside the block: exhaustive enumeration.** What saving a tag spares is not additive (it depends on
+  which neighbours are kept: a saved ``context`` is worth nothing once ``attn_out`` is saved and
+  ``mlp_*`` are recomputed from it), so no knapsack, DP or ILP over per-tag prices would be exact;
+  with g ≈ 8 groups every one of the 2^g subsets is instead *traced* (one layer's jaxpr under each
+  policy, forward and backward; no compile) and priced by the cost model
   (:mod:`remat_kit.planning.cost`): exact under that model. A kept group may be kept on the device or
   offloaded (3^g assignments, only where offload moves memory): an offloaded group is available to the
   backward pass like a saved one, so it costs the recompute of its kept subset plus its host transfer.
-* **Memory: additive per layer.** Under a selective or offload policy a layer's residuals are exactly
-  its saved tags, so a layer costs the bytes of its kept device tags (read from the block's jaxpr);
-  a uniform policy's need is predicted as ``full``'s compiled need plus those bytes over the layers
-  times a slope fitted on the uniform options compiled so far (XLA overlaps some of them with the
-  recompute working set), and a mix's need is interpolated between its two parts' needs.
-* **Across the stack: exact over one or two parts.** Every layer is alike, so the layers' choices form
-  a knapsack whose relaxation is optimal on at most two points of the options' lower convex hull;
-  every single option and every mix ``a*k+b*(L-k)`` of two Pareto-optimal options is scored and the
-  cheapest that the memory model says fits is compiled: a mix's uncompiled part first (which refits
-  the slope), then the answer itself; if it does not fit, the next (at most ``max_compiles``). Every
-  answer returned is compiled and fits.
+  The layer's price plus the stack's constant per remat layer (what the stack recomputes beyond L
+  times one layer, measured once on ``full``: zero on the classic remat, the same for every remat
+  policy under remat3) is the stack's price per layer.
+* **Across the stack: exhaustive over one or two parts.** The layers are alike and a layer's memory is
+  (nearly) additive, so the layers' choices form a knapsack over identical items whose relaxation is
+  optimal on at most two options (two points of the lower convex hull; the integer optimum may differ
+  by one layer). Every single option and every mix ``a*k+b*(L-k)`` of two of the Pareto-optimal
+  options (``none`` among them, kept out of the pruning: its memory is a compiled figure, not a sum of
+  tag bytes) is scored, cheapest first.
+* **Memory: modelled, then compiled.** A selective or offload layer keeps exactly its saved tags, so a
+  uniform option's need is predicted as a line in its kept bytes fitted on every uniform policy
+  compiled so far (XLA overlaps some of them with the recompute working set); a mix's need is
+  interpolated between its parts' needs and through every mix of the same two parts already
+  compiled. A mix with ``none`` is not linear in its count (XLA may peak above ``none`` itself): its
+  compiled points decide, and before any is compiled the share by which compiled ``none`` mixes of
+  the same count lay above their line is added to it. The
+  cheapest plan the model says fits is compiled (a mix's uncompiled part first, which refits the
+  line), and the search goes on while a plan cheaper than the best compiled answer is predicted to
+  fit, at most ``max_compiles`` compiles.
+* **Seeds: the presets.** Before it starts, :func:`remat_kit.planning.budget.auto`'s own search runs
+  on the same planner over the preset pool (compiles memoized there): its compiled presets and its
+  best mix are known points of the memory model and candidate answers. The answer is the fitting
+  compiled policy with the least estimated cost on the full step (ties to less recompute, then to
+  less memory), so by construction it never costs more than the best preset or mix at that budget.
 
 The answer is an ordinary :class:`remat_kit.policies.Policy` or :class:`remat_kit.policies.Mix`, its spec
-round-tripping through :func:`remat_kit.policies.parse`, and its cost is re-estimated on the full
-step (the same pricing :func:`remat_kit.planning.budget.auto` ranks by).
+round-tripping through :func:`remat_kit.policies.parse`. ``maxtext=True`` keeps to what MaxText's
+``custom`` remat can name (:func:`remat_kit.policies.to_maxtext`), part by part for a mix.
 
 >>> from remat_kit.model.transformer import TransformerConfig
 >>> cfg = TransformerConfig.preset("tiny", num_layers=2)
@@ -51,7 +64,7 @@ from remat_kit import _jax_internals, memory, policies
 from remat_kit import names as _names
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import analysis, cost
-from remat_kit.planning.budget import Pricer, planner_platform
+from remat_kit.planning.budget import Pricer, candidates_for, planner_platform, search
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner
 
@@ -61,6 +74,10 @@ TAG_GROUPS: tuple[tuple[str, ...], ...] = (
     (_names.MLP_GATE, _names.MLP_UP),
 )
 
+#: Where a compiled answer came from (:attr:`TensorResult.source`): a preset of the pool, auto's mix of two
+#: presets, or the per-tensor search's own plan.
+SOURCES: tuple[str, ...] = ("preset", "mix", "per-tensor")
+
 
 @dataclasses.dataclass(frozen=True)
 class Option:
@@ -68,7 +85,8 @@ class Option:
 
     Attributes:
       policy: the policy of such a layer (``full``, ``selective:...``, ``offload:...``, or ``none``).
-      device_bytes: residual bytes the layer keeps on the device beyond ``full``'s.
+      device_bytes: tag bytes the layer keeps on the device beyond ``full``'s (0 for ``none``, whose
+        memory is only known compiled).
       cost_s: estimated seconds per layer over ``none`` (recompute plus exposed transfer).
     """
 
@@ -87,10 +105,13 @@ class TensorResult:
       need_bytes: its compiled need; fits: whether that fits the budget (always, when chosen).
       budget_bytes, margin: the budget.
       groups: the tag groups decided.
-      options: the Pareto-optimal per-layer options (of the ``2^g`` or ``3^g`` priced).
-      compiled: ``(spec, need bytes, fits)`` of every answer compiled to check.
+      options: the Pareto-optimal per-layer options (of the ``2^g`` or ``3^g`` priced; ``none`` apart).
+      compiled: ``(spec, need bytes, fits, source)`` of every policy compiled and considered: the seeds
+        (``source`` ``"preset"`` or ``"mix"``, compiled by auto's search) and the search's own
+        (``"per-tensor"``), in that order.
       seconds: wall time; traces: one-layer steps traced.
-      source: ``"per-tensor"`` when the search's own answer won, ``"baseline"`` when the given baseline did.
+      source: where the answer came from, one of :data:`SOURCES`.
+      maxtext: whether the search kept to what MaxText's ``custom`` remat can name.
     """
 
     chosen: policies.Policy | policies.Mix | None
@@ -101,10 +122,11 @@ class TensorResult:
     margin: float
     groups: tuple[tuple[str, ...], ...]
     options: tuple[Option, ...]
-    compiled: tuple[tuple[str, int, bool], ...]
+    compiled: tuple[tuple[str, int, bool, str], ...]
     seconds: float
     traces: int
     source: str = "per-tensor"
+    maxtext: bool = False
 
 
 def block_body(config: TransformerConfig, batch: int, seq: int, loss_chunks: int = 0):
@@ -131,14 +153,17 @@ def tag_bytes(config: TransformerConfig, batch: int, seq: int, loss_chunks: int 
     return {t: out[t] for t in (*_names.VOCABULARY, *sorted(set(out) - set(_names.VOCABULARY))) if t in out}
 
 
-def default_groups(emitted: Sequence[str]) -> tuple[tuple[str, ...], ...]:
+def default_groups(emitted: Sequence[str], *, maxtext: bool = False) -> tuple[tuple[str, ...], ...]:
     """The groups decided for a block emitting ``emitted``: :data:`TAG_GROUPS` where all their tags are
-    emitted, every other tag alone; ``layer_input`` (what every rematerialized layer keeps) left out.
+    emitted, every other tag alone; ``layer_input`` (what every rematerialized layer keeps) left out, and with
+    ``maxtext`` every tag MaxText's ``custom`` remat has no name for (:data:`remat_kit.policies.MAXTEXT_TAGS`).
 
     >>> default_groups(["layer_input", "q_proj", "k_proj", "v_proj", "mlp_out"])
     (('q_proj', 'k_proj', 'v_proj'), ('mlp_out',))
+    >>> default_groups(["attn_norm", "q_proj", "context", "mlp_act"], maxtext=True)
+    (('q_proj',), ('context',))
     """
-    emitted = [t for t in emitted if t != _names.LAYER_INPUT]
+    emitted = [t for t in emitted if t != _names.LAYER_INPUT and (not maxtext or t in policies.MAXTEXT_TAGS)]
     out, used = [], set()
     for t in emitted:
         if t in used:
@@ -149,10 +174,61 @@ def default_groups(emitted: Sequence[str]) -> tuple[tuple[str, ...], ...]:
     return tuple(out)
 
 
-def _layer_policy(save: tuple[str, ...], off: tuple[str, ...]) -> policies.Policy:
+def _layer_policy(save: Sequence[str], off: Sequence[str]) -> policies.Policy:
+    """The policy of a layer keeping ``save`` and offloading ``off``, its tags in block order (so a subset
+    equal to a preset's tags is that preset, spec and all)."""
+    order = {t: i for i, t in enumerate(_names.VOCABULARY)}
+    save, off = (tuple(sorted(ts, key=lambda t: order.get(t, len(order)))) for ts in (save, off))
     if off:
         return policies.offload(off, save=save)
     return policies.selective(save) if save else policies.full()
+
+
+def maxtext_ok(policy: policies.Policy | policies.Mix) -> bool:
+    """Whether MaxText's ``custom`` remat can say ``policy`` (each part of a mix on its own)."""
+    parts = policy.policies if isinstance(policy, policies.Mix) else (policy,)
+    try:
+        for part in parts:
+            policies.to_maxtext(part)
+    except ValueError:
+        return False
+    return True
+
+
+def layer_options(
+    price: Pricer,
+    config: TransformerConfig,
+    groups: Sequence[Sequence[str]],
+    sizes: dict[str, int],
+    loss_chunks: int = 0,
+) -> list[Option]:
+    """Every option of one layer: each subset of ``groups`` kept (the rest recomputed), priced on the layer's jaxpr
+    (2^g traces, no compile); where offload moves memory (``price.host_moves``) each kept group also offloaded
+    (3^g options), charged the recompute of what stays kept plus the exposed transfer of its bytes both ways.
+
+    Args:
+      price: the step's :class:`remat_kit.planning.budget.Pricer` (hardware, shape, the stack's constant per layer).
+      sizes: bytes per layer of each tag (:func:`tag_bytes`).
+    """
+    hardware = price.hardware
+    options = []
+    for r in range(len(groups) + 1):
+        for kept in itertools.combinations(groups, r):
+            tags = tuple(t for g in kept for t in g)
+            recompute_s = _layer_recompute_s(price, config, loss_chunks, _layer_policy(tags, ()))
+            splits = itertools.product((False, True), repeat=len(kept)) if price.host_moves else [(False,) * len(kept)]
+            for off_mask in splits:
+                off = tuple(t for g, o in zip(kept, off_mask, strict=True) if o for t in g)
+                save = tuple(t for t in tags if t not in off)
+                moved = 2 * sum(sizes[t] for t in off)  # out in the forward pass, back in the backward
+                options.append(
+                    Option(
+                        _layer_policy(save, off),
+                        sum(sizes[t] for t in save),
+                        recompute_s + hardware.transfer_seconds(moved),
+                    )
+                )
+    return options
 
 
 def per_tensor(
@@ -167,10 +243,16 @@ def per_tensor(
     planner: Planner | None = None,
     hardware: cost.Hardware | None = None,
     groups: Sequence[Sequence[str]] | None = None,
+    pool: Sequence[policies.Policy | str] | None = None,
     max_compiles: int = 8,
-    baseline: policies.Policy | policies.Mix | str | None = None,
+    maxtext: bool = False,
 ) -> TensorResult:
     """Choose, per tag group of the block and per layer range, save / recompute / offload under a budget.
+
+    The search (the module docstring says exactly what it is): every subset of the groups priced on one
+    layer's jaxpr, every single option and two-part mix of the Pareto-optimal ones scored, the cheapest
+    predicted to fit compiled, with auto's compiled presets and best mix as seeds: the answer never costs
+    more (estimated) than the best preset or mix of ``pool`` at this budget.
 
     Args:
       config, batch, seq, loss_chunks, optimizer: the step planned (as :func:`remat_kit.planning.budget.auto`).
@@ -180,145 +262,202 @@ def per_tensor(
         :func:`remat_kit.planning.cost.default_hardware`).
       groups: the tag groups to decide (default: :func:`default_groups` of the tags the block emits);
         a tag not in any group is recomputed.
-      max_compiles: compiles at most, besides ``none`` and ``full``: uniform options (which teach the memory
-        model how a kept byte turns into compiled need) and the answer.
-      baseline: another answer to beat, e.g. :func:`remat_kit.planning.budget.auto`'s: compiled (memoized
-        on a shared ``planner``) and returned instead when it fits and the search found nothing cheaper
-        (:attr:`TensorResult.source` says which won).
+      pool: the presets auto's seed search considers (default:
+        :func:`remat_kit.planning.budget.candidates_for`); ``()`` for the per-tensor search alone.
+      max_compiles: compiles at most by the search itself, besides ``none``, ``full`` and the seeds: uniform
+        options (which teach the memory model) and answers.
+      maxtext: keep to what MaxText's ``custom`` remat can name: groups of :data:`remat_kit.policies.MAXTEXT_TAGS`
+        only, and seeds :func:`remat_kit.policies.to_maxtext` accepts (each part of a mix on its own).
 
     Returns:
       A :class:`TensorResult`.
 
     Raises:
-      ValueError/TypeError: bad shape, budget or groups (a tag the block does not emit), before anything
-        is compiled.
+      ValueError/TypeError: bad shape, budget or groups (a tag the block does not emit, or with ``maxtext``
+        one MaxText has no name for), before anything is compiled.
     """
     budget = Budget(budget_bytes, margin)
     analysis.check_shape(config, batch, seq, loss_chunks)
+    if not isinstance(maxtext, bool):
+        raise TypeError(f"maxtext must be True or False, got {maxtext!r}")
+    if isinstance(max_compiles, bool) or not isinstance(max_compiles, int) or max_compiles < 0:
+        raise ValueError(f"max_compiles must be an integer >= 0 (0: the seeds alone), got {max_compiles!r}")
     start = time.perf_counter()
     L = config.num_layers
     sizes = _block(config, batch, seq, loss_chunks)[1]
     if groups is None:
-        groups = default_groups(list(sizes))
+        groups = default_groups(list(sizes), maxtext=maxtext)
     groups = tuple(tuple(_names.resolve(g)) for g in groups)
     missing = sorted({t for g in groups for t in g} - set(sizes))
     if missing or not groups:
         raise ValueError(f"groups {groups!r}: the block does not emit {missing}; it emits: {', '.join(sizes)}")
+    unnamed = sorted({t for g in groups for t in g} - set(policies.MAXTEXT_TAGS))
+    if maxtext and unnamed:
+        raise ValueError(
+            f"groups {groups!r}: MaxText's custom remat has no name for {unnamed}; with maxtext=True decide only "
+            f"{', '.join(t for t in sizes if t in policies.MAXTEXT_TAGS and t != _names.LAYER_INPUT)}"
+        )
     planner = planner or Planner(config, optimizer, loss_chunks)
     hardware = hardware or cost.default_hardware(planner_platform(planner))
     price = Pricer(planner, hardware, batch, seq)
+    pool = candidates_for(config) if pool is None else [policies.parse(p, num_layers=L) for p in pool]
+    if maxtext:
+        pool = [p for p in pool if maxtext_ok(p)]
 
-    def layer_recompute_s(policy: policies.Policy) -> float:
-        return _layer_recompute_s(config, batch, seq, loss_chunks, hardware, policy)
-
-    options = [Option(policies.none(), -1, 0.0)]  # none's bytes are filled in from its compile below
-    for r in range(len(groups) + 1):
-        for kept in itertools.combinations(groups, r):
-            tags = tuple(t for g in kept for t in g)
-            recompute_s = layer_recompute_s(_layer_policy(tags, ()))
-            splits = itertools.product((False, True), repeat=len(kept)) if price.host_moves else [(False,) * len(kept)]
-            for off_mask in splits:
-                off = tuple(t for g, o in zip(kept, off_mask, strict=True) if o for t in g)
-                save = tuple(t for t in tags if t not in off)
-                moved = 2 * sum(sizes[t] for t in off)  # out in the forward pass, back in the backward
-                options.append(
-                    Option(
-                        _layer_policy(save, off),
-                        sum(sizes[t] for t in save),
-                        recompute_s + hardware.transfer_seconds(moved),
-                    )
-                )
+    options = layer_options(price, config, groups, sizes, loss_chunks)
     traces = 2 ** len(groups)
-    need_full = planner.memory(policies.full(), batch, seq)[0]
-    need_none = planner.memory(policies.none(), batch, seq)[0]
-    options[0] = Option(policies.none(), max(0, (need_none - need_full) // L), 0.0)  # for the front's order only
+    # `none` stays out of the pruning: its memory is a compiled figure, not comparable with summed tag bytes.
     keep = pareto_front([(o.cost_s, o.device_bytes) for o in options])
     front = sorted((options[i] for i in keep), key=lambda o: (o.cost_s, o.device_bytes))
-    known: dict[str, int] = {"full": need_full, "none": need_none}  # compiled needs, by spec
-    order: list[str] = []  # what this search compiled, in order
+    none_option = Option(policies.none(), 0, 0.0)
+    parts = [none_option, *front]
+
+    # ---- what is known compiled: none, full, the seeds (auto's search over the pool) and whatever of this search's
+    # space the planner compiled before at this shape (memoized: free)
+    pool_specs = {str(p) for p in pool}
+    space = {str(o.policy) for o in options} | {"none"}
+
+    def source(spec: str) -> str | None:
+        """Where a compiled spec belongs (one of SOURCES), None outside the search's space and the seeds'."""
+        try:
+            policy = policies.parse(spec)
+        except ValueError:  # a JAX policy given as a callable has no spec to rebuild it from
+            return None
+        if maxtext and not maxtext_ok(policy):
+            return None
+        if spec in pool_specs:
+            return "preset"
+        members = [str(p) for p, _ in policy.parts] if isinstance(policy, policies.Mix) else [spec]
+        if len(members) == 2 and set(members) <= pool_specs:
+            return "mix"
+        return "per-tensor" if len(members) <= 2 and set(members) <= space else None
+
+    known: dict[str, int] = {}  # spec -> compiled need
+    spent = [0]  # the search's own compiles
 
     def measure(policy) -> int:
         key = str(policy)
         if key not in known:
+            done = planner.compiles
             known[key] = planner.memory(policy, batch, seq)[0]
-            order.append(key)
+            spent[0] += planner.compiles - done
         return known[key]
 
-    model_cost = {str(o.policy): L * o.cost_s for o in front}
-    full_option = next(o for o in options if o.policy == policies.full())
+    if pool:
+        search(planner, pool, budget, batch=batch, seq=seq, loss_chunks=loss_chunks, num_layers=L, hardware=hardware)
+    for spec, need in planner.compiled_needs(batch, seq).items():
+        if source(spec) is not None:
+            known[spec] = need
+    measure(policies.none())
+    measure(policies.full())
+    spent[0] = 0
+
+    # ---- the memory model
+    def tag_sum(policy) -> int | None:
+        """A uniform selective/offload/full policy's kept device tag bytes per layer (None for any other)."""
+        if policy.kind not in ("full", "selective", "offload") or not set(policy.save) <= set(sizes):
+            return None
+        return sum(sizes[t] for t in policy.save)
 
     def line() -> tuple[float, float]:
-        # need ≈ β + α · kept bytes, least squares over the uniform options compiled (full among them).
-        pts = [
-            (L * o.device_bytes, known[str(o.policy)])
-            for o in (*front, full_option)
-            if str(o.policy) in known and o.policy.kind != "none"
-        ]
+        # need ≈ β + α · L · kept bytes, least squares over every uniform policy compiled (full among them).
+        pts = []
+        for spec, need in known.items():
+            policy = policies.parse(spec)
+            kept = None if isinstance(policy, policies.Mix) else tag_sum(policy)
+            if kept is not None and (policy.kind != "offload" or price.host_moves):
+                pts.append((L * kept, need))
         if len({x for x, _ in pts}) < 2:
-            return 1.0, float(need_full)
+            return 1.0, float(known["full"])
         mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
         alpha = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
         return alpha, my - alpha * mx
 
-    def plans(fit: tuple[float, float], failed: set[str]) -> list[tuple]:
-        """``(cost, predicted need, parts)`` of every single option and two-part mix predicted to fit, cheapest
-        first; ``parts`` is ``(option,)`` or ``(a, k, b)``: a mix's need is interpolated between its parts'."""
-        alpha, beta = fit
-        pred = {id(o): known.get(str(o.policy), beta + alpha * L * o.device_bytes) for o in front}
-        out = [(L * o.cost_s, pred[id(o)], (o,)) for o in front]
-        for a, b in itertools.permutations(front, 2):
-            if a.cost_s >= b.cost_s:  # a: the cheaper to run, b: the leaner
-                continue
-            for k in range(1, L):
-                out.append(
-                    (k * a.cost_s + (L - k) * b.cost_s, pred[id(b)] + k * (pred[id(a)] - pred[id(b)]) / L, (a, k, b))
-                )
-        fitting = [p for p in out if p[1] <= budget.target and (not failed or _plan_policy(p[2], L) not in failed)]
-        return sorted(fitting, key=lambda p: (round(p[0], 15), p[1]))
+    def mixes_known() -> dict[tuple[str, int, str], int]:
+        """Compiled two-part mixes by ``(a, k, b)`` specs: the measured points of each pair's line."""
+        out = {}
+        for spec, need in known.items():
+            policy = policies.parse(spec)
+            if isinstance(policy, policies.Mix) and len(policy.parts) == 2:
+                (a, k), (b, _) = policy.parts
+                out[(str(a), k, str(b))] = need
+        return out
 
-    failed: set[str] = set()
-    while len(order) < max_compiles:
-        ranked = plans(line(), failed)
-        if not ranked:
-            break
-        parts = ranked[0][2]
-        unknown = [o for o in parts[::2] if str(o.policy) not in known]
-        if len(parts) > 1 and unknown:  # a mix of an uncompiled option: compile the option (it teaches the model)
+    def plans() -> list[tuple[float, float, tuple]]:
+        """``(modelled cost, predicted need, parts)`` of every single option and two-part mix, cheapest first;
+        ``parts`` is ``(option,)`` or ``(a, k, b)``: the mix ``a*k+b*(L-k)``, a the cheaper to run, b the leaner."""
+        alpha, beta = line()
+        measured = mixes_known()
+        need = {id(o): known.get(str(o.policy), beta + alpha * L * o.device_bytes) for o in parts}
+        # A mix with `none` is not linear in its count (XLA may peak above `none` itself): the share of the span
+        # its compiled points lay above the line, per count, is added to the line of every `none` pair not compiled.
+        excess: dict[int, float] = {}
+        for (x, k, y), n in measured.items():
+            if x == "none" and y in known and known["none"] > known[y]:
+                span = known["none"] - known[y]
+                excess[k] = max(excess.get(k, 0.0), (n - known[y]) / span - k / L)
+        out = [(L * o.cost_s, need[id(o)], (o,)) for o in parts]
+        for a, b in itertools.permutations(parts, 2):
+            if a.cost_s >= b.cost_s:
+                continue
+            # The mix's need through its two ends and every mix of the same two parts already compiled.
+            sa, sb = str(a.policy), str(b.policy)
+            points = {0: need[id(b)], L: need[id(a)]}
+            points.update({k: n for (x, k, y), n in measured.items() if (x, y) == (sa, sb)})
+            ks = sorted(points)
+            for k in range(1, L):
+                lo = max(x for x in ks if x <= k)
+                hi = min(x for x in ks if x >= k)
+                pred = points[k] if k in points else points[lo] + (k - lo) * (points[hi] - points[lo]) / (hi - lo)
+                if sa == "none" and k not in points:
+                    pred += max(excess.get(k, 0.0), 0.0) * max(points[L] - points[0], 0)
+                out.append((k * a.cost_s + (L - k) * b.cost_s, pred, (a, k, b)))
+        return sorted(out, key=lambda p: (round(p[0], 15), p[1]))
+
+    def best_fitting() -> tuple | None:
+        """The cheapest compiled policy that fits, by the full step's estimate: ``(rank, need, spec)``."""
+        rows = [(price.estimate(policies.parse(s)).rank, n, s) for s, n in known.items() if budget.fits(n)]
+        rows = [r for r in rows if not maxtext or maxtext_ok(policies.parse(r[2]))]
+        rows = [r for r in rows if price.choosable(policies.parse(r[2]))]
+        return min(rows) if rows else None
+
+    while spent[0] < max_compiles:
+        best = best_fitting()
+        bound = float("inf") if best is None else best[0][0]
+        # The cheapest plan not yet compiled, predicted to fit and cheaper than the best compiled answer.
+        plan = None
+        for c, n, p in plans():
+            if c >= bound * (1 - 1e-9):  # not cheaper than the best compiled answer (beyond rounding)
+                break
+            if n <= budget.target and _plan_policy(p, L) not in known:
+                plan = p
+                break
+        if plan is None:
+            break  # nothing cheaper than the best compiled answer is predicted to fit: that one is the answer
+        unknown = [o for o in plan[::2] if str(o.policy) not in known]
+        if len(plan) > 1 and unknown:  # a mix of an uncompiled option: compile the option (it teaches the line)
             measure(unknown[0].policy)
             continue
-        policy = policies.parse(_plan_policy(parts, L))
-        model_cost[str(policy)] = ranked[0][0]
-        if budget.fits(measure(policy)):
-            break
-        failed.add(str(policy))
-    # The answer: the cheapest of everything compiled that fits (a uniform option compiled to teach the model
-    # may be it); its cost re-estimated on the full step.
-    fitting = [s for s, n in known.items() if budget.fits(n)]
-    best, source = None, "per-tensor"
-    if fitting:
-        spec = min(fitting, key=lambda s: (round(model_cost[s], 15), known[s]))
-        policy = policies.parse(spec)
-        best = (policy, price.estimate(policy).cost_s, known[spec])
-    if baseline is not None:
-        other = policies.parse(baseline)
-        need = planner.memory(other, batch, seq)[0]
-        est = price.estimate(other).cost_s
-        if budget.fits(need) and (best is None or (round(est, 15), need) < (round(best[1], 15), best[2])):
-            best, source = (other, est, need), "baseline"
-    tried = {s: (known[s], budget.fits(known[s])) for s in ("none", "full", *order)}
+        measure(policies.parse(_plan_policy(plan, L)))
+
+    best = best_fitting()
+    chosen = None if best is None else policies.parse(best[2])
+    origin = {spec: source(spec) or "per-tensor" for spec in known}
+    rows = sorted(known.items(), key=lambda kv: SOURCES.index(origin[kv[0]]))
     return TensorResult(
-        chosen=None if best is None else best[0],
-        cost_s=None if best is None else best[1],
-        need_bytes=None if best is None else best[2],
+        chosen=chosen,
+        cost_s=None if chosen is None else price.estimate(chosen).cost_s,
+        need_bytes=None if best is None else best[1],
         fits=best is not None,
         budget_bytes=budget.bytes,
         margin=budget.margin,
         groups=groups,
         options=tuple(front),
-        compiled=tuple((s, n, f) for s, (n, f) in tried.items()),
+        compiled=tuple((s, n, budget.fits(n), origin[s]) for s, n in rows),
         seconds=time.perf_counter() - start,
         traces=traces,
-        source=source,
+        source="per-tensor" if best is None else origin[best[2]],
+        maxtext=maxtext,
     )
 
 
@@ -330,8 +469,7 @@ def _block(config: TransformerConfig, batch: int, seq: int, loss_chunks: int):
 
 @functools.cache
 def _layer_work(config: TransformerConfig, batch: int, seq: int, loss_chunks: int, policy) -> cost.Work:
-    # One layer's forward and backward, traced from the layer's jaxpr (no model tracing): what the layer
-    # recomputes over `none` is what the stack recomputes per layer (tests/test_tensors.py). Memoized: every
+    # One layer's forward and backward, traced from the layer's jaxpr (no model tracing). Memoized: every
     # budget at one shape prices the same subsets. The base (None) runs the layer as the stack runs `none`,
     # under keep_activations: a plain vjp counts two more softmax sums per layer than the stack executes.
     body, _ = _block(config, batch, seq, loss_chunks)
@@ -339,9 +477,24 @@ def _layer_work(config: TransformerConfig, batch: int, seq: int, loss_chunks: in
     return cost.work_of(_jax_internals.vjp_jaxpr(body, jax_policy))
 
 
-def _layer_recompute_s(config, batch, seq, loss_chunks, hardware: cost.Hardware, policy: policies.Policy) -> float:
+def _layer_price(config, batch, seq, loss_chunks, hardware: cost.Hardware, policy: policies.Policy) -> float:
     base = _layer_work(config, batch, seq, loss_chunks, None)
     return cost.estimate(_layer_work(config, batch, seq, loss_chunks, policy), base, hardware).recompute_s
+
+
+def _layer_recompute_s(price: Pricer, config: TransformerConfig, loss_chunks: int, policy: policies.Policy) -> float:
+    """What one layer under ``policy`` adds to the stack's recompute time: the layer's own price (its jaxpr,
+    forward and backward) plus the stack's constant per remat layer, measured once on ``full`` as
+    (the step's full cost − L × the layer's full price) / L. The constant is 0 on JAX's classic remat; under
+    remat3 the stack re-runs a fixed set of elementwise ops (RoPE's) per remat layer whatever the policy,
+    which one layer's jaxpr does not show (tests/test_tensors.py checks the identity for several policies)."""
+    if not policy.remat:
+        return 0.0
+    args = (config, price.batch, price.seq, loss_chunks, price.hardware)
+    L = config.num_layers
+    stack_full = price.estimate(policies.full()).recompute_s
+    per_layer = (stack_full - L * _layer_price(*args, policies.full())) / L
+    return _layer_price(*args, policy) + per_layer
 
 
 def _plan_policy(parts: tuple, num_layers: int) -> str:

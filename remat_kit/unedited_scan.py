@@ -10,19 +10,27 @@ and returns its precomputed output. Anything else (code between the calls, other
 ValueError saying why the model cannot be scanned unedited. State shared by every block (one
 ``nnx.Rngs`` stream held by every Dropout) is carried through the scan, so RNG draws match the loop.
 
-Linen models run the same way (:func:`linen_run`): a run is consecutive calls of blocks of one class
-with equal attributes under one parent; the first reads every block's variables from the parent
-(the model's own tree), stacks them, and scans one functional ``apply`` of the block over them.
-Array arguments besides the input must be the same for every block (they are broadcast); RNG
-streams draw each layer's plain key (derived from its path, as Flax does:
-:func:`remat_kit._jax_internals.linen_block_rngs`); mutable collections the blocks write (``sow``,
-``batch_stats``, a cache) come out stacked and are written back into each block's own scope.
+Linen models run the same way (:func:`linen_run`), and may repeat a *period* of blocks (Gemma 3's
+local/global attention: the block's class, attributes or a static Python flag alternate per layer). A
+trace of the call (nothing compiled, once per call signature) records every block call's static
+arguments (:func:`template`); consecutive blocks under one parent whose calls repeat a period at least
+twice form a run (:func:`linen_runs`), and a remainder that breaks the period starts the next run or
+runs block by block. The run's first block reads every block's variables from the parent (the
+model's own tree), stacks each position of the period over the periods, and scans one functional
+``apply`` per position over them (:func:`remat_kit._layers.run_periods`, shared with the period
+stacks: a per-layer policy wraps each block, a grouping one counts periods). Array arguments besides
+the input must be the same for every block (they are broadcast); RNG streams draw each layer's plain
+key (derived from its path, as Flax does: :func:`remat_kit._jax_internals.linen_block_rngs`); mutable
+collections the blocks write (``sow``, ``batch_stats``, a cache) come out stacked and are written back
+into each block's own scope.
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
+import inspect as _inspect
 from typing import Any
 
 import flax.linen as nn
@@ -33,6 +41,7 @@ from flax import nnx
 from remat_kit import _jax_internals, _layers, tags
 from remat_kit._unedited import Plan, call_naming_submodules, split_static
 from remat_kit.pathnames import join, state_keys
+from remat_kit.policies import Mix, Policy
 from remat_kit.wrap_nnx import is_static
 
 #: The parent module whose call is running (where a run's first block finds the others).
@@ -266,66 +275,185 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def linen_runs(found: list[tuple[tuple, type, Any]], matcher) -> dict[tuple, tuple[tuple, ...]]:
-    """The runs of consecutive identical blocks among the module calls of one trace.
+class _Hole:
+    """Where a call template has an array argument (the same for every block of a run)."""
+
+    def __repr__(self) -> str:
+        return "<array>"
+
+
+_HOLE = _Hole()
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One block call's arguments with every array argument replaced by a hole: what a scan cannot vary.
+
+    Attributes:
+      args, kwargs: the positional arguments and the ``(name, value)`` keyword pairs, holes for arrays.
+      names: the positional parameter names of the block's ``__call__`` (for messages).
+    """
+
+    args: tuple
+    kwargs: tuple
+    names: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+
+    def same(self, other: Call) -> bool:
+        """The same static arguments and holes in the same places."""
+        return _same((self.args, self.kwargs), (other.args, other.kwargs))
+
+    def fill(self, arrays: tuple, array_kwargs: dict) -> tuple[tuple, dict]:
+        """The call's ``(args, kwargs)`` with the holes filled in order from ``arrays``/``array_kwargs``."""
+        it = iter(arrays)
+        args = tuple(next(it) if a is _HOLE else a for a in self.args)
+        return args, {k: array_kwargs[k] if v is _HOLE else v for k, v in self.kwargs}
+
+    def describe(self) -> str:
+        """The static arguments, named: ``is_local=True, deterministic=False``."""
+        named = [f"{self.names[i] if i < len(self.names) else i}={a!r}" for i, a in enumerate(self.args)]
+        return ", ".join(
+            [n for n, a in zip(named, self.args, strict=True) if a is not _HOLE]
+            + [f"{k}={v!r}" for k, v in self.kwargs if v is not _HOLE]
+        )
+
+
+def template(cls: type, args: tuple, kwargs: dict, static_argnames: frozenset[str]) -> Call:
+    """A block call's :class:`Call`: its static arguments (as :func:`remat_kit.apply` splits them), holes for arrays.
+
+    >>> import jax.numpy as jnp, flax.linen as nn
+    >>> class B(nn.Module):
+    ...     def __call__(self, x, is_local, deterministic=True):
+    ...         return x
+    >>> template(B, (jnp.ones(2), True), {"deterministic": False}, frozenset()).describe()
+    'is_local=True, deterministic=False'
+    """
+    rebuild, dyn_args, dyn_kwargs = split_static(cls.__call__, args, kwargs, static_argnames, is_static)
+    full_args, full_kwargs = rebuild((_HOLE,) * len(dyn_args), dict.fromkeys(dyn_kwargs, _HOLE))
+    try:
+        names = tuple(_inspect.signature(cls.__call__).parameters)[1:]
+    except (TypeError, ValueError):
+        names = ()
+    return Call(full_args, tuple(sorted(full_kwargs.items(), key=lambda kv: kv[0])), names)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinenRun:
+    """Blocks under one parent that repeat a period of ``period`` block calls: run as one scan.
+
+    Attributes:
+      paths: every block of the run, in call order (``len(paths)`` a multiple of ``period``).
+      period: the blocks in one period (1: identical blocks).
+      modules: the discovery trace's module of each position of the period (its class and attributes).
+      calls: each position's :class:`Call` (its static arguments).
+    """
+
+    paths: tuple[tuple, ...]
+    period: int
+    modules: tuple
+    calls: tuple[Call, ...]
+
+
+def _period(kinds: list, same) -> tuple[int, int]:
+    """``(covered, period)``: the period repeating at least twice from ``kinds[0]`` over the most blocks.
+
+    >>> _period(list("ababa"), str.__eq__), _period(list("aaab"), str.__eq__), _period(list("ab"), str.__eq__)
+    ((4, 2), (3, 1), (0, 0))
+    """
+    best = (0, 0)
+    for period in range(1, len(kinds) // 2 + 1):
+        end = period
+        while end < len(kinds) and same(kinds[end], kinds[end - period]):
+            end += 1
+        covered = end // period * period
+        if covered >= 2 * period and covered > best[0]:
+            best = (covered, period)
+    return best
+
+
+def linen_runs(found: list[tuple[tuple, type, Any]], calls: list[Call], matcher) -> dict[tuple, LinenRun]:
+    """The runs of blocks that repeat a period (one block, or Gemma 3's local/global ones) in one trace.
+
+    Blocks under one parent, called one after the other, form a run where their calls (class,
+    attributes and static arguments) repeat a period at least twice; the period covering the most blocks
+    wins (the shortest among equals). Blocks after it (a remainder that breaks the period) start the next
+    run, or run one by one under the policy.
 
     Args:
       found: ``(path, class, module)`` of every module call, in call order (the discovery trace).
+      calls: each of those calls' :class:`Call`.
       matcher: the blocks (a :class:`remat_kit.pathnames.Where`).
 
     Returns:
-      ``{first block's path: paths of the run}`` for every run of two or more blocks.
+      ``{first block's path: its LinenRun}`` for every run.
 
     Raises:
-      ValueError: no two consecutive blocks are identical, naming the blocks.
+      ValueError: no run at all, naming each block with its class and static arguments.
     """
-    calls = []
-    for path, cls, module in found:
-        if path and matcher(module, join(path)) and not any(path[: len(p)] == p and p != path for p, *_ in calls):
-            calls.append((path, cls, module))
-    seen = [p for p, *_ in calls]
-    blocks = [(p, c, m) for p, c, m in calls if seen.count(p) == 1]  # a block called twice is not scanned
-    groups: list[list] = []
-    for path, cls, module in blocks:
-        prev = groups[-1][-1] if groups else None
-        if (
-            prev is not None
-            and prev[0][:-1] == path[:-1]
-            and prev[1] is cls
-            and _same(_config(prev[2]), _config(module))
-        ):
-            groups[-1].append((path, cls, module))
+    blocks = []
+    for (path, cls, module), call in zip(found, calls, strict=True):
+        if path and matcher(module, join(path)) and not any(path[: len(p)] == p and p != path for p, *_ in blocks):
+            blocks.append((path, cls, module, call))
+    seen = [p for p, *_ in blocks]
+    blocks = [b for b in blocks if seen.count(b[0]) == 1]  # a block called twice is not scanned
+
+    def same(a, b) -> bool:
+        return a[1] is b[1] and _same(_config(a[2]), _config(b[2])) and a[3].same(b[3])
+
+    siblings: list[list] = []
+    for block in blocks:
+        if siblings and siblings[-1][-1][0][:-1] == block[0][:-1]:
+            siblings[-1].append(block)
         else:
-            groups.append([(path, cls, module)])
-    runs = {g[0][0]: tuple(p for p, *_ in g) for g in groups if len(g) > 1}
+            siblings.append([block])
+    runs = {}
+    for group in siblings:
+        start = 0
+        while start < len(group):
+            covered, period = _period(group[start:], same)
+            if not covered:
+                start += 1
+                continue
+            part = group[start : start + covered]
+            runs[part[0][0]] = LinenRun(
+                tuple(p for p, *_ in part),
+                period,
+                tuple(m for _, _, m, _ in part[:period]),
+                tuple(c for *_, c in part[:period]),
+            )
+            start += covered
     if not runs:
-        names = ", ".join(f"{join(p)} ({c.__name__})" for p, c, _ in calls)
+        names = "; ".join(f"{join(p)} ({c.__name__}: {call.describe()})" for p, c, _, call in blocks)
         raise ValueError(
-            f"scan=True: no two consecutive blocks are identical (same parent, class and attributes): {names}; "
-            "use scan=False"
+            "scan=True: no two consecutive blocks are identical, nor do they repeat a period of blocks (same "
+            f"parent, class, attributes and static arguments): {names}; use scan=False"
         )
     return runs
 
 
 @dataclasses.dataclass
 class _LinenPending:
-    paths: tuple[tuple, ...]
-    outs: Any  # [n, ...] stacked outputs
-    mutated: Any  # [n, ...] stacked collections the blocks wrote
+    run: LinenRun
+    outs: tuple  # per position: [periods, ...] stacked outputs
+    mutated: tuple  # per position: [periods, ...] stacked collections the blocks wrote
     last: Any
-    statics: Any  # the first block's call arguments but its input
+    arrays: tuple  # the first block's array arguments but its input, and its array keyword arguments
     next: int
 
+    def at(self, k: int) -> tuple[Any, Any]:
+        """Block ``k``'s output and what it wrote."""
+        j, u = k % self.run.period, k // self.run.period
+        return jax.tree.map(lambda a: a[u], self.outs[j]), jax.tree.map(lambda a: a[u], self.mutated[j])
 
-def linen_run(run, found: list[tuple[tuple, type, Any]], fallback) -> None:
-    """Make ``run`` (one ``init``/``apply`` of a Linen ``Applied``) scan each run of identical blocks.
+
+def linen_run(run, found: list[tuple[tuple, type, Any]], calls: list[Call], fallback) -> None:
+    """Make ``run`` (one ``init``/``apply`` of a Linen ``Applied``) scan each run of blocks that repeat a period.
 
     The interceptor calls ``run.scan_block(module, path, next_fun, args, kwargs)`` for every block;
     a block in no run goes to ``fallback`` (the per-block remat); :func:`linen_finish` checks, after
     the call, that every run ran whole.
     """
-    runs = linen_runs(found, run.matcher)
-    first_of = {p: first for first, paths in runs.items() for p in paths}
+    runs = linen_runs(found, calls, run.matcher)
+    first_of = {p: first for first, r in runs.items() for p in r.paths}
     pending: dict[tuple, _LinenPending] = {}
 
     def scan_block(module, path, next_fun, args, kwargs):
@@ -336,7 +464,7 @@ def linen_run(run, found: list[tuple[tuple, type, Any]], fallback) -> None:
             out, todo = _linen_scan(run, module, runs[first], args, kwargs)
             pending[first] = todo
             return out
-        return _linen_follow(module, path, pending.get(first), args, kwargs)
+        return _linen_follow(run, module, path, runs[first], pending.get(first), args, kwargs)
 
     run.scan_block = scan_block
     run.scan_pending = pending
@@ -345,11 +473,12 @@ def linen_run(run, found: list[tuple[tuple, type, Any]], fallback) -> None:
 def linen_finish(run) -> None:
     """After the model's call: every run of blocks ran whole (a model that skips blocks is an error)."""
     for todo in getattr(run, "scan_pending", {}).values():
-        if todo.next < len(todo.paths):
+        paths = todo.run.paths
+        if todo.next < len(paths):
             raise ValueError(
-                f"scan=True: the model called {todo.next} of the {len(todo.paths)} identical blocks "
-                f"{join(todo.paths[0])} .. {join(todo.paths[-1])}; a model that skips blocks cannot be scanned "
-                "unedited (use scan=False)"
+                f"scan=True: the model called {todo.next} of the {len(paths)} blocks {join(paths[0])} .. "
+                f"{join(paths[-1])} it was traced calling; a model that skips blocks cannot be scanned unedited "
+                "(use scan=False)"
             )
 
 
@@ -359,77 +488,114 @@ def _write_back(module: nn.Module, mutated: dict) -> None:
             module.scope.put_variable(col, name, value)
 
 
-def _linen_follow(module, path, todo: _LinenPending | None, args, kwargs):
-    k = todo.paths.index(path) if todo is not None else -1
+def _arrays(cls: type, args: tuple, kwargs: dict, static_argnames: frozenset[str]) -> tuple[tuple, dict]:
+    """A block call's array arguments: ``(positional ones, keyword ones)``."""
+    _, dyn_args, dyn_kwargs = split_static(cls.__call__, args, kwargs, static_argnames, is_static)
+    return dyn_args, dyn_kwargs
+
+
+def _linen_follow(run, module, path, spec: LinenRun, todo: _LinenPending | None, args, kwargs):
+    k = spec.paths.index(path)
     if todo is None or todo.next != k:
         raise ValueError(f"scan=True: block {join(path)} ran out of order; use scan=False")
-    same_rest = len(args) == len(todo.statics[0]) + 1 and all(
-        a is b or (_is_static(a) and _same(a, b)) for a, b in zip(args[1:], todo.statics[0], strict=True)
-    )
-    same_kw = kwargs.keys() == todo.statics[1].keys() and all(
-        kwargs[n] is todo.statics[1][n] or (_is_static(kwargs[n]) and _same(kwargs[n], todo.statics[1][n]))
-        for n in kwargs
-    )
     if not args or args[0] is not todo.last:
         raise ValueError(
-            f"scan=True: block {join(path)} is not called with block {join(todo.paths[k - 1])}'s output (the model "
+            f"scan=True: block {join(path)} is not called with block {join(spec.paths[k - 1])}'s output (the model "
             "runs code between its blocks); use scan=False"
         )
-    if not (same_rest and same_kw):
+    statics = run.plan.static_argnames
+    expected = spec.calls[k % spec.period]
+    if not template(type(module), args, kwargs, statics).same(expected):
         raise ValueError(
-            f"scan=True: block {join(path)} is not called with the same other arguments as {join(todo.paths[0])} "
-            "(the model passes each block its own flags, e.g. a per-layer local/global switch, which one scan "
-            "cannot vary); use scan=False"
+            f"scan=True: block {join(path)} is called with {template(type(module), args, kwargs, statics).describe()}, "
+            f"not {expected.describe()} as when the model was traced; use scan=False"
         )
-    todo.last = jax.tree.map(lambda a: a[k], todo.outs)
+    dyn_args, dyn_kwargs = _arrays(type(module), args, kwargs, statics)
+    first_args, first_kwargs = todo.arrays
+    same = (
+        len(dyn_args) == len(first_args) + 1
+        and all(a is b for a, b in zip(dyn_args[1:], first_args, strict=True))
+        and dyn_kwargs.keys() == first_kwargs.keys()
+        and all(dyn_kwargs[n] is first_kwargs[n] for n in dyn_kwargs)
+    )
+    if not same:
+        raise ValueError(
+            f"scan=True: block {join(path)} is not called with the same other arguments (arrays) as "
+            f"{join(spec.paths[0])} (the model passes each block its own array, e.g. a per-layer mask, which one "
+            "scan cannot vary); use scan=False"
+        )
+    todo.last, mutated = todo.at(k)
     todo.next = k + 1
-    _write_back(module, jax.tree.map(lambda a: a[k], todo.mutated))
+    _write_back(module, mutated)
     return todo.last
-
-
-def _is_static(value: Any) -> bool:
-    return not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(value))
 
 
 def _shapes(tree: Any) -> Any:
     return jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), tree)
 
 
-def _linen_scan(run, module: nn.Module, paths: tuple[tuple, ...], args: tuple, kwargs: dict):
-    """Run the blocks ``paths`` (``module`` is the first) as one scan; (its output, what the others return)."""
+def _resolved(policy: Policy | Mix, emitted: frozenset[str], where: str) -> Policy | Mix:
+    """``policy`` (each part of a mix) with its names checked and its patterns expanded against ``emitted``."""
+    if isinstance(policy, Mix):
+        return Mix(tuple((_resolved(p, emitted, where), n) for p, n in policy.parts))
+    if not policy.tags:
+        return policy
+    policy = tags.resolve(policy, emitted, where)
+    tags.check(policy, emitted, where)
+    return policy
+
+
+def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dict):
+    """Run the blocks of ``spec`` (``module`` is the first) as one scan; (its output, what the others return)."""
+    paths, period = spec.paths, spec.period
     where = f"{type(module).__name__} block {join(paths[0])}"
-    if not args or _is_static(args[0]):
+    statics = run.plan.static_argnames
+    if not args or is_static(args[0]):
         raise ValueError(f"scan=True: {where} takes no array input as its first argument; use scan=False")
-    rebuild, dyn_args, dyn_kwargs = split_static(
-        type(module).__call__, args, kwargs, run.plan.static_argnames, _is_static
-    )
-    x, rest = dyn_args[0], dyn_args[1:]
+    if not template(type(module), args, kwargs, statics).same(spec.calls[0]):
+        raise ValueError(
+            f"scan=True: {where} is called with {template(type(module), args, kwargs, statics).describe()}, not "
+            f"{spec.calls[0].describe()} as when the model was traced; use scan=False"
+        )
+    dyn_args, dyn_kwargs = _arrays(type(module), args, kwargs, statics)
+    rest = dyn_args[1:]
+    holes = [(sum(a is _HOLE for a in c.args), tuple(k for k, v in c.kwargs if v is _HOLE)) for c in spec.calls]
+    for j, h in enumerate(holes[1:], start=1):
+        if h != holes[0]:
+            raise ValueError(
+                f"scan=True: blocks {join(paths[0])} and {join(paths[j])} take array arguments in different places, "
+                "so one set of arrays cannot reach both; use scan=False"
+            )
+    x = dyn_args[0]
     names = [p[-1] for p in paths]
     variables = module.parent.variables
     per_layer = [{col: tree[name] for col, tree in variables.items() if name in tree} for name in names]
-    for name, layer in zip(names[1:], per_layer[1:], strict=True):
-        if jax.tree.structure(layer) != jax.tree.structure(per_layer[0]) or _shapes(layer) != _shapes(per_layer[0]):
-            cols = sorted(c for c in {*layer, *per_layer[0]} if _shapes(layer.get(c)) != _shapes(per_layer[0].get(c)))
+    for i, (name, layer) in enumerate(zip(names, per_layer, strict=True)):
+        like = per_layer[i % period]
+        if jax.tree.structure(layer) != jax.tree.structure(like) or _shapes(layer) != _shapes(like):
+            cols = sorted(c for c in {*layer, *like} if _shapes(layer.get(c)) != _shapes(like.get(c)))
             raise ValueError(
-                f"scan=True: blocks {names[0]} and {name} hold differently shaped variables in {', '.join(cols)}, "
-                "which cannot be stacked; use scan=False"
+                f"scan=True: blocks {names[i % period]} and {name} hold differently shaped variables in "
+                f"{', '.join(cols)}, which cannot be stacked; use scan=False"
             )
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    stacked = [jax.tree.map(lambda *a: jnp.stack(a), *per_layer[j::period]) for j in range(period)]
     rngs, prefixes = _jax_internals.linen_block_rngs(module.scope, names)
     mutable = module.scope.mutable
-    block = module.clone(parent=None)
-    leaf_names = [
-        join(keys[1:]) if keys and keys[0] == "params" else None
-        for keys in (state_keys(p) for p, _ in jax.tree_util.tree_flatten_with_path(stacked)[0])
-    ]
+    blocks = [module.clone(parent=None)] + [m.clone(parent=None) for m in spec.modules[1:]]
 
-    def layer_call(layer_vars, h, i):
-        full_args, full_kwargs = rebuild((h, *rest), dyn_kwargs)
+    def leaf_names(tree) -> list:
+        return [
+            join(keys[1:]) if keys and keys[0] == "params" else None
+            for keys in (state_keys(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+        ]
+
+    def layer_call(j, layer_vars, h, i):
+        full_args, full_kwargs = spec.calls[j].fill((h, *rest), dyn_kwargs)
         outer = run.block
         run.block, run.entering = (), True  # the layer's submodules are named by their path in it
         try:
             with _jax_internals.linen_layer_rngs(prefixes, i):
-                res = block.apply(dict(layer_vars), *full_args, rngs=rngs, mutable=mutable, **full_kwargs)
+                res = blocks[j].apply(dict(layer_vars), *full_args, rngs=rngs, mutable=mutable, **full_kwargs)
         finally:
             run.block, run.entering = outer, False
         y, mutated = res if mutable is not False else (res, {})
@@ -437,27 +603,45 @@ def _linen_scan(run, module: nn.Module, paths: tuple[tuple, ...], args: tuple, k
         mutated = {c: dict(t) for c, t in dict(mutated).items() if c != "params"}
         if _shapes(y) != _shapes(h):
             raise ValueError(
-                f"scan=True: {where} returns {_shapes(y)}, not its input's shape and dtype {_shapes(h)}, so its "
-                "output cannot feed the next block in one scan; use scan=False"
+                f"scan=True: {type(blocks[j]).__name__} block {join(paths[j])} returns {_shapes(y)}, not its input's "
+                f"shape and dtype {_shapes(h)}, so its output cannot feed the next block in one scan; use scan=False"
             )
         return y, mutated
 
-    def names_for(h):
-        return leaf_names + [None] * (len(jax.tree.leaves(h)) + 1)
+    param_names = [leaf_names(tree) for tree in stacked]  # the same paths as one layer's
 
-    def step(layer_vars, h, i):
-        named, _ = _jax_internals.name_param_matmuls(layer_call, names_for(h), layer_vars, h, i)
-        y, mutated = named(layer_vars, h, i)
-        return y, (y, mutated)
+    def names_for(j, h):
+        return param_names[j] + [None] * (len(jax.tree.leaves(h)) + 1)
 
-    policy = run.plan.policy
+    def make_step(j):
+        def step(layer_vars, h, i):
+            call = functools.partial(layer_call, j)
+            named, _ = _jax_internals.name_param_matmuls(call, names_for(j, h), layer_vars, h, i)
+            y, mutated = named(layer_vars, h, i)
+            return y, (y, mutated)
+
+        return step
+
+    policy, positions = run.plan.policy, None
     if policy.tags:
-        first = jax.tree.map(lambda a: a[0], stacked)
-        _, jaxpr = _jax_internals.name_param_matmuls(layer_call, names_for(x), first, x, jnp.int32(0))
-        emitted = frozenset(t for t, *_ in _jax_internals.jaxpr_tags(jaxpr))
-        policy = tags.resolve(policy, emitted, where)
-        tags.check(policy, emitted, where)
-    _, (outs, mutated) = _layers.run(policy, len(paths), step, stacked, x)
-    out = jax.tree.map(lambda a: a[0], outs)
-    _write_back(module, jax.tree.map(lambda a: a[0], mutated))
-    return out, _LinenPending(paths, outs, mutated, out, (args[1:], kwargs), 1)
+        emitted = []
+        for j in range(period):
+            first = jax.tree.map(lambda a: a[0], stacked[j])
+            call = functools.partial(layer_call, j)
+            _, jaxpr = _jax_internals.name_param_matmuls(call, names_for(j, x), first, x, jnp.int32(j))
+            emitted.append(frozenset(t for t, *_ in _jax_internals.jaxpr_tags(jaxpr)))
+        if isinstance(policy, Policy) and policy.plan(len(paths) // period).mode == "layer":
+            # Each block of the period is rematerialized on its own: its names are its own.
+            positions = [
+                _resolved(policy, emitted[j], f"{type(blocks[j]).__name__} block {join(paths[j])}")
+                for j in range(period)
+            ]
+        else:
+            policy = _resolved(policy, frozenset().union(*emitted), where)
+    steps = [make_step(j) for j in range(period)]
+    _, ys = _layers.run_periods(policy, len(paths) // period, steps, stacked, x, positions)
+    todo = _LinenPending(spec, tuple(y[0] for y in ys), tuple(y[1] for y in ys), None, (rest, dyn_kwargs), 1)
+    out, mutated = todo.at(0)
+    todo.last = out
+    _write_back(module, mutated)
+    return out, todo

@@ -259,11 +259,10 @@ def test_linen_scan_keeps_less_than_the_loop_saves_in_compiled_memory():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (um.InlineModel, "same other arguments"),  # a per-layer local/global flag
         (lambda: Differ(), "no two consecutive blocks are identical"),
         (lambda: Between(), "runs code between its blocks"),
     ],
-    ids=["per-layer-flag", "blocks-differ", "code-between"],
+    ids=["blocks-differ", "code-between"],
 )
 def test_linen_scan_says_why_a_model_cannot_be_scanned(make, message):
     model = make()

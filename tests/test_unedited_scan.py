@@ -124,3 +124,52 @@ def test_blocks_that_repeat_no_period_are_refused_naming_each_blocks_flags():
     applied = remat_kit.apply(NoPeriod(), "full", scan=True)
     with pytest.raises(ValueError, match=r"nor do they repeat a period.*layer_1 \(Block: is_local=True"):
         applied.apply(variables, X)
+
+
+# ---- the CSE note in every report ------------------------------------------------------------------------
+
+
+def _block(w, x):
+    return x + jnp.tanh(jnp.sin(x @ w[0]) @ w[1])
+
+
+def _make_loss(layout):
+    """``make_loss(policy)`` of three blocks run in a Python loop, or under one ``lax.scan``.
+
+    The loop's checkpoints take ``prevent_cse=False`` so that XLA:CPU merges their recompute into the forward
+    pass on every JAX version (as it does for jax 0.10's ``prevent_cse=True`` loops of unedited models).
+    """
+
+    def make(policy):
+        block = remat_kit.policies.parse(policy).checkpoint(_block, prevent_cse=False)
+
+        def loss(ws, x):
+            if layout == "scan":
+                x, _ = jax.lax.scan(lambda h, w: (block(w, h), None), x, ws)
+            else:
+                for i in range(ws.shape[0]):
+                    x = block(ws[i], x)
+            return jnp.sum(x**2)
+
+        return loss
+
+    return make
+
+
+WS = jax.ShapeDtypeStruct((3, 2, 64, 64), jnp.float32)
+XS = jax.ShapeDtypeStruct((128, 64), jnp.float32)
+NOTE = "XLA removed most of the recompute"
+
+
+@pytest.mark.parametrize(("layout", "noted"), [("loop", True), ("scan", False)], ids=["python-loop", "scanned"])
+def test_the_cse_note_is_in_inspect_compare_without_none_and_auto(layout, noted):
+    make = _make_loss(layout)
+    report = remat_kit.inspect(make("full"), WS, XS)
+    assert any(NOTE in n for n in report.notes) == noted, report.notes
+    assert (NOTE in str(report)) == noted
+    table = remat_kit.compare(make, ["full"], WS, XS)  # no "none" row: compare measures it for the note
+    assert (NOTE in str(table)) == noted, str(table)
+    result = remat_kit.auto(make, WS, XS, budget_bytes=10**9, candidates=["full"])
+    assert any(NOTE in n for n in result.notes) == noted, result.notes
+    assert any(NOTE in line for line in result.table()) == noted
+    assert (NOTE in " ".join(result.to_dict()["notes"])) == noted

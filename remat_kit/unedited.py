@@ -73,9 +73,10 @@ def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = 
         twice) among the children of the shallowest module that repeats one.
       static_argnames: names of block ``__call__`` arguments to treat as static (Python values are
         detected anyway: any argument holding no array is static, never traced).
-      scan: run consecutive identical blocks as one ``lax.scan`` over their stacked parameters (the
-        model's own parameter layout is kept); a model that cannot be scanned unedited is a
-        ValueError saying why.
+      scan: run consecutive blocks that repeat a period (identical ones, or Gemma 3's local/global
+        ones whose class, attributes or static flags alternate) as one ``lax.scan`` over their stacked
+        parameters, one step per period (the model's own parameter layout is kept; a grouping policy
+        counts periods); a model that cannot be scanned unedited is a ValueError saying why.
 
     Returns:
       Linen: an :class:`Applied` with the model's ``init``/``apply``/``init_with_output``. NNX: a copy
@@ -237,7 +238,7 @@ def _intercept(next_fun, args, kwargs, context):
         if method == "__call__":
             run.discovered.append((tuple(module.path), type(module), module))
             if run.plan.scan:
-                run.calls.append(unedited_scan.template(type(module), args, kwargs, run.plan.static_argnames))
+                run.calls.append(unedited_scan.template(type(module).__call__, args, kwargs, run.plan.static_argnames))
         return next_fun(*args, **kwargs)
     if run.block is not None:
         if run.entering and method == "__call__":

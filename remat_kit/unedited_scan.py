@@ -1,32 +1,37 @@
-"""``remat_kit.apply(..., scan=True)`` for NNX: consecutive identical blocks of an unedited model as one scan.
+"""``remat_kit.apply(..., scan=True)``: consecutive blocks of an unedited model that repeat a period, as one scan.
 
 XLA:CPU strips the recompute out of a Python loop of rematerialized blocks (CSE), so a loop model's
 compiled memory does not drop however little the policy keeps; under a ``lax.scan`` it does. The
-model's code still loops (``for layer in self.layers: x = layer(x)``): the first block of a run of
-identical ones computes the whole run as one scan over the blocks' stacked state (stacked inside the
-call: the model's own layout, hence its checkpoints, is unchanged) and returns its own output; each
-later block checks that it is called with the previous block's output and the same static arguments
-and returns its precomputed output. Anything else (code between the calls, other arguments) is a
-ValueError saying why the model cannot be scanned unedited. State shared by every block (one
-``nnx.Rngs`` stream held by every Dropout) is carried through the scan, so RNG draws match the loop.
+model's code still loops (``for layer in self.layers: x = layer(x, is_local)``). Its blocks may repeat a
+*period* (Gemma 3's local/global attention: the block's class, attributes or a static Python flag
+alternate per layer): a trace of the parent's call (nothing compiled, once per call signature) records
+every block call's static arguments (:func:`template`), and consecutive blocks whose calls repeat a
+period at least twice form a run (:func:`_period`: the period covering the most blocks; a remainder that
+breaks it starts the next run or runs block by block under the policy). The first block of a run
+computes the whole run as one scan over the blocks' stacked state, one stack per position of the period
+(stacked inside the call: the model's own layout, hence its checkpoints, is unchanged), through
+:func:`remat_kit._layers.run_periods` (shared with the period stacks: a per-layer policy wraps each
+block, a grouping one counts periods), and returns its own output; each later block checks that it is
+called with the previous block's output and the static arguments it was traced with, and returns its
+precomputed output. Anything else (code between the calls, other arguments) is a ValueError saying why
+the model cannot be scanned unedited.
 
-Linen models run the same way (:func:`linen_run`), and may repeat a *period* of blocks (Gemma 3's
-local/global attention: the block's class, attributes or a static Python flag alternate per layer). A
-trace of the call (nothing compiled, once per call signature) records every block call's static
-arguments (:func:`template`); consecutive blocks under one parent whose calls repeat a period at least
-twice form a run (:func:`linen_runs`), and a remainder that breaks the period starts the next run or
-runs block by block. The run's first block reads every block's variables from the parent (the
-model's own tree), stacks each position of the period over the periods, and scans one functional
-``apply`` per position over them (:func:`remat_kit._layers.run_periods`, shared with the period
-stacks: a per-layer policy wraps each block, a grouping one counts periods). Array arguments besides
-the input must be the same for every block (they are broadcast); RNG streams draw each layer's plain
-key (derived from its path, as Flax does: :func:`remat_kit._jax_internals.linen_block_rngs`); mutable
-collections the blocks write (``sow``, ``batch_stats``, a cache) come out stacked and are written back
-into each block's own scope.
+NNX (:func:`nnx_scan`): the blocks of one ``nnx.List`` at consecutive indices; a block's kind is
+its graph (class, static attributes) and state shapes. State shared by every block (one ``nnx.Rngs``
+stream held by every Dropout) is carried through the scan, so RNG draws match the loop.
+
+Linen (:func:`linen_run`, runs by :func:`linen_runs`): blocks under one parent called one after the
+other; a block's kind is its class and attributes. The run's first block reads every block's variables
+from the parent (the model's own tree) and scans one functional ``apply`` per position over them.
+Array arguments besides the input must be the same for every block (they are broadcast); RNG streams
+draw each layer's plain key (derived from its path, as Flax does:
+:func:`remat_kit._jax_internals.linen_block_rngs`); mutable collections the blocks write (``sow``,
+``batch_stats``, a cache) come out stacked and are written back into each block's own scope.
 """
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
 import functools
@@ -39,24 +44,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from remat_kit import _jax_internals, _layers, tags
-from remat_kit._unedited import Plan, call_naming_submodules, split_static
+from remat_kit._unedited import Plan, call_naming_submodules, split_static, trace_only
 from remat_kit.pathnames import join, state_keys
 from remat_kit.policies import Mix, Policy
 from remat_kit.wrap_nnx import is_static
 
-#: The parent module whose call is running (where a run's first block finds the others).
-_PARENT: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_kit_scan_parent", default=None)
-#: Precomputed outputs awaiting the later blocks of a run: id(first block) -> _Pending.
-_PENDING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("remat_kit_scan_pending", default=None)
-
-
-@dataclasses.dataclass
-class _Pending:
-    outs: Any  # [n, ...] stacked outputs
-    last: Any  # the output handed to the model most recently
-    statics: Any
-    next: int
-    count: int
+#: The state of the running call of a parent module whose blocks are scanned (:class:`_CallState`).
+_CALL: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_kit_scan_call", default=None)
+#: While a parent's call is traced to find its blocks' static arguments: the list they are recorded in.
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("remat_kit_scan_record", default=None)
+#: (parent graphdef, signatures of its state and call) -> that call's runs: the discovery trace, once per signature.
+_SCHEDULES: collections.OrderedDict = collections.OrderedDict()
+_MAX_SCHEDULES = 64
 
 
 def _get(node, path):
@@ -74,55 +73,76 @@ def _parent_path(model: nnx.Module, path: tuple) -> tuple:
     return ()
 
 
-def runs(model: nnx.Module, found: list[tuple[tuple, nnx.Module]]) -> list[list[tuple[tuple, nnx.Module]]]:
-    """Split the blocks into runs of consecutive identical ones (same container, class and state shapes)."""
+def _lists(found: list[tuple[tuple, nnx.Module]]) -> list[list[tuple[tuple, nnx.Module]]]:
+    """The blocks split into groups at consecutive indices of one container (a list of layers)."""
     out: list[list] = []
     for path, block in found:
-        prev = out[-1][-1] if out else None
-        same = (
+        prev = out[-1][-1][0] if out else None
+        if (
             prev is not None
-            and path[:-1] == prev[0][:-1]
+            and path[:-1] == prev[:-1]
             and isinstance(path[-1], int)
-            and isinstance(prev[0][-1], int)
-            and path[-1] == prev[0][-1] + 1
-            and nnx.graphdef(block) == nnx.graphdef(prev[1])
-            and jax.tree.map(jnp.shape, nnx.state(block)) == jax.tree.map(jnp.shape, nnx.state(prev[1]))
-        )
-        if same:
+            and isinstance(prev[-1], int)
+            and path[-1] == prev[-1] + 1
+        ):
             out[-1].append((path, block))
         else:
             out.append([(path, block)])
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Mark:
+    """What a block of an NNX model applied with ``scan=True`` knows of itself (an attribute of the block)."""
+
+    parent: tuple  # its parent module's path in the model
+    rel: tuple  # its path in the parent
+    kind: int  # blocks of one kind share their graph (class, static attributes) and state shapes
+    index: int  # its place among all the blocks (for every_n when it runs on its own)
+
+
 def nnx_scan(model: nnx.Module, plan: Plan, found: list[tuple[tuple, nnx.Module]]) -> nnx.Module:
-    """Make each run of identical blocks of ``model`` (a copy) run as one scan under ``plan.policy``.
+    """Make the blocks of ``model`` (a copy) that repeat a period in one list run as one scan under ``plan``.
+
+    Which blocks form a run is known only at call time, from their static arguments: each parent's call
+    is traced once per call signature (:func:`_schedule`). A block in no run is rematerialized on its own.
 
     Raises:
-      ValueError: no two consecutive blocks are identical (nothing to scan), naming how they differ.
+      ValueError: no two consecutive blocks of one list (nothing could ever be scanned), naming them.
     """
-    groups = runs(model, found)
+    from remat_kit import unedited_nnx  # it imports this module
+
+    groups = _lists(found)
     if all(len(g) < 2 for g in groups):
         names = ", ".join(f"{join(p)} ({type(b).__name__})" for p, b in found)
         raise ValueError(
-            f"scan=True: no two consecutive blocks are identical (same list, class and parameter shapes): {names}; "
-            "use scan=False"
+            f"scan=True: no two consecutive blocks are identical, nor do two sit at consecutive places of one list: "
+            f"{names}; use scan=False"
         )
+    kinds: list = []
+    order = {id(b): i for i, (_, b) in enumerate(found)}
     parents = set()
     for group in groups:
         if len(group) < 2:
+            _, block = group[0]
+            index = order[id(block)]
+            block.__class__ = unedited_nnx.remat_class(
+                type(block), plan.policy_for(index), plan.static_argnames, plan.policy
+            )
             continue
         parent = _parent_path(model, group[0][0])
         parents.add(parent)
-        rel = tuple(p[len(parent) :] for p, _ in group)
-        first = group[0][1]
-        object.__setattr__(first, "_remat_kit_run", rel)
-        first.__class__ = _first_class(type(first), plan)
-        for k, (_, block) in enumerate(group[1:], start=1):
-            object.__setattr__(block, "_remat_kit_follow", (rel[0], k))
-            block.__class__ = _follower_class(type(block))
+        for path, block in group:
+            kind = (nnx.graphdef(block), jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), nnx.state(block)))
+            at = next((i for i, k in enumerate(kinds) if _same(k, kind)), None)
+            if at is None:
+                at, kinds = len(kinds), [*kinds, kind]
+            object.__setattr__(block, "_remat_kit_mark", _Mark(parent, path[len(parent) :], at, order[id(block)]))
+        for _, block in group:  # after every kind was read: the class is part of a graph
+            block.__class__ = _block_class(type(block), plan)
     for parent in parents:
         node = _get(model, parent)
+        object.__setattr__(node, "_remat_kit_path", parent)
         node.__class__ = _parent_class(type(node))
     return model
 
@@ -141,116 +161,269 @@ def _subclass(kind: str, cls: type, call, key=(), **attrs) -> type:
     return _CLASSES[k]
 
 
+@dataclasses.dataclass(frozen=True)
+class NnxRun:
+    """Blocks of one list whose calls repeat a period: run as one scan.
+
+    Attributes:
+      rels: every block's path in the parent, in call order.
+      period: the blocks in one period.
+      calls: each position's :class:`Call` (its static arguments).
+    """
+
+    rels: tuple[tuple, ...]
+    period: int
+    calls: tuple[Call, ...]
+
+
+@dataclasses.dataclass
+class _CallState:
+    """One call of a parent: ``runs`` by each block's path (``(run, k)``: block ``k`` of it); outputs pending."""
+
+    parent: Any
+    runs: dict
+    pending: dict = dataclasses.field(default_factory=dict)
+
+
 def _parent_class(cls: type) -> type:
     original = cls.__call__
 
     def __call__(self, *args, **kwargs):
-        t1, t2 = _PARENT.set(self), _PENDING.set({})
+        if _RECORD.get() is not None:  # an outer parent's discovery trace: its blocks record themselves
+            return original(self, *args, **kwargs)
+        state = _CallState(self, _schedule(self, original, args, kwargs))
+        token = _CALL.set(state)
         try:
             out = original(self, *args, **kwargs)
-            left = [p for p in _PENDING.get().values() if p.next < p.count]
         finally:
-            _PARENT.reset(t1)
-            _PENDING.reset(t2)
-        if left:
-            raise ValueError(
-                f"scan=True: {type(self).__name__} called {left[0].next} of the {left[0].count} identical blocks "
-                "it holds; a model that skips blocks cannot be scanned unedited (use scan=False)"
-            )
+            _CALL.reset(token)
+        for todo in state.pending.values():
+            if todo.next < len(todo.run.rels):
+                raise ValueError(
+                    f"scan=True: {type(self).__name__} called {todo.next} of the {len(todo.run.rels)} blocks "
+                    f"{join(todo.run.rels[0])} .. {join(todo.run.rels[-1])} it was traced calling; a model that "
+                    "skips blocks cannot be scanned unedited (use scan=False)"
+                )
         return out
 
     return _subclass("parent", cls, __call__)
 
 
-def _follower_class(cls: type) -> type:
-    def __call__(self, x, *args, **kwargs):
-        first, k = self._remat_kit_follow
-        pending = (_PENDING.get() or {}).get(first)
-        if pending is None or pending.next != k:
-            raise ValueError(f"scan=True: block {join(first[:-1])}/{k} ran out of order; use scan=False")
-        if x is not pending.last or (args, kwargs) != pending.statics:
+def _schedule(parent: nnx.Module, original, args: tuple, kwargs: dict) -> dict:
+    """``{block path in parent: (NnxRun, k)}`` for this call: its blocks' calls traced once per call signature.
+
+    Raises:
+      ValueError: no run at all, naming each block with its class and static arguments.
+    """
+    flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
+    node_at = [i for i, leaf in enumerate(flat) if nnx.graph.is_graph_node(leaf)]
+    graphdef, state = nnx.split((parent, *[flat[i] for i in node_at]))
+    others = [leaf for i, leaf in enumerate(flat) if i not in node_at]
+    sig = tags.signature((state, others))
+    key = None if sig is None else (graphdef, treedef, tuple(node_at), sig)
+    if key is not None and key in _SCHEDULES:
+        _SCHEDULES.move_to_end(key)
+        return _SCHEDULES[key]
+    records: list = []
+
+    def probe(state, others):
+        merged = nnx.merge(graphdef, state)
+        nodes, rest = iter(merged[1:]), iter(others)
+        a, k = jax.tree.unflatten(treedef, [next(nodes) if i in node_at else next(rest) for i in range(len(flat))])
+        token = _RECORD.set(records)
+        try:
+            original(merged[0], *a, **k)
+        finally:
+            _RECORD.reset(token)
+
+    trace_only(probe, (state, others), {})
+    mine = [(m, call) for m, call in records if m.parent == parent._remat_kit_path]
+    runs = _nnx_runs(mine, type(parent).__name__)
+    if key is not None:
+        _SCHEDULES[key] = runs
+        if len(_SCHEDULES) > _MAX_SCHEDULES:
+            _SCHEDULES.popitem(last=False)
+    return runs
+
+
+def _nnx_runs(records: list[tuple[_Mark, Call]], where: str) -> dict:
+    """The runs among one parent call's block calls (``(mark, call)`` in call order); see :func:`linen_runs`."""
+    seen = [m.rel for m, _ in records]
+    blocks = [(m, c) for m, c in records if seen.count(m.rel) == 1]  # a block called twice is not scanned
+    siblings: list[list] = []
+    for m, c in blocks:
+        prev = siblings[-1][-1][0].rel if siblings else None
+        if prev is not None and prev[:-1] == m.rel[:-1] and m.rel[-1] == prev[-1] + 1:
+            siblings[-1].append((m, c))
+        else:
+            siblings.append([(m, c)])
+    runs: dict = {}
+    for group in siblings:
+        start = 0
+        while start < len(group):
+            covered, period = _period(group[start:], lambda a, b: a[0].kind == b[0].kind and a[1].same(b[1]))
+            if not covered:
+                start += 1
+                continue
+            part = group[start : start + covered]
+            run = NnxRun(tuple(m.rel for m, _ in part), period, tuple(c for _, c in part[:period]))
+            runs.update({m.rel: (run, k) for k, (m, _) in enumerate(part)})
+            start += covered
+    if not runs:
+        names = "; ".join(f"{join(m.rel)} ({c.describe()})" for m, c in blocks)
+        raise ValueError(
+            f"scan=True: no two consecutive blocks of {where} are identical, nor do they repeat a period of blocks "
+            f"(same class, attributes, parameter shapes and static arguments): {names}; use scan=False"
+        )
+    return runs
+
+
+@dataclasses.dataclass
+class _Pending:
+    run: NnxRun
+    outs: tuple  # per position: [periods, ...] stacked outputs
+    last: Any  # the output handed to the model most recently
+    next: int
+
+    def at(self, k: int) -> Any:
+        return jax.tree.map(lambda a: a[k // self.run.period], self.outs[k % self.run.period])
+
+
+def _block_class(cls: type, plan: Plan) -> type:
+    original = cls.__call__
+
+    def __call__(self, *args, **kwargs):
+        mark = self._remat_kit_mark
+        records = _RECORD.get()
+        if records is not None:  # the parent's discovery trace: record the call, run it plainly
+            records.append((mark, template(original, args, kwargs, plan.static_argnames)))
+            return original(self, *args, **kwargs)
+        state = _CALL.get()
+        if state is None or getattr(state.parent, "_remat_kit_path", None) != mark.parent:
+            raise ValueError("scan=True: the blocks were called outside their parent module's __call__")
+        if mark.rel not in state.runs:  # in no run: on its own, under the policy
+            from remat_kit import unedited_nnx  # it imports this module
+
+            policy = plan.policy_for(mark.index)
+            if policy is None:
+                return original(self, *args, **kwargs)
+            return unedited_nnx.run_block(self, original, policy, plan.static_argnames, args, kwargs)
+        run, k = state.runs[mark.rel]
+        call = template(original, args, kwargs, plan.static_argnames)
+        if not call.same(run.calls[k % run.period]):
             raise ValueError(
-                f"scan=True: block {k} is not called with block {k - 1}'s output and the same other arguments "
-                "(the model runs code between its blocks, or passes each its own flags); use scan=False"
+                f"scan=True: block {join(mark.rel)} is called with {call.describe()}, not "
+                f"{run.calls[k % run.period].describe()} as when the model was traced; use scan=False"
             )
-        pending.last = jax.tree.map(lambda a: a[k], pending.outs)
+        if k == 0:
+            if [a is _HOLE for a in call.args] != [True] + [False] * (len(call.args) - 1) or any(
+                v is _HOLE for _, v in call.kwargs
+            ):
+                raise ValueError(
+                    "scan=True: the blocks take array arguments besides the input; only Python flags can be shared"
+                )
+            layers = [_get(state.parent, rel) for rel in run.rels]
+            originals = [type(layer).__mro__[1].__call__ for layer in layers[: run.period]]
+            out, outs = _scan(layers, originals, plan, run, args[0])
+            state.pending[mark.rel] = _Pending(run, outs, out, 1)
+            return out
+        pending = state.pending.get(run.rels[0])
+        if pending is None or pending.next != k:
+            raise ValueError(f"scan=True: block {join(mark.rel)} ran out of order; use scan=False")
+        if not args or args[0] is not pending.last:
+            raise ValueError(
+                f"scan=True: block {join(mark.rel)} is not called with block {join(run.rels[k - 1])}'s output (the "
+                "model runs code between its blocks); use scan=False"
+            )
+        pending.last = pending.at(k)
         pending.next = k + 1
         return pending.last
 
-    return _subclass("follow", cls, __call__)
-
-
-def _first_class(cls: type, plan: Plan) -> type:
-    original = cls.__mro__[0].__call__
-
-    def __call__(self, x, *args, **kwargs):
-        parent = _PARENT.get()
-        rel = self._remat_kit_run
-        if parent is None:
-            raise ValueError("scan=True: the blocks were called outside their parent module's __call__")
-        if not all(is_static(a) for a in (args, kwargs)):
-            raise ValueError(
-                "scan=True: the blocks take array arguments besides the input; only Python flags can be shared"
-            )
-        layers = [_get(parent, p) for p in rel]
-        out, outs = _scan(layers, original, plan, x, args, kwargs)
-        _PENDING.get()[rel[0]] = _Pending(outs, out, (args, kwargs), 1, len(layers))
-        return out
-
     # _remat_kit_policy: compare/auto refuse a model that runs a policy of its own (inspection.refuse_baked_nnx).
-    return _subclass("first", cls, __call__, (plan,), _remat_kit_policy=plan.policy)
+    return _subclass("block", cls, __call__, (plan,), _remat_kit_policy=plan.policy)
 
 
-def _scan(layers: list[nnx.Module], original, plan: Plan, x, args: tuple, kwargs: dict):
-    """Run ``layers`` on ``x`` as one scan; write their updated state back; (first output, all outputs)."""
-    graphdef = nnx.graphdef(layers[0])
-    treedef = jax.tree.structure(nnx.state(layers[0]))
+def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x):
+    """Run ``layers`` (a run repeating a period) on ``x`` as one scan; write their updated state back.
+
+    Returns:
+      ``(the first block's output, each position's outputs stacked over the periods)``.
+    """
+    period = run.period
+    graphdefs = [nnx.graphdef(layer) for layer in layers[:period]]
+    treedefs = [jax.tree.structure(nnx.state(layer)) for layer in layers[:period]]
     leaves = [jax.tree.leaves(nnx.state(layer)) for layer in layers]
     # A Variable held by every layer (a shared RNG stream) is carried through the scan, the others stacked.
     held = [_leaf_variables(layer) for layer in layers]
-    shared = set.intersection(*[{id(v) for v in vs} for vs in held])
-    carried = [id(v) in shared for v in held[0]]
-    is_param = [isinstance(v, nnx.Param) for v in held[0]]
-    names = [join(state_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(layers[0]))[0]]
-    stacked = [jnp.stack([lv[j] for lv in leaves]) for j in range(len(carried)) if not carried[j]]
-    carry0 = [leaves[0][j] for j in range(len(carried)) if carried[j]]
-    stack_names = [names[j] if is_param[j] else None for j in range(len(carried)) if not carried[j]]
+    shared_ids = set.intersection(*[{id(v) for v in vs} for vs in held])
+    shared = list(dict.fromkeys(id(v) for vs in held[:period] for v in vs if id(v) in shared_ids))
+    # Per position: each leaf's place in the carry, or None for a stacked leaf.
+    carry_at = [[shared.index(id(v)) if id(v) in shared_ids else None for v in held[j]] for j in range(period)]
+    carry0 = [None] * len(shared)
+    for j in range(period):
+        for leaf, at in zip(leaves[j], carry_at[j], strict=True):
+            if at is not None and carry0[at] is None:
+                carry0[at] = leaf
+    stacked = [
+        [jnp.stack([lv[i] for lv in leaves[j::period]]) for i, at in enumerate(carry_at[j]) if at is None]
+        for j in range(period)
+    ]
+    stack_names = []
+    for j in range(period):
+        paths = jax.tree_util.tree_flatten_with_path(nnx.state(layers[j]))[0]
+        params = [isinstance(v, nnx.Param) for v in held[j]]
+        stack_names.append(
+            [join(state_keys(p)) if params[i] else None for i, (p, _) in enumerate(paths) if carry_at[j][i] is None]
+        )
 
-    def layer_call(layer_stack, h, carry):
-        it_s, it_c = iter(layer_stack), iter(carry)
-        full = [next(it_c) if carried[j] else next(it_s) for j in range(len(carried))]
-        layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, full))
-        y = call_naming_submodules(original, layer, (h, *args), kwargs)
+    def layer_call(j, layer_stack, h, carry):
+        it_s = iter(layer_stack)
+        full = [carry[at] if at is not None else next(it_s) for at in carry_at[j]]
+        layer = nnx.merge(graphdefs[j], jax.tree.unflatten(treedefs[j], full))
+        args, kwargs = run.calls[j].fill((h,), {})
+        y = call_naming_submodules(originals[j], layer, args, kwargs)
         new = jax.tree.leaves(nnx.state(layer))
-        return (
-            y,
-            [new[j] for j in range(len(carried)) if carried[j]],
-            [new[j] for j in range(len(carried)) if not carried[j]],
-        )
+        new_carry = list(carry)
+        for leaf, at in zip(new, carry_at[j], strict=True):
+            if at is not None:
+                new_carry[at] = leaf
+        return y, new_carry, [leaf for leaf, at in zip(new, carry_at[j], strict=True) if at is None]
 
-    def step(layer_stack, hc, i):
-        h, carry = hc
-        names_all = stack_names + [None] * (len(jax.tree.leaves(h)) + len(carry))
-        named, _ = _jax_internals.name_param_matmuls(layer_call, names_all, layer_stack, h, carry)
-        y, new_carry, new_stack = named(layer_stack, h, carry)
-        return (y, new_carry), (y, new_stack)
+    def names(j, h, carry):
+        return stack_names[j] + [None] * (len(jax.tree.leaves(h)) + len(carry))
 
-    policy = plan.policy
+    def make_step(j):
+        def step(layer_stack, hc, i):
+            h, carry = hc
+            call = functools.partial(layer_call, j)
+            named, _ = _jax_internals.name_param_matmuls(call, names(j, h, carry), layer_stack, h, carry)
+            y, new_carry, new_stack = named(layer_stack, h, carry)
+            return (y, new_carry), (y, new_stack)
+
+        return step
+
+    policy, positions = plan.policy, None
     if policy.tags:
-        first = [a[0] for a in stacked]
-        _, jaxpr = _jax_internals.name_param_matmuls(
-            layer_call, stack_names + [None] * (len(jax.tree.leaves(x)) + len(carry0)), first, x, carry0
-        )
-        emitted = frozenset(t for t, *_ in _jax_internals.jaxpr_tags(jaxpr))
-        where = f"{type(layers[0]).__name__} block"
-        policy = tags.resolve(policy, emitted, where)
-        tags.check(policy, emitted, where)
-    (_, carry), (outs, new_stack) = _layers.run(policy, len(layers), step, stacked, (x, carry0))
+        emitted = []
+        for j in range(period):
+            first = [a[0] for a in stacked[j]]
+            call = functools.partial(layer_call, j)
+            _, jaxpr = _jax_internals.name_param_matmuls(call, names(j, x, carry0), first, x, carry0)
+            emitted.append(frozenset(t for t, *_ in _jax_internals.jaxpr_tags(jaxpr)))
+        where = [f"{type(layers[j]).__name__} block {join(run.rels[j])}" for j in range(period)]
+        if isinstance(policy, Policy) and policy.plan(len(layers) // period).mode == "layer":
+            positions = [_resolved(policy, emitted[j], where[j]) for j in range(period)]
+        else:
+            policy = _resolved(policy, frozenset().union(*emitted), where[0])
+    steps = [make_step(j) for j in range(period)]
+    (_, carry), ys = _layers.run_periods(policy, len(layers) // period, steps, stacked, (x, carry0), positions)
     for k, layer in enumerate(layers):
-        it_s, it_c = iter(new_stack), iter(carry)
-        new = [next(it_c) if carried[j] else next(it_s)[k] for j in range(len(carried))]
-        nnx.update(layer, jax.tree.unflatten(treedef, new))
-    return jax.tree.map(lambda a: a[0], outs), outs
+        j, u = k % period, k // period
+        it_s = iter(ys[j][1])
+        new = [carry[at] if at is not None else next(it_s)[u] for at in carry_at[j]]
+        nnx.update(layer, jax.tree.unflatten(treedefs[j], new))
+    outs = tuple(y[0] for y in ys)
+    return jax.tree.map(lambda a: a[0], outs[0]), outs
 
 
 def _leaf_variables(layer: nnx.Module) -> list:
@@ -317,20 +490,20 @@ class Call:
         )
 
 
-def template(cls: type, args: tuple, kwargs: dict, static_argnames: frozenset[str]) -> Call:
+def template(fn: Any, args: tuple, kwargs: dict, static_argnames: frozenset[str]) -> Call:
     """A block call's :class:`Call`: its static arguments (as :func:`remat_kit.apply` splits them), holes for arrays.
 
     >>> import jax.numpy as jnp, flax.linen as nn
     >>> class B(nn.Module):
     ...     def __call__(self, x, is_local, deterministic=True):
     ...         return x
-    >>> template(B, (jnp.ones(2), True), {"deterministic": False}, frozenset()).describe()
+    >>> template(B.__call__, (jnp.ones(2), True), {"deterministic": False}, frozenset()).describe()
     'is_local=True, deterministic=False'
     """
-    rebuild, dyn_args, dyn_kwargs = split_static(cls.__call__, args, kwargs, static_argnames, is_static)
+    rebuild, dyn_args, dyn_kwargs = split_static(fn, args, kwargs, static_argnames, is_static)
     full_args, full_kwargs = rebuild((_HOLE,) * len(dyn_args), dict.fromkeys(dyn_kwargs, _HOLE))
     try:
-        names = tuple(_inspect.signature(cls.__call__).parameters)[1:]
+        names = tuple(_inspect.signature(fn).parameters)[1:]
     except (TypeError, ValueError):
         names = ()
     return Call(full_args, tuple(sorted(full_kwargs.items(), key=lambda kv: kv[0])), names)
@@ -505,10 +678,11 @@ def _linen_follow(run, module, path, spec: LinenRun, todo: _LinenPending | None,
         )
     statics = run.plan.static_argnames
     expected = spec.calls[k % spec.period]
-    if not template(type(module), args, kwargs, statics).same(expected):
+    call = template(type(module).__call__, args, kwargs, statics)
+    if not call.same(expected):
         raise ValueError(
-            f"scan=True: block {join(path)} is called with {template(type(module), args, kwargs, statics).describe()}, "
-            f"not {expected.describe()} as when the model was traced; use scan=False"
+            f"scan=True: block {join(path)} is called with {call.describe()}, not {expected.describe()} as when the "
+            "model was traced; use scan=False"
         )
     dyn_args, dyn_kwargs = _arrays(type(module), args, kwargs, statics)
     first_args, first_kwargs = todo.arrays
@@ -552,10 +726,11 @@ def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dic
     statics = run.plan.static_argnames
     if not args or is_static(args[0]):
         raise ValueError(f"scan=True: {where} takes no array input as its first argument; use scan=False")
-    if not template(type(module), args, kwargs, statics).same(spec.calls[0]):
+    call = template(type(module).__call__, args, kwargs, statics)
+    if not call.same(spec.calls[0]):
         raise ValueError(
-            f"scan=True: {where} is called with {template(type(module), args, kwargs, statics).describe()}, not "
-            f"{spec.calls[0].describe()} as when the model was traced; use scan=False"
+            f"scan=True: {where} is called with {call.describe()}, not {spec.calls[0].describe()} as when the model "
+            "was traced; use scan=False"
         )
     dyn_args, dyn_kwargs = _arrays(type(module), args, kwargs, statics)
     rest = dyn_args[1:]

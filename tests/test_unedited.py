@@ -197,12 +197,6 @@ def test_nnx_names_of_and_misspelt_path():
         applied(X)
 
 
-def test_nnx_scan_of_alternating_blocks_says_why_not():
-    applied = remat_kit.apply(um.NnxModel(rngs=nnx.Rngs(0)), "full", scan=True)
-    with pytest.raises(ValueError, match="same other arguments"):
-        applied(X)
-
-
 # ---- Linen scan=True -----------------------------------------------------------------------------------
 
 LINEN_SCAN = {

@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import remat_kit
+from remat_kit import _xla_dump
 from tests import unedited_models as um
 
 X = jax.random.normal(jax.random.key(1), (2, 6, 8))
@@ -32,10 +34,10 @@ def assert_leaves_close(got, want, rtol=RTOL):
 
 
 class SetupPeriod(nn.Module):
-    """Blocks in a ``setup`` list, Gemma 3's pattern in small: local, local, global, repeated; 7 layers leave a
-    remainder of one local block after two periods."""
+    """Blocks in a ``setup`` list, Gemma 3's pattern in small: local, local, global, repeated; 13 layers leave a
+    remainder of one local block after four periods."""
 
-    num_layers: int = 7
+    num_layers: int = 13
     pattern: tuple = (True, True, False)
 
     def setup(self):
@@ -71,7 +73,7 @@ class TwoTypes(nn.Module):
 
     @nn.compact
     def __call__(self, x, deterministic=True):
-        for i in range(4):
+        for i in range(8):
             x = (Local if i % 2 == 0 else Global)(name=f"layer_{i}")(x, deterministic)
         return x
 
@@ -81,12 +83,21 @@ def _loss(model, variables):
     return jnp.sum(out * T), state
 
 
+# Four periods each: every_n:2 then runs two scan steps of two periods, so XLA keeps the loop (it unrolls a
+# loop of one trip).
 MODELS = {
-    "inline-alternating": (lambda: um.InlineModel(num_layers=4), {}),  # [local, global] x 2
-    "setup-period3-remainder": (SetupPeriod, {}),  # [local, local, global] x 2 + local
-    "two-block-types": (TwoTypes, {"where": "layer_*"}),  # [Local, Global] x 2
+    "inline-alternating": (lambda: um.InlineModel(num_layers=8), {}),  # [local, global] x 4
+    "setup-period3-remainder": (SetupPeriod, {}),  # [local, local, global] x 4 + local
+    "two-block-types": (TwoTypes, {"where": "layer_*"}),  # [Local, Global] x 4
 }
 CASES = [(m, "every_n:2") for m in MODELS] + [("inline-alternating", "selective:attn/q_einsum,mlp/*")]
+STEPS = {"every_n:2": 2, "selective:attn/q_einsum,mlp/*": 4}  # scan steps over the four periods
+
+
+def scan_trips(compiled) -> set[int]:
+    """The trip counts of the compiled program's while loops (Dropout's key derivation loops too: 5 trips)."""
+    _, trips = _xla_dump.parse_hlo(compiled.as_text())
+    return {n for _, n in trips.values()}
 
 
 @pytest.mark.parametrize(("kind", "policy"), CASES, ids=[f"{k}-{p}" for k, p in CASES])
@@ -101,7 +112,7 @@ def test_a_period_of_blocks_scans_with_the_plain_models_gradients_tree_and_sow(k
     got, got_state = compiled(variables)
     assert_leaves_close(got, want)
     assert_leaves_close(got_state, want_state)  # sow'n intermediates: each block's own, the same values
-    assert "while" in compiled.as_text()  # the blocks run as a scan (a plain loop model compiles to none)
+    assert STEPS[policy] in scan_trips(compiled)  # the blocks run as a scan, one step per group of periods
     # The comparison sees every block: one block's gradient zeroed fails it.
     blocks = sorted(k for k in got["params"] if k not in ("final_norm",))
     zeroed = {**got, "params": {**got["params"], blocks[-1]: jax.tree.map(jnp.zeros_like, got["params"][blocks[-1]])}}
@@ -173,3 +184,92 @@ def test_the_cse_note_is_in_inspect_compare_without_none_and_auto(layout, noted)
     assert any(NOTE in n for n in result.notes) == noted, result.notes
     assert any(NOTE in line for line in result.table()) == noted
     assert (NOTE in " ".join(result.to_dict()["notes"])) == noted
+
+
+# ---- NNX: an nnx.List of layers ------------------------------------------------------------------------
+
+
+class NnxPattern(nnx.Module):
+    """``self.layers`` an ``nnx.List`` of one block class; layer ``i`` is local when ``pattern[i % len]``."""
+
+    def __init__(self, num_layers, pattern, *, rngs):
+        self.layers = nnx.List([um.NnxBlock(8, rngs=rngs) for _ in range(num_layers)])
+        self.pattern = pattern
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x, self.pattern[i % len(self.pattern)])
+        return x
+
+
+class NnxGlobal(nnx.Module):
+    """Another block type: other parameters, attention over the whole sequence, its own dropout."""
+
+    def __init__(self, d, *, rngs):
+        self.pre_attention_norm = nnx.RMSNorm(d, rngs=rngs)  # pre-norms keep eight layers well conditioned
+        self.attn = um.NnxAttention(d, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+        self.pre_ffw_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.mlp = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x, is_local=False):
+        x = x + self.dropout(self.attn(self.pre_attention_norm(x), is_local))
+        return x + self.mlp(jax.nn.gelu(self.pre_ffw_norm(x)))
+
+
+class NnxLocal(NnxGlobal):
+    def __call__(self, x):
+        return super().__call__(x, True)
+
+
+class NnxTwoTypes(nnx.Module):
+    def __init__(self, *, rngs):
+        self.layers = nnx.List([(NnxLocal if i % 2 == 0 else NnxGlobal)(8, rngs=rngs) for i in range(8)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _nnx_grads(model):
+    """The gradient w.r.t. the parameters and the RNG counts after the step, from one compile; its HLO text."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, rest):
+        m = nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))  # fresh Variables, updatable here
+        return jnp.sum(m(X) * T), nnx.state(m, nnx.RngCount)
+
+    compiled = jax.jit(jax.grad(loss, has_aux=True)).lower(params, rest).compile()
+    grads, counts = compiled(params, rest)
+    return grads, counts, scan_trips(compiled)
+
+
+NNX_MODELS = {
+    "list-alternating": (lambda: um.NnxModel(num_layers=8, rngs=nnx.Rngs(0)), {}),  # [local, global] x 4
+    "list-alternating-remainder": (lambda: NnxPattern(9, (True, False), rngs=nnx.Rngs(0)), {}),  # ... + local
+    "two-block-types": (lambda: NnxTwoTypes(rngs=nnx.Rngs(0)), {"where": "layers/*"}),
+}
+
+
+@pytest.mark.parametrize("kind", list(NNX_MODELS), ids=list(NNX_MODELS))
+def test_an_nnx_period_of_blocks_scans_with_the_plain_models_gradients_state_and_rng_counts(kind):
+    make, kwargs = NNX_MODELS[kind]
+    applied = remat_kit.apply(make(), "every_n:2", scan=True, **kwargs)
+    assert jax.tree.structure(nnx.state(applied)) == jax.tree.structure(nnx.state(make()))
+    want, want_counts, plain_trips = _nnx_grads(make())
+    got, got_counts, trips = _nnx_grads(applied)
+    assert_leaves_close(got, want)
+    # Dropout drew from the shared stream as often as in the plain model (and the same keys: the gradients).
+    assert jax.tree.leaves(got_counts) == jax.tree.leaves(want_counts)
+    assert 2 in trips and 2 not in plain_trips  # the blocks run as a scan: two steps of two periods each
+    zeroed = jax.tree.map(lambda a: a, got)
+    zeroed["layers"][7] = jax.tree.map(jnp.zeros_like, got["layers"][7])  # the last block of the last period
+    with pytest.raises(AssertionError):
+        assert_leaves_close(zeroed, want)
+
+
+def test_nnx_blocks_that_repeat_no_period_are_refused_naming_each_blocks_flags():
+    applied = remat_kit.apply(NnxPattern(3, (False, True, False, False), rngs=nnx.Rngs(0)), "full", scan=True)
+    with pytest.raises(ValueError, match=r"nor do they repeat a period.*layers/1 \(is_local=True"):
+        applied(X)

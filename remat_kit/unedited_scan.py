@@ -36,6 +36,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect as _inspect
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -101,17 +102,20 @@ class _Mark:
     index: int  # its place among all the blocks (for every_n when it runs on its own)
 
 
-def nnx_scan(model: nnx.Module, plan: Plan, found: list[tuple[tuple, nnx.Module]]) -> nnx.Module:
+def nnx_scan(
+    model: nnx.Module, plan: Plan, found: list[tuple[tuple, nnx.Module]], remat_class: Callable, run_block: Callable
+) -> nnx.Module:
     """Make the blocks of ``model`` (a copy) that repeat a period in one list run as one scan under ``plan``.
 
     Which blocks form a run is known only at call time, from their static arguments: each parent's call
-    is traced once per call signature (:func:`_schedule`). A block in no run is rematerialized on its own.
+    is traced once per call signature (:func:`_schedule`). A block in no run is rematerialized on its own:
+    alone in its list, its class becomes ``remat_class(cls, policy, static_argnames, applied)``; left out of
+    every run at call time, it runs ``run_block(block, original, policy, static_argnames, args, kwargs)``
+    (:mod:`remat_kit.unedited_nnx`'s, which imports this module).
 
     Raises:
       ValueError: no two consecutive blocks of one list (nothing could ever be scanned), naming them.
     """
-    from remat_kit import unedited_nnx  # it imports this module
-
     groups = _lists(found)
     if all(len(g) < 2 for g in groups):
         names = ", ".join(f"{join(p)} ({type(b).__name__})" for p, b in found)
@@ -126,9 +130,7 @@ def nnx_scan(model: nnx.Module, plan: Plan, found: list[tuple[tuple, nnx.Module]
         if len(group) < 2:
             _, block = group[0]
             index = order[id(block)]
-            block.__class__ = unedited_nnx.remat_class(
-                type(block), plan.policy_for(index), plan.static_argnames, plan.policy
-            )
+            block.__class__ = remat_class(type(block), plan.policy_for(index), plan.static_argnames, plan.policy)
             continue
         parent = _parent_path(model, group[0][0])
         parents.add(parent)
@@ -139,7 +141,7 @@ def nnx_scan(model: nnx.Module, plan: Plan, found: list[tuple[tuple, nnx.Module]
                 at, kinds = len(kinds), [*kinds, kind]
             object.__setattr__(block, "_remat_kit_mark", _Mark(parent, path[len(parent) :], at, order[id(block)]))
         for _, block in group:  # after every kind was read: the class is part of a graph
-            block.__class__ = _block_class(type(block), plan)
+            block.__class__ = _block_class(type(block), plan, run_block)
     for parent in parents:
         node = _get(model, parent)
         object.__setattr__(node, "_remat_kit_path", parent)
@@ -289,7 +291,7 @@ class _Pending:
         return jax.tree.map(lambda a: a[k // self.run.period], self.outs[k % self.run.period])
 
 
-def _block_class(cls: type, plan: Plan) -> type:
+def _block_class(cls: type, plan: Plan, run_block: Callable) -> type:
     original = cls.__call__
 
     def __call__(self, *args, **kwargs):
@@ -302,12 +304,10 @@ def _block_class(cls: type, plan: Plan) -> type:
         if state is None or getattr(state.parent, "_remat_kit_path", None) != mark.parent:
             raise ValueError("scan=True: the blocks were called outside their parent module's __call__")
         if mark.rel not in state.runs:  # in no run: on its own, under the policy
-            from remat_kit import unedited_nnx  # it imports this module
-
             policy = plan.policy_for(mark.index)
             if policy is None:
                 return original(self, *args, **kwargs)
-            return unedited_nnx.run_block(self, original, policy, plan.static_argnames, args, kwargs)
+            return run_block(self, original, policy, plan.static_argnames, args, kwargs)
         run, k = state.runs[mark.rel]
         call = template(original, args, kwargs, plan.static_argnames)
         if not call.same(run.calls[k % run.period]):
@@ -340,7 +340,7 @@ def _block_class(cls: type, plan: Plan) -> type:
         return pending.last
 
     # _remat_kit_policy: compare/auto refuse a model that runs a policy of its own (inspection.refuse_baked_nnx).
-    return _subclass("block", cls, __call__, (plan,), _remat_kit_policy=plan.policy)
+    return _subclass("block", cls, __call__, (plan, run_block), _remat_kit_policy=plan.policy)
 
 
 def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x):

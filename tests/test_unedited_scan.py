@@ -174,6 +174,8 @@ NOTE = "XLA removed most of the recompute"
 
 @pytest.mark.parametrize(("layout", "noted"), [("loop", True), ("scan", False)], ids=["python-loop", "scanned"])
 def test_the_cse_note_is_in_inspect_compare_without_none_and_auto(layout, noted):
+    if noted and jax.default_backend() != "cpu":
+        pytest.skip("the merge of a loop's recompute is XLA:CPU's")
     make = _make_loss(layout)
     report = remat_kit.inspect(make("full"), WS, XS)
     assert any(NOTE in n for n in report.notes) == noted, report.notes

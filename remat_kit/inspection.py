@@ -614,9 +614,10 @@ def compare(
     refuse_baked_nnx(args, "compare")
     args = abstract(args)
     nums = check_argnums(argnums, len(args))
-    for p in pool:
-        check_loss(make_loss(p), args)
-    measured = [_measure(make_loss(p), args, nums, str(p), explain) for p in pool]
+    losses = [make_loss(p) for p in pool]
+    for loss_fn in losses:  # every row's errors before the first compile
+        check_loss(loss_fn, args)
+    measured = [_measure(loss_fn, args, nums, str(p), explain) for p, loss_fn in zip(pool, losses, strict=True)]
     reports = tuple(r for r, _ in measured)
     specs = tuple(str(p) for p in pool)
     if "none" in specs:

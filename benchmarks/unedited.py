@@ -1,9 +1,10 @@
 """Compile-only memory of an unedited model under remat_kit.apply: plain vs applied, Python loop vs scanned.
 
-For each layout (Linen loop, Linen scanned, NNX loop, NNX scanned) and policy (none, selective by module path, full)
-it prints JAX's saved residual bytes and the compiled gradient's peak (arguments + outputs + temp),
-measured by remat_kit.compare (nothing is run). "plain" is the model without remat_kit. On CPU the
-loop rows show XLA's CSE at work: fewer residuals, the same peak; the scanned rows show the real saving.
+For each layout (Linen loop, Linen scanned, NNX loop, NNX scanned; "alt scanned": the blocks alternate local and
+global attention, scanned as [local, global] periods) and policy (none, selective by module path, full) it prints
+JAX's saved residual bytes and the compiled gradient's peak (arguments + outputs + temp), measured by
+remat_kit.compare (nothing is run). "plain" is the model without remat_kit. On CPU the loop rows show XLA's CSE
+at work: fewer residuals, the same peak; the scanned rows show the real saving.
 
     python benchmarks/unedited.py > benchmarks/results/unedited.txt
 """
@@ -36,18 +37,27 @@ def main() -> None:
     x = jax.ShapeDtypeStruct((BATCH, SEQ, WIDTH), jnp.float32)
     rows = []
 
-    linen = um.InlineModel(LAYERS, WIDTH, alternate=False)  # identical blocks: the scanned layout applies
+    linen = um.InlineModel(LAYERS, WIDTH, alternate=False)  # identical blocks
     variables = jax.eval_shape(lambda: linen.init(jax.random.key(0), jnp.zeros(x.shape)))
     rows.append(("linen loop", "plain", inspect(lambda v, x: jnp.sum(linen.apply(v, x) ** 2), variables, x)))
-    for layout, scan in (("linen loop", False), ("linen scanned", True)):
-        make = remat_kit.apply_factory(linen, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2), scan=scan)
+    alternating = um.InlineModel(LAYERS, WIDTH)  # local/global per layer: the same variables
+    for layout, scan, model in (
+        ("linen loop", False, linen),
+        ("linen scanned", True, linen),
+        ("linen alt scanned", True, alternating),
+    ):
+        make = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2), scan=scan)
         rows += [
             (layout, p, r)
             for p, r in zip(POLICIES, remat_kit.compare(make, POLICIES, variables, x).reports, strict=True)
         ]
 
-    for layout, scan in (("nnx loop", False), ("nnx scanned", True)):
-        model = um.NnxModel(LAYERS, WIDTH, alternate=False, rngs=nnx.Rngs(0))
+    for layout, scan, alternate in (
+        ("nnx loop", False, False),
+        ("nnx scanned", True, False),
+        ("nnx alt scanned", True, True),
+    ):
+        model = um.NnxModel(LAYERS, WIDTH, alternate=alternate, rngs=nnx.Rngs(0))
         params = nnx.state(model, nnx.Param)
         if not scan:
             graphdef, _, rest = nnx.split(model, nnx.Param, ...)
@@ -60,9 +70,9 @@ def main() -> None:
             (layout, p, r) for p, r in zip(POLICIES, remat_kit.compare(make, POLICIES, params, x).reports, strict=True)
         ]
 
-    print(f"{'layout':<14} {'policy':<58} {'saved':>10} {'peak':>10}")
+    print(f"{'layout':<18} {'policy':<58} {'saved':>10} {'peak':>10}")
     for layout, policy, r in rows:
-        print(f"{layout:<14} {policy:<58} {fmt_bytes(r.saved_bytes):>10} {fmt_bytes(r.peak_bytes):>10}")
+        print(f"{layout:<18} {policy:<58} {fmt_bytes(r.saved_bytes):>10} {fmt_bytes(r.peak_bytes):>10}")
     print(f"# wall time {time.perf_counter() - start:.1f} s")
 
 

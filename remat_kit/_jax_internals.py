@@ -297,18 +297,96 @@ def first_remat_body(jaxpr):
     Either representation: a ``remat2`` equation's ``params["jaxpr"]`` or a remat3
     ``call_hi_primitive`` whose ``_prim`` is ``RematTraced``.
     """
+    for eqn in iter_eqns(jaxpr):
+        body = _remat_body(eqn)
+        if body is not None:
+            return body
+    return None
+
+
+def _remat_body(eqn):
+    """The body of a rematerialized-call equation (either representation) as a ClosedJaxpr; None for others."""
     from jax.extend import core as _core  # ClosedJaxpr: public in jax.extend, its constructor is not
 
-    for eqn in iter_eqns(jaxpr):
-        name = eqn.primitive.name
-        body = None
-        if name in _REMAT_PRIMITIVES:
-            body = eqn.params["jaxpr"]
-        elif name == _HI_PRIMITIVE and type(eqn.params.get(_HI_PRIM_PARAM)).__name__ == _REMAT3_CALL_CLASS_NAME:
-            body = eqn.params[_HI_PRIM_PARAM].params["jaxpr"]
+    name = eqn.primitive.name
+    body = None
+    if name in _REMAT_PRIMITIVES:
+        body = eqn.params["jaxpr"]
+    elif name == _HI_PRIMITIVE and type(eqn.params.get(_HI_PRIM_PARAM)).__name__ == _REMAT3_CALL_CLASS_NAME:
+        body = eqn.params[_HI_PRIM_PARAM].params["jaxpr"]
+    if body is None:
+        return None
+    return body if hasattr(body, "consts") else _core.ClosedJaxpr(body, ())
+
+
+# Loops: XLA does not merge a loop body's recompute with the forward pass (they run in different loops).
+_LOOPS = frozenset({"scan", "while"})
+
+
+def remat_outside_loops(jaxpr) -> bool:
+    """Whether a (closed) jaxpr rematerializes anything outside a loop (scan, while), where XLA may CSE the
+    recompute with the forward pass (XLA:CPU does in a Python loop of blocks).
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = lambda x: jnp.sum(jax.checkpoint(jnp.sin)(x))
+    >>> remat_outside_loops(jax.make_jaxpr(f)(1.0))
+    True
+    >>> g = lambda x: jnp.sum(jax.lax.scan(lambda c, _: (jax.checkpoint(jnp.sin)(c), None), x, None, 2)[0])
+    >>> remat_outside_loops(jax.make_jaxpr(g)(1.0))
+    False
+    """
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if _remat_body(eqn) is not None:
+            return True
+        if eqn.primitive.name not in _LOOPS and any(remat_outside_loops(sub) for sub in subjaxprs(eqn)):
+            return True
+    return False
+
+
+def without_remat(fn: Callable) -> Callable:
+    """``fn`` with every rematerialized call outside a loop evaluated inline: the same values and gradient, as
+    ``fn`` computes them without those remats (the ``none`` of the same function; remats inside a loop stay).
+
+    ``fn`` takes and returns pytrees of arrays.
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = lambda x: jnp.sum(jax.checkpoint(jnp.sin)(x))
+    >>> remat_outside_loops(jax.make_jaxpr(without_remat(f))(1.0)), float(without_remat(f)(0.0))
+    (False, 0.0)
+    """
+
+    def stripped(*args):
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        outs = _eval_inline_remat(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return stripped
+
+
+def _eval_inline_remat(jaxpr, consts, args) -> list[Any]:
+    from jax.extend import core as jex_core
+
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        body = _remat_body(eqn)
+        inner = eqn.params.get("jaxpr")
         if body is not None:
-            return body if hasattr(body, "consts") else _core.ClosedJaxpr(body, ())
-    return None
+            outs = _eval_inline_remat(body.jaxpr, body.consts, invals)
+        elif eqn.primitive.name in _INLINE_CALLS and hasattr(inner, "consts") and remat_outside_loops(inner):
+            outs = _eval_inline_remat(inner.jaxpr, inner.consts, invals)
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def vjp_jaxpr(body, policy: Callable | None):

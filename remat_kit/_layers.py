@@ -13,6 +13,9 @@ every layer stacked on axis 0, and the input. How the layers are grouped follows
 A depth not divisible by the group size runs its remainder as one more (length-1) scan. A
 :class:`~remat_kit.policies.Mix` runs its parts one after the other, each over its slice of the layers.
 
+Layers that repeat a *period* of block types (Gemma 3's local/global) run through :func:`run_periods`,
+one scan step per period; the two period stacks and ``remat_kit.apply(..., scan=True)`` share it.
+
 Grouped plans and mix parts index the *full* stacked variables inside each (checkpointed) step
 (:func:`layer_at`) instead of scanning over slices: a slice taken outside a checkpoint is saved as a
 residual (a copy of the weights), while the stacked variables themselves are forwarded for free.
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import names as _names
-from remat_kit.policies import Mix, Policy, keep_activations
+from remat_kit.policies import Mix, Policy, keep_activations, none
 
 #: ``step(layer_variables, h, i) -> (h, ys)``: one layer; ``h`` keeps its type, ``ys`` is stacked.
 Step = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
@@ -174,3 +177,66 @@ def _run_group(policy: Policy, mode: str, step: Step, variables, size: int, h, s
         h, rest = others(variables, h, start + 1)
         ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, rest)
     return h, ys
+
+
+def period_step(steps: list[Step]) -> Step:
+    """One step over a period of layers: ``steps[j](variables[j], h, i)`` runs position ``j`` as layer ``i``.
+
+    The result takes ``(variables, h, u)`` (``variables`` a sequence, one entry per position; ``u`` the
+    period) and returns ``(h, ys)``, ``ys[j]`` position ``j``'s; layer ``i`` is ``u * len(steps) + j``.
+
+    >>> step = period_step([lambda w, h, i: (h + w, i), lambda w, h, i: (h * w, i)])
+    >>> h, ys = step((1.0, 3.0), 1.0, 2)
+    >>> h, ys
+    (6.0, (4, 5))
+    """
+    size = len(steps)
+
+    def step(variables, h, u):
+        ys = []
+        for j, (one, v) in enumerate(zip(steps, variables, strict=True)):
+            h, y = one(v, h, u * size + j)
+            ys.append(y)
+        return h, tuple(ys)
+
+    return step
+
+
+def run_periods(
+    policy: Policy | Mix,
+    periods: int,
+    steps: list[Step],
+    variables: Any,
+    x: Any,
+    position_policies: list[Policy] | None = None,
+) -> tuple[Any, tuple]:
+    """Run ``periods`` repeats of a period of layers on ``x`` under one scan, rematerialized per ``policy``.
+
+    A per-layer policy (none, full, selective, offload, dots) wraps each block of the period on its own,
+    exactly as for one block type (``position_policies[j]``, where given, is position ``j``'s: the policy
+    resolved against that block's names); grouping policies (every_n, segments, sqrt_n) and a mix's
+    counts count *periods* (``every_n:2`` rematerializes every other period as a whole).
+
+    Args:
+      policy: the policy (checked against ``periods``).
+      periods: how many times the period repeats.
+      steps: ``steps[j](variables_j, h, i) -> (h, ys)``: position ``j`` of the period as layer ``i``.
+      variables: one entry per position, each stacked over the periods on axis 0.
+      x: the first layer's input.
+
+    Returns:
+      ``(output of the last layer, ys)``: ``ys[j]`` position ``j``'s ys stacked over the periods.
+
+    >>> import jax.numpy as jnp
+    >>> from remat_kit import policies
+    >>> steps = [lambda w, h, i: (h + w, i), lambda w, h, i: (h * w, i)]
+    >>> h, ys = run_periods(policies.parse("every_n:2"), 2, steps, (jnp.ones(2), jnp.full(2, 2.0)), 0.0)
+    >>> float(h), ys[1].tolist()
+    (6.0, [1, 3])
+    """
+    per_layer = isinstance(policy, Policy) and policy.plan(periods).mode == "layer"
+    if per_layer:
+        wrap = position_policies or [policy] * len(steps)
+        steps = [p.checkpoint(one, prevent_cse=False) for p, one in zip(wrap, steps, strict=True)]
+    # Per-layer policies wrap each block above; the scan over periods then adds nothing (none).
+    return run(none() if per_layer else policy, periods, period_step(steps), tuple(variables), x)

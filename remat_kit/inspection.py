@@ -414,7 +414,10 @@ def inspect(
         ``largest_at_peak`` and the ``timeline`` (the dump makes the compile a little slower).
 
     Returns:
-      An :class:`Inspection`.
+      An :class:`Inspection`. Where the loss rematerializes outside a loop (a Python loop of blocks) and JAX
+      keeps fewer residuals than the same loss without those remats (:func:`remat_kit._jax_internals.without_remat`),
+      that loss is compiled too (one more compile) and the report carries a note when XLA removed the recompute
+      (:func:`remat_kit.explain.cse_note`), or a warning when it compiles to the same peak and saved set.
 
     Raises:
       TypeError/ValueError: a non-callable or non-scalar loss, bad inputs or bad ``argnums``,
@@ -423,6 +426,25 @@ def inspect(
     nums = check_argnums(argnums, len(args))
     args = abstract(args)
     check_loss(loss_fn, args)
+    report, loops = _measure(loss_fn, args, nums, policy, explain)
+    if loops:
+        base = _baseline(_jax_internals.without_remat(loss_fn), args, nums, explain, report.saved_bytes)
+        report = report if base is None else _guardrail(report, base)
+    return report
+
+
+def _baseline(loss_fn: Callable, args: tuple, nums: tuple[int, ...], explain: bool, saved: int) -> Inspection | None:
+    """``loss_fn`` (a ``none`` baseline) measured, only if JAX keeps more for it than ``saved`` bytes (trace only)."""
+    if split_saved(residuals(loss_fn, *args, argnums=nums))[0] <= saved:
+        return None  # nothing dropped: there is no saving XLA could have removed
+    return _measure(loss_fn, args, nums, "none", explain)[0]
+
+
+def _measure(
+    loss_fn: Callable, args: tuple, nums: tuple[int, ...], policy: str | None, explain: bool
+) -> tuple[Inspection, bool]:
+    """:func:`inspect` of checked, abstract inputs, without a baseline: (report, whether the gradient
+    rematerializes outside a loop, where XLA may remove the recompute)."""
     start = time.perf_counter()
     rows = residuals(loss_fn, *args, argnums=nums)
     grad = jax.value_and_grad(loss_fn, argnums=nums if len(nums) > 1 else nums[0])
@@ -458,7 +480,7 @@ def inspect(
         warnings += explain_lib.dominance_warnings(
             explain_lib.state_at_peak(state, gradients=state), held.total, estimated=True
         )
-    return Inspection(
+    report = Inspection(
         residuals=rows,
         saved_bytes=saved,
         saved_host_bytes=host,
@@ -483,6 +505,7 @@ def inspect(
         peak_at=found.peak_at if found else "",
         host_at_peak=found.host_bytes if found else 0,
     )
+    return report, _jax_internals.remat_outside_loops(traced.jaxpr)
 
 
 def _leaf_bytes(tree) -> int:
@@ -564,7 +587,7 @@ class Comparison:
       policies: the policy specs, in order.
       reports: one report per policy, in the same order.
       base_flops: matmul FLOPs of the gradient under ``none`` (traced, not compiled, when ``none``
-        was not among the policies).
+        was neither among the policies nor measured for a guardrail).
     """
 
     policies: tuple[str, ...]
@@ -635,20 +658,18 @@ class Comparison:
         return {"base_flops": self.base_flops, "records": records}
 
 
-def _guardrails(specs: tuple[str, ...], reports: tuple[Inspection, ...]) -> tuple[Inspection, ...]:
-    """Each report with at most one guardrail against ``none``'s (``specs`` holds ``"none"``): a warning if it
-    compiles to ``none``'s peak and saved set (:func:`remat_kit.explain.noop_warning`), else a note if XLA's
-    CSE emptied its saving (:func:`remat_kit.explain.cse_note`)."""
-    base = reports[specs.index("none")]
-    noops = explain_lib.noop_warnings(dict(zip(specs, reports, strict=True)))
-    out = []
-    for spec, r in zip(specs, reports, strict=True):
-        if w := noops.get(spec):
-            r = dataclasses.replace(r, warnings=(w, *r.warnings))
-        elif note := explain_lib.cse_note(r.policy, base.saved_bytes - r.saved_bytes, base.temp_bytes - r.temp_bytes):
-            r = dataclasses.replace(r, notes=(*r.notes, note))
-        out.append(r)
-    return tuple(out)
+def _guardrail(r: Inspection, base: Inspection) -> Inspection:
+    """``r`` with at most one guardrail against ``base`` (``none``'s): a warning if it compiles to its peak and
+    saved set (:func:`remat_kit.explain.noop_warning`), else a note if XLA's CSE emptied its saving
+    (:func:`remat_kit.explain.cse_note`)."""
+    label = r.policy or "the remat in this loss"
+    if w := explain_lib.noop_warning(
+        label, r.peak_bytes, explain_lib.saved_set(r), base.peak_bytes, explain_lib.saved_set(base)
+    ):
+        return dataclasses.replace(r, warnings=(w, *r.warnings))
+    if note := explain_lib.cse_note(label, base.saved_bytes - r.saved_bytes, base.temp_bytes - r.temp_bytes):
+        return dataclasses.replace(r, notes=(*r.notes, note))
+    return r
 
 
 def compare(
@@ -662,9 +683,12 @@ def compare(
       *args, argnums, explain: as :func:`inspect`.
 
     Returns:
-      A :class:`Comparison`; recompute FLOPs are measured against ``none`` (traced for the
-      purpose when it is not in ``policies``). With ``none`` among the policies, one that compiles to its
-      peak and saved set carries a warning: it did nothing (:func:`remat_kit.explain.noop_warning`).
+      A :class:`Comparison`; recompute FLOPs are measured against ``none``. Each row carries at most one
+      guardrail against ``none``: a warning when it compiles to its peak and saved set (it did nothing:
+      :func:`remat_kit.explain.noop_warning`), else a note when XLA removed its recompute
+      (:func:`remat_kit.explain.cse_note`). Without ``none`` among the policies it is measured for this
+      (one more compile) where a row rematerializes outside a loop and keeps less than it; otherwise its
+      FLOPs are traced.
 
     Raises:
       TypeError: an argument is an NNX module holding a policy of its own (a ``remat_kit.nnx.stack``,
@@ -680,11 +704,20 @@ def compare(
     check_argnums(argnums, len(args))
     refuse_baked_nnx(args, "compare")
     args = abstract(args)
-    reports = tuple(inspect(make_loss(p), *args, argnums=argnums, policy=str(p), explain=explain) for p in pool)
+    nums = check_argnums(argnums, len(args))
+    losses = [make_loss(p) for p in pool]
+    for loss_fn in losses:  # every row's errors before the first compile
+        check_loss(loss_fn, args)
+    measured = [_measure(loss_fn, args, nums, str(p), explain) for p, loss_fn in zip(pool, losses, strict=True)]
+    reports = tuple(r for r, _ in measured)
     specs = tuple(str(p) for p in pool)
     if "none" in specs:
-        reports = _guardrails(specs, reports)
-        base = reports[specs.index("none")].flops
+        base = reports[specs.index("none")]
+    elif any(loops for _, loops in measured):  # XLA may have removed a row's recompute: measure none to tell
+        base = _baseline(make_loss(policies_lib.none()), args, nums, explain, min(r.saved_bytes for r in reports))
     else:
-        base = gradient_flops(make_loss(policies_lib.none()), *args, argnums=argnums)
-    return Comparison(policies=specs, reports=reports, base_flops=base)
+        base = None
+    if base is not None:
+        reports = tuple(_guardrail(r, base) for r in reports)
+    flops = base.flops if base is not None else gradient_flops(make_loss(policies_lib.none()), *args, argnums=argnums)
+    return Comparison(policies=specs, reports=reports, base_flops=flops)

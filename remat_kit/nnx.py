@@ -205,57 +205,38 @@ class PeriodStack(nnx.Module):
           ValueError: the policy names a tag the blocks never emit.
         """
         periods = self.num_layers // len(self.positions)
-        size = len(self.positions)
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
-        # Call-time RNG streams: {leaf position: {stream: [periods, P] keys}}, one key per layer.
+        # Call-time RNG streams: {leaf position: {stream: [num_layers] keys}}, one key per layer.
         keys = {}
         for j, leaf in enumerate(leaves):
             if isinstance(leaf, nnx.Rngs):
-                keys[j] = {
-                    name: jax.random.split(stream(), self.num_layers).reshape(periods, size)
-                    for name, stream in leaf.items()
-                }
+                keys[j] = {name: jax.random.split(stream(), self.num_layers) for name, stream in leaf.items()}
             elif nnx.graph.is_graph_node(leaf):
                 raise TypeError(
                     f"a period stack's extra call arguments must be arrays, Python values or nnx.Rngs, got "
                     f"{type(leaf).__name__}; give the blocks their modules in make_block(rngs)"
                 )
-        per_layer = isinstance(self.policy, Policy) and self.policy.plan(periods).mode == "layer"
         splits = [nnx.split(layers, nnx.Param, ...) for layers in self.positions]
-        graphdefs = [g for g, _, _ in splits]
 
-        def block(graphdef, variables, h, layer_keys):
+        def block(graphdef, variables, h, i):
             layer = nnx.merge(graphdef, *variables)
             merged = list(leaves)
-            for j, streams in layer_keys.items():
+            for j, streams in _layers.layer_at(keys, i).items():
                 merged[j] = nnx.Rngs(**streams)
             a, kw = jax.tree.unflatten(treedef, merged)
             h = layer(_layers.tag_input(h), *a, **kw)
             return h, nnx.split(layer, nnx.Param, ...)[2]
 
-        blocks = [
-            self.policy.checkpoint(functools.partial(block, g), prevent_cse=False)
-            if per_layer
-            else functools.partial(block, g)
-            for g in graphdefs
-        ]
-
-        def step(variables, h, u):
-            period_keys = _layers.layer_at(keys, u)  # [P] keys of period u
-            updated = []
-            for at, (run, v) in enumerate(zip(blocks, variables, strict=True)):
-                h, rest = run(v, h, jax.tree.map(lambda k, at=at: k[at], period_keys))
-                updated.append(rest)
-            return h, tuple(updated)
-
+        steps = [functools.partial(block, g) for g, _, _ in splits]
+        variables = tuple((p, o) for _, p, o in splits)
         for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
             if _tags.needs_check(policy):
-                one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), [(p, o) for _, p, o in splits])
-                emitted = _tags.emitted_tags(lambda v, h: step(v, h, jnp.int32(0))[0], one, wrap_nnx.abstract(x))
+                one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
+                emitted = _tags.emitted_tags(
+                    lambda v, h: _layers.period_step(steps)(v, h, jnp.int32(0))[0], one, wrap_nnx.abstract(x)
+                )
                 _tags.check(policy, emitted, "+".join(type(layers).__name__ for layers in self.positions))
-        unit = parse("none") if per_layer else self.policy
-        variables = tuple((p, o) for _, p, o in splits)
-        h, updated = _layers.run(unit, periods, step, variables, x)
+        h, updated = _layers.run_periods(self.policy, periods, steps, variables, x)
         for layers, rest in zip(self.positions, updated, strict=True):
             nnx.update(layers, rest)
         return h

@@ -208,51 +208,42 @@ class PeriodStack(nn.Module):
         variables = {col: tree["layers"] for col, tree in self.variables.items() if "layers" in tree}
         keys = {s: self.make_rng(s) for s in streams}
         mutable = subtract_filters(self.scope.mutable, "params")
-        per_layer = isinstance(self.policy, Policy) and self.policy.plan(periods).mode == "layer"
 
-        def run_period(v, h, u):
-            mutated_all: dict[str, dict[str, Any]] = {}
-            for j, layer in enumerate(layers):
-                mine = {col: tree[str(j)] for col, tree in v.items() if str(j) in tree}
+        def one(layer, mine, h, i):
+            h = _layers.tag_input(h)
+            rngs = {s: jax.random.fold_in(k, i) for s, k in keys.items()}
+            if mutable is False:
+                y, mutated = layer.apply(mine, h, *args, rngs=rngs, **kwargs), {}
+            else:
+                y, mutated = layer.apply(mine, h, *args, rngs=rngs, mutable=mutable, **kwargs)
+            if not _same_type(y, h):
+                raise ValueError(
+                    f"{type(layer).__name__} returns {_describe(y)} for an input {_describe(h)}; a block of a "
+                    f"period stack must return a value with its input's shape and dtype"
+                )
+            return y, mutated
 
-                def one(mine, h, i, layer=layer):
-                    h = _layers.tag_input(h)
-                    rngs = {s: jax.random.fold_in(k, i) for s, k in keys.items()}
-                    if mutable is False:
-                        return layer.apply(mine, h, *args, rngs=rngs, **kwargs), {}
-                    return layer.apply(mine, h, *args, rngs=rngs, mutable=mutable, **kwargs)
-
-                if per_layer:
-                    one = self.policy.checkpoint(one, prevent_cse=False)
-                y, mutated = one(mine, h, u * period + j)
-                if not _same_type(y, h):
-                    raise ValueError(
-                        f"{type(layer).__name__} returns {_describe(y)} for an input {_describe(h)}; a block of a "
-                        f"period stack must return a value with its input's shape and dtype"
-                    )
-                h = y
-                for col, tree in mutated.items():
-                    mutated_all.setdefault(col, {})[str(j)] = tree
-            return h, mutated_all
-
+        steps = [functools.partial(one, layer) for layer in layers]
+        # Position j's variables: {col: tree["j"]}, each stacked over the periods.
+        positions = tuple(
+            {col: tree[str(j)] for col, tree in variables.items() if str(j) in tree} for j in range(period)
+        )
         names = "+".join(type(layer).__name__ for layer in layers)
         for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
             if tags.needs_check(policy):
-                one_period = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
+                one_period = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), positions)
                 tags.check_traced(
                     policy,
                     names,
-                    lambda v, h: run_period(v, h, jnp.int32(0)),
+                    lambda v, h: _layers.period_step(steps)(v, h, jnp.int32(0)),
                     one_period,
                     jax.ShapeDtypeStruct(x.shape, x.dtype),
                     key=_block_key(tuple(self.blocks), streams, args, kwargs),
                 )
-        # Per-layer policies wrap each block above; the scan over periods then adds nothing (none).
-        unit_policy = parse("none") if per_layer else self.policy
-        out, mutated = _layers.run(unit_policy, periods, run_period, variables, x)
+        out, mutated = _layers.run_periods(self.policy, periods, steps, positions, x)
         if not self.is_initializing():
-            for col, tree in mutated.items():
-                self.put_variable(col, "layers", tree)
+            for col in {c for m in mutated for c in m}:
+                self.put_variable(col, "layers", {str(j): m[col] for j, m in enumerate(mutated) if col in m})
         return out
 
 

@@ -54,7 +54,7 @@ import jax
 from flax import nnx
 from flax.core import lift
 
-from remat_kit import _jax_internals, unedited_nnx, unedited_scan
+from remat_kit import _jax_internals, tags, unedited_nnx, unedited_scan
 from remat_kit._unedited import (
     Collector,
     Plan,
@@ -83,9 +83,10 @@ def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = 
         twice) among the children of the shallowest module that repeats one.
       static_argnames: names of block ``__call__`` arguments to treat as static (Python values are
         detected anyway: any argument holding no array is static, never traced).
-      scan: run consecutive identical blocks as one ``lax.scan`` over their stacked parameters (the
-        model's own parameter layout is kept); a model that cannot be scanned unedited is a
-        ValueError saying why.
+      scan: run consecutive blocks that repeat a period (identical ones, or Gemma 3's local/global
+        ones whose class, attributes or static flags alternate) as one ``lax.scan`` over their stacked
+        parameters, one step per period (the model's own parameter layout is kept; a grouping policy
+        counts periods); a model that cannot be scanned unedited is a ValueError saying why.
 
     Returns:
       Linen: an :class:`Applied` with the model's ``init``/``apply``/``init_with_output``. NNX: a copy
@@ -127,6 +128,7 @@ class _Run:
     plan: Plan
     matcher: Where | None
     discovered: list | None = None  # (path, class, module) of every module called, while finding the blocks
+    calls: list = dataclasses.field(default_factory=list)  # scan=True: each of those calls' static arguments
     collect: Collector | None = None  # names_of: gather names instead of rematerializing
     index: int = 0  # blocks started so far, in call order
     block: tuple[str, ...] | None = None  # path of the block being run, while inside it
@@ -152,6 +154,7 @@ class Applied:
         self.module = module
         self.plan = plan
         self._matcher = plan.where
+        self._traces: dict = {}  # (method, call signature) -> the discovery trace's (found, calls)
 
     def init(self, *args, **kwargs):
         """The model's ``init`` (runs plainly: remat changes no variable)."""
@@ -175,10 +178,7 @@ class Applied:
         """The blocks: ``where=``, or the repeated block class found by tracing the call once (cached)."""
         if self._matcher is not None and getattr(self, "_checked", False):
             return self._matcher
-        run = _Run(self.plan, None, discovered=[])
-        with _running(run):
-            trace_only(getattr(self.module, method), args, kwargs)
-        found = run.discovered
+        found, _ = self._discover(method, args, kwargs)
         matcher = self._matcher or Where(classes=(repeated_block([(p, c) for p, c, _ in found]),))
         blocks = [module for path, _, module in found if path and matcher(module, join(path))]
         if not blocks:
@@ -187,13 +187,31 @@ class Applied:
                 f"where={matcher} matches no module of {type(self.module).__name__}; its modules: {listed}"
             )
         check_static_argnames(self.plan.static_argnames, [type(b) for b in blocks])
-        self._matcher, self._checked, self._found = matcher, True, found
+        self._matcher, self._checked = matcher, True
         return matcher
+
+    def _discover(self, method: str, args: tuple, kwargs: dict) -> tuple[list, list]:
+        """Every module call of one trace of the call (nothing compiled): ``(found, calls)``, cached per signature.
+
+        ``found`` holds ``(path, class, module)``; with ``scan=True``, ``calls`` each call's static arguments
+        (:func:`remat_kit.unedited_scan.template`): a scan runs every block of a period at the first one's
+        call, so it needs the later blocks' static arguments from here.
+        """
+        sig = tags.signature((args, kwargs))
+        key = None if sig is None else (method, sig)
+        if key is None or key not in self._traces:
+            run = _Run(self.plan, None, discovered=[])
+            with _running(run):
+                trace_only(getattr(self.module, method), args, kwargs)
+            if key is None:
+                return run.discovered, run.calls
+            self._traces[key] = (run.discovered, run.calls)
+        return self._traces[key]
 
     def _run(self, method: str, args: tuple, kwargs: dict):
         run = _Run(self.plan, self.matcher(method, args, kwargs))
         if self.plan.scan:
-            unedited_scan.linen_run(run, self._found, _remat_block)
+            unedited_scan.linen_run(run, *self._discover(method, args, kwargs), _remat_block)
         with _running(run):
             out = getattr(self.module, method)(*args, **kwargs)
         unedited_scan.linen_finish(run)
@@ -224,6 +242,8 @@ def _intercept(next_fun, args, kwargs, context):
     if run.discovered is not None:
         if method == "__call__":
             run.discovered.append((tuple(module.path), type(module), module))
+            if run.plan.scan:
+                run.calls.append(unedited_scan.template(type(module).__call__, args, kwargs, run.plan.static_argnames))
         return next_fun(*args, **kwargs)
     if run.block is not None:
         if run.entering and method == "__call__":

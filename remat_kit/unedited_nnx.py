@@ -64,7 +64,7 @@ def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
     found = blocks(copy, plan.where)
     check_static_argnames(plan.static_argnames, [type(b) for _, b in found])
     if plan.scan:
-        return unedited_scan.nnx_scan(copy, plan, found)
+        return unedited_scan.nnx_scan(copy, plan, found, remat_class, run_block)
     for index, (_, block) in enumerate(found):
         policy = plan.policy_for(index)
         block.__class__ = remat_class(type(block), policy, plan.static_argnames, plan.policy)

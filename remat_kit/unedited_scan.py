@@ -1,28 +1,42 @@
-"""``remat_kit.apply(..., scan=True)`` for NNX: consecutive identical blocks of an unedited model as one scan.
+"""``remat_kit.apply(..., scan=True)``: consecutive blocks of an unedited model that repeat a period, as one scan.
 
 XLA:CPU strips the recompute out of a Python loop of rematerialized blocks (CSE), so a loop model's
 compiled memory does not drop however little the policy keeps; under a ``lax.scan`` it does. The
-model's code still loops (``for layer in self.layers: x = layer(x)``): the first block of a run of
-identical ones computes the whole run as one scan over the blocks' stacked state (stacked inside the
-call: the model's own layout, hence its checkpoints, is unchanged) and returns its own output; each
-later block checks that it is called with the previous block's output and the same static arguments
-and returns its precomputed output. Anything else (code between the calls, other arguments) is a
-ValueError saying why the model cannot be scanned unedited. State shared by every block (one
-``nnx.Rngs`` stream held by every Dropout) is carried through the scan, so RNG draws match the loop.
+model's code still loops (``for layer in self.layers: x = layer(x, is_local)``). Its blocks may repeat a
+*period* (Gemma 3's local/global attention: the block's class, attributes or a static Python flag
+alternate per layer): a trace of the parent's call (nothing compiled, once per call signature) records
+every block call's static arguments (:func:`template`), and consecutive blocks whose calls repeat a
+period at least twice form a run (:func:`_period`: the period covering the most blocks; a remainder that
+breaks it starts the next run or runs block by block under the policy). The first block of a run
+computes the whole run as one scan over the blocks' stacked state, one stack per position of the period
+(stacked inside the call: the model's own layout, hence its checkpoints, is unchanged), through
+:func:`remat_kit._layers.run_periods` (shared with the period stacks: a per-layer policy wraps each
+block, a grouping one counts periods), and returns its own output; each later block checks that it is
+called with the previous block's output and the static arguments it was traced with, and returns its
+precomputed output. Anything else (code between the calls, other arguments) is a ValueError saying why
+the model cannot be scanned unedited.
 
-Linen models run the same way (:func:`linen_run`): a run is consecutive calls of blocks of one class
-with equal attributes under one parent; the first reads every block's variables from the parent
-(the model's own tree), stacks them, and scans one functional ``apply`` of the block over them.
-Array arguments besides the input must be the same for every block (they are broadcast); RNG
-streams draw each layer's plain key (derived from its path, as Flax does:
+NNX (:func:`nnx_scan`): the blocks of one ``nnx.List`` at consecutive indices; a block's kind is
+its graph (class, static attributes) and state shapes. State shared by every block (one ``nnx.Rngs``
+stream held by every Dropout) is carried through the scan, so RNG draws match the loop.
+
+Linen (:func:`linen_run`, runs by :func:`linen_runs`): blocks under one parent called one after the
+other; a block's kind is its class and attributes. The run's first block reads every block's variables
+from the parent (the model's own tree) and scans one functional ``apply`` per position over them.
+Array arguments besides the input must be the same for every block (they are broadcast); RNG streams
+draw each layer's plain key (derived from its path, as Flax does:
 :func:`remat_kit._jax_internals.linen_block_rngs`); mutable collections the blocks write (``sow``,
 ``batch_stats``, a cache) come out stacked and are written back into each block's own scope.
 """
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
+import functools
+import inspect as _inspect
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -31,23 +45,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from remat_kit import _jax_internals, _layers, tags
-from remat_kit._unedited import Plan, call_naming_submodules, split_static
+from remat_kit._unedited import Plan, call_naming_submodules, split_static, trace_only
 from remat_kit.pathnames import join, state_keys
+from remat_kit.policies import Mix, Policy
 from remat_kit.wrap_nnx import is_static
 
-#: The parent module whose call is running (where a run's first block finds the others).
-_PARENT: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_kit_scan_parent", default=None)
-#: Precomputed outputs awaiting the later blocks of a run: id(first block) -> _Pending.
-_PENDING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("remat_kit_scan_pending", default=None)
-
-
-@dataclasses.dataclass
-class _Pending:
-    outs: Any  # [n, ...] stacked outputs
-    last: Any  # the output handed to the model most recently
-    statics: Any
-    next: int
-    count: int
+#: The state of the running call of a parent module whose blocks are scanned (:class:`_CallState`).
+_CALL: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_kit_scan_call", default=None)
+#: While a parent's call is traced to find its blocks' static arguments: the list they are recorded in.
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("remat_kit_scan_record", default=None)
+#: (parent graphdef, signatures of its state and call) -> that call's runs: the discovery trace, once per signature.
+_SCHEDULES: collections.OrderedDict = collections.OrderedDict()
+_MAX_SCHEDULES = 64
 
 
 def _get(node, path):
@@ -65,34 +74,49 @@ def _parent_path(model: nnx.Module, path: tuple) -> tuple:
     return ()
 
 
-def runs(model: nnx.Module, found: list[tuple[tuple, nnx.Module]]) -> list[list[tuple[tuple, nnx.Module]]]:
-    """Split the blocks into runs of consecutive identical ones (same container, class and state shapes)."""
+def _lists(found: list[tuple[tuple, nnx.Module]]) -> list[list[tuple[tuple, nnx.Module]]]:
+    """The blocks split into groups at consecutive indices of one container (a list of layers)."""
     out: list[list] = []
     for path, block in found:
-        prev = out[-1][-1] if out else None
-        same = (
+        prev = out[-1][-1][0] if out else None
+        if (
             prev is not None
-            and path[:-1] == prev[0][:-1]
+            and path[:-1] == prev[:-1]
             and isinstance(path[-1], int)
-            and isinstance(prev[0][-1], int)
-            and path[-1] == prev[0][-1] + 1
-            and nnx.graphdef(block) == nnx.graphdef(prev[1])
-            and jax.tree.map(jnp.shape, nnx.state(block)) == jax.tree.map(jnp.shape, nnx.state(prev[1]))
-        )
-        if same:
+            and isinstance(prev[-1], int)
+            and path[-1] == prev[-1] + 1
+        ):
             out[-1].append((path, block))
         else:
             out.append([(path, block)])
     return out
 
 
-def nnx_scan(model: nnx.Module, plan: Plan, found: list[tuple[tuple, nnx.Module]]) -> nnx.Module:
-    """Make each run of identical blocks of ``model`` (a copy) run as one scan under ``plan.policy``.
+@dataclasses.dataclass(frozen=True)
+class _Mark:
+    """What a block of an NNX model applied with ``scan=True`` knows of itself (an attribute of the block)."""
+
+    parent: tuple  # its parent module's path in the model
+    rel: tuple  # its path in the parent
+    kind: int  # blocks of one kind share their graph (class, static attributes) and state shapes
+    index: int  # its place among all the blocks (for every_n when it runs on its own)
+
+
+def nnx_scan(
+    model: nnx.Module, plan: Plan, found: list[tuple[tuple, nnx.Module]], remat_class: Callable, run_block: Callable
+) -> nnx.Module:
+    """Make the blocks of ``model`` (a copy) that repeat a period in one list run as one scan under ``plan``.
+
+    Which blocks form a run is known only at call time, from their static arguments: each parent's call
+    is traced once per call signature (:func:`_schedule`). A block in no run is rematerialized on its own:
+    alone in its list, its class becomes ``remat_class(cls, policy, static_argnames, applied)``; left out of
+    every run at call time, it runs ``run_block(block, original, policy, static_argnames, args, kwargs)``
+    (:mod:`remat_kit.unedited_nnx`'s, which imports this module).
 
     Raises:
-      ValueError: no two consecutive blocks are identical (nothing to scan), naming how they differ.
+      ValueError: no two consecutive blocks of one list (nothing could ever be scanned), naming them.
     """
-    groups = runs(model, found)
+    groups = _lists(found)
     if all(len(g) < 2 for g in groups):
         names = ", ".join(f"{join(p)} ({type(b).__name__})" for p, b in found)
         loose = [join(p) for p, _ in found if not isinstance(p[-1], int)]
@@ -103,24 +127,31 @@ def nnx_scan(model: nnx.Module, plan: Plan, found: list[tuple[tuple, nnx.Module]
                 "or use scan=False"
             )
         raise ValueError(
-            f"scan=True: no two consecutive blocks are identical (same list, class and parameter shapes): {names}; "
-            "use scan=False"
+            f"scan=True: no two consecutive blocks are identical, nor do two sit at consecutive places of one list: "
+            f"{names}; use scan=False"
         )
+    kinds: list = []
+    order = {id(b): i for i, (_, b) in enumerate(found)}
     parents = set()
     for group in groups:
         if len(group) < 2:
+            _, block = group[0]
+            index = order[id(block)]
+            block.__class__ = remat_class(type(block), plan.policy_for(index), plan.static_argnames, plan.policy)
             continue
         parent = _parent_path(model, group[0][0])
         parents.add(parent)
-        rel = tuple(p[len(parent) :] for p, _ in group)
-        first = group[0][1]
-        object.__setattr__(first, "_remat_kit_run", rel)
-        first.__class__ = _first_class(type(first), plan)
-        for k, (_, block) in enumerate(group[1:], start=1):
-            object.__setattr__(block, "_remat_kit_follow", (rel[0], k))
-            block.__class__ = _follower_class(type(block))
+        for path, block in group:
+            kind = (nnx.graphdef(block), jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), nnx.state(block)))
+            at = next((i for i, k in enumerate(kinds) if _same(k, kind)), None)
+            if at is None:
+                at, kinds = len(kinds), [*kinds, kind]
+            object.__setattr__(block, "_remat_kit_mark", _Mark(parent, path[len(parent) :], at, order[id(block)]))
+        for _, block in group:  # after every kind was read: the class is part of a graph
+            block.__class__ = _block_class(type(block), plan, run_block)
     for parent in parents:
         node = _get(model, parent)
+        object.__setattr__(node, "_remat_kit_path", parent)
         node.__class__ = _parent_class(type(node))
     return model
 
@@ -139,115 +170,280 @@ def _subclass(kind: str, cls: type, call, key=(), **attrs) -> type:
     return _CLASSES[k]
 
 
+@dataclasses.dataclass(frozen=True)
+class NnxRun:
+    """Blocks of one list whose calls repeat a period: run as one scan.
+
+    Attributes:
+      rels: every block's path in the parent, in call order.
+      period: the blocks in one period.
+      calls: each position's :class:`Call` (its static arguments).
+    """
+
+    rels: tuple[tuple, ...]
+    period: int
+    calls: tuple[Call, ...]
+
+
+@dataclasses.dataclass
+class _CallState:
+    """One call of a parent: ``runs`` by each block's path (``(run, k)``: block ``k`` of it); outputs pending."""
+
+    parent: Any
+    runs: dict
+    pending: dict = dataclasses.field(default_factory=dict)
+
+
 def _parent_class(cls: type) -> type:
     original = cls.__call__
 
     def __call__(self, *args, **kwargs):
-        t1, t2 = _PARENT.set(self), _PENDING.set({})
+        if _RECORD.get() is not None:  # an outer parent's discovery trace: its blocks record themselves
+            return original(self, *args, **kwargs)
+        state = _CallState(self, _schedule(self, original, args, kwargs))
+        token = _CALL.set(state)
         try:
             out = original(self, *args, **kwargs)
-            left = [p for p in _PENDING.get().values() if p.next < p.count]
         finally:
-            _PARENT.reset(t1)
-            _PENDING.reset(t2)
-        if left:
-            raise ValueError(
-                f"scan=True: {type(self).__name__} called {left[0].next} of the {left[0].count} identical blocks "
-                "it holds; a model that skips blocks cannot be scanned unedited (use scan=False)"
-            )
+            _CALL.reset(token)
+        for todo in state.pending.values():
+            if todo.next < len(todo.run.rels):
+                raise ValueError(
+                    f"scan=True: {type(self).__name__} called {todo.next} of the {len(todo.run.rels)} blocks "
+                    f"{join(todo.run.rels[0])} .. {join(todo.run.rels[-1])} it was traced calling; a model that "
+                    "skips blocks cannot be scanned unedited (use scan=False)"
+                )
         return out
 
     return _subclass("parent", cls, __call__)
 
 
-def _follower_class(cls: type) -> type:
-    def __call__(self, x, *args, **kwargs):
-        first, k = self._remat_kit_follow
-        pending = (_PENDING.get() or {}).get(first)
-        if pending is None or pending.next != k:
-            raise ValueError(f"scan=True: block {join(first[:-1])}/{k} ran out of order; use scan=False")
-        if x is not pending.last or (args, kwargs) != pending.statics:
+def _schedule(parent: nnx.Module, original, args: tuple, kwargs: dict) -> dict:
+    """``{block path in parent: (NnxRun, k)}`` for this call: its blocks' calls traced once per call signature.
+
+    Raises:
+      ValueError: no run at all, naming each block with its class and static arguments.
+    """
+    flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
+    node_at = [i for i, leaf in enumerate(flat) if nnx.graph.is_graph_node(leaf)]
+    graphdef, state = nnx.split((parent, *[flat[i] for i in node_at]))
+    others = [leaf for i, leaf in enumerate(flat) if i not in node_at]
+    sig = tags.signature((state, others))
+    key = None if sig is None else (graphdef, treedef, tuple(node_at), sig)
+    if key is not None and key in _SCHEDULES:
+        _SCHEDULES.move_to_end(key)
+        return _SCHEDULES[key]
+    records: list = []
+
+    def probe(state, others):
+        merged = nnx.merge(graphdef, state)
+        nodes, rest = iter(merged[1:]), iter(others)
+        a, k = jax.tree.unflatten(treedef, [next(nodes) if i in node_at else next(rest) for i in range(len(flat))])
+        token = _RECORD.set(records)
+        try:
+            original(merged[0], *a, **k)
+        finally:
+            _RECORD.reset(token)
+
+    trace_only(probe, (state, others), {})
+    mine = [(m, call) for m, call in records if m.parent == parent._remat_kit_path]
+    runs = _nnx_runs(mine, type(parent).__name__)
+    if key is not None:
+        _SCHEDULES[key] = runs
+        if len(_SCHEDULES) > _MAX_SCHEDULES:
+            _SCHEDULES.popitem(last=False)
+    return runs
+
+
+def _nnx_runs(records: list[tuple[_Mark, Call]], where: str) -> dict:
+    """The runs among one parent call's block calls (``(mark, call)`` in call order); see :func:`linen_runs`."""
+    seen = [m.rel for m, _ in records]
+    blocks = [(m, c) for m, c in records if seen.count(m.rel) == 1]  # a block called twice is not scanned
+    siblings: list[list] = []
+    for m, c in blocks:
+        prev = siblings[-1][-1][0].rel if siblings else None
+        if prev is not None and prev[:-1] == m.rel[:-1] and m.rel[-1] == prev[-1] + 1:
+            siblings[-1].append((m, c))
+        else:
+            siblings.append([(m, c)])
+    runs: dict = {}
+    for group in siblings:
+        start = 0
+        while start < len(group):
+            covered, period = _period(group[start:], lambda a, b: a[0].kind == b[0].kind and a[1].same(b[1]))
+            if not covered:
+                start += 1
+                continue
+            part = group[start : start + covered]
+            run = NnxRun(tuple(m.rel for m, _ in part), period, tuple(c for _, c in part[:period]))
+            runs.update({m.rel: (run, k) for k, (m, _) in enumerate(part)})
+            start += covered
+    if not runs:
+        names = "; ".join(f"{join(m.rel)} ({c.describe()})" for m, c in blocks)
+        raise ValueError(
+            f"scan=True: no two consecutive blocks of {where} are identical, nor do they repeat a period of blocks "
+            f"(same class, attributes, parameter shapes and static arguments): {names}; use scan=False"
+        )
+    return runs
+
+
+@dataclasses.dataclass
+class _Pending:
+    run: NnxRun
+    outs: tuple  # per position: [periods, ...] stacked outputs
+    last: Any  # the output handed to the model most recently
+    next: int
+
+    def at(self, k: int) -> Any:
+        return jax.tree.map(lambda a: a[k // self.run.period], self.outs[k % self.run.period])
+
+
+def _block_class(cls: type, plan: Plan, run_block: Callable) -> type:
+    original = cls.__call__
+
+    def __call__(self, *args, **kwargs):
+        mark = self._remat_kit_mark
+        records = _RECORD.get()
+        if records is not None:  # the parent's discovery trace: record the call, run it plainly
+            records.append((mark, template(original, args, kwargs, plan.static_argnames)))
+            return original(self, *args, **kwargs)
+        state = _CALL.get()
+        if state is None or getattr(state.parent, "_remat_kit_path", None) != mark.parent:
+            raise ValueError("scan=True: the blocks were called outside their parent module's __call__")
+        if mark.rel not in state.runs:  # in no run: on its own, under the policy
+            policy = plan.policy_for(mark.index)
+            if policy is None:
+                return original(self, *args, **kwargs)
+            return run_block(self, original, policy, plan.static_argnames, args, kwargs)
+        run, k = state.runs[mark.rel]
+        call = template(original, args, kwargs, plan.static_argnames)
+        if not call.same(run.calls[k % run.period]):
             raise ValueError(
-                f"scan=True: block {k} is not called with block {k - 1}'s output and the same other arguments "
-                "(the model runs code between its blocks, or passes each its own flags); use scan=False"
+                f"scan=True: block {join(mark.rel)} is called with {call.describe()}, not "
+                f"{run.calls[k % run.period].describe()} as when the model was traced; use scan=False"
             )
-        pending.last = jax.tree.map(lambda a: a[k], pending.outs)
+        if k == 0:
+            if [a is _HOLE for a in call.args] != [True] + [False] * (len(call.args) - 1) or any(
+                v is _HOLE for _, v in call.kwargs
+            ):
+                raise ValueError(
+                    "scan=True: the blocks take array arguments besides the input; only Python flags can be shared"
+                )
+            layers = [_get(state.parent, rel) for rel in run.rels]
+            originals = [type(layer).__mro__[1].__call__ for layer in layers[: run.period]]
+            out, outs = _scan(layers, originals, plan, run, args[0])
+            state.pending[mark.rel] = _Pending(run, outs, out, 1)
+            return out
+        pending = state.pending.get(run.rels[0])
+        if pending is None or pending.next != k:
+            raise ValueError(f"scan=True: block {join(mark.rel)} ran out of order; use scan=False")
+        if not args or args[0] is not pending.last:
+            raise ValueError(
+                f"scan=True: block {join(mark.rel)} is not called with block {join(run.rels[k - 1])}'s output (the "
+                "model runs code between its blocks); use scan=False"
+            )
+        pending.last = pending.at(k)
         pending.next = k + 1
         return pending.last
 
-    return _subclass("follow", cls, __call__)
-
-
-def _first_class(cls: type, plan: Plan) -> type:
-    original = cls.__mro__[0].__call__
-
-    def __call__(self, x, *args, **kwargs):
-        parent = _PARENT.get()
-        rel = self._remat_kit_run
-        if parent is None:
-            raise ValueError("scan=True: the blocks were called outside their parent module's __call__")
-        if not all(is_static(a) for a in (args, kwargs)):
-            raise ValueError(
-                "scan=True: the blocks take array arguments besides the input; only Python flags can be shared"
-            )
-        layers = [_get(parent, p) for p in rel]
-        out, outs = _scan(layers, original, plan, x, args, kwargs)
-        _PENDING.get()[rel[0]] = _Pending(outs, out, (args, kwargs), 1, len(layers))
-        return out
-
     # _remat_kit_policy: compare/auto refuse a model that runs a policy of its own (inspection.refuse_baked_nnx).
-    return _subclass("first", cls, __call__, (plan,), _remat_kit_policy=plan.policy)
+    return _subclass("block", cls, __call__, (plan, run_block), _remat_kit_policy=plan.policy)
 
 
-def _scan(layers: list[nnx.Module], original, plan: Plan, x, args: tuple, kwargs: dict):
-    """Run ``layers`` on ``x`` as one scan; write their updated state back; (first output, all outputs)."""
-    graphdef = nnx.graphdef(layers[0])
-    treedef = jax.tree.structure(nnx.state(layers[0]))
+def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x):
+    """Run ``layers`` (a run repeating a period) on ``x`` as one scan; write their updated state back.
+
+    Returns:
+      ``(the first block's output, each position's outputs stacked over the periods)``.
+    """
+    period = run.period
+    graphdefs = [nnx.graphdef(layer) for layer in layers[:period]]
+    treedefs = [jax.tree.structure(nnx.state(layer)) for layer in layers[:period]]
     leaves = [jax.tree.leaves(nnx.state(layer)) for layer in layers]
     # A Variable held by every layer (a shared RNG stream) is carried through the scan, the others stacked.
     held = [_leaf_variables(layer) for layer in layers]
-    shared = set.intersection(*[{id(v) for v in vs} for vs in held])
-    carried = [id(v) in shared for v in held[0]]
-    is_param = [isinstance(v, nnx.Param) for v in held[0]]
-    names = [join(state_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(layers[0]))[0]]
-    stacked = [jnp.stack([lv[j] for lv in leaves]) for j in range(len(carried)) if not carried[j]]
-    carry0 = [leaves[0][j] for j in range(len(carried)) if carried[j]]
-    stack_names = [names[j] if is_param[j] else None for j in range(len(carried)) if not carried[j]]
-    keypaths = [p for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(layers[0]))[0]]
-    carried_paths = [tuple(state_keys(keypaths[j])) for j in range(len(carried)) if carried[j]]
+    shared_ids = set.intersection(*[{id(v) for v in vs} for vs in held])
+    shared = list(dict.fromkeys(id(v) for vs in held[:period] for v in vs if id(v) in shared_ids))
+    # Per position: each leaf's place in the carry, or None for a stacked leaf.
+    carry_at = [[shared.index(id(v)) if id(v) in shared_ids else None for v in held[j]] for j in range(period)]
+    carry0 = [None] * len(shared)
+    for j in range(period):
+        for leaf, at in zip(leaves[j], carry_at[j], strict=True):
+            if at is not None and carry0[at] is None:
+                carry0[at] = leaf
+    stacked = [
+        [jnp.stack([lv[i] for lv in leaves[j::period]]) for i, at in enumerate(carry_at[j]) if at is None]
+        for j in range(period)
+    ]
+    stack_names = []
+    for j in range(period):
+        paths = jax.tree_util.tree_flatten_with_path(nnx.state(layers[j]))[0]
+        params = [isinstance(v, nnx.Param) for v in held[j]]
+        stack_names.append(
+            [join(state_keys(p)) if params[i] else None for i, (p, _) in enumerate(paths) if carry_at[j][i] is None]
+        )
 
-    def layer_call(layer_stack, h, carry):
-        it_s, it_c = iter(layer_stack), iter(carry)
-        full = [next(it_c) if carried[j] else next(it_s) for j in range(len(carried))]
-        layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, full))
-        y = call_naming_submodules(original, layer, (h, *args), kwargs)
+    carried_paths = [
+        [
+            (tuple(state_keys(p)), at)
+            for (p, _), at in zip(
+                jax.tree_util.tree_flatten_with_path(nnx.state(layers[j]))[0], carry_at[j], strict=True
+            )
+            if at is not None
+        ]
+        for j in range(period)
+    ]
+
+    def layer_call(j, layer_stack, h, carry):
+        it_s = iter(layer_stack)
+        full = [carry[at] if at is not None else next(it_s) for at in carry_at[j]]
+        layer = nnx.merge(graphdefs[j], jax.tree.unflatten(treedefs[j], full))
+        args, kwargs = run.calls[j].fill((h,), {})
+        y = call_naming_submodules(originals[j], layer, args, kwargs)
         # By path, not position: the call may add variables (a first sow), shifting the leaves after them.
         new = dict(nnx.to_flat_state(nnx.state(layer)))
-        return y, [new.pop(p).get_value() for p in carried_paths], nnx.from_flat_state(new)
+        new_carry = list(carry)
+        for path, at in carried_paths[j]:
+            new_carry[at] = new.pop(path).get_value()
+        return y, new_carry, nnx.from_flat_state(new)
 
-    def step(layer_stack, hc, i):
-        h, carry = hc
-        names_all = stack_names + [None] * (len(jax.tree.leaves(h)) + len(carry))
-        named, _ = _jax_internals.name_param_matmuls(layer_call, names_all, layer_stack, h, carry)
-        y, new_carry, new_stack = named(layer_stack, h, carry)
-        return (y, new_carry), (y, new_stack)
+    def names(j, h, carry):
+        return stack_names[j] + [None] * (len(jax.tree.leaves(h)) + len(carry))
 
-    policy = plan.policy
+    def make_step(j):
+        def step(layer_stack, hc, i):
+            h, carry = hc
+            call = functools.partial(layer_call, j)
+            named, _ = _jax_internals.name_param_matmuls(call, names(j, h, carry), layer_stack, h, carry)
+            y, new_carry, new_stack = named(layer_stack, h, carry)
+            return (y, new_carry), (y, new_stack)
+
+        return step
+
+    policy, positions = plan.policy, None
     if policy.tags:
-        first = [a[0] for a in stacked]
-        _, jaxpr = _jax_internals.name_param_matmuls(
-            layer_call, stack_names + [None] * (len(jax.tree.leaves(x)) + len(carry0)), first, x, carry0
-        )
-        emitted = frozenset(t for t, *_ in _jax_internals.jaxpr_tags(jaxpr))
-        where = f"{type(layers[0]).__name__} block"
-        policy = tags.resolve(policy, emitted, where)
-        tags.check(policy, emitted, where)
-    (_, carry), (outs, new_stack) = _layers.run(policy, len(layers), step, stacked, (x, carry0))
+        emitted = []
+        for j in range(period):
+            first = [a[0] for a in stacked[j]]
+            call = functools.partial(layer_call, j)
+            _, jaxpr = _jax_internals.name_param_matmuls(call, names(j, x, carry0), first, x, carry0)
+            emitted.append(frozenset(t for t, *_ in _jax_internals.jaxpr_tags(jaxpr)))
+        where = [f"{type(layers[j]).__name__} block {join(run.rels[j])}" for j in range(period)]
+        if isinstance(policy, Policy) and policy.plan(len(layers) // period).mode == "layer":
+            positions = [_resolved(policy, emitted[j], where[j]) for j in range(period)]
+        else:
+            policy = _resolved(policy, frozenset().union(*emitted), where[0])
+    steps = [make_step(j) for j in range(period)]
+    (_, carry), ys = _layers.run_periods(policy, len(layers) // period, steps, stacked, (x, carry0), positions)
     for k, layer in enumerate(layers):
-        nnx.update(layer, jax.tree.map(lambda a, k=k: a[k], new_stack))  # sown values included, each its own
-    for variable, value in zip([v for v, c in zip(held[0], carried, strict=True) if c], carry, strict=True):
-        variable.set_value(value)
-    return jax.tree.map(lambda a: a[0], outs), outs
+        j, u = k % period, k // period
+        nnx.update(layer, jax.tree.map(lambda a, u=u: a[u], ys[j][1]))  # sown values included, each its own
+    for j in range(period):
+        for variable, at in zip(held[j], carry_at[j], strict=True):
+            if at is not None:
+                variable.set_value(carry[at])
+    outs = tuple(y[0] for y in ys)
+    return jax.tree.map(lambda a: a[0], outs[0]), outs
 
 
 def _leaf_variables(layer: nnx.Module) -> list:
@@ -272,66 +468,185 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def linen_runs(found: list[tuple[tuple, type, Any]], matcher) -> dict[tuple, tuple[tuple, ...]]:
-    """The runs of consecutive identical blocks among the module calls of one trace.
+class _Hole:
+    """Where a call template has an array argument (the same for every block of a run)."""
+
+    def __repr__(self) -> str:
+        return "<array>"
+
+
+_HOLE = _Hole()
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One block call's arguments with every array argument replaced by a hole: what a scan cannot vary.
+
+    Attributes:
+      args, kwargs: the positional arguments and the ``(name, value)`` keyword pairs, holes for arrays.
+      names: the positional parameter names of the block's ``__call__`` (for messages).
+    """
+
+    args: tuple
+    kwargs: tuple
+    names: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+
+    def same(self, other: Call) -> bool:
+        """The same static arguments and holes in the same places."""
+        return _same((self.args, self.kwargs), (other.args, other.kwargs))
+
+    def fill(self, arrays: tuple, array_kwargs: dict) -> tuple[tuple, dict]:
+        """The call's ``(args, kwargs)`` with the holes filled in order from ``arrays``/``array_kwargs``."""
+        it = iter(arrays)
+        args = tuple(next(it) if a is _HOLE else a for a in self.args)
+        return args, {k: array_kwargs[k] if v is _HOLE else v for k, v in self.kwargs}
+
+    def describe(self) -> str:
+        """The static arguments, named: ``is_local=True, deterministic=False``."""
+        named = [f"{self.names[i] if i < len(self.names) else i}={a!r}" for i, a in enumerate(self.args)]
+        return ", ".join(
+            [n for n, a in zip(named, self.args, strict=True) if a is not _HOLE]
+            + [f"{k}={v!r}" for k, v in self.kwargs if v is not _HOLE]
+        )
+
+
+def template(fn: Any, args: tuple, kwargs: dict, static_argnames: frozenset[str]) -> Call:
+    """A block call's :class:`Call`: its static arguments (as :func:`remat_kit.apply` splits them), holes for arrays.
+
+    >>> import jax.numpy as jnp, flax.linen as nn
+    >>> class B(nn.Module):
+    ...     def __call__(self, x, is_local, deterministic=True):
+    ...         return x
+    >>> template(B.__call__, (jnp.ones(2), True), {"deterministic": False}, frozenset()).describe()
+    'is_local=True, deterministic=False'
+    """
+    rebuild, dyn_args, dyn_kwargs = split_static(fn, args, kwargs, static_argnames, is_static)
+    full_args, full_kwargs = rebuild((_HOLE,) * len(dyn_args), dict.fromkeys(dyn_kwargs, _HOLE))
+    try:
+        names = tuple(_inspect.signature(fn).parameters)[1:]
+    except (TypeError, ValueError):
+        names = ()
+    return Call(full_args, tuple(sorted(full_kwargs.items(), key=lambda kv: kv[0])), names)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinenRun:
+    """Blocks under one parent that repeat a period of ``period`` block calls: run as one scan.
+
+    Attributes:
+      paths: every block of the run, in call order (``len(paths)`` a multiple of ``period``).
+      period: the blocks in one period (1: identical blocks).
+      modules: the discovery trace's module of each position of the period (its class and attributes).
+      calls: each position's :class:`Call` (its static arguments).
+    """
+
+    paths: tuple[tuple, ...]
+    period: int
+    modules: tuple
+    calls: tuple[Call, ...]
+
+
+def _period(kinds: list, same) -> tuple[int, int]:
+    """``(covered, period)``: the period repeating at least twice from ``kinds[0]`` over the most blocks.
+
+    >>> _period(list("ababa"), str.__eq__), _period(list("aaab"), str.__eq__), _period(list("ab"), str.__eq__)
+    ((4, 2), (3, 1), (0, 0))
+    """
+    best = (0, 0)
+    for period in range(1, len(kinds) // 2 + 1):
+        end = period
+        while end < len(kinds) and same(kinds[end], kinds[end - period]):
+            end += 1
+        covered = end // period * period
+        if covered >= 2 * period and covered > best[0]:
+            best = (covered, period)
+    return best
+
+
+def linen_runs(found: list[tuple[tuple, type, Any]], calls: list[Call], matcher) -> dict[tuple, LinenRun]:
+    """The runs of blocks that repeat a period (one block, or Gemma 3's local/global ones) in one trace.
+
+    Blocks under one parent, called one after the other, form a run where their calls (class,
+    attributes and static arguments) repeat a period at least twice; the period covering the most blocks
+    wins (the shortest among equals). Blocks after it (a remainder that breaks the period) start the next
+    run, or run one by one under the policy.
 
     Args:
       found: ``(path, class, module)`` of every module call, in call order (the discovery trace).
+      calls: each of those calls' :class:`Call`.
       matcher: the blocks (a :class:`remat_kit.pathnames.Where`).
 
     Returns:
-      ``{first block's path: paths of the run}`` for every run of two or more blocks.
+      ``{first block's path: its LinenRun}`` for every run.
 
     Raises:
-      ValueError: no two consecutive blocks are identical, naming the blocks.
+      ValueError: no run at all, naming each block with its class and static arguments.
     """
-    calls = []
-    for path, cls, module in found:
-        if path and matcher(module, join(path)) and not any(path[: len(p)] == p and p != path for p, *_ in calls):
-            calls.append((path, cls, module))
-    seen = [p for p, *_ in calls]
-    blocks = [(p, c, m) for p, c, m in calls if seen.count(p) == 1]  # a block called twice is not scanned
-    groups: list[list] = []
-    for path, cls, module in blocks:
-        prev = groups[-1][-1] if groups else None
-        if (
-            prev is not None
-            and prev[0][:-1] == path[:-1]
-            and prev[1] is cls
-            and _same(_config(prev[2]), _config(module))
-        ):
-            groups[-1].append((path, cls, module))
+    blocks = []
+    for (path, cls, module), call in zip(found, calls, strict=True):
+        if path and matcher(module, join(path)) and not any(path[: len(p)] == p and p != path for p, *_ in blocks):
+            blocks.append((path, cls, module, call))
+    seen = [p for p, *_ in blocks]
+    blocks = [b for b in blocks if seen.count(b[0]) == 1]  # a block called twice is not scanned
+
+    def same(a, b) -> bool:
+        return a[1] is b[1] and _same(_config(a[2]), _config(b[2])) and a[3].same(b[3])
+
+    siblings: list[list] = []
+    for block in blocks:
+        if siblings and siblings[-1][-1][0][:-1] == block[0][:-1]:
+            siblings[-1].append(block)
         else:
-            groups.append([(path, cls, module)])
-    runs = {g[0][0]: tuple(p for p, *_ in g) for g in groups if len(g) > 1}
+            siblings.append([block])
+    runs = {}
+    for group in siblings:
+        start = 0
+        while start < len(group):
+            covered, period = _period(group[start:], same)
+            if not covered:
+                start += 1
+                continue
+            part = group[start : start + covered]
+            runs[part[0][0]] = LinenRun(
+                tuple(p for p, *_ in part),
+                period,
+                tuple(m for _, _, m, _ in part[:period]),
+                tuple(c for *_, c in part[:period]),
+            )
+            start += covered
     if not runs:
-        names = ", ".join(f"{join(p)} ({c.__name__})" for p, c, _ in calls)
+        names = "; ".join(f"{join(p)} ({c.__name__}: {call.describe()})" for p, c, _, call in blocks)
         raise ValueError(
-            f"scan=True: no two consecutive blocks are identical (same parent, class and attributes): {names}; "
-            "use scan=False"
+            "scan=True: no two consecutive blocks are identical, nor do they repeat a period of blocks (same "
+            f"parent, class, attributes and static arguments): {names}; use scan=False"
         )
     return runs
 
 
 @dataclasses.dataclass
 class _LinenPending:
-    paths: tuple[tuple, ...]
-    outs: Any  # [n, ...] stacked outputs
-    mutated: Any  # [n, ...] stacked collections the blocks wrote
+    run: LinenRun
+    outs: tuple  # per position: [periods, ...] stacked outputs
+    mutated: tuple  # per position: [periods, ...] stacked collections the blocks wrote
     last: Any
-    statics: Any  # the first block's call arguments but its input
+    arrays: tuple  # the first block's array arguments but its input, and its array keyword arguments
     next: int
 
+    def at(self, k: int) -> tuple[Any, Any]:
+        """Block ``k``'s output and what it wrote."""
+        j, u = k % self.run.period, k // self.run.period
+        return jax.tree.map(lambda a: a[u], self.outs[j]), jax.tree.map(lambda a: a[u], self.mutated[j])
 
-def linen_run(run, found: list[tuple[tuple, type, Any]], fallback) -> None:
-    """Make ``run`` (one ``init``/``apply`` of a Linen ``Applied``) scan each run of identical blocks.
+
+def linen_run(run, found: list[tuple[tuple, type, Any]], calls: list[Call], fallback) -> None:
+    """Make ``run`` (one ``init``/``apply`` of a Linen ``Applied``) scan each run of blocks that repeat a period.
 
     The interceptor calls ``run.scan_block(module, path, next_fun, args, kwargs)`` for every block;
     a block in no run goes to ``fallback`` (the per-block remat); :func:`linen_finish` checks, after
     the call, that every run ran whole.
     """
-    runs = linen_runs(found, run.matcher)
-    first_of = {p: first for first, paths in runs.items() for p in paths}
+    runs = linen_runs(found, calls, run.matcher)
+    first_of = {p: first for first, r in runs.items() for p in r.paths}
     pending: dict[tuple, _LinenPending] = {}
 
     def scan_block(module, path, next_fun, args, kwargs):
@@ -342,7 +657,7 @@ def linen_run(run, found: list[tuple[tuple, type, Any]], fallback) -> None:
             out, todo = _linen_scan(run, module, runs[first], args, kwargs)
             pending[first] = todo
             return out
-        return _linen_follow(module, path, pending.get(first), args, kwargs)
+        return _linen_follow(run, module, path, runs[first], pending.get(first), args, kwargs)
 
     run.scan_block = scan_block
     run.scan_pending = pending
@@ -351,11 +666,12 @@ def linen_run(run, found: list[tuple[tuple, type, Any]], fallback) -> None:
 def linen_finish(run) -> None:
     """After the model's call: every run of blocks ran whole (a model that skips blocks is an error)."""
     for todo in getattr(run, "scan_pending", {}).values():
-        if todo.next < len(todo.paths):
+        paths = todo.run.paths
+        if todo.next < len(paths):
             raise ValueError(
-                f"scan=True: the model called {todo.next} of the {len(todo.paths)} identical blocks "
-                f"{join(todo.paths[0])} .. {join(todo.paths[-1])}; a model that skips blocks cannot be scanned "
-                "unedited (use scan=False)"
+                f"scan=True: the model called {todo.next} of the {len(paths)} blocks {join(paths[0])} .. "
+                f"{join(paths[-1])} it was traced calling; a model that skips blocks cannot be scanned unedited "
+                "(use scan=False)"
             )
 
 
@@ -365,77 +681,116 @@ def _write_back(module: nn.Module, mutated: dict) -> None:
             module.scope.put_variable(col, name, value)
 
 
-def _linen_follow(module, path, todo: _LinenPending | None, args, kwargs):
-    k = todo.paths.index(path) if todo is not None else -1
+def _arrays(cls: type, args: tuple, kwargs: dict, static_argnames: frozenset[str]) -> tuple[tuple, dict]:
+    """A block call's array arguments: ``(positional ones, keyword ones)``."""
+    _, dyn_args, dyn_kwargs = split_static(cls.__call__, args, kwargs, static_argnames, is_static)
+    return dyn_args, dyn_kwargs
+
+
+def _linen_follow(run, module, path, spec: LinenRun, todo: _LinenPending | None, args, kwargs):
+    k = spec.paths.index(path)
     if todo is None or todo.next != k:
         raise ValueError(f"scan=True: block {join(path)} ran out of order; use scan=False")
-    same_rest = len(args) == len(todo.statics[0]) + 1 and all(
-        a is b or (_is_static(a) and _same(a, b)) for a, b in zip(args[1:], todo.statics[0], strict=True)
-    )
-    same_kw = kwargs.keys() == todo.statics[1].keys() and all(
-        kwargs[n] is todo.statics[1][n] or (_is_static(kwargs[n]) and _same(kwargs[n], todo.statics[1][n]))
-        for n in kwargs
-    )
     if not args or args[0] is not todo.last:
         raise ValueError(
-            f"scan=True: block {join(path)} is not called with block {join(todo.paths[k - 1])}'s output (the model "
+            f"scan=True: block {join(path)} is not called with block {join(spec.paths[k - 1])}'s output (the model "
             "runs code between its blocks); use scan=False"
         )
-    if not (same_rest and same_kw):
+    statics = run.plan.static_argnames
+    expected = spec.calls[k % spec.period]
+    call = template(type(module).__call__, args, kwargs, statics)
+    if not call.same(expected):
         raise ValueError(
-            f"scan=True: block {join(path)} is not called with the same other arguments as {join(todo.paths[0])} "
-            "(the model passes each block its own flags, e.g. a per-layer local/global switch, which one scan "
-            "cannot vary); use scan=False"
+            f"scan=True: block {join(path)} is called with {call.describe()}, not {expected.describe()} as when the "
+            "model was traced; use scan=False"
         )
-    todo.last = jax.tree.map(lambda a: a[k], todo.outs)
+    dyn_args, dyn_kwargs = _arrays(type(module), args, kwargs, statics)
+    first_args, first_kwargs = todo.arrays
+    same = (
+        len(dyn_args) == len(first_args) + 1
+        and all(a is b for a, b in zip(dyn_args[1:], first_args, strict=True))
+        and dyn_kwargs.keys() == first_kwargs.keys()
+        and all(dyn_kwargs[n] is first_kwargs[n] for n in dyn_kwargs)
+    )
+    if not same:
+        raise ValueError(
+            f"scan=True: block {join(path)} is not called with the same other arguments (arrays) as "
+            f"{join(spec.paths[0])} (the model passes each block its own array, e.g. a per-layer mask, which one "
+            "scan cannot vary); use scan=False"
+        )
+    todo.last, mutated = todo.at(k)
     todo.next = k + 1
-    _write_back(module, jax.tree.map(lambda a: a[k], todo.mutated))
+    _write_back(module, mutated)
     return todo.last
-
-
-def _is_static(value: Any) -> bool:
-    return not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(value))
 
 
 def _shapes(tree: Any) -> Any:
     return jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), tree)
 
 
-def _linen_scan(run, module: nn.Module, paths: tuple[tuple, ...], args: tuple, kwargs: dict):
-    """Run the blocks ``paths`` (``module`` is the first) as one scan; (its output, what the others return)."""
+def _resolved(policy: Policy | Mix, emitted: frozenset[str], where: str) -> Policy | Mix:
+    """``policy`` (each part of a mix) with its names checked and its patterns expanded against ``emitted``."""
+    if isinstance(policy, Mix):
+        return Mix(tuple((_resolved(p, emitted, where), n) for p, n in policy.parts))
+    if not policy.tags:
+        return policy
+    policy = tags.resolve(policy, emitted, where)
+    tags.check(policy, emitted, where)
+    return policy
+
+
+def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dict):
+    """Run the blocks of ``spec`` (``module`` is the first) as one scan; (its output, what the others return)."""
+    paths, period = spec.paths, spec.period
     where = f"{type(module).__name__} block {join(paths[0])}"
-    if not args or _is_static(args[0]):
+    statics = run.plan.static_argnames
+    if not args or is_static(args[0]):
         raise ValueError(f"scan=True: {where} takes no array input as its first argument; use scan=False")
-    rebuild, dyn_args, dyn_kwargs = split_static(
-        type(module).__call__, args, kwargs, run.plan.static_argnames, _is_static
-    )
-    x, rest = dyn_args[0], dyn_args[1:]
+    call = template(type(module).__call__, args, kwargs, statics)
+    if not call.same(spec.calls[0]):
+        raise ValueError(
+            f"scan=True: {where} is called with {call.describe()}, not {spec.calls[0].describe()} as when the model "
+            "was traced; use scan=False"
+        )
+    dyn_args, dyn_kwargs = _arrays(type(module), args, kwargs, statics)
+    rest = dyn_args[1:]
+    holes = [(sum(a is _HOLE for a in c.args), tuple(k for k, v in c.kwargs if v is _HOLE)) for c in spec.calls]
+    for j, h in enumerate(holes[1:], start=1):
+        if h != holes[0]:
+            raise ValueError(
+                f"scan=True: blocks {join(paths[0])} and {join(paths[j])} take array arguments in different places, "
+                "so one set of arrays cannot reach both; use scan=False"
+            )
+    x = dyn_args[0]
     names = [p[-1] for p in paths]
     variables = module.parent.variables
     per_layer = [{col: tree[name] for col, tree in variables.items() if name in tree} for name in names]
-    for name, layer in zip(names[1:], per_layer[1:], strict=True):
-        if jax.tree.structure(layer) != jax.tree.structure(per_layer[0]) or _shapes(layer) != _shapes(per_layer[0]):
-            cols = sorted(c for c in {*layer, *per_layer[0]} if _shapes(layer.get(c)) != _shapes(per_layer[0].get(c)))
+    for i, (name, layer) in enumerate(zip(names, per_layer, strict=True)):
+        like = per_layer[i % period]
+        if jax.tree.structure(layer) != jax.tree.structure(like) or _shapes(layer) != _shapes(like):
+            cols = sorted(c for c in {*layer, *like} if _shapes(layer.get(c)) != _shapes(like.get(c)))
             raise ValueError(
-                f"scan=True: blocks {names[0]} and {name} hold differently shaped variables in {', '.join(cols)}, "
-                "which cannot be stacked; use scan=False"
+                f"scan=True: blocks {names[i % period]} and {name} hold differently shaped variables in "
+                f"{', '.join(cols)}, which cannot be stacked; use scan=False"
             )
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    stacked = [jax.tree.map(lambda *a: jnp.stack(a), *per_layer[j::period]) for j in range(period)]
     rngs, prefixes = _jax_internals.linen_block_rngs(module.scope, names)
     mutable = module.scope.mutable
-    block = module.clone(parent=None)
-    leaf_names = [
-        join(keys[1:]) if keys and keys[0] == "params" else None
-        for keys in (state_keys(p) for p, _ in jax.tree_util.tree_flatten_with_path(stacked)[0])
-    ]
+    blocks = [module.clone(parent=None)] + [m.clone(parent=None) for m in spec.modules[1:]]
 
-    def layer_call(layer_vars, h, i):
-        full_args, full_kwargs = rebuild((h, *rest), dyn_kwargs)
+    def leaf_names(tree) -> list:
+        return [
+            join(keys[1:]) if keys and keys[0] == "params" else None
+            for keys in (state_keys(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+        ]
+
+    def layer_call(j, layer_vars, h, i):
+        full_args, full_kwargs = spec.calls[j].fill((h, *rest), dyn_kwargs)
         outer = run.block
         run.block, run.entering = (), True  # the layer's submodules are named by their path in it
         try:
             with _jax_internals.linen_layer_rngs(prefixes, i):
-                res = block.apply(dict(layer_vars), *full_args, rngs=rngs, mutable=mutable, **full_kwargs)
+                res = blocks[j].apply(dict(layer_vars), *full_args, rngs=rngs, mutable=mutable, **full_kwargs)
         finally:
             run.block, run.entering = outer, False
         y, mutated = res if mutable is not False else (res, {})
@@ -443,27 +798,45 @@ def _linen_scan(run, module: nn.Module, paths: tuple[tuple, ...], args: tuple, k
         mutated = {c: dict(t) for c, t in dict(mutated).items() if c != "params"}
         if _shapes(y) != _shapes(h):
             raise ValueError(
-                f"scan=True: {where} returns {_shapes(y)}, not its input's shape and dtype {_shapes(h)}, so its "
-                "output cannot feed the next block in one scan; use scan=False"
+                f"scan=True: {type(blocks[j]).__name__} block {join(paths[j])} returns {_shapes(y)}, not its input's "
+                f"shape and dtype {_shapes(h)}, so its output cannot feed the next block in one scan; use scan=False"
             )
         return y, mutated
 
-    def names_for(h):
-        return leaf_names + [None] * (len(jax.tree.leaves(h)) + 1)
+    param_names = [leaf_names(tree) for tree in stacked]  # the same paths as one layer's
 
-    def step(layer_vars, h, i):
-        named, _ = _jax_internals.name_param_matmuls(layer_call, names_for(h), layer_vars, h, i)
-        y, mutated = named(layer_vars, h, i)
-        return y, (y, mutated)
+    def names_for(j, h):
+        return param_names[j] + [None] * (len(jax.tree.leaves(h)) + 1)
 
-    policy = run.plan.policy
+    def make_step(j):
+        def step(layer_vars, h, i):
+            call = functools.partial(layer_call, j)
+            named, _ = _jax_internals.name_param_matmuls(call, names_for(j, h), layer_vars, h, i)
+            y, mutated = named(layer_vars, h, i)
+            return y, (y, mutated)
+
+        return step
+
+    policy, positions = run.plan.policy, None
     if policy.tags:
-        first = jax.tree.map(lambda a: a[0], stacked)
-        _, jaxpr = _jax_internals.name_param_matmuls(layer_call, names_for(x), first, x, jnp.int32(0))
-        emitted = frozenset(t for t, *_ in _jax_internals.jaxpr_tags(jaxpr))
-        policy = tags.resolve(policy, emitted, where)
-        tags.check(policy, emitted, where)
-    _, (outs, mutated) = _layers.run(policy, len(paths), step, stacked, x)
-    out = jax.tree.map(lambda a: a[0], outs)
-    _write_back(module, jax.tree.map(lambda a: a[0], mutated))
-    return out, _LinenPending(paths, outs, mutated, out, (args[1:], kwargs), 1)
+        emitted = []
+        for j in range(period):
+            first = jax.tree.map(lambda a: a[0], stacked[j])
+            call = functools.partial(layer_call, j)
+            _, jaxpr = _jax_internals.name_param_matmuls(call, names_for(j, x), first, x, jnp.int32(j))
+            emitted.append(frozenset(t for t, *_ in _jax_internals.jaxpr_tags(jaxpr)))
+        if isinstance(policy, Policy) and policy.plan(len(paths) // period).mode == "layer":
+            # Each block of the period is rematerialized on its own: its names are its own.
+            positions = [
+                _resolved(policy, emitted[j], f"{type(blocks[j]).__name__} block {join(paths[j])}")
+                for j in range(period)
+            ]
+        else:
+            policy = _resolved(policy, frozenset().union(*emitted), where)
+    steps = [make_step(j) for j in range(period)]
+    _, ys = _layers.run_periods(policy, len(paths) // period, steps, stacked, x, positions)
+    todo = _LinenPending(spec, tuple(y[0] for y in ys), tuple(y[1] for y in ys), None, (rest, dyn_kwargs), 1)
+    out, mutated = todo.at(0)
+    todo.last = out
+    _write_back(module, mutated)
+    return out, todo

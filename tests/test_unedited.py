@@ -294,12 +294,6 @@ def test_nnx_scan_of_blocks_outside_a_list_says_they_must_be_in_one(layout):
         remat_kit.apply(NnxAttributes(layout, rngs=nnx.Rngs(0)), "full", scan=True)
 
 
-def test_nnx_scan_of_alternating_blocks_says_why_not():
-    applied = remat_kit.apply(um.NnxModel(rngs=nnx.Rngs(0)), "full", scan=True)
-    with pytest.raises(ValueError, match="same other arguments"):
-        applied(X)
-
-
 # ---- Linen scan=True -----------------------------------------------------------------------------------
 
 LINEN_SCAN = {
@@ -373,11 +367,10 @@ def test_linen_batch_stats_and_cache_update_as_without_remat(scan):
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (um.InlineModel, "same other arguments"),  # a per-layer local/global flag
         (lambda: Differ(), "no two consecutive blocks are identical"),
         (lambda: Between(), "runs code between its blocks"),
     ],
-    ids=["per-layer-flag", "blocks-differ", "code-between"],
+    ids=["blocks-differ", "code-between"],
 )
 def test_linen_scan_says_why_a_model_cannot_be_scanned(make, message):
     model = make()

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import optax
 
-from remat_kit import constants, inspection, memory, policies
+from remat_kit import constants, explain, inspection, memory, policies
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import analysis, cost
 from remat_kit.planning.pareto import pareto_front
@@ -143,6 +143,8 @@ class AutoResult:
     mixed_front: tuple[tuple[str, str, int, int, int, int], ...] = ()
     #: The throughputs the candidates were priced against (:class:`remat_kit.planning.cost.Hardware`).
     hardware: cost.Hardware | None = None
+    #: Caveats a reader needs: where XLA removed a candidate's recompute (:func:`cse_notes`).
+    notes: tuple[str, ...] = ()
 
     @property
     def budget(self) -> Budget:
@@ -185,6 +187,7 @@ class AutoResult:
         offloading = [c for c in self.candidates if _kind(c.policy) and _has_offload(policies.parse(c.policy))]
         if note and offloading:
             rows.append(f"note: {note}; offload candidates are never chosen here.")
+        rows += [f"note: {n}" for n in self.notes]
         if self.hardware is not None:
             rows.append(self.hardware.describe() + ".")
         return rows
@@ -277,6 +280,7 @@ class AutoResult:
             "candidates": [{**dataclasses.asdict(c), "cost_s": c.cost_s} for c in self.candidates],
             "mixed_front": [list(pair) for pair in self.mixed_front],
             "hardware": None if self.hardware is None else dataclasses.asdict(self.hardware),
+            "notes": list(self.notes),
         }
 
 
@@ -442,6 +446,7 @@ def search(
         table += tuple(c for c in tried if c.policy not in rows)
         if found is not None:
             chosen = found
+    notes = cse_notes(planner, order, table, batch=batch, seq=seq)
     return AutoResult(
         chosen=chosen,
         budget_bytes=budget.bytes,
@@ -456,7 +461,52 @@ def search(
         seconds=time.perf_counter() - start,
         mixed_front=front,
         hardware=hardware,
+        notes=notes,
     )
+
+
+def cse_notes(
+    planner: StepPlanner,
+    pool: Sequence[policies.Policy],
+    table: Sequence[Candidate],
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+) -> tuple[str, ...]:
+    """:func:`remat_kit.explain.cse_note` of each compiled candidate whose step rematerializes outside a loop
+    (a Python loop of blocks) and whose JAX residuals drop under ``none``'s while the compiled temp memory
+    barely does: XLA removed the recompute. Traces the losses' residuals; compiles ``none``'s step if it was
+    not compiled (only when some candidate keeps less than it).
+
+    Args:
+      planner: the planner ``table`` was compiled with; ``pool``: the candidates' policies.
+      table: the candidates (only compiled ones are looked at).
+    """
+    by_spec = {str(p): p for p in pool}
+    loop = [
+        by_spec[c.policy]
+        for c in table
+        if c.need_bytes is not None
+        and c.policy in by_spec
+        and planner.remat_outside_loops(by_spec[c.policy], batch, seq)
+    ]
+    if not loop:
+        return ()
+
+    def saved(policy) -> int:
+        loss_fn, params, batch_args = planner.build(policy, batch, seq)
+        return inspection.split_saved(inspection.residuals(loss_fn, params, *batch_args))[0]
+
+    none = policies.none()
+    base = saved(none)
+    drops = [(p, base - saved(p)) for p in loop]
+    if all(drop <= 0 for _, drop in drops):
+        return ()
+    base_temp = planner.compiled_memory(none, batch, seq).temp
+    notes = (
+        explain.cse_note(str(p), drop, base_temp - planner.compiled_memory(p, batch, seq).temp) for p, drop in drops
+    )
+    return tuple(n for n in notes if n)
 
 
 def planner_platform(planner: StepPlanner) -> str:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit import flops, policies
+from remat_kit import _jax_internals, flops, policies
 from remat_kit.constants import DEFAULT_MARGIN
 from remat_kit.memory import CompiledMemory
 from remat_kit.model.loss import lm_loss
@@ -130,6 +130,7 @@ class StepPlanner:
         self._lowered: dict[tuple, Any] = {}
         self._flops: dict[tuple, int] = {}
         self._work: dict[tuple, cost.Work] = {}
+        self._loops: dict[tuple, bool] = {}
         self._memory: dict[tuple, CompiledMemory] = {}
         self._lock = threading.Lock()
         self.compiles = 0
@@ -171,12 +172,20 @@ class StepPlanner:
             self._count(policy, batch, seq)
         return self._work[key]
 
+    def remat_outside_loops(self, policy: policies.Policy, batch: int | None = None, seq: int | None = None) -> bool:
+        """Whether the step rematerializes outside a loop, where XLA may remove the recompute (trace only)."""
+        key = self._key(policy, batch, seq)
+        if key not in self._loops:
+            self._count(policy, batch, seq)
+        return self._loops[key]
+
     def _count(self, policy, batch, seq) -> None:
-        # One walk of the traced jaxpr fills both FLOPs and the cost model's op counts.
+        # One trace of the step fills FLOPs, the cost model's op counts and where it rematerializes.
         key = self._key(policy, batch, seq)
         jaxpr = self._trace(policy, batch, seq).jaxpr
         self._flops[key] = flops.jaxpr_flops(jaxpr)
         self._work[key] = cost.work_of(jaxpr)
+        self._loops[key] = _jax_internals.remat_outside_loops(jaxpr)
 
     def compiled_memory(self, policy: policies.Policy, batch=None, seq=None) -> CompiledMemory:
         """XLA's memory figures of the compiled step (per device under a mesh)."""

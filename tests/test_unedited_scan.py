@@ -1,0 +1,277 @@
+"""remat_kit.apply(..., scan=True) on unedited models whose blocks repeat a period (Gemma 3's local/global).
+
+Tiny shapes; each gradient case compiles the plain and the applied gradient once (the applied compile also
+shows the scan's while loop).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import remat_kit
+from remat_kit import _xla_dump
+from tests import unedited_models as um
+
+X = jax.random.normal(jax.random.key(1), (2, 6, 8))
+T = jax.random.normal(jax.random.key(2), (2, 6, 8))  # the loss weights every output: every block matters
+RTOL = 1e-5  # float32, per leaf
+
+
+def assert_leaves_close(got, want, rtol=RTOL):
+    """Every leaf within ``rtol`` of its own largest magnitude; a leaf the loss does not reach is an error."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        scale = float(np.max(np.abs(np.asarray(w, np.float32))))
+        assert scale > 0, f"{jax.tree_util.keystr(path)}: the loss does not depend on it"
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=0, atol=rtol * scale, err_msg=str(path)
+        )
+
+
+class SetupPeriod(nn.Module):
+    """Blocks in a ``setup`` list, Gemma 3's pattern in small: local, local, global, repeated; 13 layers leave a
+    remainder of one local block after four periods."""
+
+    num_layers: int = 13
+    pattern: tuple = (True, True, False)
+
+    def setup(self):
+        self.blocks = [um.Block(8) for _ in range(self.num_layers)]
+        self.final_norm = nn.RMSNorm()
+
+    def __call__(self, x, deterministic=True):
+        for i, block in enumerate(self.blocks):
+            x = block(x, self.pattern[i % len(self.pattern)], deterministic)
+        return self.final_norm(x)
+
+
+class Local(nn.Module):
+    @nn.compact
+    def __call__(self, x, deterministic):
+        h = um.Attention(8, name="attn")(nn.RMSNorm(name="pre_attention_norm")(x), True)
+        x = x + nn.Dropout(0.1)(h, deterministic=deterministic)
+        return x + um.FeedForward(8, 16, name="mlp")(nn.RMSNorm(name="pre_ffw_norm")(x))
+
+
+class Global(nn.Module):
+    """Another block type: other parameters (a Dense MLP), attention over the whole sequence."""
+
+    @nn.compact
+    def __call__(self, x, deterministic):
+        h = um.Attention(8, name="attn")(nn.RMSNorm(name="pre_attention_norm")(x), False)
+        x = x + nn.Dropout(0.1)(h, deterministic=deterministic)
+        return x + nn.Dense(8, name="mlp")(jax.nn.gelu(x))
+
+
+class TwoTypes(nn.Module):
+    """The block *class* alternates, created inline in ``@nn.compact``."""
+
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        for i in range(8):
+            x = (Local if i % 2 == 0 else Global)(name=f"layer_{i}")(x, deterministic)
+        return x
+
+
+def _loss(model, variables):
+    out, state = model.apply(variables, X, False, rngs={"dropout": jax.random.key(3)}, mutable=["intermediates"])
+    return jnp.sum(out * T), state
+
+
+# Four periods each: every_n:2 then runs two scan steps of two periods, so XLA keeps the loop (it unrolls a
+# loop of one trip).
+MODELS = {
+    "inline-alternating": (lambda: um.InlineModel(num_layers=8), {}),  # [local, global] x 4
+    "setup-period3-remainder": (SetupPeriod, {}),  # [local, local, global] x 4 + local
+    "two-block-types": (TwoTypes, {"where": "layer_*"}),  # [Local, Global] x 4
+}
+CASES = [(m, "every_n:2") for m in MODELS] + [("inline-alternating", "selective:attn/q_einsum,mlp/*")]
+STEPS = {"every_n:2": 2, "selective:attn/q_einsum,mlp/*": 4}  # scan steps over the four periods
+
+
+def scan_trips(compiled) -> set[int]:
+    """The trip counts of the compiled program's while loops (Dropout's key derivation loops too: 5 trips)."""
+    _, trips = _xla_dump.parse_hlo(compiled.as_text())
+    return {n for _, n in trips.values()}
+
+
+@pytest.mark.parametrize(("kind", "policy"), CASES, ids=[f"{k}-{p}" for k, p in CASES])
+def test_a_period_of_blocks_scans_with_the_plain_models_gradients_tree_and_sow(kind, policy):
+    make, kwargs = MODELS[kind]
+    model = make()
+    variables = model.init(jax.random.key(0), X)
+    applied = remat_kit.apply(model, policy, scan=True, **kwargs)
+    assert jax.tree.structure(applied.init(jax.random.key(0), X)) == jax.tree.structure(variables)
+    want, want_state = jax.jit(jax.grad(lambda v: _loss(model, v), has_aux=True))(variables)
+    compiled = jax.jit(jax.grad(lambda v: _loss(applied, v), has_aux=True)).lower(variables).compile()
+    got, got_state = compiled(variables)
+    assert_leaves_close(got, want)
+    assert_leaves_close(got_state, want_state)  # sow'n intermediates: each block's own, the same values
+    assert STEPS[policy] in scan_trips(compiled)  # the blocks run as a scan, one step per group of periods
+    # The comparison sees every block: one block's gradient zeroed fails it.
+    blocks = sorted(k for k in got["params"] if k not in ("final_norm",))
+    zeroed = {**got, "params": {**got["params"], blocks[-1]: jax.tree.map(jnp.zeros_like, got["params"][blocks[-1]])}}
+    with pytest.raises(AssertionError):
+        assert_leaves_close(zeroed, want)
+
+
+class NoPeriod(nn.Module):
+    """Global, local, global: the flag repeats no period, so no two consecutive blocks match."""
+
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        for i in range(3):
+            x = um.Block(8, name=f"layer_{i}")(x, i == 1, deterministic)
+        return x
+
+
+def test_blocks_that_repeat_no_period_are_refused_naming_each_blocks_flags():
+    variables = NoPeriod().init(jax.random.key(0), X)
+    applied = remat_kit.apply(NoPeriod(), "full", scan=True)
+    with pytest.raises(ValueError, match=r"nor do they repeat a period.*layer_1 \(Block: is_local=True"):
+        applied.apply(variables, X)
+
+
+# ---- the CSE note in every report ------------------------------------------------------------------------
+
+
+def _block(w, x):
+    return x + jnp.tanh(jnp.sin(x @ w[0]) @ w[1])
+
+
+def _make_loss(layout):
+    """``make_loss(policy)`` of three blocks run in a Python loop, or under one ``lax.scan``.
+
+    The loop's checkpoints take ``prevent_cse=False`` so that XLA:CPU merges their recompute into the forward
+    pass on every JAX version (as it does for jax 0.10's ``prevent_cse=True`` loops of unedited models).
+    """
+
+    def make(policy):
+        block = remat_kit.policies.parse(policy).checkpoint(_block, prevent_cse=False)
+
+        def loss(ws, x):
+            if layout == "scan":
+                x, _ = jax.lax.scan(lambda h, w: (block(w, h), None), x, ws)
+            else:
+                for i in range(ws.shape[0]):
+                    x = block(ws[i], x)
+            return jnp.sum(x**2)
+
+        return loss
+
+    return make
+
+
+WS = jax.ShapeDtypeStruct((3, 2, 64, 64), jnp.float32)
+XS = jax.ShapeDtypeStruct((128, 64), jnp.float32)
+NOTE = "XLA removed most of the recompute"
+
+
+@pytest.mark.parametrize(("layout", "noted"), [("loop", True), ("scan", False)], ids=["python-loop", "scanned"])
+def test_the_cse_note_is_in_inspect_compare_without_none_and_auto(layout, noted):
+    if noted and jax.default_backend() != "cpu":
+        pytest.skip("the merge of a loop's recompute is XLA:CPU's")
+    make = _make_loss(layout)
+    report = remat_kit.inspect(make("full"), WS, XS)
+    assert any(NOTE in n for n in report.notes) == noted, report.notes
+    assert (NOTE in str(report)) == noted
+    table = remat_kit.compare(make, ["full"], WS, XS)  # no "none" row: compare measures it for the note
+    assert (NOTE in str(table)) == noted, str(table)
+    result = remat_kit.auto(make, WS, XS, budget_bytes=10**9, candidates=["full"])
+    assert any(NOTE in n for n in result.notes) == noted, result.notes
+    assert any(NOTE in line for line in result.table()) == noted
+    assert (NOTE in " ".join(result.to_dict()["notes"])) == noted
+
+
+# ---- NNX: an nnx.List of layers ------------------------------------------------------------------------
+
+
+class NnxPattern(nnx.Module):
+    """``self.layers`` an ``nnx.List`` of one block class; layer ``i`` is local when ``pattern[i % len]``."""
+
+    def __init__(self, num_layers, pattern, *, rngs):
+        self.layers = nnx.List([um.NnxBlock(8, rngs=rngs) for _ in range(num_layers)])
+        self.pattern = pattern
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x, self.pattern[i % len(self.pattern)])
+        return x
+
+
+class NnxGlobal(nnx.Module):
+    """Another block type: other parameters, attention over the whole sequence, its own dropout."""
+
+    def __init__(self, d, *, rngs):
+        self.pre_attention_norm = nnx.RMSNorm(d, rngs=rngs)  # pre-norms keep eight layers well conditioned
+        self.attn = um.NnxAttention(d, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+        self.pre_ffw_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.mlp = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x, is_local=False):
+        x = x + self.dropout(self.attn(self.pre_attention_norm(x), is_local))
+        return x + self.mlp(jax.nn.gelu(self.pre_ffw_norm(x)))
+
+
+class NnxLocal(NnxGlobal):
+    def __call__(self, x):
+        return super().__call__(x, True)
+
+
+class NnxTwoTypes(nnx.Module):
+    def __init__(self, *, rngs):
+        self.layers = nnx.List([(NnxLocal if i % 2 == 0 else NnxGlobal)(8, rngs=rngs) for i in range(8)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _nnx_grads(model):
+    """The gradient w.r.t. the parameters and the RNG counts after the step, from one compile; its HLO text."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, rest):
+        m = nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))  # fresh Variables, updatable here
+        return jnp.sum(m(X) * T), nnx.state(m, nnx.RngCount)
+
+    compiled = jax.jit(jax.grad(loss, has_aux=True)).lower(params, rest).compile()
+    grads, counts = compiled(params, rest)
+    return grads, counts, scan_trips(compiled)
+
+
+NNX_MODELS = {
+    "list-alternating": (lambda: um.NnxModel(num_layers=8, rngs=nnx.Rngs(0)), {}),  # [local, global] x 4
+    "list-alternating-remainder": (lambda: NnxPattern(9, (True, False), rngs=nnx.Rngs(0)), {}),  # ... + local
+    "two-block-types": (lambda: NnxTwoTypes(rngs=nnx.Rngs(0)), {"where": "layers/*"}),
+}
+
+
+@pytest.mark.parametrize("kind", list(NNX_MODELS), ids=list(NNX_MODELS))
+def test_an_nnx_period_of_blocks_scans_with_the_plain_models_gradients_state_and_rng_counts(kind):
+    make, kwargs = NNX_MODELS[kind]
+    applied = remat_kit.apply(make(), "every_n:2", scan=True, **kwargs)
+    assert jax.tree.structure(nnx.state(applied)) == jax.tree.structure(nnx.state(make()))
+    want, want_counts, plain_trips = _nnx_grads(make())
+    got, got_counts, trips = _nnx_grads(applied)
+    assert_leaves_close(got, want)
+    # Dropout drew from the shared stream as often as in the plain model (and the same keys: the gradients).
+    assert jax.tree.leaves(got_counts) == jax.tree.leaves(want_counts)
+    assert 2 in trips and 2 not in plain_trips  # the blocks run as a scan: two steps of two periods each
+    zeroed = jax.tree.map(lambda a: a, got)
+    zeroed["layers"][7] = jax.tree.map(jnp.zeros_like, got["layers"][7])  # the last block of the last period
+    with pytest.raises(AssertionError):
+        assert_leaves_close(zeroed, want)
+
+
+def test_nnx_blocks_that_repeat_no_period_are_refused_naming_each_blocks_flags():
+    applied = remat_kit.apply(NnxPattern(3, (False, True, False, False), rngs=nnx.Rngs(0)), "full", scan=True)
+    with pytest.raises(ValueError, match=r"nor do they repeat a period.*layers/1 \(is_local=True"):
+        applied(X)

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         axes[0].set_ylabel("training loss (nats/byte)")
         fig.suptitle(
             f"{args.preset} preset, base trained {args.base_steps} steps in full, then LoRA on every projection, "
-            f"policy {args.policy}; final val gap nf4 - int8 = {gap_val:+.4f}"
+            f"policy {args.policy}\nfinal val gap nf4 - int8 = {gap_val:+.4f}"
             + (f" (seed 0; over {args.seeds} seeds {over_seeds})" if over_seeds else ""),
             fontsize=10,
         )

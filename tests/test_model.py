@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -35,15 +36,21 @@ def _lm_loss(cfg, policy, tokens, dropout_key=None):
     return loss
 
 
-@pytest.mark.parametrize("spec", [*ALL_SPECS, "minimal", "minimal_offloaded", "selective:attn_probs,mlp_act"])
-@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["nodrop", "dropout"])
-def test_model_gradients_equal_none(spec, dropout, tokens):
-    # attn_probs exists only under XLA's attention: chunked attention never forms the probabilities.
-    attn = "xla" if "attn_probs" in spec else "auto"
+@functools.cache
+def _none_gradients(dropout: float, attn: str):
+    """The ``none`` reference of :func:`test_model_gradients_equal_none`, compiled once per configuration."""
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256, dtype=jnp.int32)
     cfg = TransformerConfig.preset("tiny", dropout=dropout, num_layers=5, attention=attn)
     params = init_params(cfg, jax.random.key(0))
     key = jax.random.key(5) if dropout else None
-    g0 = jax.jit(jax.grad(_lm_loss(cfg, "none", tokens, key)))(params)
+    return cfg, params, tokens, key, jax.jit(jax.grad(_lm_loss(cfg, "none", tokens, key)))(params)
+
+
+@pytest.mark.parametrize("spec", [*ALL_SPECS, "minimal", "minimal_offloaded", "selective:attn_probs,mlp_act"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["nodrop", "dropout"])
+def test_model_gradients_equal_none(spec, dropout):
+    # attn_probs exists only under XLA's attention: chunked attention never forms the probabilities.
+    cfg, params, tokens, key, g0 = _none_gradients(dropout, "xla" if "attn_probs" in spec else "auto")
     g = jax.jit(jax.grad(_lm_loss(cfg, P.parse(spec), tokens, key)))(params)
     assert max_rel_err(g, g0) <= RTOL_F32
 

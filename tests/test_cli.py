@@ -358,8 +358,8 @@ BAD_INPUTS = [
     (["train", "--lr", "-1"], "--lr must be a finite number > 0, got -1"),
     (["train", "--lr", "1e309"], "--lr must be a finite number > 0, got 1e309"),  # as typed, not inf
     (["train", "--val-fraction", "1"], "--val-fraction must be a finite number in (0, 1), got 1"),
-    (["train", "--quantize", "nf4"], "quantize='nf4' needs lora_rank > 0"),
-    (["bench", "--preset", "tiny", "--quantize", "nf4"], "quantize='nf4' needs lora_rank > 0"),
+    (["train", "--quantize", "nf4"], "--quantize nf4 needs --lora-rank R > 0"),
+    (["bench", "--preset", "tiny", "--quantize", "nf4"], "--quantize nf4 needs --lora-rank R > 0"),
 ]
 
 

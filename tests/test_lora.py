@@ -318,4 +318,4 @@ def test_cli_nf4_without_lora_rank_is_a_clear_error(capsys):
 
     assert cli.main(["plan", "--preset", "tiny", "--quantize", "nf4"]) == 2
     err = capsys.readouterr().err
-    assert "quantize='nf4' needs lora_rank > 0" in err and "Traceback" not in err
+    assert "--quantize nf4 needs --lora-rank R > 0" in err and "Traceback" not in err

@@ -251,5 +251,10 @@ def lora_overrides(args) -> dict[str, Any]:
 
         out["lora_targets"] = lora.parse_targets(args.lora_targets)
     if getattr(args, "quantize", None) is not None:
+        if not out.get("lora_rank"):  # the flags' names, before the config's own check words it in its fields
+            raise ValueError(
+                f"--quantize {args.quantize} needs --lora-rank R > 0: a quantized base is frozen, and only LoRA "
+                "adapters train over it"
+            )
         out["quantize"] = args.quantize
     return out

@@ -5,7 +5,8 @@ import os
 # The suite compiles about two thousand small programs, and on CPU half of each compile is LLVM optimizing the
 # machine code. What the tests check is decided before that, by XLA's HLO passes (what is saved, recomputed,
 # fused and live, and the numbers both sides of a comparison compute alike), so the suite runs at LLVM's -O0:
-# about half the CPU time. Set before jax is imported (XLA reads the flags once); subprocesses inherit it.
+# about half the CPU time. Set before jax is imported (XLA reads the flags once); subprocesses inherit it,
+# and test_multiprocess passes it to the processes it compares with this one.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import jax

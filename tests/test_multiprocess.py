@@ -173,6 +173,9 @@ def _launch(scenario: str, work: Path, pids=(0, 1), port: int | None = None) -> 
     port = port or _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "REMAT_KIT_", "XLA_FLAGS"))}
     env |= {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    # The references are computed in this process: the children compile at its code-generation level (conftest's).
+    levels = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level")]
+    env |= {"XLA_FLAGS": " ".join(levels)}
     # The runs of `full` compile the same programs: compile them once (JAX's persistent cache).
     env |= {"JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     procs, files = {}, []

@@ -40,7 +40,7 @@ from remat_kit import _jax_internals, _xla_dump, memory
 from remat_kit import explain as explain_lib
 from remat_kit import policies as policies_lib
 from remat_kit.flops import jaxpr_flops
-from remat_kit.memory import CompiledMemory
+from remat_kit.memory import CompiledMemory, tree_bytes
 from remat_kit.units import fmt_bytes
 
 
@@ -476,7 +476,7 @@ def _measure(
         if note := explain_lib.reserved_note(found.at_peak, found.total):
             notes.append(note)
     else:  # no dump read: the differentiated arguments and their gradients (the outputs), by size
-        state = sum(_leaf_bytes(args[i]) for i in nums)
+        state = sum(tree_bytes(args[i]) for i in nums)
         warnings += explain_lib.dominance_warnings(
             explain_lib.state_at_peak(state, gradients=state), held.total, estimated=True
         )
@@ -506,10 +506,6 @@ def _measure(
         host_at_peak=found.host_bytes if found else 0,
     )
     return report, _jax_internals.remat_outside_loops(traced.jaxpr)
-
-
-def _leaf_bytes(tree) -> int:
-    return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
 def _explain(program, held: CompiledMemory, args, nums: tuple[int, ...], rows) -> explain_lib.Explanation:

@@ -16,12 +16,25 @@ can offload at all, stays fenced in :func:`remat_kit._jax_internals.offload_supp
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from remat_kit import _jax_internals
 from remat_kit.policies import OFFLOAD_DESTINATIONS
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every array leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``), as stored: size × itemsize.
+
+    >>> import jax, jax.numpy as jnp
+    >>> tree_bytes({"w": jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), "b": jnp.zeros(8)})
+    96
+    """
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
 
 #: What a report says when offloaded residuals stay on the device.
 CPU_OFFLOAD_NOTE = (

@@ -47,8 +47,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import traverse_util
+
+from remat_kit.memory import tree_bytes
 
 # The layer, re-exported: ``lora.LoRADense``, ``lora.TARGETS`` ... are this module's public names.
 from remat_kit.model.lora_layer import ADAPTER_NAMES as ADAPTER_NAMES
@@ -158,5 +159,4 @@ class ParamBytes:
 def param_bytes(config: Any) -> ParamBytes:
     """:class:`ParamBytes` of ``config`` via ``jax.eval_shape``."""
     trainable, frozen = partition(abstract_params(config))
-    count = lambda tree: int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
-    return ParamBytes(trainable=count(trainable), frozen=count(frozen))
+    return ParamBytes(trainable=tree_bytes(trainable), frozen=tree_bytes(frozen))

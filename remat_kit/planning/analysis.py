@@ -35,7 +35,7 @@ import optax
 
 from remat_kit import _jax_internals, _xla_dump, flops, inspection, policies
 from remat_kit import explain as explain_lib
-from remat_kit.memory import CompiledMemory, host_offload
+from remat_kit.memory import CompiledMemory, host_offload, tree_bytes
 from remat_kit.model import lora
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params
@@ -369,7 +369,7 @@ def _residuals(config, policy, batch, seq, loss_chunks):
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     step = _jax_internals.saved_residuals(lambda p, t: lm_loss(model, p, t, loss_chunks=loss_chunks), params, tokens)
     layers = _stack_residuals(model, params, batch, seq)
-    param_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    param_bytes = tree_bytes(params)
 
     # A mix's residuals are its parts' (stacked over each part's layers): label them by every part.
     parts = policy.parts if isinstance(policy, policies.Mix) else ((policy, config.num_layers),)
@@ -560,12 +560,11 @@ def _state_at_peak(config, batch, seq, learning_rate, model, memory: CompiledMem
     optimizer state as XLA counts its arguments (per device over a mesh), and the trainable parameters' gradients,
     which the clipped optimizer reads whole, at the same scale."""
     params, opt_state, tokens = abstract_inputs(config, batch, seq, optimizer(learning_rate), model)
-    size = lambda tree: sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
     trainable, _ = lora.partition(params)
     # Over a mesh XLA's arguments are per device: the state is sharded alike, its gradients too.
-    scale = memory.argument / max(size((params, opt_state, tokens)), 1)
+    scale = memory.argument / max(tree_bytes((params, opt_state, tokens)), 1)
     return explain_lib.state_at_peak(
-        int(size(params) * scale), int(size(opt_state) * scale), int(size(trainable) * scale)
+        int(tree_bytes(params) * scale), int(tree_bytes(opt_state) * scale), int(tree_bytes(trainable) * scale)
     )
 
 

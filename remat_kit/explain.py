@@ -774,7 +774,14 @@ def noop_warnings(reports: Mapping[str, Any]) -> dict[str, str]:
         return {}
     out = {}
     for name, r in reports.items():
-        w = noop_warning(name, r.peak_bytes, saved_set(r), base.peak_bytes, saved_set(base))
-        if w:
+        if w := report_noop_warning(name, r, base):
             out[name] = w
     return out
+
+
+def report_noop_warning(label: str, report: Any, base: Any) -> str | None:
+    """:func:`noop_warning` of one report against ``base`` (``none``'s), each read by :func:`saved_set`.
+
+    Reports carry ``peak_bytes``, ``kept`` and ``residuals`` (as for :func:`noop_warnings`).
+    """
+    return noop_warning(label, report.peak_bytes, saved_set(report), base.peak_bytes, saved_set(base))

@@ -659,9 +659,7 @@ def _guardrail(r: Inspection, base: Inspection) -> Inspection:
     saved set (:func:`remat_kit.explain.noop_warning`), else a note if XLA's CSE emptied its saving
     (:func:`remat_kit.explain.cse_note`)."""
     label = r.policy or "the remat in this loss"
-    if w := explain_lib.noop_warning(
-        label, r.peak_bytes, explain_lib.saved_set(r), base.peak_bytes, explain_lib.saved_set(base)
-    ):
+    if w := explain_lib.report_noop_warning(label, r, base):
         return dataclasses.replace(r, warnings=(w, *r.warnings))
     if note := explain_lib.cse_note(label, base.saved_bytes - r.saved_bytes, base.temp_bytes - r.temp_bytes):
         return dataclasses.replace(r, notes=(*r.notes, note))

@@ -83,8 +83,8 @@ class Op:
 
 def parse_hlo(text: str) -> dict[str, Op]:
     """Every instruction of an HLO module's text, with what its fused computation contains (read by
-    :func:`remat_kit._xla_dump.parse_hlo`, the package's one reader of XLA's text)."""
-    from remat_kit import _xla_dump
+    :func:`remat_kit.analysis._xla_dump.parse_hlo`, the package's one reader of XLA's text)."""
+    from remat_kit.analysis import _xla_dump
 
     instructions, _ = _xla_dump.parse_hlo(text)
     opcodes: dict[str, set[str]] = collections.defaultdict(set)

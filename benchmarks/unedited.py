@@ -22,7 +22,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import remat_kit
-from remat_kit.inspection import inspect
+from remat_kit.analysis.inspection import inspect
 from remat_kit.units import fmt_bytes
 from tests import unedited_models as um
 

@@ -17,7 +17,8 @@ import optax
 from flax import nnx
 
 import remat_kit.nnx
-from remat_kit import inspection, policies, units
+from remat_kit import policies, units
+from remat_kit.analysis import inspection
 from remat_kit.model import loss
 from remat_kit.names import tag
 from remat_kit.train import data

@@ -14,7 +14,7 @@ JAX has two representations of checkpoint names and rematerialized calls, and re
 JAX offers no public API for either walk, nor for the structured residual list
 (``jax.ad_checkpoint.print_saved_residuals`` only prints), so the private reads stay here. So do
 the reads of equation structure the FLOP counter needs (``dot_general``'s ``dimension_numbers``, a
-scan's ``length``): :mod:`remat_kit.flops` sees only :func:`eqns`, :func:`dot_shapes` and friends.
+scan's ``length``): :mod:`remat_kit.analysis.flops` sees only :func:`eqns`, :func:`dot_shapes` and friends.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def offload_supported() -> bool:
 
     False for remat3 on jax 0.10.x: its ``CheckpointName`` rule knows saveable names only and
     recomputes an offloadable one. Probed by tracing a tiny function (nothing is compiled). The
-    package's host-offload rule (:func:`remat_kit.memory.host_offload`) is the one reader of it.
+    package's host-offload rule (:func:`remat_kit.analysis.memory.host_offload`) is the one reader of it.
     """
     return _offload_supported(remat3_enabled())
 
@@ -88,7 +88,7 @@ def _offload_supported(remat3: bool) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RawResidual:
-    """One value the backward pass keeps, as JAX reports it (before :mod:`remat_kit.inspection` labels it).
+    """One value the backward pass keeps, as JAX reports it (before :mod:`remat_kit.analysis.inspection` labels it).
 
     Attributes:
       shape: the residual's shape (stacked residuals of a scan carry the layer axis first).
@@ -622,7 +622,7 @@ def _eval_naming(jaxpr, consts, args, names) -> list[Any]:
 #
 # Flax Linen derives a module's key from the root key and its whole path, hashed at once when drawn
 # (``LazyRng.as_jax_rng``: one SHA-1 over the suffix ``(layer_3, Dropout_0, 1)``): no per-layer key
-# can be folded on by the layer. remat_kit's unedited scan (remat_kit.unedited_scan) runs layer i of a
+# can be folded on by the layer. remat_kit's unedited scan (remat_kit.unedited.scan) runs layer i of a
 # run of identical blocks as one functional ``apply`` whose RNG streams carry a marker instead of the
 # layer's name; while :func:`linen_layer_rngs` is active, drawing from such a stream computes every
 # layer's plain key (the suffix with each layer's name) and picks layer i's, so the draws equal the

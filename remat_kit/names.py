@@ -3,7 +3,7 @@
 A selective or offload policy refers to values inside a block by these tags. Every tag below is
 attached by :class:`remat_kit.model.transformer.Block`; your own code may emit any of them, or its own tags (any
 ``checkpoint_name``): a policy may name either, and wherever it is applied the tags it names are
-checked against those the code really emits (:mod:`remat_kit.tags`).
+checked against those the code really emits (:mod:`remat_kit.policies.tags`).
 
 ====================  =========================================  ==========================  ===========
 tag                   value (shape)                              MaxText alias               kind
@@ -96,7 +96,7 @@ def resolve(names) -> tuple[str, ...]:
     """Canonicalize tag names: expand MaxText aliases, drop duplicates, keep first-seen order.
 
     Any other name passes through unchanged: your own code's tags need no flag. Whether the code
-    really emits a name is checked where the policy is applied (:func:`remat_kit.tags.check`),
+    really emits a name is checked where the policy is applied (:func:`remat_kit.policies.tags.check`),
     which also suggests the nearest emitted tag for a typo.
 
     Args:

@@ -1,4 +1,4 @@
-"""remat_kit.planning.analysis and remat_kit.flops on the tiny preset, against bytes and FLOPs computed by hand."""
+"""planning.analysis and analysis.flops on the tiny preset, against bytes and FLOPs computed by hand."""
 
 import dataclasses
 
@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from remat_kit import flops, names, policies
+from remat_kit import names, policies
+from remat_kit.analysis import flops
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import analysis, estimates
 

@@ -7,7 +7,8 @@ import pytest
 from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 from remat_kit import _jax_internals as internals
-from remat_kit import flops, names
+from remat_kit import names
+from remat_kit.analysis import flops
 from remat_kit.model import attention
 from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params, init_params
 

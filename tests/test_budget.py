@@ -2,9 +2,10 @@
 
 import pytest
 
-from remat_kit import _jax_internals, memory
+from remat_kit import _jax_internals
 from remat_kit import policies as P
-from remat_kit.memory import CompiledMemory
+from remat_kit.analysis import memory
+from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import budget as A
 from remat_kit.planning import fit, pareto

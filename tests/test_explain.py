@@ -11,7 +11,8 @@ from jax.ad_checkpoint import checkpoint_name
 from test_inspect import _nnx_loss_and_args
 
 import remat_kit
-from remat_kit import explain, policies
+from remat_kit import policies
+from remat_kit.analysis import explain
 from remat_kit.cli import main
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import analysis
@@ -89,8 +90,8 @@ def test_the_timeline_peaks_at_the_live_bytes_and_plots(reports, tmp_path):
 
 
 def test_a_scan_body_is_drawn_once_per_trip():
-    from remat_kit import _xla_dump
-    from remat_kit.memory import CompiledMemory
+    from remat_kit.analysis import _xla_dump
+    from remat_kit.analysis.memory import CompiledMemory
 
     def layer(h, w):
         return jnp.tanh(h @ w), None
@@ -406,7 +407,7 @@ def test_a_scanned_models_residuals_carry_its_tags_at_the_peak(make):
 
 def _synthetic_program(host_bytes: int):
     """A two-instruction program: a parameter, a forward value and (with ``host_bytes``) a value in host memory."""
-    from remat_kit import _xla_dump
+    from remat_kit.analysis import _xla_dump
 
     seq = (
         _xla_dump.Instruction("p0", "main", "parameter", "params['w']", "", parameter=0, dtype="f32", shape=(64,)),
@@ -443,7 +444,7 @@ def test_host_memory_is_apart_and_the_device_groups_sum_to_the_peak(host):
 
 
 def test_more_live_than_xla_counts_fails_loudly():
-    from remat_kit import _xla_dump
+    from remat_kit.analysis import _xla_dump
 
     with pytest.raises(_xla_dump.DumpFormatError, match=r"768 device bytes are live .* counts 700"):
         explain.explain(_synthetic_program(0), _Memory(700), parameter_groups={0: "parameters"})

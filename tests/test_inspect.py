@@ -9,7 +9,8 @@ import plan_model_factory as M
 import pytest
 
 import remat_kit
-from remat_kit import _jax_internals, memory, policies
+from remat_kit import _jax_internals, policies
+from remat_kit.analysis import memory
 from remat_kit.cli import main
 from remat_kit.constants import DEFAULT_MARGIN
 from remat_kit.planning import budget

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from remat_kit import _jax_internals as internals
-from remat_kit import memory
 from remat_kit import policies as P
+from remat_kit.analysis import memory
 from remat_kit.names import tag
 
 

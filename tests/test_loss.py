@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from conftest import RTOL_F32, max_rel_err
 
-from remat_kit import _jax_internals, flops
+from remat_kit import _jax_internals
+from remat_kit.analysis import flops
 from remat_kit.model import loss
 from remat_kit.model.transformer import Transformer, TransformerConfig, init_params
 

@@ -1,9 +1,10 @@
-"""The one host-offload rule and XLA's compiled memory (remat_kit.memory)."""
+"""The one host-offload rule and XLA's compiled memory (remat_kit.analysis.memory)."""
 
 import jax
 import jax.numpy as jnp
 
-from remat_kit import _jax_internals, inspection, memory
+from remat_kit import _jax_internals
+from remat_kit.analysis import inspection, memory
 
 
 def test_cpu_does_not_enforce_host_offload_and_says_so():

@@ -1,4 +1,4 @@
-"""Flax NNX: policy(instance) (remat_kit.wrap_nnx) and remat_kit.nnx.stack, under every policy."""
+"""Flax NNX: policy(instance) (remat_kit.nnx.wrap) and remat_kit.nnx.stack, under every policy."""
 
 import functools
 
@@ -10,9 +10,11 @@ import pytest
 from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 from flax import nnx
 
-from remat_kit import _jax_internals, policies, tags, wrap_nnx
+from remat_kit import _jax_internals, policies
 from remat_kit import nnx as rk_nnx
 from remat_kit.names import tag
+from remat_kit.nnx import wrap as wrap_nnx
+from remat_kit.policies import tags
 
 D, F, DEPTH = 8, 16, 3  # width, MLP width, depth (3: every_n:2, segments:2 and sqrt_n leave a remainder group)
 GROUPING = ("every_n", "segments", "sqrt_n")

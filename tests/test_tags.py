@@ -1,12 +1,12 @@
-"""The one tag rule (remat_kit.tags): what is missing, the nearest emitted name, checked once."""
+"""The one tag rule (remat_kit.policies.tags): what is missing, the nearest emitted name, checked once."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from remat_kit import policies as P
-from remat_kit import tags
 from remat_kit.names import tag
+from remat_kit.policies import tags
 
 
 def _f(x):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from remat_kit import memory
 from remat_kit import policies as P
+from remat_kit.analysis import memory
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import budget as A
 from remat_kit.planning import cost, tensors

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import remat_kit
-from remat_kit import _xla_dump
+from remat_kit.analysis import _xla_dump
 from tests import unedited_models as um
 
 X = jax.random.normal(jax.random.key(1), (2, 6, 8))

@@ -9,8 +9,8 @@ from flax import nnx
 
 from remat_kit import _jax_internals as internals
 from remat_kit import policies as P
-from remat_kit import tags
 from remat_kit.names import tag
+from remat_kit.policies import tags
 
 #: The policies that apply to one function or module (the grouping ones apply to stacks).
 SINGLE_SPECS = [s for s in ALL_SPECS if P.parse(s).kind not in P.GROUPING_KINDS]

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from remat_kit import _xla_dump
-from remat_kit.memory import CompiledMemory
+from remat_kit.analysis import _xla_dump
+from remat_kit.analysis.memory import CompiledMemory
 
 F32 = 4
 W, X = jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((8, 64), jnp.float32)

@@ -48,7 +48,7 @@ class BenchRecord:
       loss: the loss at the initial parameters; loss_diff: its difference from ``none``'s.
       max_grad_diff: max |g − g_none| over every parameter; max_grad_rel_diff: the same over
         each leaf's max |g_none|, worst leaf (None when the gradient check was skipped).
-      warnings: the compiled step's guardrails (:mod:`remat_kit.explain`): offload that moves nothing, a peak
+      warnings: the compiled step's guardrails (:mod:`remat_kit.analysis.explain`): offload that moves nothing, a peak
         mostly state no policy touches (estimated from the state's size: bench reads no XLA dump), a policy that
         compiles to ``none``'s peak and saved set.
     """

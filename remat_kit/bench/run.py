@@ -22,7 +22,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from remat_kit import constants, explain
+from remat_kit import constants
+from remat_kit.analysis import explain
 from remat_kit.bench.report import (
     EXACT_BF16_FLAGS,
     NOISY_SPREAD,

@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from remat_kit import inspection, policies
-from remat_kit.memory import CompiledMemory
+from remat_kit import policies
+from remat_kit.analysis import inspection
+from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.model import lora
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig

@@ -45,7 +45,7 @@ DESCRIPTION = (
 
 def _model_command(args: argparse.Namespace) -> int:
     """``plan --model``: compare the policies on the factory's model, or (``--budget``) choose one."""
-    from remat_kit import inspection
+    from remat_kit.analysis import inspection
     from remat_kit.cli.plan_report import format_explain, parse_model_policies
     from remat_kit.planning import budget, planner
     from remat_kit.planning.user_model import load_factory, model_from_factory
@@ -214,7 +214,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         print()
         print("\n".join(warnings))
     if args.timeline:
-        from remat_kit import explain as explain_lib
+        from remat_kit.analysis import explain as explain_lib
 
         title = f"preset {args.preset}, batch {batch} × seq {seq}: live device memory per policy"
         explain_lib.plot_timelines({n: a.timeline for n, a in results.items()}, args.timeline, title)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from remat_kit import constants, explain, inspection, policies
+from remat_kit import constants, policies
+from remat_kit.analysis import explain, inspection
 from remat_kit.planning import analysis
 from remat_kit.units import fmt_bytes
 
@@ -133,7 +134,7 @@ def _itemsize(dtype: str) -> int:
 
 def format_table(results: dict[str, analysis.Analysis]) -> list[str]:
     """The per-policy comparison table (plain text): the columns every policy table prints
-    (:data:`remat_kit.inspection.TABLE_COLUMNS`), with the layer stack's and the head's saved bytes and
+    (:data:`remat_kit.analysis.inspection.TABLE_COLUMNS`), with the layer stack's and the head's saved bytes and
     XLA's raw FLOPs, then the notes."""
     base = results.get("none")
     extra = (("layers", 10), ("head", 10), ("XLA raw", 9))
@@ -165,8 +166,8 @@ def format_table(results: dict[str, analysis.Analysis]) -> list[str]:
 def format_explain(results: dict[str, Any]) -> list[str]:
     """``plan --explain``: per policy, the groups live at the compiled peak (summing to it) and the largest buffers.
 
-    ``results``: policy -> :class:`remat_kit.planning.analysis.Analysis` or :class:`remat_kit.inspection.Inspection`
-    (``plan --model``), read with ``explain=True``.
+    ``results``: policy -> :class:`remat_kit.planning.analysis.Analysis` or
+    :class:`remat_kit.analysis.inspection.Inspection` (``plan --model``), read with ``explain=True``.
     """
     lines = [
         "what is live at each policy's compiled peak (XLA's buffer assignment and live ranges, compile-only; "
@@ -187,7 +188,7 @@ def format_explain(results: dict[str, Any]) -> list[str]:
 
 
 def format_warnings(results: dict[str, Any]) -> list[str]:
-    """One ``warning:`` line per policy's guardrail (:mod:`remat_kit.explain`), policy named."""
+    """One ``warning:`` line per policy's guardrail (:mod:`remat_kit.analysis.explain`), policy named."""
     return [f"warning ({name}): {w}" for name, a in results.items() for w in a.warnings]
 
 

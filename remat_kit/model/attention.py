@@ -307,7 +307,7 @@ def chunked_attention(q, k, v, *, block: int = DEFAULT_BLOCK, flat: bool = False
     Both passes are one ``lax.scan`` over the n(n+1)/2 causal block pairs (see :func:`_pair_scan`),
     so the traced program is the same size at any sequence length (compile time is flat; see
     ``benchmarks/attention_compile.py``), the masked half of the block pairs is never computed,
-    and the scans' static trip count lets :mod:`remat_kit.flops` count their matmuls exactly. The
+    and the scans' static trip count lets :mod:`remat_kit.analysis.flops` count their matmuls exactly. The
     trade-off: a ragged last block is computed at full size (at most ``block - 1`` padded positions),
     and every block pair applies the causal mask (an elementwise select, cheap beside its matmuls).
 

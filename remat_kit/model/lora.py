@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from remat_kit.memory import tree_bytes
+from remat_kit.analysis.memory import tree_bytes
 
 # The layer, re-exported: ``lora.LoRADense``, ``lora.TARGETS`` ... are this module's public names.
 from remat_kit.model.lora_layer import ADAPTER_NAMES as ADAPTER_NAMES

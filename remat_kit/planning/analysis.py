@@ -12,7 +12,7 @@ textbook estimates (:mod:`remat_kit.planning.estimates`) all fill one :class:`An
   final norm, loss);
 * XLA's compiled memory (``Compiled.memory_analysis()``);
 * matmul FLOPs counted from the jaxpr with scan bodies multiplied by their trip count
-  (:mod:`remat_kit.flops`), beside XLA's raw ``cost_analysis()`` figure, which counts a scan once;
+  (:mod:`remat_kit.analysis.flops`), beside XLA's raw ``cost_analysis()`` figure, which counts a scan once;
 * the seed's analytic estimates (Korthikanti et al. 2022; layer inputs; logits) for comparison.
 
 >>> a = analyze(TransformerConfig.preset("tiny"), "full", batch=2, seq=32)
@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit import _jax_internals, _xla_dump, flops, inspection, policies
-from remat_kit import explain as explain_lib
-from remat_kit.memory import CompiledMemory, host_offload, tree_bytes
+from remat_kit import _jax_internals, policies
+from remat_kit.analysis import _xla_dump, flops, inspection
+from remat_kit.analysis import explain as explain_lib
+from remat_kit.analysis.memory import CompiledMemory, host_offload, tree_bytes
 from remat_kit.model import lora
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params
@@ -89,19 +90,20 @@ class Analysis:
       param_bytes: bytes of the parameters (arguments, not activation memory).
       memory: XLA's compiled memory.
       flops: matmul FLOPs per step counted from the jaxpr (scan trip counts applied).
-      xla_flops: XLA's raw ``cost_analysis()["flops"]`` (a scan body counted once; see :mod:`remat_kit.flops`).
+      xla_flops: XLA's raw ``cost_analysis()["flops"]`` (a scan body counted once; see :mod:`remat_kit.analysis.flops`).
       analytic: textbook FLOPs for ``none`` and for one extra forward of the layers.
       estimates: the seed's analytic byte figures.
       compile_s: seconds to lower and compile the step.
       mesh: the mesh spec the step was compiled for (None: one device); ``memory`` is then per device.
       batch_devices: devices the batch is split over (``data`` × ``fsdp``).
       notes: caveats, e.g. that offloaded bytes stay on the device on CPU
-        (:func:`remat_kit.memory.host_offload`).
+        (:func:`remat_kit.analysis.memory.host_offload`).
       at_peak, largest_at_peak, timeline: with ``explain=True``, what is live at the compiled peak (group ->
         device bytes, summing to ``peak_bytes``), the ten largest buffers there and the memory timeline
-        (:mod:`remat_kit.explain`); empty otherwise. kept: the saved set as compiled; peak_at: where the peak is;
+        (:mod:`remat_kit.analysis.explain`); empty otherwise.
+        kept: the saved set as compiled; peak_at: where the peak is;
         host_at_peak: bytes in host memory live there, apart (no part of the device peak).
-      warnings: one-line guardrails (:mod:`remat_kit.explain`): offload that moves nothing, a peak no policy
+      warnings: one-line guardrails (:mod:`remat_kit.analysis.explain`): offload that moves nothing, a peak no policy
         touches (read from XLA's dump with ``explain=True``, else estimated from the state's size), a policy
         that did nothing (set by :func:`analyze_policies` beside ``none``).
     """
@@ -271,7 +273,7 @@ def compile_step(
     Returns:
       ``(compiled, jaxpr_flops, seconds)``: the compiled step (callable on real arrays of those
       shapes), its matmul FLOPs from the jaxpr, and the lower+compile time. With a ``dump`` list, XLA's dump
-      of the compile is parsed (:mod:`remat_kit._xla_dump`) and appended to it.
+      of the compile is parsed (:mod:`remat_kit.analysis._xla_dump`) and appended to it.
     """
     opt = optimizer(learning_rate)
     args = abstract_inputs(model.config, batch, seq, opt, model)
@@ -556,7 +558,7 @@ def analyze_compiled(
 
 
 def _state_at_peak(config, batch, seq, learning_rate, model, memory: CompiledMemory) -> dict[str, int]:
-    """The step's state by size without XLA's dump (:func:`remat_kit.explain.state_at_peak`): parameters and
+    """The step's state by size without XLA's dump (:func:`remat_kit.analysis.explain.state_at_peak`): parameters and
     optimizer state as XLA counts its arguments (per device over a mesh), and the trainable parameters' gradients,
     which the clipped optimizer reads whole, at the same scale."""
     params, opt_state, tokens = abstract_inputs(config, batch, seq, optimizer(learning_rate), model)
@@ -606,7 +608,8 @@ def analyze_policies(
 
     XLA compiles mostly on one core, so two jobs nearly halve the wall time on two cores; results
     do not depend on ``jobs`` (only each policy's ``compile_s`` does). With ``none`` among ``specs``, a
-    policy that compiles to ``none``'s peak and saved set gets a warning (:func:`remat_kit.explain.noop_warning`);
+    policy that compiles to ``none``'s peak and saved set gets a warning
+    (:func:`remat_kit.analysis.explain.noop_warning`);
     ``explain`` is :func:`analyze`'s.
     """
     check_int("jobs", jobs)

@@ -31,7 +31,8 @@ from typing import Any
 import jax
 import optax
 
-from remat_kit import constants, explain, inspection, memory, policies
+from remat_kit import constants, policies
+from remat_kit.analysis import explain, inspection, memory
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import analysis, cost
 from remat_kit.planning.pareto import pareto_front
@@ -341,7 +342,7 @@ def auto(
     Raises:
       TypeError/ValueError: bad budget, margin, inputs or policies, before anything is compiled; an NNX
         module among the inputs that holds a policy of its own (every row would measure that one:
-        :func:`remat_kit.inspection.refuse_baked_nnx`).
+        :func:`remat_kit.analysis.inspection.refuse_baked_nnx`).
     """
     budget = Budget(budget_bytes, margin)
     wanted = candidates
@@ -473,7 +474,7 @@ def cse_notes(
     batch: int | None = None,
     seq: int | None = None,
 ) -> tuple[str, ...]:
-    """:func:`remat_kit.explain.cse_note` of each compiled candidate whose step rematerializes outside a loop
+    """:func:`remat_kit.analysis.explain.cse_note` of each compiled candidate whose step rematerializes outside a loop
     (a Python loop of blocks) and whose JAX residuals drop under ``none``'s while the compiled temp memory
     barely does: XLA removed the recompute. Traces the losses' residuals; compiles ``none``'s step if it was
     not compiled (only when some candidate keeps less than it).

@@ -8,7 +8,7 @@ ops. Each is priced by a roofline, ``max(flops / peak FLOP/s, bytes / memory ban
 the op's inputs plus outputs, so a recomputed softmax or norm costs memory-bound time, not zero.
 Offloaded residuals are priced by the bytes that cross the host link (both ways), times the share of
 the transfer that does not overlap compute; on a backend where offload moves nothing (XLA:CPU,
-:func:`remat_kit.memory.host_offload`) it costs nothing and saves nothing.
+:func:`remat_kit.analysis.memory.host_offload`) it costs nothing and saves nothing.
 
 The figures per backend (:data:`DEFAULT_HARDWARE`) are datasheet-class defaults; :func:`calibrate`
 replaces peak FLOP/s and bandwidth with a timed matmul and a timed copy on this machine (a few
@@ -35,7 +35,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from remat_kit import _jax_internals, flops
+from remat_kit import _jax_internals
+from remat_kit.analysis import flops
 
 #: Primitives that move or relabel no data once XLA has fused them (views, names, barriers); priced at 0.
 #: ``device_put`` is the host transfer of an offload, priced by :meth:`Hardware.transfer_seconds` instead.
@@ -277,7 +278,7 @@ def estimate(work: Work, base: Work, hardware: Hardware, *, host_moves: bool = T
 
     Args:
       host_moves: whether offloaded residuals really cross the host link on the backend
-        (:func:`remat_kit.memory.host_offload`); if not, offload costs nothing.
+        (:func:`remat_kit.analysis.memory.host_offload`); if not, offload costs nothing.
     """
     extra = work.minus(base)
     moved = extra.host_bytes if host_moves else 0

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from remat_kit import _jax_internals, flops, policies
+from remat_kit import _jax_internals, policies
+from remat_kit.analysis import flops
+from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.constants import DEFAULT_MARGIN
-from remat_kit.memory import CompiledMemory
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis, cost
@@ -232,7 +233,7 @@ class StepPlanner:
 
     def memory(self, policy: policies.Policy, batch=None, seq=None) -> tuple[int, int]:
         """``(device bytes, host bytes)`` at the step's peak (per device under a mesh), under the one
-        host rule (:func:`remat_kit.memory.host_offload`)."""
+        host rule (:func:`remat_kit.analysis.memory.host_offload`)."""
         m = self.compiled_memory(policy, batch, seq)
         return m.total, m.host
 

@@ -60,8 +60,9 @@ from collections.abc import Sequence
 
 import jax
 
-from remat_kit import _jax_internals, memory, policies
+from remat_kit import _jax_internals, policies
 from remat_kit import names as _names
+from remat_kit.analysis import memory
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import analysis, cost
 from remat_kit.planning.budget import Pricer, candidates_for, planner_platform, search

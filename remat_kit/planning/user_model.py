@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 
 from remat_kit import _jax_internals, policies
-from remat_kit.pathnames import BlockName, NameTable
+from remat_kit.unedited.paths import BlockName, NameTable
 
 
 def load_factory(text: str) -> Callable:
@@ -66,7 +66,7 @@ def names_from_factory(factory: Callable, where: str = "the factory") -> NameTab
       where: how to name the factory in messages (``MODULE:FACTORY``).
 
     Returns:
-      A :class:`remat_kit.pathnames.NameTable` (source ``"traced"``: read from the loss, not a block).
+      A :class:`remat_kit.unedited.paths.NameTable` (source ``"traced"``: read from the loss, not a block).
 
     Raises:
       TypeError: the factory returns something else.

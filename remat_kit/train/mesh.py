@@ -35,7 +35,7 @@ AXES: tuple[str, ...] = ("data", "fsdp")
 #: sharding a real run would use, while XLA's per-device threads and buffers still fit one machine.
 MAX_SIMULATED_DEVICES = 64
 
-#: The key under which the scan core stores stacked layer parameters (see remat_kit.scan.Stack).
+#: The key under which the scan core stores stacked layer parameters (see remat_kit.linen.scan.Stack).
 STACKED_KEY = "layers"
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from remat_kit import units
-from remat_kit.memory import CompiledMemory
+from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.model import loss as loss_lib
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, init_params

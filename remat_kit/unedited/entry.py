@@ -11,7 +11,7 @@ policy may keep is named without touching the model:
 * the model's own ``checkpoint_name`` tags (MaxText's ``query_proj``, ``mlpwi``) as they are.
 
 So ``selective:attn/q_einsum,mlp/*`` and ``offload:attn/*`` work on an untagged model; a pattern or
-name that matches nothing is a ValueError with the nearest names (:mod:`remat_kit.tags`).
+name that matches nothing is a ValueError with the nearest names (:mod:`remat_kit.policies.tags`).
 :func:`names_of` lists what a block emits.
 
 Linen: the returned object has the model's ``init``/``apply``/``init_with_output``; they run the
@@ -19,7 +19,7 @@ model's own methods under ``flax.linen.intercept_methods``, so the variables, th
 streams are the plain model's (init itself runs plainly: remat changes no variable). NNX: the result
 is a copy of the model graph whose blocks run under ``jax.checkpoint`` with their state passed as
 arguments (never captured), so ``nnx.split`` gives the plain model's state and ``nnx.grad``,
-``nnx.jit`` and ``nnx.Optimizer`` see every parameter (:mod:`remat_kit.unedited_nnx`).
+``nnx.jit`` and ``nnx.Optimizer`` see every parameter (:mod:`remat_kit.unedited.nnx`).
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn
 >>> import remat_kit
@@ -54,8 +54,12 @@ import jax
 from flax import nnx
 from flax.core import lift
 
-from remat_kit import _jax_internals, tags, unedited_nnx, unedited_scan
-from remat_kit._unedited import (
+from remat_kit import _jax_internals
+from remat_kit.policies import Policy, tags
+from remat_kit.policies.static import is_static
+from remat_kit.unedited import nnx as unedited_nnx
+from remat_kit.unedited import scan as unedited_scan
+from remat_kit.unedited.engine import (
     Collector,
     Plan,
     applied_twice,
@@ -66,8 +70,7 @@ from remat_kit._unedited import (
     split_static,
     trace_only,
 )
-from remat_kit.pathnames import NameTable, Where, join, repeated_block
-from remat_kit.policies import Policy
+from remat_kit.unedited.paths import NameTable, Where, join, repeated_block
 
 
 def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = None, scan: bool = False) -> Any:
@@ -194,7 +197,7 @@ class Applied:
         """Every module call of one trace of the call (nothing compiled): ``(found, calls)``, cached per signature.
 
         ``found`` holds ``(path, class, module)``; with ``scan=True``, ``calls`` each call's static arguments
-        (:func:`remat_kit.unedited_scan.template`): a scan runs every block of a period at the first one's
+        (:func:`remat_kit.unedited.scan.template`): a scan runs every block of a period at the first one's
         call, so it needs the later blocks' static arguments from here.
         """
         sig = tags.signature((args, kwargs))
@@ -267,19 +270,13 @@ def _intercept(next_fun, args, kwargs, context):
     return _remat_block(run, module, path, next_fun, args, kwargs)
 
 
-def _is_static(value: Any) -> bool:
-    import numpy as np
-
-    return not any(isinstance(leaf, (jax.Array, np.ndarray, np.generic)) for leaf in jax.tree.leaves(value))
-
-
 def _remat_block(run: _Run, module: nn.Module, path, next_fun, args: tuple, kwargs: dict):
     index, run.index = run.index, run.index + 1
     policy = run.plan.policy_for(index)
     if policy is None and run.collect is None:
         return next_fun(*args, **kwargs)
     rebuild, dyn_args, dyn_kwargs = split_static(
-        type(module).__call__, args, kwargs, run.plan.static_argnames, _is_static
+        type(module).__call__, args, kwargs, run.plan.static_argnames, is_static
     )
     where = f"{type(module).__name__} block {join(path)}"
 
@@ -343,7 +340,7 @@ def names_of(model: Any, *example_args: Any, where: Any = None, **example_kwargs
       where: the blocks (see :func:`apply`).
 
     Returns:
-      A :class:`remat_kit.pathnames.NameTable`: ``.names``, ``.rows`` and a printable table.
+      A :class:`remat_kit.unedited.paths.NameTable`: ``.names``, ``.rows`` and a printable table.
 
     >>> import jax.numpy as jnp, flax.linen as nn
     >>> names_of(nn.Sequential([nn.Dense(3), nn.Dense(3)]), jnp.ones((1, 3)), where=nn.Dense).names

@@ -16,9 +16,9 @@ import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from remat_kit import _jax_internals, tags
-from remat_kit.pathnames import BlockName, NameTable, Where, join, parse_where
-from remat_kit.policies import Mix, Policy, full, parse
+from remat_kit import _jax_internals
+from remat_kit.policies import Mix, Policy, full, parse, tags
+from remat_kit.unedited.paths import BlockName, NameTable, Where, join, parse_where
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Plan:
       policy: the policy (a grouping ``every_n`` rematerializes blocks 0, n, 2n, ... in call order).
       where: which modules are blocks; None: the repeated block class, found on the first call.
       static_argnames: block call arguments always treated as static (non-array ones always are).
-      scan: run consecutive identical blocks as one ``lax.scan`` (see :mod:`remat_kit.unedited_scan`).
+      scan: run consecutive identical blocks as one ``lax.scan`` (see :mod:`remat_kit.unedited.scan`).
     """
 
     policy: Policy

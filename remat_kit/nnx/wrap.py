@@ -22,13 +22,15 @@ needs ``remat``, ``jax_policy``, ``tags`` and a readable ``str``.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
 
 import jax
 import numpy as np
 from flax import nnx
 
-from remat_kit import tags as _tags
+from remat_kit.policies import tags as _tags
+from remat_kit.policies.static import is_static
 
 
 class Remat(nnx.Module):
@@ -113,7 +115,7 @@ def remat(policy, module: nnx.Module, *, static_argnums=(), prevent_cse: bool = 
             f"write policy({module.__name__}(..., rngs=nnx.Rngs(0))), or use remat_kit.nnx.stack for layers"
         )
     if not isinstance(module, nnx.Module):
-        raise TypeError(f"remat_kit.wrap_nnx.remat wraps an nnx.Module instance, got {module!r}")
+        raise TypeError(f"remat_kit.nnx.wrap.remat wraps an nnx.Module instance, got {module!r}")
     argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     for i in argnums:
         if isinstance(i, bool) or not isinstance(i, int) or i == 0:
@@ -124,16 +126,29 @@ def remat(policy, module: nnx.Module, *, static_argnums=(), prevent_cse: bool = 
     return Remat(policy, module, static_argnums=argnums, prevent_cse=bool(prevent_cse))
 
 
-def is_static(value: Any) -> bool:
-    """Whether a call argument is a plain Python value (no arrays, no NNX objects inside).
+def captured_nnx_modules(fn: Callable) -> list[nnx.Module]:
+    """The NNX modules ``fn`` holds without taking them as arguments: in its closure or the module-level
+    names its code reads, a bound method's ``self``, or a ``functools.partial``'s arguments, and inside
+    the lists, tuples and dicts (any pytree) those hold.
 
-    >>> import jax.numpy as jnp
-    >>> is_static(True), is_static({"scale": 2.0}), is_static(jnp.ones(2)), is_static(None)
-    (True, True, False, True)
+    >>> from flax import nnx
+    >>> lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    >>> [type(m).__name__ for m in captured_nnx_modules(lambda x: lin(x))], captured_nnx_modules(lambda m, x: m(x))
+    (['Linear'], [])
+    >>> layers = {"first": [lin]}
+    >>> [type(m).__name__ for m in captured_nnx_modules(lambda x: layers["first"][0](x))]
+    ['Linear']
     """
-    if nnx.graph.is_graph_node(value):
-        return False
-    return not any(isinstance(leaf, (jax.Array, np.ndarray, np.generic)) for leaf in jax.tree.leaves(value))
+    held = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if c.cell_contents is not None]
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    held += [scope[n] for n in (code.co_names if code else ()) if n in scope]  # module-level names it reads
+    held += [getattr(fn, "__self__", None)]
+    if isinstance(fn, functools.partial):
+        held += [*fn.args, *fn.keywords.values(), *captured_nnx_modules(fn.func)]
+    # A module in a container (layers[0]) is as captured as one held directly; a module is not looked into.
+    leaves = jax.tree.leaves(held, is_leaf=lambda x: isinstance(x, nnx.Module))
+    found = {id(m): m for m in leaves if isinstance(m, nnx.Module)}
+    return list(found.values())
 
 
 def abstract(tree):

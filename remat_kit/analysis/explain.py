@@ -1,6 +1,6 @@
 """Why a compiled step does not fit: what is live at its peak, its memory over time, and warnings for silent no-ops.
 
-Everything here reads one compile's XLA dump (:mod:`remat_kit._xla_dump`, compile-only, nothing runs):
+Everything here reads one compile's XLA dump (:mod:`remat_kit.analysis._xla_dump`, compile-only, nothing runs):
 
 * :func:`explain` groups the buffers live at the peak (:data:`GROUPS`) and names the largest;
 * :class:`Timeline` is live device bytes over the executed instruction sequence, phases marked from JAX's
@@ -10,7 +10,7 @@ Everything here reads one compile's XLA dump (:mod:`remat_kit._xla_dump`, compil
   report (``inspect``, ``compare``, ``plan``, ``bench``) prints.
 
 **The groups sum to the compiled peak.** :attr:`Explanation.at_peak` sums exactly to
-:attr:`remat_kit.memory.CompiledMemory.total` (device bytes): the device buffers live at the peak instruction,
+:attr:`remat_kit.analysis.memory.CompiledMemory.total` (device bytes): the device buffers live at the peak instruction,
 plus one group, ``reserved``, for the bytes XLA's buffer assignment holds but no value occupies at that
 instruction (the temp block is sized for its fullest moment and packed with gaps; outputs are reserved whole).
 Buffers XLA placed in host memory are no part of the device peak: :attr:`Explanation.host_bytes` holds them,
@@ -20,11 +20,11 @@ and the tests' scanned models (``tests/test_explain.py``, ``benchmarks/results/e
 (:func:`reserved_note`).
 
 >>> import jax, jax.numpy as jnp
->>> from remat_kit import _xla_dump
+>>> from remat_kit.analysis import _xla_dump
 >>> f = jax.jit(jax.value_and_grad(lambda w, x: jnp.sum(jnp.sin(x @ w))))
 >>> lowered = f.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((8, 64), jnp.float32))
 >>> compiled, program = _xla_dump.compile_with_dump(lowered)
->>> from remat_kit.memory import CompiledMemory
+>>> from remat_kit.analysis.memory import CompiledMemory
 >>> e = explain(program, CompiledMemory.from_compiled(compiled), parameter_groups={0: "parameters", 1: "inputs"})
 >>> sum(e.at_peak.values()) == CompiledMemory.from_compiled(compiled).total
 True
@@ -37,7 +37,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from remat_kit import _xla_dump
+from remat_kit.analysis import _xla_dump
 from remat_kit.units import fmt_bytes
 
 #: The group of a buffer in host memory (:attr:`PeakBuffer.host`): never in :attr:`Explanation.at_peak`.
@@ -159,7 +159,7 @@ class Explanation:
         instruction).
       host_bytes: bytes XLA placed in host memory live at the peak: apart from ``at_peak`` and ``total``.
       largest_at_peak: the ten largest buffers live there (device or host), largest first.
-      total: the compiled peak (:attr:`remat_kit.memory.CompiledMemory.total`).
+      total: the compiled peak (:attr:`remat_kit.analysis.memory.CompiledMemory.total`).
       peak_op, peak_phase: the op at the peak (op and source line) and its phase.
       timeline: the :class:`Timeline`.
       kept: sorted ``(shape, dtype)`` of the forward buffers live when the backward pass starts: the saved
@@ -255,9 +255,9 @@ def producer(program: _xla_dump.Program, ins: _xla_dump.Instruction | None, dept
     """What made a buffer, from JAX's metadata: ``"dot_general at model.py:12 (Block.__call__)"``.
 
     An instruction XLA made carries no metadata: a fusion is named by the op at its root
-    (:meth:`remat_kit._xla_dump.Program.annotated`), a cast or copy by what it moves
-    (``"convert f32->bf16 of params['w']"``, :meth:`~remat_kit._xla_dump.Program.origin`); the raw HLO name only
-    when neither tells.
+    (:meth:`remat_kit.analysis._xla_dump.Program.annotated`), a cast or copy by what it moves
+    (``"convert f32->bf16 of params['w']"``, :meth:`~remat_kit.analysis._xla_dump.Program.origin`); the raw
+    HLO name only when neither tells.
     """
     if ins is None:
         return "?"
@@ -293,8 +293,8 @@ def explain(
     """Group the buffers live at ``program``'s peak and draw its timeline.
 
     Args:
-      program: a parsed dump (:func:`remat_kit._xla_dump.compile_with_dump`).
-      memory: the same compile's :class:`remat_kit.memory.CompiledMemory`.
+      program: a parsed dump (:func:`remat_kit.analysis._xla_dump.compile_with_dump`).
+      memory: the same compile's :class:`remat_kit.analysis.memory.CompiledMemory`.
       parameter_groups: entry parameter number -> group (``"parameters"``, ``"optimizer state"``, ``"inputs"``).
       gradient_shapes: ``(shape, dtype)`` of the differentiated leaves: a backward value of such a shape is a
         gradient, any other a backward temporary; a forward value of such a shape (any axis order) a weight copy.
@@ -641,7 +641,7 @@ def cse_note(policy: str, saved_drop: int, temp_drop: int) -> str | None:
     memory by under a quarter of that: XLA merged the recompute away (CSE, unrolled blocks on CPU).
 
     The companion of :func:`noop_warning`, which fires when even the compiled saved set is ``none``'s: a
-    report carries one of the two, never both (:func:`remat_kit.inspection.compare`).
+    report carries one of the two, never both (:func:`remat_kit.analysis.inspection.compare`).
 
     >>> cse_note("full", 1000, 10) is not None, cse_note("full", 1000, 900)
     (True, None)
@@ -675,7 +675,7 @@ def offload_warnings(offloaded_bytes: int, enforced: bool, policy_offloads: bool
 
     Args:
       offloaded_bytes: bytes JAX's residual analysis places in host memory.
-      enforced: :attr:`remat_kit.memory.HostOffload.enforced` on this device.
+      enforced: :attr:`remat_kit.analysis.memory.HostOffload.enforced` on this device.
       policy_offloads: whether the policy asks for offload.
       xla_host_bytes: bytes XLA's compile placed in host memory.
 
@@ -710,7 +710,7 @@ def dominance_warnings(
     Args:
       at_peak: group -> bytes: :attr:`Explanation.at_peak` (what is live at the peak, read from XLA's dump), or
         with ``estimated`` the sizes of the state alone (:func:`state_at_peak`, no dump needed).
-      total: the compiled peak (:attr:`remat_kit.memory.CompiledMemory.total`).
+      total: the compiled peak (:attr:`remat_kit.analysis.memory.CompiledMemory.total`).
       has_optimizer: a training step: optimizer-state offload is a lever too.
       estimated: ``at_peak`` holds sizes, not what XLA keeps live at the peak: the warning says "about".
 
@@ -742,14 +742,14 @@ def dominance_warnings(
 
 def state_at_peak(parameters: int, optimizer_state: int = 0, gradients: int = 0) -> dict[str, int]:
     """The state a compile holds at its peak when XLA's dump was not read, for :func:`dominance_warnings`
-    (``estimated=True``) against :attr:`remat_kit.memory.CompiledMemory.total`: the parameters and optimizer
+    (``estimated=True``) against :attr:`remat_kit.analysis.memory.CompiledMemory.total`: the parameters and optimizer
     state (arguments, live for the whole step) and their gradients (a gradient's outputs, or the whole tree an
     optimizer step reads at once), by size.
 
     Args:
       parameters, optimizer_state, gradients: their bytes (per device where the compiled memory is).
 
-    >>> from remat_kit.memory import CompiledMemory
+    >>> from remat_kit.analysis.memory import CompiledMemory
     >>> m = CompiledMemory(argument=30, output=10, alias=0, temp=60, host_argument=0, host_output=0, host_temp=0)
     >>> dominance_warnings(state_at_peak(20, 10, 20), m.total, estimated=True)[0].split(" (")[0]
     'the peak is about 50% parameters, optimizer state and gradients'
@@ -766,7 +766,7 @@ def saved_set(report: Any) -> tuple:
 def noop_warnings(reports: Mapping[str, Any]) -> dict[str, str]:
     """policy -> :func:`noop_warning` for each report that compiles to ``none``'s peak and saved set.
 
-    Reports carry ``peak_bytes``, ``kept`` and ``residuals`` (:class:`remat_kit.inspection.Inspection`,
+    Reports carry ``peak_bytes``, ``kept`` and ``residuals`` (:class:`remat_kit.analysis.inspection.Inspection`,
     :class:`remat_kit.planning.analysis.Analysis`); without a ``none`` report there is nothing to compare: ``{}``.
     """
     base = reports.get("none")

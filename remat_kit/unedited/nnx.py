@@ -18,8 +18,10 @@ from typing import Any
 import jax
 from flax import nnx
 
-from remat_kit import _jax_internals, unedited_scan
-from remat_kit._unedited import (
+from remat_kit import _jax_internals
+from remat_kit.policies.static import is_static
+from remat_kit.unedited import scan as unedited_scan
+from remat_kit.unedited.engine import (
     Collector,
     Plan,
     applied_twice,
@@ -30,8 +32,7 @@ from remat_kit._unedited import (
     split_static,
     trace_only,
 )
-from remat_kit.pathnames import NameTable, Where, join, repeated_block, state_keys
-from remat_kit.wrap_nnx import is_static
+from remat_kit.unedited.paths import NameTable, Where, join, repeated_block, state_keys
 
 _COLLECT: contextvars.ContextVar[Collector | None] = contextvars.ContextVar("remat_kit_nnx_collect", default=None)
 _REMAT_CLASSES: dict[tuple, type] = {}
@@ -75,7 +76,7 @@ def remat_class(cls: type, policy, static_argnames: frozenset[str], applied=None
     """``cls`` with a ``__call__`` that runs the original under ``policy`` (None: plainly, names only).
 
     The class records ``applied`` (the policy :func:`remat_kit.apply` was given) as ``_remat_kit_policy``:
-    ``compare``/``auto`` refuse a model whose blocks carry one (:func:`remat_kit.inspection.refuse_baked_nnx`).
+    ``compare``/``auto`` refuse a model whose blocks carry one (:func:`remat_kit.analysis.inspection.refuse_baked_nnx`).
     """
     key = (cls, policy, static_argnames, applied)
     if key not in _REMAT_CLASSES:
@@ -100,13 +101,9 @@ def remat_class(cls: type, policy, static_argnames: frozenset[str], applied=None
     return _REMAT_CLASSES[key]
 
 
-def _is_static(value: Any) -> bool:
-    return is_static(value)
-
-
 def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[str], args: tuple, kwargs: dict):
     """Run ``original(block, *args, **kwargs)`` on the block's state under ``policy`` (see the module doc)."""
-    rebuild, dyn_args, dyn_kwargs = split_static(original, args, kwargs, static_argnames, _is_static)
+    rebuild, dyn_args, dyn_kwargs = split_static(original, args, kwargs, static_argnames, is_static)
     # Graph nodes among the arguments (call-time nnx.Rngs) travel as state with the block.
     flat, treedef = jax.tree.flatten((dyn_args, dyn_kwargs), is_leaf=nnx.graph.is_graph_node)
     node_at = [i for i, leaf in enumerate(flat) if nnx.graph.is_graph_node(leaf)]

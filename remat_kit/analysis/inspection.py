@@ -18,7 +18,7 @@ loss built per policy, ``make_loss(policy)``, and sets each policy's FLOPs besid
 >>> r.flops == 2 * (2 * 8 * 1024 * 1024)  # forward matmul and the weight gradient (x is not differentiated)
 True
 
-The report applies the package's one host-offload rule (:func:`remat_kit.memory.host_offload`): on a
+The report applies the package's one host-offload rule (:func:`remat_kit.analysis.memory.host_offload`): on a
 backend that does not enforce host offload (XLA:CPU lowers the device→host copy to nothing),
 offloaded residuals are counted as device bytes, and the report says so.
 """
@@ -36,11 +36,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from remat_kit import _jax_internals, _xla_dump, memory
-from remat_kit import explain as explain_lib
+from remat_kit import _jax_internals
 from remat_kit import policies as policies_lib
-from remat_kit.flops import jaxpr_flops
-from remat_kit.memory import CompiledMemory, tree_bytes
+from remat_kit.analysis import _xla_dump, memory
+from remat_kit.analysis import explain as explain_lib
+from remat_kit.analysis.flops import jaxpr_flops
+from remat_kit.analysis.memory import CompiledMemory, tree_bytes
 from remat_kit.units import fmt_bytes
 
 
@@ -61,7 +62,7 @@ def short_source(source: str) -> str:
 def split_saved(residuals: Sequence[Any], enforced: bool | None = None) -> tuple[int, int]:
     """``(device, host)`` bytes of residuals carrying ``nbytes`` and ``host``, under the one host rule.
 
-    Where host offload is not enforced (:attr:`remat_kit.memory.HostOffload.enforced`), host residuals count
+    Where host offload is not enforced (:attr:`remat_kit.analysis.memory.HostOffload.enforced`), host residuals count
     as device bytes.
     """
     enforced = memory.host_offload().enforced if enforced is None else enforced
@@ -70,7 +71,7 @@ def split_saved(residuals: Sequence[Any], enforced: bool | None = None) -> tuple
 
 
 def count_flops(jaxpr) -> int:
-    """Matmul FLOPs of a (closed) jaxpr, scans × trip count (:func:`remat_kit.flops.jaxpr_flops`)."""
+    """Matmul FLOPs of a (closed) jaxpr, scans × trip count (:func:`remat_kit.analysis.flops.jaxpr_flops`)."""
     return jaxpr_flops(jaxpr)
 
 
@@ -105,7 +106,7 @@ class Residual:
 
     @property
     def host(self) -> bool:
-        """Whether JAX places it in a host memory kind (see :func:`remat_kit.memory.host_offload`)."""
+        """Whether JAX places it in a host memory kind (see :func:`remat_kit.analysis.memory.host_offload`)."""
         return self.memory != "device"
 
 
@@ -126,7 +127,8 @@ class Inspection:
       platform: the backend compiled for; host_offload_enforced: the host rule there.
       notes: caveats a reader needs (e.g. that no memory moves on CPU).
       policy: the policy spec, for reports made by :func:`compare` (None otherwise).
-      at_peak: with ``explain=True``, group -> device bytes live at the compiled peak (:mod:`remat_kit.explain`;
+      at_peak: with ``explain=True``, group -> device bytes live at the compiled peak
+        (:mod:`remat_kit.analysis.explain`;
         sums to ``peak_bytes``); empty otherwise.
       host_at_peak: with ``explain=True``, bytes XLA placed in host memory live at the peak (apart from
         ``at_peak``: no part of the device peak).
@@ -135,8 +137,9 @@ class Inspection:
         with ``explain=True``, else estimated from the state's size), and (from :func:`compare`) a policy that
         did nothing.
       timeline: with ``explain=True``, live bytes over the step (:meth:`plot_timeline`).
-      kept: with ``explain=True``, the saved set as compiled (:attr:`remat_kit.explain.Explanation.kept`).
-      peak_at: with ``explain=True``, the phase and op at the peak (:attr:`remat_kit.explain.Explanation.peak_at`).
+      kept: with ``explain=True``, the saved set as compiled (:attr:`remat_kit.analysis.explain.Explanation.kept`).
+      peak_at: with ``explain=True``, the phase and op at the peak
+        (:attr:`remat_kit.analysis.explain.Explanation.peak_at`).
     """
 
     residuals: tuple[Residual, ...]
@@ -166,7 +169,7 @@ class Inspection:
     def plot_timeline(self, path: str) -> str:
         """Write this step's memory timeline (live bytes over the instruction sequence, peak marked) as a PNG.
 
-        A scan body is drawn once per trip (see :class:`remat_kit.explain.Timeline`). Needs ``explain=True``.
+        A scan body is drawn once per trip (see :class:`remat_kit.analysis.explain.Timeline`). Needs ``explain=True``.
         """
         if self.timeline is None:
             raise ValueError("this report has no timeline: inspect(..., explain=True) records one")
@@ -266,7 +269,7 @@ def refuse_baked_nnx(args: Sequence[Any], where: str) -> None:
     to pass instead (and, for ``apply``, ``remat_kit.apply_factory(plain_model, loss)`` as ``make_loss``).
     """
     nnx = sys.modules.get("flax.nnx")  # no NNX module exists unless flax.nnx was imported
-    owners = (("remat_kit.nnx", "Stack"), ("remat_kit.wrap_nnx", "Remat"))
+    owners = (("remat_kit.nnx", "Stack"), ("remat_kit.nnx.wrap", "Remat"))
     found = [getattr(sys.modules.get(m), c, None) for m, c in owners]
     holders = tuple(c for c in found if c is not None)
     if nnx is None:
@@ -410,14 +413,14 @@ def inspect(
         machine's memory are fine: nothing is allocated).
       argnums: which arguments the gradient is taken with respect to (as ``jax.grad``).
       policy: a label to carry in the report (used by :func:`compare`).
-      explain: also read XLA's dump of the compile (:mod:`remat_kit.explain`): ``at_peak``,
+      explain: also read XLA's dump of the compile (:mod:`remat_kit.analysis.explain`): ``at_peak``,
         ``largest_at_peak`` and the ``timeline`` (the dump makes the compile a little slower).
 
     Returns:
       An :class:`Inspection`. Where the loss rematerializes outside a loop (a Python loop of blocks) and JAX
       keeps fewer residuals than the same loss without those remats (:func:`remat_kit._jax_internals.without_remat`),
       that loss is compiled too (one more compile) and the report carries a note when XLA removed the recompute
-      (:func:`remat_kit.explain.cse_note`), or a warning when it compiles to the same peak and saved set.
+      (:func:`remat_kit.analysis.explain.cse_note`), or a warning when it compiles to the same peak and saved set.
 
     Raises:
       TypeError/ValueError: a non-callable or non-scalar loss, bad inputs or bad ``argnums``,
@@ -606,7 +609,7 @@ class Comparison:
 
     def plot_timeline(self, path: str, title: str = "live device memory per policy") -> str:
         """One memory-timeline line per policy on one PNG (needs ``compare(..., explain=True)``; a scan body is
-        drawn once per trip, see :class:`remat_kit.explain.Timeline`)."""
+        drawn once per trip, see :class:`remat_kit.analysis.explain.Timeline`)."""
         if any(r.timeline is None for r in self.reports):
             raise ValueError("these reports have no timeline: compare(..., explain=True) records them")
         lines = dict(zip(self.policies, (r.timeline for r in self.reports), strict=True))
@@ -656,8 +659,8 @@ class Comparison:
 
 def _guardrail(r: Inspection, base: Inspection) -> Inspection:
     """``r`` with at most one guardrail against ``base`` (``none``'s): a warning if it compiles to its peak and
-    saved set (:func:`remat_kit.explain.noop_warning`), else a note if XLA's CSE emptied its saving
-    (:func:`remat_kit.explain.cse_note`)."""
+    saved set (:func:`remat_kit.analysis.explain.noop_warning`), else a note if XLA's CSE emptied its saving
+    (:func:`remat_kit.analysis.explain.cse_note`)."""
     label = r.policy or "the remat in this loss"
     if w := explain_lib.report_noop_warning(label, r, base):
         return dataclasses.replace(r, warnings=(w, *r.warnings))
@@ -679,8 +682,8 @@ def compare(
     Returns:
       A :class:`Comparison`; recompute FLOPs are measured against ``none``. Each row carries at most one
       guardrail against ``none``: a warning when it compiles to its peak and saved set (it did nothing:
-      :func:`remat_kit.explain.noop_warning`), else a note when XLA removed its recompute
-      (:func:`remat_kit.explain.cse_note`). Without ``none`` among the policies it is measured for this
+      :func:`remat_kit.analysis.explain.noop_warning`), else a note when XLA removed its recompute
+      (:func:`remat_kit.analysis.explain.cse_note`). Without ``none`` among the policies it is measured for this
       (one more compile) where a row rematerializes outside a loop and keeps less than it; otherwise its
       FLOPs are traced.
 

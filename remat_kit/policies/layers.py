@@ -1,6 +1,6 @@
 """The layer driver both stacks share: run stacked layers in order under a policy's plan or a mix's parts.
 
-The Linen stack (:mod:`remat_kit.scan`) and the NNX stack (:mod:`remat_kit.nnx`) hand :func:`run` the
+The Linen stack (:mod:`remat_kit.linen.scan`) and the NNX stack (:mod:`remat_kit.nnx`) hand :func:`run` the
 same three things: ``step(layer_variables, h, i) -> (h, ys)`` running layer ``i``, the variables of
 every layer stacked on axis 0, and the input. How the layers are grouped follows
 :meth:`remat_kit.policies.Policy.plan`:
@@ -44,7 +44,7 @@ def tag_input(h: Any) -> Any:
     that tags nothing. A block that tags its input too names the same value twice; only one is kept.
 
     >>> import jax, jax.numpy as jnp
-    >>> from remat_kit import tags
+    >>> from remat_kit.policies import tags
     >>> sorted(tags.emitted_tags(tag_input, jax.ShapeDtypeStruct((2,), jnp.float32)))
     ['layer_input']
     """

@@ -6,7 +6,7 @@ trained under one policy loads under any other; mutable collections are updated 
 Every RNG stream reaches every layer. The stack owns each layer's input, so it tags it ``layer_input``
 (a policy may keep or offload it on a block that tags nothing). The policy only decides how the scan
 groups the layers (see
-:meth:`remat_kit.policies.Policy.plan`; the driver, :func:`remat_kit._layers.run`, is shared with the
+:meth:`remat_kit.policies.Policy.plan`; the driver, :func:`remat_kit.policies.layers.run`, is shared with the
 NNX stack):
 
 * ``"layer"`` (none, full, selective, offload, dots): one scan step per layer, each wrapped by the
@@ -23,7 +23,7 @@ A :class:`~remat_kit.policies.Mix` runs its parts one after the other, each over
 layers as above (one scan, or one per group size, per part). The parameters stay the one ``layers``
 tree: every part indexes the full stacked variables inside its (checkpointed) step, so no slice of
 the weights is kept for the backward pass; a ``none`` part therefore runs under
-:func:`remat_kit._layers.keep_all` (every activation kept, views of the weights recomputed). The
+:func:`remat_kit.policies.layers.keep_all` (every activation kept, views of the weights recomputed). The
 price: each part's backward scan accumulates a gradient buffer as large as the whole stack's
 weights, so a compiled step holds one more such buffer per extra part while the earlier parts run
 backward (``auto`` compiles every mix it answers, so this is measured, never assumed away).
@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 from flax.core.scope import subtract_filters
 
-from remat_kit import _layers, tags
-from remat_kit.policies import Mix, Policy, parse
+from remat_kit.policies import Mix, Policy, parse, tags
+from remat_kit.policies import layers as _layers
 from remat_kit.units import check_int
 
 

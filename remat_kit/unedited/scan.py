@@ -10,7 +10,7 @@ period at least twice form a run (:func:`_period`: the period covering the most 
 breaks it starts the next run or runs block by block under the policy). The first block of a run
 computes the whole run as one scan over the blocks' stacked state, one stack per position of the period
 (stacked inside the call: the model's own layout, hence its checkpoints, is unchanged), through
-:func:`remat_kit._layers.run_periods` (shared with the period stacks: a per-layer policy wraps each
+:func:`remat_kit.policies.layers.run_periods` (shared with the period stacks: a per-layer policy wraps each
 block, a grouping one counts periods), and returns its own output; each later block checks that it is
 called with the previous block's output and the static arguments it was traced with, and returns its
 precomputed output. Anything else (code between the calls, other arguments) is a ValueError saying why
@@ -44,11 +44,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from remat_kit import _jax_internals, _layers, tags
-from remat_kit._unedited import Plan, call_naming_submodules, split_static, trace_only
-from remat_kit.pathnames import join, state_keys
-from remat_kit.policies import Mix, Policy
-from remat_kit.wrap_nnx import is_static
+from remat_kit import _jax_internals
+from remat_kit.policies import Mix, Policy, tags
+from remat_kit.policies import layers as _layers
+from remat_kit.policies.static import is_static
+from remat_kit.unedited.engine import Plan, call_naming_submodules, split_static, trace_only
+from remat_kit.unedited.paths import join, state_keys
 
 #: The state of the running call of a parent module whose blocks are scanned (:class:`_CallState`).
 _CALL: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_kit_scan_call", default=None)
@@ -111,7 +112,7 @@ def nnx_scan(
     is traced once per call signature (:func:`_schedule`). A block in no run is rematerialized on its own:
     alone in its list, its class becomes ``remat_class(cls, policy, static_argnames, applied)``; left out of
     every run at call time, it runs ``run_block(block, original, policy, static_argnames, args, kwargs)``
-    (:mod:`remat_kit.unedited_nnx`'s, which imports this module).
+    (:mod:`remat_kit.unedited.nnx`'s, which imports this module).
 
     Raises:
       ValueError: no two consecutive blocks of one list (nothing could ever be scanned), naming them.
@@ -574,7 +575,7 @@ def linen_runs(found: list[tuple[tuple, type, Any]], calls: list[Call], matcher)
     Args:
       found: ``(path, class, module)`` of every module call, in call order (the discovery trace).
       calls: each of those calls' :class:`Call`.
-      matcher: the blocks (a :class:`remat_kit.pathnames.Where`).
+      matcher: the blocks (a :class:`remat_kit.unedited.paths.Where`).
 
     Returns:
       ``{first block's path: its LinenRun}`` for every run.

@@ -13,12 +13,12 @@ block whatever the depth. How the scan groups the layers follows :meth:`remat_ki
   cannot give a checkpoint the *full* stacked parameters to index, which is what keeps a group's weights
   out of the saved residuals (a slice taken outside the checkpoint is saved as a copy). These modes
   therefore ``nnx.split`` the layers into graphdef / parameters / other state and hand them to the
-  driver the Linen stack runs too (:func:`remat_kit._layers.run`), whose steps index the stacked state
+  driver the Linen stack runs too (:func:`remat_kit.policies.layers.run`), whose steps index the stacked state
   inside each checkpoint and ``nnx.merge`` one layer at a time. The other state a layer returns is
   stacked and written back with ``nnx.update``.
 
 A :class:`~remat_kit.policies.Mix` runs the same way, each part over its slice of the layers under its own
-policy, exactly as in :mod:`remat_kit.scan` (the parameters stay one stacked tree).
+policy, exactly as in :mod:`remat_kit.linen.scan` (the parameters stay one stacked tree).
 
 Every variable type is carried (``nnx.Param``, ``nnx.BatchStat``, your own ``nnx.Variable`` subclasses,
 RNG keys and counts): parameters are treated as read-only inside the forward pass, everything else is
@@ -41,11 +41,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from remat_kit import _layers, wrap_nnx
-from remat_kit import tags as _tags
+from remat_kit.nnx import wrap as wrap_nnx
+from remat_kit.nnx.wrap import captured_nnx_modules
 from remat_kit.policies import Mix, Policy, parse
+from remat_kit.policies import layers as _layers
+from remat_kit.policies import tags as _tags
 from remat_kit.units import check_int
-from remat_kit.wrap import captured_nnx_modules
 
 
 class Stack(nnx.Module):
@@ -182,7 +183,7 @@ class PeriodStack(nnx.Module):
     Build it with :func:`stack` given a list of ``make_block`` callables. ``positions[j]`` holds the
     blocks of position ``j`` of the period, every variable stacked over the periods (axis 0), built as
     :class:`Stack` builds its layers. Per-layer policies wrap each block on its own; grouping policies
-    and a mix's counts count periods (as :class:`remat_kit.scan.PeriodStack`). Extra call arguments are
+    and a mix's counts count periods (as :class:`remat_kit.linen.scan.PeriodStack`). Extra call arguments are
     arrays, Python values or call-time ``nnx.Rngs`` (split per layer, as :class:`Stack` splits them).
     """
 

@@ -4,10 +4,10 @@ One job, over 400 lines: what a policy is. The Policy value, its spec parser, th
 the layer grouping the scan reads and the per-layer-range mix all read the same fields; split
 apart, each would re-derive them.
 
-A :class:`Policy` is data. The scan core (:mod:`remat_kit.scan`) reads its :meth:`Policy.plan` to
+A :class:`Policy` is data. The scan core (:mod:`remat_kit.linen.scan`) reads its :meth:`Policy.plan` to
 decide how layers are grouped, and :meth:`Policy.checkpoint` to wrap one layer or group; applied to a
 plain function, a Flax Linen module class or a Flax NNX module instance it wraps that directly
-(:mod:`remat_kit.wrap`, :mod:`remat_kit.wrap_nnx`). Building a policy queries no backend and imports
+(:mod:`remat_kit.wrap`, :mod:`remat_kit.nnx.wrap`). Building a policy queries no backend and imports
 no Flax: it is plain, hashable data.
 
 >>> import jax, jax.numpy as jnp
@@ -146,7 +146,7 @@ class Policy:
             for t in value:
                 # The spec string separates tags with "," and options with ";" and "="; a mix's parts
                 # with "+" and "*" (see mix).
-                # A "*" is a glob (see remat_kit.tags.resolve); only a trailing "*COUNT" marks a mix part.
+                # A "*" is a glob (see remat_kit.policies.tags.resolve); only a trailing "*COUNT" marks a mix part.
                 if not t or t != t.strip() or any(c in t for c in ",;=+") or _MIX_COUNT.search(t):
                     raise ValueError(f"tag {t!r}: a tag is a non-empty name without spaces around it or ',;=+'")
         if not isinstance(self.strict, bool):
@@ -247,7 +247,7 @@ class Policy:
         """Apply the policy to one function, one Flax Linen module class or one Flax NNX module instance.
 
         Wherever it is applied, a :attr:`strict` policy checks once per input signature, at trace
-        time, that the code emits every tag it names (see :mod:`remat_kit.tags`).
+        time, that the code emits every tag it names (see :mod:`remat_kit.policies.tags`).
 
         Args:
           target: a callable; a ``flax.linen.Module`` subclass; or an ``flax.nnx.Module`` instance.
@@ -268,26 +268,11 @@ class Policy:
           ValueError: a grouping policy (``every_n``, ``segments``, ``sqrt_n``): it applies to a stack.
           TypeError: a target of another kind (a Linen instance, an NNX class, a non-callable).
         """
-        # Imported here, not at the top, and not a cycle (wrap never imports policies): a policy is data and
-        # must not need Flax to be built (Flax adds ~0.35 s to `import remat_kit.policies`).
+        # Imported here: a policy is data and must not need Flax to be built (Flax adds ~0.35 s to
+        # `import remat_kit.policies`); remat_kit.remat is the one dispatcher, this its alias.
         from remat_kit import wrap
 
-        kind = wrap.target_kind(target)
-        if self.kind in GROUPING_KINDS:
-            raise ValueError(
-                f"policy {self} groups the layers of a stack; apply it with remat_kit.stack (Linen) or "
-                f"remat_kit.nnx.stack (NNX), not to one {kind.replace('_', ' ')}; for a single function or "
-                f"module use full, selective, offload, dots or none"
-            )
-        if kind == "nnx_instance":
-            from remat_kit import wrap_nnx  # late for the same reason as wrap
-
-            return wrap_nnx.remat(self, target, static_argnums=_argnums(static_argnums), prevent_cse=prevent_cse)
-        if methods is not None and kind != "linen_class":
-            raise TypeError(f"methods= applies to a flax.linen.Module class only, got {target!r}")
-        return wrap.remat(
-            self, target, static_argnums=_argnums(static_argnums), methods=methods, prevent_cse=prevent_cse
-        )
+        return wrap.remat(target, self, static_argnums=static_argnums, methods=methods, prevent_cse=prevent_cse)
 
     def to_maxtext(self) -> dict[str, str]:
         """This policy as MaxText's ``remat_policy: custom`` settings (see :func:`to_maxtext`)."""
@@ -893,19 +878,6 @@ def _check_offload_dst(dst: str) -> None:
             f"offload destination {dst!r} is not a memory kind jax.checkpoint offloads to "
             f"(jax {jax.__version__}); allowed: {', '.join(OFFLOAD_DESTINATIONS)}"
         )
-
-
-def _argnums(value) -> tuple[int, ...]:
-    """``static_argnums`` as a tuple of ints (an int is one index; a negative one counts from the end)."""
-    items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
-    try:
-        items = tuple(items)
-    except TypeError:
-        raise TypeError(f"static_argnums must be an int or a tuple of ints, got {value!r}") from None
-    for i in items:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise ValueError(f"static_argnums must be ints, got {value!r}")
-    return items
 
 
 # ---- MaxText's per-tensor settings (remat_policy: custom) -------------------------------------------

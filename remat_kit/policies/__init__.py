@@ -1,0 +1,92 @@
+"""Rematerialization policies: what a layer keeps, as small frozen hashable values (pure JAX, no Flax).
+
+``remat_kit.policies`` is the public face: the :class:`Policy` value, its constructors (``full``,
+``selective``, ``offload``, ...), :class:`Mix`, the spec grammar (:func:`parse`) and MaxText's names
+(:func:`from_maxtext`, :func:`to_maxtext`), all from :mod:`remat_kit.policies.policy`. Beside it: the one
+tag rule (:mod:`~remat_kit.policies.tags`), the one static-argument rule
+(:mod:`~remat_kit.policies.static`) and the layer driver both stacks share (:mod:`~remat_kit.policies.layers`).
+
+>>> from remat_kit import policies
+>>> str(policies.selective(save=["mlp_up"]))
+'selective:mlp_up'
+"""
+
+from remat_kit.policies.policy import (
+    CONSTRUCTORS,
+    DEFAULT_OFFLOAD_DST,
+    GROUPING_KINDS,
+    JAX_POLICIES,
+    JAX_POLICY_FACTORIES,
+    KINDS,
+    MAX_COUNT,
+    MAXTEXT_ALIASES,
+    MAXTEXT_REMAT_POLICIES,
+    MAXTEXT_SETTINGS,
+    MAXTEXT_TAGS,
+    MAXTEXT_TENSOR_NAMES,
+    MAXTEXT_TENSORS,
+    OFFLOAD_DESTINATIONS,
+    SELECTIVE_DEFAULT,
+    SPEC_GRAMMAR,
+    SPEC_OPTIONS,
+    GroupMode,
+    Kind,
+    LayerPlan,
+    Mix,
+    Policy,
+    dots,
+    every_n,
+    from_jax,
+    from_maxtext,
+    full,
+    keep_activations,
+    mix,
+    none,
+    offload,
+    parse,
+    segments,
+    selective,
+    sqrt_n,
+    sqrt_n_group_size,
+    to_maxtext,
+)
+
+__all__ = [
+    "CONSTRUCTORS",
+    "DEFAULT_OFFLOAD_DST",
+    "GROUPING_KINDS",
+    "JAX_POLICIES",
+    "JAX_POLICY_FACTORIES",
+    "KINDS",
+    "MAXTEXT_ALIASES",
+    "MAXTEXT_REMAT_POLICIES",
+    "MAXTEXT_SETTINGS",
+    "MAXTEXT_TAGS",
+    "MAXTEXT_TENSORS",
+    "MAXTEXT_TENSOR_NAMES",
+    "MAX_COUNT",
+    "OFFLOAD_DESTINATIONS",
+    "SELECTIVE_DEFAULT",
+    "SPEC_GRAMMAR",
+    "SPEC_OPTIONS",
+    "GroupMode",
+    "Kind",
+    "LayerPlan",
+    "Mix",
+    "Policy",
+    "dots",
+    "every_n",
+    "from_jax",
+    "from_maxtext",
+    "full",
+    "keep_activations",
+    "mix",
+    "none",
+    "offload",
+    "parse",
+    "segments",
+    "selective",
+    "sqrt_n",
+    "sqrt_n_group_size",
+    "to_maxtext",
+]

@@ -109,7 +109,7 @@ class Stack(nn.Module):
             return h, (aux, mutated)
 
         # A mix checks each part by its own rule (one part may be strict=False).
-        for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
+        for policy in self.policy.policies:
             if tags.needs_check(policy):
                 one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
                 tags.check_traced(
@@ -229,7 +229,7 @@ class PeriodStack(nn.Module):
             {col: tree[str(j)] for col, tree in variables.items() if str(j) in tree} for j in range(period)
         )
         names = "+".join(type(layer).__name__ for layer in layers)
-        for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
+        for policy in self.policy.policies:
             if tags.needs_check(policy):
                 one_period = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), positions)
                 tags.check_traced(

@@ -171,7 +171,7 @@ class Stack(nnx.Module):
                     f"{expected.dtype}) to be stacked; it returns {shapes[0]}"
                 )
             # A mix checks each part by its own rule (one part may be strict=False).
-            for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
+            for policy in self.policy.policies:
                 _tags.check(policy, emitted, self.block_name)
 
         _tags.once(key, run_check)
@@ -230,7 +230,7 @@ class PeriodStack(nnx.Module):
 
         steps = [functools.partial(block, g) for g, _, _ in splits]
         variables = tuple((p, o) for _, p, o in splits)
-        for policy in self.policy.policies if isinstance(self.policy, Mix) else (self.policy,):
+        for policy in self.policy.policies:
             if _tags.needs_check(policy):
                 one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
                 emitted = _tags.emitted_tags(

@@ -516,7 +516,7 @@ def planner_platform(planner: StepPlanner) -> str:
 
 
 def _has_offload(policy: policies.Policy | policies.Mix) -> bool:
-    parts = policy.policies if isinstance(policy, policies.Mix) else (policy,)
+    parts = policy.policies
     return any(p.kind == "offload" for p in parts)
 
 

@@ -187,7 +187,7 @@ def _layer_policy(save: Sequence[str], off: Sequence[str]) -> policies.Policy:
 
 def maxtext_ok(policy: policies.Policy | policies.Mix) -> bool:
     """Whether MaxText's ``custom`` remat can say ``policy`` (each part of a mix on its own)."""
-    parts = policy.policies if isinstance(policy, policies.Mix) else (policy,)
+    parts = policy.policies
     try:
         for part in parts:
             policies.to_maxtext(part)

@@ -198,6 +198,15 @@ class Policy:
     # ---- what JAX sees --------------------------------------------------------------------------
 
     @property
+    def policies(self) -> tuple[Policy, ...]:
+        """``(self,)``: a policy is a one-part :class:`Mix`, so ``p.policies`` walks either.
+
+        >>> full().policies == (full(),)
+        True
+        """
+        return (self,)
+
+    @property
     def remat(self) -> bool:
         """Whether the policy rematerializes anything (False only for ``none``)."""
         return self.kind != "none"

@@ -1,7 +1,7 @@
 """Take a model you did not write, unedited: list its names, fit it to a memory budget, train a few steps.
 
-The model (tests/unedited_models.py's NnxModel, written like Flax's NNX examples) has no remat hook and
-no checkpoint_name tags. remat_kit.apply names what each block computes by module path, runs its
+The model below is written the way Flax's NNX examples write theirs: no remat hook and no
+checkpoint_name tags. remat_kit.apply names what each block computes by module path, runs its
 identical blocks as one scan (scan=True: on CPU a Python loop's recompute is removed by XLA), and
 remat_kit.auto picks the least-recompute policy whose compiled step fits a budget halfway between full's
 need and none's.
@@ -12,18 +12,61 @@ need and none's.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests/unedited_models.py
-
 import remat_kit
-from tests.unedited_models import NnxModel
+
+
+class FeedForward(nnx.Module):
+    def __init__(self, d, f, *, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.gating_einsum = nnx.Param(init(rngs.params(), (2, d, f)))  # [gate|up, d_model, d_ff]
+        self.linear = nnx.Param(init(rngs.params(), (f, d)))
+
+    def __call__(self, x):
+        g = jnp.einsum("...d,cdf->c...f", x, self.gating_einsum[...])
+        return jnp.einsum("...f,fd->...d", jax.nn.gelu(g[0]) * g[1], self.linear[...])
+
+
+class Attention(nnx.Module):
+    def __init__(self, d, *, rngs):
+        self.q_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+        self.k_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+        self.attn_vec_einsum = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        q, k = self.q_einsum(x), self.k_einsum(x)  # [batch, seq, d]
+        s = jnp.einsum("btd,bsd->bts", q, k) / q.shape[-1] ** 0.5
+        causal = jnp.tril(jnp.ones(s.shape[-2:], bool))
+        return self.attn_vec_einsum(jnp.einsum("bts,bsd->btd", jax.nn.softmax(jnp.where(causal, s, -1e9)), x))
+
+
+class Block(nnx.Module):
+    def __init__(self, d, *, rngs):
+        self.pre_attention_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.attn = Attention(d, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+        self.pre_ffw_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.mlp = FeedForward(d, 2 * d, rngs=rngs)
+
+    def __call__(self, x, deterministic=False):
+        x = x + self.dropout(self.attn(self.pre_attention_norm(x)), deterministic=deterministic)
+        return x + self.mlp(self.pre_ffw_norm(x))
+
+
+class Model(nnx.Module):
+    def __init__(self, num_layers, d, *, rngs):
+        self.layers = nnx.List([Block(d, rngs=rngs) for _ in range(num_layers)])
+        self.final_norm = nnx.RMSNorm(d, rngs=rngs)
+
+    def __call__(self, x, deterministic=False):
+        for layer in self.layers:
+            x = layer(x, deterministic)
+        return self.final_norm(x)
 
 
 def main(argv=None) -> None:
@@ -35,7 +78,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     args = parser.parse_args(argv)
 
-    model = NnxModel(args.layers, args.width, alternate=False, rngs=nnx.Rngs(0))
+    model = Model(args.layers, args.width, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (args.batch_size, args.seq_len, args.width))
     print(remat_kit.names_of(model, x))
 

@@ -295,3 +295,26 @@ def test_each_module_says_its_one_job_in_its_first_line():
         if not first or not first.endswith((".", ":")) or len(first) > 120:
             missing.append(f"{path.relative_to(PACKAGE)}: {first!r}")
     assert missing == []
+
+
+EXAMPLES = PACKAGE.parent / "examples"
+
+
+def example_imports(path: Path) -> list[str]:
+    """Every module an example imports (``from a import b`` gives ``a.b``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found += [f"{node.module}.{a.name}" for a in node.names]
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
+def test_examples_import_public_names_only(path):
+    text = path.read_text()
+    bad = [
+        m for m in example_imports(path) if m.split(".")[0] == "tests" or any(p.startswith("_") for p in m.split("."))
+    ]
+    assert bad == [] and "sys.path" not in text, f"{path.name}: a user who copies it cannot run {bad or 'sys.path'}"

@@ -1,6 +1,6 @@
 """Models written the way gm.nn (Linen) and Flax's NNX examples write theirs, with no remat_kit in them.
 
-Used by tests/test_unedited.py, examples/unedited_model.py and benchmarks/unedited.py. Gemma-style:
+Used by tests/test_unedited.py and benchmarks/unedited.py. Gemma-style:
 RMSNorms named ``pre_attention_norm``/``pre_ffw_norm``, attention projections ``q_einsum``/``k_einsum``/
 ``attn_vec_einsum``, a FeedForward computing with its own ``gating_einsum``/``linear`` params, a
 Python bool per layer (local/global attention), dropout, ``sow``, bfloat16 compute.

@@ -317,3 +317,40 @@ def test_examples_import_public_names_only(path):
     ours = [m for m in example_imports(path) if m.split(".")[0] in ("remat_kit", "tests")]
     bad = [m for m in ours if m.startswith("tests") or any(p.startswith("_") for p in m.split("."))]
     assert bad == [] and "sys.path" not in text, f"{path.name}: a user who copies it cannot run {bad or 'sys.path'}"
+
+
+#: Longest function body in the core (code lines after the docstring) without a reason for its length.
+MAX_CORE_FUNCTION_LINES = 80
+
+
+def long_core_functions(root: Path) -> list[str]:
+    """Core functions over :data:`MAX_CORE_FUNCTION_LINES` whose first statements carry no ``# Long: why`` line."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root.parent / root.name)
+        if wing_of(module) != "core":
+            continue
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            first = node.body[0]
+            docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            start = first.end_lineno if docstring else node.body[0].lineno - 1
+            if node.end_lineno - start > MAX_CORE_FUNCTION_LINES:
+                head = lines[max(start - 2, 0) : start + 3]  # the lines around the first statement
+                if not any(line.strip().startswith("# Long:") for line in head):
+                    found.append(f"{module}.{node.name} ({node.end_lineno - start} lines)")
+    return found
+
+
+def test_core_functions_are_short_or_say_why():
+    assert long_core_functions(PACKAGE) == []
+
+
+def test_the_length_checker_sees_a_long_function(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_CORE_FUNCTION_LINES + 1))
+    root = _package(
+        tmp_path, {"__init__.py": "", "a.py": f"def f():\n{body}", "b.py": f"def g():\n    # Long: why\n{body}"}
+    )
+    assert long_core_functions(root) == ["remat_kit.a.f (81 lines)"]

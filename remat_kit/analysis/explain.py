@@ -308,6 +308,7 @@ def explain(
     Returns:
       An :class:`Explanation`.
     """
+    # Long: one classifier over one program's buffers; its closures share the phase and slice tables built here.
     groups_of = parameter_groups if callable(parameter_groups) else (lambda n: parameter_groups.get(n, "inputs"))
     ins = {i.name: i for i in program.sequence}
     position = {i.name: t for t, i in enumerate(program.sequence)}

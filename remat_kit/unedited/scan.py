@@ -357,6 +357,7 @@ def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x)
     Returns:
       ``(the first block's output, each position's outputs stacked over the periods)``.
     """
+    # Long: split, stack, scan and write back are one transaction over the same layers' state.
     period = run.period
     graphdefs = [nnx.graphdef(layer) for layer in layers[:period]]
     treedefs = [jax.tree.structure(nnx.state(layer)) for layer in layers[:period]]
@@ -742,6 +743,7 @@ def _resolved(policy: Policy | Mix, emitted: frozenset[str], where: str) -> Poli
 
 def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dict):
     """Run the blocks of ``spec`` (``module`` is the first) as one scan; (its output, what the others return)."""
+    # Long: the checks that the blocks can share one scan read the same call templates the scan then runs.
     paths, period = spec.paths, spec.period
     where = f"{type(module).__name__} block {join(paths[0])}"
     statics = run.plan.static_argnames

@@ -703,8 +703,43 @@ def offload_warnings(offloaded_bytes: int, enforced: bool, policy_offloads: bool
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Levers:
+    """What lowers a peak remat cannot move, in the words of the report's reader.
+
+    Attributes:
+      state: what shrinks the parameters, optimizer state and gradients.
+      logits: what removes the full logits and their gradient.
+      explain: how to read what is live at the peak, for a warning made from sizes alone.
+    """
+
+    state: str
+    logits: str
+    explain: str
+
+
+#: For a report on a user's own function (``remat_kit.inspect``/``compare``): API words, no CLI flags.
+USER_LEVERS = Levers(
+    state="fewer trainable parameters (LoRA adapters over a frozen base), sharding them over a mesh",
+    logits="a chunked loss that never materializes the full logits",
+    explain="inspect(..., explain=True) reads what is live there",
+)
+
+#: For the built-in model, whose reports the command line prints: its flags.
+CLI_LEVERS = Levers(
+    state="LoRA (--lora-rank), a mesh sharding the state (--mesh fsdp=N)",
+    logits="a chunked loss (--loss-chunks K, remat_kit.model.loss)",
+    explain="--explain reads what is live there",
+)
+
+
 def dominance_warnings(
-    at_peak: Mapping[str, int], total: int, *, has_optimizer: bool = False, estimated: bool = False
+    at_peak: Mapping[str, int],
+    total: int,
+    *,
+    has_optimizer: bool = False,
+    estimated: bool = False,
+    levers: Levers = USER_LEVERS,
 ) -> list[str]:
     """Warnings when the peak is mostly something no remat policy touches, naming the lever that does.
 
@@ -714,9 +749,10 @@ def dominance_warnings(
       total: the compiled peak (:attr:`remat_kit.analysis.memory.CompiledMemory.total`).
       has_optimizer: a training step: optimizer-state offload is a lever too.
       estimated: ``at_peak`` holds sizes, not what XLA keeps live at the peak: the warning says "about".
+      levers: the words for the reader (:data:`USER_LEVERS` for an API report, :data:`CLI_LEVERS` for the CLI's).
 
     >>> dominance_warnings({"parameters": 70, "saved residuals": 30}, 100)[0].split(":")[0]
-    'the peak is 70% parameters, optimizer state and gradients'
+    'the peak is 70% parameters and gradients'
     """
     out = []
     if total <= 0:
@@ -724,19 +760,19 @@ def dominance_warnings(
     untouched = ("parameters", "optimizer state", "gradients", "optimizer update", "weight copies")
     state = sum(at_peak.get(g, 0) for g in untouched)
     if state / total >= DOMINANCE_SHARE:
-        levers = "LoRA (--lora-rank), a mesh sharding the state (--mesh fsdp=N)"
-        levers += ", optimizer-state offload" if has_optimizer else ""
+        what = "parameters, optimizer state and gradients" if has_optimizer else "parameters and gradients"
+        state_levers = levers.state + (", optimizer-state offload" if has_optimizer else "")
         about = "about " if estimated else ""
-        how = " (their sizes beside XLA's compiled peak; --explain reads what is live there)" if estimated else ""
+        how = f" (their sizes beside XLA's compiled peak; {levers.explain})" if estimated else ""
         out.append(
-            f"the peak is {about}{100 * state / total:.0f}% parameters, optimizer state and gradients{how}: "
-            f"no remat policy changes them; {levers} do"
+            f"the peak is {about}{100 * state / total:.0f}% {what}{how}: "
+            f"no remat policy changes them; {state_levers} do"
         )
     logits = at_peak.get("logits / loss", 0)
     if logits / total >= DOMINANCE_SHARE / 2:
         out.append(
             f"the peak is {100 * logits / total:.0f}% logits and loss buffers: no remat policy changes them; "
-            "a chunked loss (--loss-chunks K, remat_kit.model.loss) does"
+            f"{levers.logits} does"
         )
     return out
 
@@ -752,7 +788,7 @@ def state_at_peak(parameters: int, optimizer_state: int = 0, gradients: int = 0)
 
     >>> from remat_kit.analysis.memory import CompiledMemory
     >>> m = CompiledMemory(argument=30, output=10, alias=0, temp=60, host_argument=0, host_output=0, host_temp=0)
-    >>> dominance_warnings(state_at_peak(20, 10, 20), m.total, estimated=True)[0].split(" (")[0]
+    >>> dominance_warnings(state_at_peak(20, 10, 20), m.total, has_optimizer=True, estimated=True)[0].split(" (")[0]
     'the peak is about 50% parameters, optimizer state and gradients'
     """
     return {"parameters": parameters, "optimizer state": optimizer_state, "gradients": gradients}

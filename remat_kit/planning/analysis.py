@@ -516,7 +516,9 @@ def analyze_compiled(
     )
     notes = [] if note is None else [note]
     if found is not None:
-        warnings += explain_lib.dominance_warnings(found.at_peak, found.total, has_optimizer=True)
+        warnings += explain_lib.dominance_warnings(
+            found.at_peak, found.total, has_optimizer=True, levers=explain_lib.CLI_LEVERS
+        )
         notes += [n for n in (explain_lib.reserved_note(found.at_peak, found.total),) if n]
     else:
         warnings += explain_lib.dominance_warnings(
@@ -524,6 +526,7 @@ def analyze_compiled(
             memory.total,
             has_optimizer=True,
             estimated=True,
+            levers=explain_lib.CLI_LEVERS,
         )
     analysis = Analysis(
         policy=str(policy),

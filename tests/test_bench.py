@@ -10,7 +10,8 @@ from remat_kit import cli
 from remat_kit.bench import run as bench
 from remat_kit.model.transformer import TransformerConfig
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+#: The guide that explains the bfloat16 check `bench` points to.
+PLANNING_GUIDE = Path(__file__).resolve().parent.parent / "docs" / "planning.md"
 
 CFG = TransformerConfig.preset("tiny")
 #: Keys the issue requires in every JSON record.
@@ -279,7 +280,7 @@ def test_gradient_note_only_above_float32_rounding():
     assert bench.grad_note([exact]) is None and bench.grad_note([_timed("x", (1.0,), 1)]) is None
     note = bench.grad_note([exact, off])
     assert note.startswith("selective: gradients differ from none's by up to 6.0e-03 relative")
-    assert bench.EXACT_BF16_FLAGS in note and bench.EXACT_BF16_FLAGS in README.read_text()
+    assert bench.EXACT_BF16_FLAGS in note and bench.EXACT_BF16_FLAGS in PLANNING_GUIDE.read_text()
 
 
 # A bfloat16 chain in a float32 function: jit fuses it (keeping float32 between its ops unless told not
@@ -308,5 +309,5 @@ def test_exact_bf16_flag_makes_two_compilations_agree():
         out = subprocess.run([sys.executable, "-c", _BF16_PROBE], env=env, capture_output=True, text=True, check=True)
         return float(out.stdout.split()[-1])
 
-    assert rel(bench.EXACT_BF16_FLAGS.split("=", 1)[1]) == 0.0  # bit for bit with the README's flag
+    assert rel(bench.EXACT_BF16_FLAGS.split("=", 1)[1]) == 0.0  # bit for bit with the documented flag
     assert rel("") > 1e-4  # XLA's default: the fused chain keeps excess precision (1.9e-3 on CPU, jax 0.10-0.12)

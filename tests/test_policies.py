@@ -85,8 +85,8 @@ def test_default_selective_keeps_what_the_readme_says_on_a_block():
     row = next(line for line in README.read_text().splitlines() if line.startswith("| `selective[:TAGS]`"))
     assert "default: matmul outputs q/k/v, context, attn_out, mlp gate/up/out" in row
     readme_tags = {"q_proj", "k_proj", "v_proj", "context", "attn_out", "mlp_gate", "mlp_up", "mlp_out"}
-    # XLA attention: under JAX's remat3 a tag inside chunked attention's custom_vjp is not kept (README,
-    # "Tested JAX versions"), which would make this a test of the remat implementation, not of the default.
+    # XLA attention: under JAX's remat3 a tag inside chunked attention's custom_vjp is not kept (docs/internals.md,
+    # "JAX's remat3"), which would make this a test of the remat implementation, not of the default.
     cfg = TransformerConfig.preset("tiny", num_layers=1, attention="xla")
     x = jnp.ones((1, 8, cfg.d_model))
     params = Block(cfg).init(jax.random.key(0), x)

@@ -1,178 +1,98 @@
-"""Every Python block of the README runs as written, each in a fresh namespace (a user's first contact)."""
-
-import pathlib
-import re
+"""The README is a front page: its Python blocks run and do what they say, it stays short, and every command line
+and relative link of the README and docs/*.md is valid (the guides' blocks run in test_docs.py)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 from conftest import max_rel_err
+from doc_blocks import DOCS, PAGES, README, anchors, cli_commands, name, python_blocks, relative_links, run_block
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+from remat_kit import _jax_internals as internals
+
+#: The issue's bound on the front page: a pitch, set-up, results, three examples, the policies, the CLI, links.
+MAX_README_LINES = 250
 
 
-def _linen_loop(ns):
-    """Your own loop of policy(MyBlock): same parameters and gradients as the bare block."""
-    assert ns["policy"].save == ("mlp_up",)
-    kernels = [leaf.shape for leaf in jax.tree.leaves(ns["grads"])]
-    assert (64, 256) in kernels and len(kernels) == 4 * 4  # four blocks of two Dense layers
-    bare = ns["MyModel"]()  # the same model with the class swapped back: no remat
-    ns["RematBlock"] = ns["MyBlock"]
-    want = jax.grad(lambda p: jnp.sum(bare.apply(p, ns["x"], True, rngs={"dropout": jax.random.key(1)}) ** 2))(
-        ns["params"]
-    )
+def _block_under_policy(ns):
+    """selective(save=[...])(MyBlock): keeps only mlp_up of the block; MyBlock's parameters and gradients."""
+    x, params, bare = ns["x"], ns["params"], ns["MyBlock"]()
+
+    def kept(block):  # the block's own values the backward pass keeps (x and the weights are arguments here)
+        fn = lambda p, x: jnp.sum(block.apply(p, x))
+        return [r.source for r in internals.saved_residuals(fn, params, x) if not r.is_argument]
+
+    assert kept(ns["RematBlock"]()) and all("named 'mlp_up'" in s for s in kept(ns["RematBlock"]()))
+    assert any("named" not in s for s in kept(bare))  # without the policy the gelu's values are kept too
+    assert jax.tree.structure(params) == jax.tree.structure(bare.init(jax.random.key(0), x))
+    want = jax.grad(lambda p: jnp.sum(bare.apply(p, x) ** 2))(params)
     assert max_rel_err(ns["grads"], want) <= 1e-5
 
 
 def _stack(ns):
-    """remat_kit.stack with BatchNorm: params and batch_stats stacked, statistics updated."""
-    assert ns["grads"]["layers"]["Dense_0"]["kernel"].shape == (6, 64, 128)
-    before = ns["variables"]["batch_stats"]["layers"]["BatchNorm_0"]["mean"]
-    after = ns["batch_stats"]["layers"]["BatchNorm_0"]["mean"]
-    assert before.shape == after.shape == (6, 128) and not jnp.allclose(before, after)
-
-
-def _budget(ns):
-    """remat_kit.auto on the tiny preset: a generous budget answers none (no recompute of any kind)."""
-    assert ns["r"].chosen is not None and ns["r"].chosen.kind == "none"
-
-
-def _per_tensor(ns):
-    """per_tensor on tiny: an ample budget answers none, compiled and fitting."""
-    assert str(ns["t"].chosen) == "none" and ns["t"].fits and ns["t"].cost_s == 0.0
-
-
-def _maxtext(ns):
-    """MaxText's custom settings: the policy they make, and back."""
-    assert str(ns["p"]) == "offload:q_proj;save=mlp_out" and ns["p"].to_maxtext()["mlpwi_0"] == "remat"
-
-
-def _nnx(ns):
-    """NNX: the stack's gradients are stacked and non-zero; the owning wrapper's gradients are the bare block's."""
-    kernel = ns["grads"]["layers"]["up"]["kernel"]
-    assert kernel.shape == (8, 16, 64) and float(jnp.max(jnp.abs(kernel[...]))) > 0
-    bare = ns["nnx"].grad(ns["loss"])(ns["block"].module)
-    assert max_rel_err(ns["block_grads"]["module"], bare) <= 1e-5
-
-
-def _plan_own(ns):
-    """inspect/compare/auto on a user's stack: full keeps less than none, and the choice fits the budget."""
-    assert ns["report"].saved_bytes > 0
-    saved = [r.saved_bytes for r in ns["table"].reports]
-    assert saved[2] < saved[1] < saved[0]  # full < selective:mlp_up < none
-    assert ns["choice"].chosen is not None
-
-
-def _lora(ns):
-    """LoRA: only the adapters have optimizer state, and the frozen int8 base is untouched by the update."""
-    trainable, frozen = ns["lora"].partition(ns["params"])
-    mu = ns["opt_state"][0].mu
-    assert jax.tree.structure(mu) == jax.tree.structure(trainable) and jax.tree.leaves(frozen)
-    before = ns["lora"].partition(ns["lora"].from_base(ns["full_params"], ns["cfg"], jax.random.key(1)))[1]
-    assert max_rel_err(frozen, before) == 0.0
-
-
-def _explain(ns):
-    """Why doesn't it fit: the groups at the peak sum to it, and every parameter byte is live there."""
-    r = ns["r"]
-    assert sum(r.at_peak.values()) == r.peak_bytes
-    assert r.at_peak["parameters"] == 4 * 64 * 64 * 4 and len(r.largest_at_peak) == 10
-
-
-def _nnx_compare(ns):
-    """The NNX recipe for compare: each row measured under its own policy."""
-    table = ns["table"]
-    assert table.policies == ("none", "full") and table["full"].saved_bytes < table["none"].saved_bytes
-
-
-def _unedited_linen(ns):
-    """remat_kit.apply on an unedited Linen model: the plain model's tree and gradients; names by path."""
-    plain = ns["Transformer"]()
-    assert jax.tree.structure(ns["params"]) == jax.tree.structure(plain.init(jax.random.key(0), ns["x"]))
-    want = jax.grad(lambda p: plain.apply(p, ns["x"]).sum())(ns["params"])
+    """remat_kit.stack: parameters stacked on axis 0; the gradients of the same stack without remat."""
+    assert ns["params"]["params"]["layers"]["Dense_0"]["kernel"].shape == (8, 64, 256)
+    plain = ns["remat_kit"].stack(ns["MyBlock"], num_layers=8, policy="none")
+    want = jax.grad(lambda p: jnp.sum(plain.apply(p, ns["x"]) ** 2))(ns["params"])
     assert max_rel_err(ns["grads"], want) <= 1e-5
 
 
-def _unedited_nnx(ns):
-    """remat_kit.apply(..., scan=True) on an NNX model: gradients in the model's own layout, non-zero."""
-    kernel = ns["grads"]["layers"][0]["up"]["kernel"][...]
-    assert kernel.shape == (16, 64) and float(jnp.max(jnp.abs(kernel))) > 0
+def _apply(ns):
+    """remat_kit.apply(..., scan=True) on an unedited model: the plain model's tree and gradients."""
+    plain, x = ns["Model"](), ns["x"]
+    assert set(ns["remat_kit"].names_of(plain, x).names) == {"up", "up/kernel", "down", "down/kernel"}
+    assert jax.tree.structure(ns["params"]) == jax.tree.structure(plain.init(jax.random.key(0), x))
+    want = jax.grad(lambda p: plain.apply(p, x).sum())(ns["params"])
+    assert max_rel_err(ns["grads"], want) <= 1e-5
 
 
-def _unedited_compare(ns):
-    """apply_factory's make_loss: each row runs its own policy (full keeps least); an applied model is refused."""
-    table = ns["table"]
-    assert table["full"].saved_bytes < table["selective:up"].saved_bytes < table["none"].saved_bytes
-    applied = ns["remat_kit"].apply(ns["plain"], "full")
-    with pytest.raises(TypeError, match=r"made by remat_kit\.apply"):
-        ns["remat_kit"].compare(lambda policy: lambda m, x: 0.0, ["none", "full"], applied, ns["x"])
-
-
-def _unedited_factory(ns):
-    """The tags factory: the names remat-kit tags lists (traced under full) include the blocks' paths."""
-    from remat_kit.planning.user_model import names_from_factory
-
-    assert {"up", "up/kernel", "out"} <= set(names_from_factory(ns["factory"]).names)
-
-
-#: A marker found in a block → what to assert after running it.
-KNOWN = {
-    "RematBlock = policy(MyBlock": _linen_loop,
-    "remat_kit.stack(NormBlock": _stack,
-    "remat_kit.auto(cfg": _budget,
-    "per_tensor(cfg": _per_tensor,
-    "policies.from_maxtext(": _maxtext,
-    "remat_kit.inspect(make_loss": _plan_own,
-    "lora.update(loss_fn": _lora,
-    "remat_kit.nnx.stack(Block": _nnx,
-    "jax.ShapeDtypeStruct((32, 64), jnp.float32), explain=True": _explain,
-    'remat_kit.compare(make_loss, ["none", "full"], params, rest': _nnx_compare,
-    'remat_kit.apply(Transformer(), "selective': _unedited_linen,
-    'remat_kit.apply(Model(rngs=nnx.Rngs(0)), "every_n:2"': _unedited_nnx,
-    'remat_kit.compare(make_loss, ["none", "selective:up", "full"]': _unedited_compare,
-    "return make_loss(policy), (variables, x)": _unedited_factory,
+#: A marker found in a README block → what to assert after running it.
+README_CHECKS = {
+    'remat_kit.policies.selective(save=["mlp_up"])(MyBlock)': _block_under_policy,
+    'remat_kit.stack(MyBlock, num_layers=8, policy="every_n:2")': _stack,
+    'remat_kit.apply(Model(), "selective:up", scan=True)': _apply,
 }
+BLOCKS = python_blocks(README)
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"block{i}" for i in range(len(BLOCKS))])
 def test_readme_python_block_runs(index):
-    source = BLOCKS[index]
-    namespace: dict = {"__name__": f"readme_block{index}"}
-    exec(compile(source, f"README.md[python block {index}]", "exec"), namespace)
-    checks = [check for marker, check in KNOWN.items() if marker in source]
-    for check in checks:
-        check(namespace)
+    run_block(README, index, README_CHECKS)
 
 
-def test_every_known_block_is_in_the_readme():
-    text = "\n".join(BLOCKS)
-    assert [marker for marker in KNOWN if marker not in text] == []
+def test_every_readme_block_is_checked():
+    """Each README block has its check, and each check its block: a block edited away from its marker fails here."""
+    assert [marker for marker in README_CHECKS if not any(marker in b for b in BLOCKS)] == []
+    assert [b[:60] for b in BLOCKS if not any(marker in b for marker in README_CHECKS)] == []
 
 
-def _readme_commands() -> list[list[str]]:
-    """Every ``remat-kit`` command line of the README's shell blocks, as argv (continuations joined)."""
-    import shlex
-
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if "remat-kit" in " ".join(words) and "..." not in words:  # "train ... --resume" elides its flags
-                start = next(i for i, w in enumerate(words) if w.endswith("remat-kit"))
-                commands.append(words[start + 1 :])
-    return commands
+def test_readme_is_a_front_page():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines: move the detail to docs/"
+    assert "python -m pytest -q -n 2 --dist loadfile" in README.read_text()  # CI runs the README's test command
+    assert {f"docs/{page.name}" for page in DOCS} <= set(relative_links(README))  # every guide is linked
 
 
-def test_every_readme_command_line_parses():
+def test_every_command_line_parses():
     """The shell blocks' remat-kit commands use flags and choices the CLI has (parsed, not run: they train)."""
     from remat_kit import cli
 
-    commands = _readme_commands()
-    assert len(commands) >= 8 and {c[0] for c in commands} >= {"bench", "plan", "train"}
+    commands = cli_commands(PAGES)
+    assert len(commands) >= 8 and {argv[0] for _, argv in commands} >= {"bench", "plan", "train", "tags"}
     parser = cli.build_parser()
-    for argv in commands:
+    for page, argv in commands:
         try:
             parser.parse_args(argv)
         except SystemExit as e:  # argparse's way of saying "no such flag / bad choice"
-            raise AssertionError(f"README command does not parse: remat-kit {' '.join(argv)}") from e
+            raise AssertionError(f"{page}: command does not parse: remat-kit {' '.join(argv)}") from e
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[name(p) for p in PAGES])
+def test_relative_links_resolve(page):
+    """Every relative link names a file that exists, and an anchor a heading of that file."""
+
+    def resolves(target: str) -> bool:
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        return dest.exists() and (not anchor or (dest.suffix == ".md" and anchor in anchors(dest)))
+
+    assert [target for target in relative_links(page) if not resolves(target)] == []

@@ -1,0 +1,158 @@
+"""Every Python block of docs/*.md runs as written, each in a fresh namespace, and does what its guide says."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import max_rel_err
+from doc_blocks import DOCS, ROOT, name, python_blocks, run_block
+
+
+def _linen_loop(ns):
+    """Your own loop of policy(MyBlock): same parameters and gradients as the bare block."""
+    assert ns["policy"].save == ("mlp_up",)
+    kernels = [leaf.shape for leaf in jax.tree.leaves(ns["grads"])]
+    assert (64, 256) in kernels and len(kernels) == 4 * 4  # four blocks of two Dense layers
+    bare = ns["MyModel"]()  # the same model with the class swapped back: no remat
+    ns["RematBlock"] = ns["MyBlock"]
+    want = jax.grad(lambda p: jnp.sum(bare.apply(p, ns["x"], True, rngs={"dropout": jax.random.key(1)}) ** 2))(
+        ns["params"]
+    )
+    assert max_rel_err(ns["grads"], want) <= 1e-5
+
+
+def _stack(ns):
+    """remat_kit.stack with BatchNorm: params and batch_stats stacked, statistics updated."""
+    assert ns["grads"]["layers"]["Dense_0"]["kernel"].shape == (6, 64, 128)
+    before = ns["variables"]["batch_stats"]["layers"]["BatchNorm_0"]["mean"]
+    after = ns["batch_stats"]["layers"]["BatchNorm_0"]["mean"]
+    assert before.shape == after.shape == (6, 128) and not jnp.allclose(before, after)
+
+
+def _nnx(ns):
+    """NNX: the stack's gradients are stacked and non-zero; the owning wrapper's gradients are the bare block's."""
+    kernel = ns["grads"]["layers"]["up"]["kernel"]
+    assert kernel.shape == (8, 16, 64) and float(jnp.max(jnp.abs(kernel[...]))) > 0
+    bare = ns["nnx"].grad(ns["loss"])(ns["block"].module)
+    assert max_rel_err(ns["block_grads"]["module"], bare) <= 1e-5
+
+
+def _nnx_compare(ns):
+    """The NNX recipe for compare: each row measured under its own policy."""
+    table = ns["table"]
+    assert table.policies == ("none", "full") and table["full"].saved_bytes < table["none"].saved_bytes
+
+
+def _unedited_linen(ns):
+    """remat_kit.apply on an unedited Linen model: the plain model's tree and gradients; names by path."""
+    plain = ns["Transformer"]()
+    assert jax.tree.structure(ns["params"]) == jax.tree.structure(plain.init(jax.random.key(0), ns["x"]))
+    want = jax.grad(lambda p: plain.apply(p, ns["x"]).sum())(ns["params"])
+    assert max_rel_err(ns["grads"], want) <= 1e-5
+
+
+def _unedited_nnx(ns):
+    """remat_kit.apply(..., scan=True) on an NNX model: gradients in the model's own layout, non-zero."""
+    kernel = ns["grads"]["layers"][0]["up"]["kernel"][...]
+    assert kernel.shape == (16, 64) and float(jnp.max(jnp.abs(kernel))) > 0
+
+
+def _unedited_compare(ns):
+    """apply_factory's make_loss: each row runs its own policy (full keeps least); an applied model is refused."""
+    table = ns["table"]
+    assert table["full"].saved_bytes < table["selective:up"].saved_bytes < table["none"].saved_bytes
+    applied = ns["remat_kit"].apply(ns["plain"], "full")
+    with pytest.raises(TypeError, match=r"made by remat_kit\.apply"):
+        ns["remat_kit"].compare(lambda policy: lambda m, x: 0.0, ["none", "full"], applied, ns["x"])
+
+
+def _unedited_factory(ns):
+    """The tags factory: the names remat-kit tags lists (traced under full) include the blocks' paths."""
+    from remat_kit.planning.user_model import names_from_factory
+
+    assert {"up", "up/kernel", "out"} <= set(names_from_factory(ns["factory"]).names)
+
+
+def _maxtext(ns):
+    """MaxText's custom settings: the policy they make, and back."""
+    assert str(ns["p"]) == "offload:q_proj;save=mlp_out" and ns["p"].to_maxtext()["mlpwi_0"] == "remat"
+
+
+def _plan_own(ns):
+    """inspect/compare/auto on a user's stack: full keeps less than none, and the choice fits the budget."""
+    assert ns["report"].saved_bytes > 0
+    saved = [r.saved_bytes for r in ns["table"].reports]
+    assert saved[2] < saved[1] < saved[0]  # full < selective:mlp_up < none
+    assert ns["choice"].chosen is not None
+
+
+def _explain(ns):
+    """Why doesn't it fit: the groups at the peak sum to it, and every parameter byte is live there."""
+    r = ns["r"]
+    assert sum(r.at_peak.values()) == r.peak_bytes
+    assert r.at_peak["parameters"] == 4 * 64 * 64 * 4 and len(r.largest_at_peak) == 10
+
+
+def _budget(ns):
+    """remat_kit.auto on the tiny preset: a generous budget answers none (no recompute of any kind)."""
+    assert ns["r"].chosen is not None and ns["r"].chosen.kind == "none"
+
+
+def _per_tensor(ns):
+    """per_tensor on tiny: an ample budget answers none, compiled and fitting."""
+    assert str(ns["t"].chosen) == "none" and ns["t"].fits and ns["t"].cost_s == 0.0
+
+
+def _lora(ns):
+    """LoRA: only the adapters have optimizer state, and the frozen int8 base is untouched by the update."""
+    trainable, frozen = ns["lora"].partition(ns["params"])
+    mu = ns["opt_state"][0].mu
+    assert jax.tree.structure(mu) == jax.tree.structure(trainable) and jax.tree.leaves(frozen)
+    before = ns["lora"].partition(ns["lora"].from_base(ns["full_params"], ns["cfg"], jax.random.key(1)))[1]
+    assert max_rel_err(frozen, before) == 0.0
+
+
+#: The guide each check's block lives in → {a marker found in the block: what to assert after running it}.
+CHECKS = {
+    "your-model.md": {
+        "RematBlock = policy(MyBlock": _linen_loop,
+        "remat_kit.stack(NormBlock": _stack,
+        "remat_kit.nnx.stack(Block": _nnx,
+        'remat_kit.compare(make_loss, ["none", "full"], params, rest': _nnx_compare,
+    },
+    "unedited-models.md": {
+        'remat_kit.apply(Transformer(), "selective': _unedited_linen,
+        'remat_kit.apply(Model(rngs=nnx.Rngs(0)), "every_n:2"': _unedited_nnx,
+        'remat_kit.compare(make_loss, ["none", "selective:up", "full"]': _unedited_compare,
+        "return make_loss(policy), (variables, x)": _unedited_factory,
+    },
+    "policies.md": {"policies.from_maxtext(": _maxtext},
+    "planning.md": {
+        "remat_kit.inspect(make_loss": _plan_own,
+        "jax.ShapeDtypeStruct((32, 64), jnp.float32), explain=True": _explain,
+        "remat_kit.auto(cfg": _budget,
+        "per_tensor(cfg": _per_tensor,
+    },
+    "built-in-lm.md": {"lora.update(loss_fn": _lora},
+}
+CASES = [(page, i) for page in DOCS for i in range(len(python_blocks(page)))]
+
+
+@pytest.mark.parametrize(("page", "index"), CASES, ids=[f"{page.stem}-{i}" for page, i in CASES])
+def test_docs_python_block_runs(page, index):
+    run_block(page, index, CHECKS.get(page.name, {}))
+
+
+@pytest.mark.parametrize("guide", sorted(CHECKS), ids=sorted(CHECKS))
+def test_every_check_has_its_block_in_its_guide(guide):
+    blocks = "\n".join(python_blocks(ROOT / "docs" / guide))
+    assert [marker for marker in CHECKS[guide] if marker not in blocks] == []
+
+
+def test_every_docs_block_is_checked():
+    """A block with no check would run but assert nothing of what its guide claims."""
+    unchecked = [
+        f"{name(page)}[{i}]"
+        for page, i in CASES
+        if not any(marker in python_blocks(page)[i] for marker in CHECKS.get(page.name, {}))
+    ]
+    assert unchecked == []

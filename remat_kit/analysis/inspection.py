@@ -285,7 +285,7 @@ def refuse_baked_nnx(args: Sequence[Any], where: str) -> None:
                     f"{where}: argument {i} is an NNX module ({type(leaf).__name__}) made by remat_kit.apply, whose "
                     f"{type(applied).__name__} blocks run its policy {type(applied)._remat_kit_policy}, so every row "
                     f"would measure that one; pass the plain model's parameters (nnx.state(model, nnx.Param)) and "
-                    f"make_loss = remat_kit.apply_factory(plain_model, loss) (README, 'Your model, unedited')"
+                    f"make_loss = remat_kit.apply_factory(plain_model, loss) (docs/unedited-models.md)"
                 )
             baked = next((n for n in nodes if holders and isinstance(n, holders)), None)
             if baked is not None:
@@ -293,7 +293,8 @@ def refuse_baked_nnx(args: Sequence[Any], where: str) -> None:
                     f"{where}: argument {i} is an NNX module ({type(leaf).__name__}) whose {type(baked).__name__} runs "
                     f"its own policy {baked.policy}, so every row would measure that one; pass its state instead "
                     f"(graphdef, params, rest = nnx.split(model, nnx.Param, ...)) and let make_loss(policy) build the "
-                    f"model under the row's policy and nnx.merge it (README, 'Flax NNX')"
+                    f"model under the row's policy and nnx.merge it "
+                    f"(docs/your-model.md, 'Measuring an NNX model per policy')"
                 )
 
 

@@ -23,7 +23,7 @@ MEMORY_NOISE = 0.05
 #: rounding of ``none``'s; above it ``bench`` says where a larger difference comes from (:func:`grad_note`).
 GRAD_RTOL = 1e-5
 
-#: The check for a model with bfloat16 parts, which the README and :func:`grad_note` give.
+#: The check for a model with bfloat16 parts, which docs/planning.md and :func:`grad_note` give.
 EXACT_BF16_FLAGS = "XLA_FLAGS=--xla_allow_excess_precision=false"
 
 

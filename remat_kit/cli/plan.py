@@ -385,6 +385,24 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         jobs=args.jobs,
         hardware=hardware,
     )
+    # The choice is the engine's (remat_kit.fit's): the table above is every preset compiled; the engine adds the
+    # block's tags kept per tensor (without --policies) and mixes, and says which plan fits at least cost.
+    choice = fit_lib.config_choice(
+        config,
+        Budget(budget_bytes, margin),
+        batch=batch,
+        seq=seq,
+        planner=planner,
+        loss_chunks=args.loss_chunks,
+        presets=None if args.policies is None else pool,
+        hardware=result.hardware,
+    )
+    if str(choice.chosen) != str(result.chosen):
+        shown = {c.policy for c in result.candidates}
+        extra = tuple(c for c in choice.candidates if c.need_bytes is not None and c.policy not in shown)
+        result = dataclasses.replace(
+            result, chosen=choice.chosen, candidates=result.candidates + extra, reason=choice.reason
+        )
     per = None
     if args.per_tensor:
         if not args.no_progress:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -53,7 +54,18 @@ def add_cli(subparsers) -> None:
         "sources; nothing is downloaded) under any rematerialization policy.",
     )
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(constants.PRESET_NAMES)}")
-    p.add_argument("--policy", default="none", help="rematerialization policy spec (see `remat-kit policies`)")
+    p.add_argument(
+        "--policy",
+        default=None,
+        help="rematerialization policy spec (see `remat-kit policies`; default none), or auto (with --budget)",
+    )
+    p.add_argument(
+        "--budget",
+        default=None,
+        metavar="SIZE",
+        help="device memory the step must fit (16GB, 512MiB): the policy is chosen before the first step, as "
+        "remat_kit.fit and plan --budget choose it, and recorded in --checkpoint-dir so --resume keeps it",
+    )
     p.add_argument("--steps", type=int, default=d["steps"], help="optimizer updates")
     add_shape_args(
         p,
@@ -135,7 +147,7 @@ def config_from_args(args: argparse.Namespace):
     overrides.update(lora_overrides(args))
     return TrainConfig(
         model=TransformerConfig.preset(args.preset, **overrides),
-        policy=args.policy,
+        policy=args.policy or "none",
         steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
@@ -196,6 +208,67 @@ def check_values(args: argparse.Namespace) -> None:
         check_setting(setting, getattr(args, flag[2:].replace("-", "_")), flag)
 
 
+#: The file in --checkpoint-dir that records a --budget run's plan (what --resume reuses).
+PLAN_FILE = "remat_plan.json"
+
+
+def read_plan(checkpoint_dir: str) -> dict | None:
+    """The plan a --budget run recorded in ``checkpoint_dir``, or None."""
+    path = Path(checkpoint_dir) / PLAN_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def plan_budget(args: argparse.Namespace, config) -> str:
+    """``--budget``: the policy the engine chooses (remat_kit.fit's, plan --budget's), printed in a few lines and
+    recorded in --checkpoint-dir; on --resume the recorded one, and a different budget refused in one line."""
+    from remat_kit.model import loss as loss_lib
+    from remat_kit.planning import fit as fit_lib
+    from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner
+    from remat_kit.train import distributed
+    from remat_kit.units import fmt_bytes
+
+    if args.budget is None:
+        raise ValueError("--policy auto chooses the policy that fits --budget SIZE; give --budget (e.g. 16GB)")
+    if args.policy not in (None, "auto"):
+        raise ValueError(f"--budget chooses the policy; give --policy auto or leave it out, not {args.policy!r}")
+    if args.mesh:
+        raise ValueError("--budget plans one device's step; with --mesh give --policy (plan --budget --mesh helps)")
+    budget = Budget(fit_lib.budget_bytes_of(args.budget), DEFAULT_MARGIN)
+    recorded = read_plan(args.checkpoint_dir) if args.resume and args.checkpoint_dir else None
+    if recorded is not None:
+        if recorded["budget_bytes"] != budget.bytes:
+            raise ValueError(
+                f"--resume: this run was planned for --budget {fmt_bytes(recorded['budget_bytes'])} "
+                f"(policy {recorded['policy']}), not {fmt_bytes(budget.bytes)}; resume with that budget or start a "
+                "new --checkpoint-dir"
+            )
+        print(f"[train] --budget {fmt_bytes(budget.bytes)}: resuming under the recorded plan {recorded['policy']}")
+        return recorded["policy"]
+    chunks = loss_lib.resolve_chunks(config.loss_chunks, config.batch_size * config.seq_len, config.model.vocab_size, 1)
+    planner = Planner(config.model, loss_chunks=chunks, grad_accum=config.grad_accum)
+    choice = fit_lib.config_choice(
+        config.model, budget, batch=config.batch_size, seq=config.seq_len, planner=planner, loss_chunks=chunks
+    )
+    if choice.chosen is None:
+        raise ValueError(choice.reason)
+    print(
+        f"[train] --budget {fmt_bytes(budget.bytes)} (margin {budget.margin:.0%}): policy {choice.chosen}\n"
+        f"[train]   compiled need {fmt_bytes(choice.need_bytes)}, estimated step "
+        f"{choice.est_step_time_s * 1e3:.3g} ms; {choice.compiles} compiles, {choice.seconds:.1f} s"
+    )
+    if args.checkpoint_dir and distributed.is_main_process():
+        Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        record = {
+            "budget_bytes": budget.bytes,
+            "margin": budget.margin,
+            "policy": str(choice.chosen),
+            "need_bytes": choice.need_bytes,
+            "est_step_time_s": choice.est_step_time_s,
+        }
+        (Path(args.checkpoint_dir) / PLAN_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    return str(choice.chosen)
+
+
 def _train_command(args: argparse.Namespace) -> int:
     check_outputs(args)
     check_values(args)
@@ -205,6 +278,13 @@ def _train_command(args: argparse.Namespace) -> int:
     from remat_kit.train.loop import train
 
     config = config_from_args(args)
+    if args.budget is not None or args.policy == "auto":
+        config = dataclasses.replace(config, policy=plan_budget(args, config))
+    elif args.resume and args.checkpoint_dir and args.policy is None:
+        recorded = read_plan(args.checkpoint_dir)
+        if recorded is not None:  # a budgeted run resumes under its plan, never silently under `none`
+            print(f"[train] resuming under the recorded plan {recorded['policy']}", file=sys.stderr)
+            config = dataclasses.replace(config, policy=recorded["policy"])
     result = train(
         config,
         data_paths=args.data,

@@ -8,13 +8,26 @@ confirm it (:func:`_boundary`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import flax.linen as nn
+import jax
 import optax
+from flax import nnx
 
-from remat_kit import policies
-from remat_kit.model.transformer import TransformerConfig
-from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner
+from remat_kit import _jax_internals, policies
+from remat_kit.analysis import inspection
+from remat_kit.unedited import entry as unedited_lib
+from remat_kit.model.transformer import Transformer, TransformerConfig
+from remat_kit.planning import budget as budget_lib
+from remat_kit.planning import cost, tensors
+from remat_kit.planning.budget import GENERIC_CANDIDATES, Candidate, Pricer, candidates_for
+from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner, get_optimizer
+from remat_kit.units import fmt_bytes, parse_bytes
 
 
 def max_fit(
@@ -152,3 +165,490 @@ def _solve(pts: list[int], seen: dict[int, float], target: float, lo: int) -> fl
     if slope <= 0:
         return None
     return x0 + (target - seen[x0]) / slope
+
+
+# ---- fit: the policy that fits a budget, chosen per tensor from the model's own names --------------------------
+
+#: The compiles :func:`choose` may spend, the anchors (``none``, ``full``) and the mixes included.
+MAX_COMPILES = 12
+
+#: A candidate whose predicted need exceeds the target by more than this share is not compiled: the prediction
+#: (a line in kept bytes through the compiled points) is a guide for what to compile, never the answer.
+PREDICTION_SLACK = 0.03
+
+
+#: What changes what remat cannot (the state, the logits, the batch), said when nothing fits.
+LEVERS = "train LoRA adapters over a quantized base, chunk the loss, shard over a mesh or take a smaller batch"
+
+
+class NothingFits(ValueError):
+    """No plan fits the budget: the one-line refusal (its message), with the leanest need found.
+
+    Attributes:
+      need_bytes: the least compiled need found; leanest: its spec.
+    """
+
+    def __init__(self, message: str, need_bytes: int, leanest: str):
+        super().__init__(message)
+        self.need_bytes, self.leanest = need_bytes, leanest
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """:func:`choose`'s answer: the plan, what it needs and costs, and what was priced.
+
+    Attributes:
+      chosen: the fitting Policy or Mix with the least estimated step time; None when nothing fits.
+      need_bytes: its compiled need (None when nothing fits).
+      est_step_time_s: the cost model's whole step under it (``none``'s step plus its recompute and exposed offload).
+      candidates: every candidate priced (:class:`remat_kit.planning.budget.Candidate`), compiled ones with their need.
+      budget: the :class:`Budget`; compiles: XLA compiles this choice spent; seconds: its wall time.
+      reason: one paragraph: why the winner won, or (nothing fits) the one-line refusal.
+      groups: the per-tensor groups (names decided together) the pool was built from.
+    """
+
+    chosen: policies.Policy | policies.Mix | None
+    need_bytes: int | None
+    est_step_time_s: float | None
+    candidates: tuple
+    budget: Budget
+    compiles: int
+    seconds: float
+    reason: str
+    groups: tuple[tuple[str, ...], ...] = ()
+
+    def table(self) -> str:
+        """The candidates, cheapest first: estimated cost over ``none``, compiled need (``-``: predicted not to fit,
+        not compiled), whether it fits; the chosen one marked ``*``."""
+        rows = sorted(self.candidates, key=lambda c: c.rank)
+        width = max([len(c.policy) for c in rows] + [6]) + 1
+        head = f" {'policy':{width}} {'est. cost':>10} {'need':>10} {'+margin':>10} {'fits':>5}"
+        out = [head, "-" * len(head)]
+        for c in rows:
+            mark = "*" if self.chosen is not None and c.policy == str(self.chosen) else " "
+            compiled = c.need_bytes is not None
+            out.append(
+                f"{mark}{c.policy:{width}} {_seconds(c.cost_s):>10} {fmt_bytes(c.need_bytes) if compiled else '-':>10} "
+                f"{fmt_bytes(self.budget.with_margin(c.need_bytes)) if compiled else '-':>10} "
+                f"{'-' if c.fits is None else 'yes' if c.fits else 'no':>5}"
+            )
+        out.append(f"{self.compiles} compiles, {self.seconds:.1f} s. {self.reason}")
+        return "\n".join(out)
+
+
+def _seconds(s: float) -> str:
+    return "0" if s == 0 else f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def group_names(emitted: dict[str, int]) -> tuple[tuple[tuple[str, ...], int], ...]:
+    """The values a block emits, one name each, with their bytes: a name that is a path-prefix of the name just
+    before it (``attn`` after ``attn/attn_vec_einsum``, ``attn/q_einsum`` after its parameter's matmul
+    ``attn/q_einsum/kernel``) with the same bytes names the same value (a module returns its last call's output),
+    so only the outermost of such names is kept.
+
+    >>> group_names({"attn/q/kernel": 64, "attn/q": 64, "attn/o": 64, "attn": 64, "mlp": 128})
+    ((('attn/q',), 64), (('attn',), 64), (('mlp',), 128))
+    """
+    out: list[tuple[list[str], int]] = []
+    for name, nbytes in emitted.items():
+        prev = out[-1] if out else None
+        if prev is not None and prev[1] == nbytes and prev[0][-1].startswith(name + "/"):
+            prev[0].append(name)
+        else:
+            out.append(([name], nbytes))
+    return tuple(((names[-1],), nbytes) for names, nbytes in out)
+
+
+def tensor_candidates(
+    price: Pricer, groups: Sequence[tuple[tuple[str, ...], int]], keep: Sequence[str] = ()
+) -> list[policies.Policy]:
+    """The per-tensor candidates: each group kept alone, and the greedy chain of the groups by recompute time saved
+    per byte kept (each alone, priced on the whole step: one trace each), every prefix of it. ``keep``: names every
+    candidate keeps (``layer_input``, which every rematerialized layer keeps anyway)."""
+    full = price.estimate(policies.full()).cost_s
+    singles = [(policies.selective([*keep, *g[0]]), g) for g in groups]
+    saved = sorted(
+        singles, key=lambda pg: -(full - price.estimate(pg[0]).cost_s) / max(pg[1][1], 1)
+    )  # most seconds saved per byte first
+    chain, kept = [], list(keep)
+    for _, (names, _) in saved[:-1]:  # the whole chain is `none` but for the names' neighbours: left to `none`
+        kept.extend(names)
+        chain.append(policies.selective(list(kept)))
+    return list(dict.fromkeys([p for p, _ in singles] + chain))
+
+
+def choose(
+    planner: StepPlanner,
+    budget: Budget,
+    *,
+    presets: Sequence[policies.Policy],
+    groups: Sequence[tuple[tuple[str, ...], int]] = (),
+    keep: Sequence[str] = (),
+    num_layers: int | None = None,
+    depth: int | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+    hardware: cost.Hardware | None = None,
+    max_compiles: int = MAX_COMPILES,
+    levers: str = "",
+) -> Choice:
+    """The engine of :func:`fit`, ``plan --budget`` and ``train --budget``: the fitting plan with the least estimated
+    step time, keeping, recomputing (or, where the backend moves memory, offloading) per tensor.
+
+    The pool: ``presets`` and the per-tensor candidates of ``groups`` (:func:`tensor_candidates`), every one priced
+    by the cost model (a trace each, no compile). ``none`` is compiled first (it fits: the answer), then ``full``
+    (the leanest; if it does not fit, the leaner presets, then the refusal). Then, cheapest first, the next candidate
+    cheaper than the best compiled answer whose need a line in kept bytes (through every compiled ``none``, ``full``
+    and per-tensor point) predicts to fit is compiled, until none is left or ``max_compiles``; presets without a
+    kept-bytes figure are compiled when their turn comes. Given ``num_layers`` (a stack), the best mix of two
+    compiled Pareto-optimal candidates (:func:`remat_kit.planning.budget.best_mix`) with what compiles remain.
+    The answer is always a compiled need: "fits" is ``need · (1 + margin) <= budget``.
+
+    Returns:
+      A :class:`Choice` (``chosen`` None, ``reason`` the refusal, when nothing fits).
+    """
+    start, before = time.perf_counter(), planner.compiles
+    hardware = hardware or cost.default_hardware(budget_lib.planner_platform(planner))
+    price = Pricer(planner, hardware, batch, seq)
+    rows: dict[str, Candidate] = {}
+
+    def measure(p) -> Candidate:
+        if str(p) not in rows:
+            rows[str(p)] = price.candidate(p, budget)
+        return rows[str(p)]
+
+    def spent() -> int:
+        return planner.compiles - before
+
+    none, full = policies.none(), policies.full()
+    measure(none)
+    # A budget none fits needs nothing else priced.
+    pool = [none] if rows["none"].fits else [none, *presets, *tensor_candidates(price, groups, keep), full]
+    pool = [p for p in dict.fromkeys(pool) if price.choosable(p)]
+    sizes = {n: b for names, b in groups for n in names}
+    if not rows["none"].fits:
+        measure(full)
+        if not rows["full"].fits:  # leaner than full: the nested and offload presets, then the refusal
+            for p in pool:
+                if p.kind in ("segments", "sqrt_n", "offload") and spent() < max_compiles:
+                    measure(p)
+
+    def kept(p) -> int | None:
+        """Bytes per block a selective candidate keeps beyond full (None: no such figure)."""
+        if (
+            isinstance(p, policies.Mix)
+            or p.kind not in ("selective", "full")
+            or not set(p.save) - set(keep) <= set(sizes)
+        ):
+            return None
+        return sum(sizes[n] for n in set(p.save) - set(keep))
+
+    total = sum(b for _, b in groups)
+
+    def predict(p) -> float | None:
+        k = kept(p)
+        if k is None:
+            if not isinstance(p, policies.Mix) and p.kind == "every_n" and "full" in rows:
+                span = rows["none"].need_bytes - rows["full"].need_bytes
+                return rows["full"].need_bytes + span * (p.period - 1) / p.period
+            return None
+        base = rows["full"].need_bytes
+        pts = [(kept(policies.parse(s)), c.need_bytes) for s, c in rows.items() if c.need_bytes is not None]
+        pts = [(x, y - base) for x, y in pts if x]
+        if pts:  # least squares through full's point
+            return base + k * sum(x * y for x, y in pts) / sum(x * x for x, _ in pts)
+        # Nothing compiled yet: every block keeps its bytes (a lower bound: compiling too much, never skipping a fit);
+        # without a depth, none's need over every group's bytes.
+        slope = depth or (rows["none"].need_bytes - base) / max(total, 1)
+        return base + slope * k
+
+    def best() -> Candidate | None:
+        fitting = [c for s, c in rows.items() if c.fits and price.choosable(policies.parse(s))]
+        return min(fitting, key=lambda c: (c.rank, c.need_bytes)) if fitting else None
+
+    order = sorted(pool, key=price.rank)
+    while best() is not None and best().policy != "none" and spent() < max_compiles:
+        bound = best().rank
+        nxt = None
+        for p in order:
+            if price.rank(p) >= bound:
+                break
+            if str(p) in rows:
+                continue
+            guess = predict(p)
+            if guess is None or guess <= budget.target * (1 + PREDICTION_SLACK):
+                nxt = p
+                break
+        if nxt is None:
+            break
+        measure(nxt)
+
+    chosen = best()
+    table = tuple(rows.values())
+    if chosen is not None and num_layers is not None and chosen.policy != "none" and spent() < max_compiles:
+        mix, tried, _ = budget_lib.best_mix(
+            planner,
+            table,
+            chosen,
+            num_layers,
+            budget,
+            batch=batch,
+            seq=seq,
+            max_compiles=max_compiles - spent(),
+            price=price,
+        )
+        table += tuple(c for c in tried if c.policy not in rows)
+        if mix is not None:
+            chosen = next(c for c in table if c.policy == str(mix))
+    table += tuple(price.candidate(p, None) for p in pool if str(p) not in {c.policy for c in table})
+    base_s = price._base.seconds(hardware)
+    if chosen is None:
+        compiled = [c for c in table if c.need_bytes is not None]
+        least = min(compiled, key=lambda c: c.need_bytes)
+        reason = (
+            f"nothing fits the {fmt_bytes(budget.bytes)} budget: the leanest plan found, {least.policy}, needs "
+            f"{fmt_bytes(least.need_bytes)} ({fmt_bytes(budget.with_margin(least.need_bytes))} with the "
+            f"{budget.margin:.0%} margin); remat cannot shrink the parameters and optimizer state, the logits or the "
+            f"batch: {levers or LEVERS}"
+        )
+        policy = None
+    else:
+        policy = policies.parse(chosen.policy)
+        why = [c for c in table if c.rank < chosen.rank and c.need_bytes is not None]
+        reason = (
+            f"{chosen.policy} needs {fmt_bytes(chosen.need_bytes)} (+{budget.margin:.0%} margin: "
+            f"{fmt_bytes(budget.with_margin(chosen.need_bytes))}) of {fmt_bytes(budget.bytes)} at an estimated "
+            f"{_seconds(chosen.cost_s)} per step over none"
+            + (f"; the {len(why)} cheaper ones compiled need more" if why else "")
+            + "."
+        )
+    return Choice(
+        chosen=policy,
+        need_bytes=None if chosen is None else chosen.need_bytes,
+        est_step_time_s=None if chosen is None else base_s + chosen.cost_s,
+        candidates=table,
+        budget=budget,
+        compiles=spent(),
+        seconds=time.perf_counter() - start,
+        reason=reason,
+        groups=tuple(names for names, _ in groups),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """:func:`fit`'s answer.
+
+    Attributes:
+      model: the model under the chosen plan, used exactly like the plain one.
+      policy: the plan's spec (round-trips through :func:`remat_kit.parse`).
+      need_bytes: the compiled step's device bytes under it.
+      est_step_time_s: the cost model's estimate of the whole step under it.
+      candidates: every candidate priced (:class:`remat_kit.planning.budget.Candidate`).
+      choice: the engine's whole answer (:class:`Choice`).
+    """
+
+    model: Any
+    policy: str
+    need_bytes: int
+    est_step_time_s: float
+    candidates: tuple
+    choice: Choice
+
+    def table(self) -> str:
+        """The candidates priced, their compiled needs and the choice (:meth:`Choice.table`)."""
+        return self.choice.table()
+
+
+def budget_bytes_of(budget: int | str) -> int:
+    """Bytes from ``budget``: a positive int or a size string (``"16GB"``, ``"512MiB"``); a one-line error else.
+
+    >>> budget_bytes_of("512MiB"), budget_bytes_of(10**9)
+    (536870912, 1000000000)
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise TypeError(f"budget must be bytes (an int) or a size string such as '16GB', got {budget!r}")
+    return parse_bytes(budget)
+
+
+def config_choice(
+    config: TransformerConfig,
+    budget: Budget,
+    *,
+    batch: int,
+    seq: int,
+    planner: StepPlanner | None = None,
+    loss_chunks: int = 0,
+    presets: Sequence[policies.Policy] | None = None,
+    hardware: cost.Hardware | None = None,
+    max_compiles: int = MAX_COMPILES,
+) -> Choice:
+    """:func:`choose` for the built-in Transformer at one shape: the presets of
+    :func:`remat_kit.planning.budget.candidates_for` (or ``presets``, then without per-tensor candidates), the block's
+    tags as groups (:func:`remat_kit.planning.tensors.default_groups`), mixes over its layers. What ``plan --budget``,
+    ``train --budget`` and :func:`fit` of the built-in model run."""
+    planner = planner or Planner(config, loss_chunks=loss_chunks)
+    groups: tuple = ()
+    if presets is None:
+        sizes = tensors.tag_bytes(config, batch, seq, loss_chunks)
+        groups = tuple((g, sum(sizes[t] for t in g)) for g in tensors.default_groups(list(sizes)))
+        presets = candidates_for(config)
+    return choose(
+        planner,
+        budget,
+        presets=presets,
+        groups=groups,
+        keep=(),
+        num_layers=config.num_layers,
+        depth=config.num_layers,
+        batch=batch,
+        seq=seq,
+        hardware=hardware,
+        max_compiles=max_compiles,
+        levers="train LoRA adapters over a quantized base (--lora-rank R --quantize nf4), chunk the loss "
+        "(--loss-chunks 8), shard over a mesh (--mesh fsdp=N) or take a smaller batch",
+    )
+
+
+def fit(
+    model: Any,
+    loss_fn: Callable,
+    *example_args: Any,
+    budget: int | str,
+    optimizer: str | optax.GradientTransformation = "adamw",
+    scan: bool | None = None,
+    where: Any = None,
+    static_argnames: Any = None,
+    margin: float = DEFAULT_MARGIN,
+    hardware: cost.Hardware | None = None,
+    max_compiles: int = MAX_COMPILES,
+) -> FitResult:
+    """Fit a training step to a memory budget: the plan with the least estimated step time whose compiled step fits.
+
+    ``model`` is a Flax model, Linen or NNX, unedited or built with remat_kit (the built-in Transformer), and
+    ``loss_fn`` its loss in :func:`remat_kit.apply_factory`'s convention (Linen: ``loss_fn(model, variables,
+    *batch)``; NNX: ``loss_fn(model, *batch)``); ``example_args`` are the loss's arguments after the model
+    (arrays or ShapeDtypeStructs). The step that must fit is the loss's gradient plus ``optimizer``'s update,
+    parameters and state donated. The candidates come from the model itself: the names its blocks emit (its own
+    tags, the module paths :func:`remat_kit.names_of` lists), kept or recomputed per tensor, plus the presets and
+    mixes of two (:func:`choose`); nothing is listed by hand.
+
+    Args:
+      budget: device bytes (an int) or a size string (``"16GB"``, ``"512MiB"``).
+      optimizer: a name (``"adamw"``, ``"sgd"``, ...) or an optax transformation; its state counts.
+      scan, where, static_argnames: as :func:`remat_kit.apply` (``scan=None``: scan the blocks where they can be,
+        the only way a Python loop's recompute survives XLA on CPU).
+      margin: a plan fits when its compiled need times ``1 + margin`` is at most the budget.
+      max_compiles: at most this many XLA compiles.
+
+    Returns:
+      A :class:`FitResult`: ``.model``, ``.policy``, ``.need_bytes``, ``.est_step_time_s``, ``.candidates``,
+      ``.table()``.
+
+    Raises:
+      TypeError/ValueError: a bad budget, model or loss, in one line before anything is compiled.
+      NothingFits: (a ValueError) no plan fits: the smallest need found and the levers remat does not have.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> class Block(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return x + nn.Dense(16, name="up")(jnp.tanh(x))
+    >>> class Net(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         for i in range(2):
+    ...             x = Block(name=f"layer_{i}")(x)
+    ...         return x
+    >>> x = jnp.ones((4, 16))
+    >>> v = Net().init(jax.random.key(0), x)
+    >>> r = fit(Net(), lambda m, v, x: jnp.sum(m.apply(v, x) ** 2), v, x, budget="1GB")
+    >>> r.policy, r.need_bytes <= 10**9
+    ('none', True)
+    """
+    B = Budget(budget_bytes_of(budget), margin)
+    get_optimizer(optimizer)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (loss_fn(model, ...) -> scalar), got {loss_fn!r}")
+    if scan is not None and not isinstance(scan, bool):
+        raise TypeError(f"scan must be True, False or None (decide), got {scan!r}")
+    is_nnx = isinstance(model, nnx.Module)
+    if not is_nnx and not isinstance(model, nn.Module):
+        raise TypeError(f"fit takes a flax.linen or flax.nnx Module instance, got {model!r}")
+    if not example_args and not is_nnx:
+        raise TypeError("fit(linen_model, loss_fn, variables, *batch, budget=...) needs the variables and the batch")
+    inputs = inspection.abstract(example_args)
+    start = time.perf_counter()
+
+    if isinstance(model, Transformer):  # the built-in model: its own policy field, its own stack and tags
+        variables, batch_args = inputs[0], inputs[1:]
+        tokens = next((a for a in batch_args if getattr(a, "ndim", len(getattr(a, "shape", ()))) == 2), None)
+        if tokens is None:
+            raise ValueError("fit of the built-in Transformer needs a [batch, seq] token array among the batch")
+        batch, seq = tokens.shape
+
+        def build(policy, _b, _s):
+            m = dataclasses.replace(model, policy=policy)
+            return (lambda v, *a: loss_fn(m, v, *a)), variables, batch_args
+
+        planner = StepPlanner(build, optimizer)
+        choice = config_choice(
+            model.config, B, batch=batch, seq=seq, planner=planner, hardware=hardware, max_compiles=max_compiles
+        )
+        applied = lambda p: dataclasses.replace(model, policy=p)
+    else:
+        kwargs = {"where": where, "static_argnames": static_argnames}
+        params = nnx.state(model, nnx.Param) if is_nnx else inputs[0]
+        params = inspection.abstract((params,))[0]
+        batch_args = inputs if is_nnx else inputs[1:]
+        if scan is None:  # scan where the blocks can be; a model that cannot is a ValueError saying why
+            try:
+                jax.eval_shape(
+                    unedited_lib.apply_factory(model, loss_fn, scan=True, **kwargs)("full"), params, *batch_args
+                )
+                scan = True
+            except ValueError:
+                scan = False
+        make_loss = unedited_lib.apply_factory(model, loss_fn, scan=scan, **kwargs)
+        jaxpr = jax.make_jaxpr(make_loss("full"))(params, *batch_args)
+        body = _jax_internals.first_remat_body(jaxpr)
+        emitted = {} if body is None else tensors.emitted_bytes(body)
+        if not emitted:
+            raise ValueError(f"fit found no block to rematerialize in {type(model).__name__}; give where=")
+        first = next(iter(emitted))
+        depth = sum(
+            t for e, t in _jax_internals.weighted_leaf_eqns(jaxpr) if _jax_internals.checkpoint_name_of(e) == first
+        )
+        presets = [policies.parse(s) for s in GENERIC_CANDIDATES]
+        num_layers = None
+        if scan and depth >= 2:  # grouping policies and mixes count the scanned blocks
+            try:
+                jax.eval_shape(make_loss(policies.every_n(2)), params, *batch_args)
+                presets.append(policies.every_n(2))
+                num_layers = depth
+            except ValueError:  # blocks scanned in periods of several: keep to the uniform plans
+                pass
+        planner = StepPlanner(lambda p, b, s: (make_loss(p), params, batch_args), optimizer)
+        choice = choose(
+            planner,
+            B,
+            presets=presets,
+            groups=group_names(emitted),
+            num_layers=num_layers,
+            depth=depth,
+            hardware=hardware,
+            max_compiles=max_compiles,
+        )
+        applied = lambda p: unedited_lib.apply(model, p, scan=scan, **kwargs)
+    if choice.chosen is None:
+        least = min((c for c in choice.candidates if c.need_bytes is not None), key=lambda c: c.need_bytes)
+        raise NothingFits(choice.reason, least.need_bytes, least.policy)
+    choice = dataclasses.replace(choice, seconds=time.perf_counter() - start)
+    return FitResult(
+        model=applied(choice.chosen),
+        policy=str(choice.chosen),
+        need_bytes=choice.need_bytes,
+        est_step_time_s=choice.est_step_time_s,
+        candidates=choice.candidates,
+        choice=choice,
+    )

@@ -146,12 +146,19 @@ def tag_bytes(config: TransformerConfig, batch: int, seq: int, loss_chunks: int 
     True
     """
     body = body if body is not None else block_body(config, batch, seq, loss_chunks)
+    out = emitted_bytes(body)
+    return {t: out[t] for t in (*_names.VOCABULARY, *sorted(set(out) - set(_names.VOCABULARY))) if t in out}
+
+
+def emitted_bytes(body) -> dict[str, int]:
+    """Bytes of each name a block's jaxpr (``body``) marks with ``checkpoint_name``, in the order it computes them:
+    the block's own tags, and on a :func:`remat_kit.apply`-ed model the module-path names it gives."""
     out: dict[str, int] = {}
     for eqn in _jax_internals.iter_eqns(body):
         tag = _jax_internals.checkpoint_name_of(eqn)
         if tag is not None:
             out[tag] = out.get(tag, 0) + sum(_jax_internals.aval_nbytes(v) for v in eqn.outvars)
-    return {t: out[t] for t in (*_names.VOCABULARY, *sorted(set(out) - set(_names.VOCABULARY))) if t in out}
+    return out
 
 
 def default_groups(emitted: Sequence[str], *, maxtext: bool = False) -> tuple[tuple[str, ...], ...]:

@@ -1,0 +1,127 @@
+"""remat_kit.fit: one call from a model and a budget to a model that fits, chosen per tensor from its own names."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import remat_kit
+from remat_kit import policies
+from remat_kit.model.loss import lm_loss
+from remat_kit.model.transformer import Transformer, TransformerConfig
+from remat_kit.planning import fit as fit_lib
+from remat_kit.planning.planner import DEFAULT_MARGIN, StepPlanner
+from tests import unedited_models as um
+
+RTOL = 1e-5  # float32 gradients
+
+
+def _never(*_):
+    raise AssertionError("the loss was traced: the budget should have been refused first")
+
+
+@pytest.mark.parametrize(
+    "budget", ["-1GB", "abc", 0, -5, True, 1.5], ids=["negative", "text", "zero", "neg-int", "bool", "float"]
+)
+def test_a_bad_budget_is_one_line_before_anything_is_traced(budget):
+    model = um.NnxModel(2, 8, alternate=False, rngs=nnx.Rngs(0))
+    with pytest.raises((ValueError, TypeError)) as err:
+        remat_kit.fit(model, _never, jnp.ones((2, 4, 8)), budget=budget)
+    assert "\n" not in str(err.value) and re.search(r"budget|memory size", str(err.value))
+
+
+def test_a_bad_model_or_loss_is_one_line():
+    with pytest.raises(TypeError, match=r"fit takes a flax\.linen or flax\.nnx Module instance"):
+        remat_kit.fit(object(), _never, jnp.ones(2), budget="1GB")
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        remat_kit.fit(um.NnxModel(2, 8, rngs=nnx.Rngs(0)), None, jnp.ones(2), budget="1GB")
+
+
+# ---- the three kinds of model ------------------------------------------------------------------------------------
+
+
+def _nnx():
+    model = um.NnxModel(num_layers=4, d=16, alternate=False, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4, 32, 16))
+    loss = lambda m, x: jnp.mean(m(x, True) ** 2)
+
+    def grads(m):
+        return nnx.grad(loss)(m, x)
+
+    make = remat_kit.apply_factory(model, loss, scan=True)
+    build = lambda p, b, s: (make(p), nnx.state(model, nnx.Param), (x,))
+    return model, loss, (x,), grads, build
+
+
+def _linen():
+    model = um.InlineModel(num_layers=4, features=16, alternate=False)
+    x = jax.random.normal(jax.random.key(1), (4, 32, 16))
+    variables = model.init(jax.random.key(0), x)
+    loss = lambda m, v, x: jnp.mean(m.apply(v, x) ** 2)
+    grads = lambda m: jax.grad(lambda v: loss(m, v, x))(variables)
+    make = remat_kit.apply_factory(model, loss, scan=True)
+    build = lambda p, b, s: (make(p), variables, (x,))
+    return model, loss, (variables, x), grads, build
+
+
+def _builtin():
+    cfg = TransformerConfig.preset("tiny", num_layers=4)
+    model = Transformer(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.vocab_size)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    loss = lambda m, p, t: lm_loss(m, p, t)
+    grads = lambda m: jax.grad(lambda p: loss(m, p, tokens))(params)
+    build = lambda p, b, s: ((lambda v, t: loss(model.clone(policy=p), v, t)), params, (tokens,))
+    return model, loss, (params, tokens), grads, build
+
+
+MODELS = {"nnx-unedited": _nnx, "linen-unedited": _linen, "builtin-tiny": _builtin}
+
+
+@pytest.fixture(scope="module", params=list(MODELS), ids=list(MODELS))
+def case(request):
+    model, loss, args, grads, build = MODELS[request.param]()
+    planner = StepPlanner(build)
+    ends = {s: planner.memory(policies.parse(s))[0] for s in ("none", "full")}
+    return model, loss, args, grads, ends
+
+
+def test_between_full_and_none_fit_plans_a_remat_that_fits_and_keeps_the_gradients(case):
+    model, loss, args, grads, ends = case
+    assert ends["full"] < ends["none"]
+    budget = int((ends["full"] + ends["none"]) / 2 * (1 + DEFAULT_MARGIN))
+    r = remat_kit.fit(model, loss, *args, budget=budget)
+    assert r.policy != "none"
+    assert r.need_bytes * (1 + DEFAULT_MARGIN) <= budget
+    assert str(policies.parse(r.policy)) == r.policy  # the spec round-trips
+    assert r.est_step_time_s > 0 and r.choice.compiles <= fit_lib.MAX_COMPILES
+    assert any(c.policy == r.policy and c.need_bytes == r.need_bytes for c in r.candidates)
+    assert f"*{r.policy}" in r.table()
+    plain, planned = grads(model), grads(r.model)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(planned), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=RTOL, atol=1e-7)
+
+
+def test_a_comfortable_budget_keeps_everything_with_one_compile(case):
+    model, loss, args, _, ends = case
+    r = remat_kit.fit(model, loss, *args, budget=ends["none"] * 2)
+    assert r.policy == "none" and r.need_bytes == ends["none"] and r.choice.compiles == 1
+
+
+def test_an_impossible_budget_is_a_one_line_refusal_with_the_least_need_and_the_levers(case):
+    model, loss, args, _, ends = case
+    with pytest.raises(fit_lib.NothingFits) as err:
+        remat_kit.fit(model, loss, *args, budget=ends["full"] // 2)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("nothing fits") and "LoRA" in text and "mesh" in text
+    assert err.value.need_bytes <= ends["full"]
+
+
+def test_group_names_keeps_the_outermost_name_of_one_value():
+    emitted = {"a/q/kernel": 8, "a/q": 8, "a/o/kernel": 8, "a/o": 8, "a": 8, "norm": 8, "mlp/w": 32}
+    assert fit_lib.group_names(emitted) == ((("a/q",), 8), (("a",), 8), (("norm",), 8), (("mlp/w",), 32))

@@ -117,7 +117,7 @@ def _timed(policy, times, mem):
         0,
         0,
         0,
-        0,
+        mem,
         mem,
         0,
         "rss",
@@ -166,29 +166,47 @@ def test_pareto_front_is_drawn_over_the_spread_not_the_medians():
                 _timed("full", (1.01, 1.03, 1.05), 100),
                 _timed("sqrt_n", (2.0, 2.1, 2.2), 50),
             ],
-            "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); "
-            "for less memory: sqrt_n (50 B, ×1.00 time); sure",
+            "recommended: full (least compiled peak, 100 B, at the speed of the fastest within its 1000–1040 ms); "
+            "for less memory: sqrt_n (50 B, ×2.04 time); sure",
         ),
         (
             [_timed("none", (1.0, 1.02, 1.04), 300), _timed("full", (1.1, 1.2, 1.3), 100)],
-            "recommended: none (least step memory, 300 B, at the speed of the fastest within its 1000–1040 ms); "
-            "for less memory: full (100 B, ×1.00 time); sure",
+            "recommended: none (least compiled peak, 300 B, at the speed of the fastest within its 1000–1040 ms); "
+            "for less memory: full (100 B, ×1.18 time); sure",
         ),
         (
             [_timed("none", (1.0, 1.5, 2.0), 300), _timed("full", (1.0, 1.2, 1.3), 100)],
-            "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1300 ms); "
+            "recommended: full (least compiled peak, 100 B, at the speed of the fastest within its 1000–1300 ms); "
             "unsure: step times of none, full spread over 25% (rerun with more --steps on an idle machine)",
         ),
         (
-            [_timed("none", (1.0, 1.02, 1.04), 102), _timed("full", (1.01, 1.03, 1.05), 100)],
-            "recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); "
-            "unsure: none within 5% of its memory (rerun with more --steps on an idle machine)",
+            [_timed("none", (1.0, 1.02, 1.04), 101), _timed("full", (1.01, 1.03, 1.05), 100)],
+            "recommended: full (least compiled peak, 100 B, at the speed of the fastest within its 1000–1040 ms); "
+            "unsure: none within 1% of its compiled peak (rerun with more --steps on an idle machine)",
+        ),
+        (
+            # The README's main job on CPU: every_n:2 clearly slower than none, offload's compiled peak full's (it
+            # moves nothing here), full leaner at a measured cost.
+            [
+                _timed("none", (1.0, 1.02, 1.04), 300),
+                _timed("every_n:2", (1.05, 1.16, 1.30), 200),
+                _timed("offload", (0.9, 0.95, 1.0), 100),
+                _timed("full", (1.15, 1.2, 1.3), 100),
+            ],
+            "recommended: none (least compiled peak, 300 B, at the speed of the fastest within its 1000–1040 ms); "
+            "for less memory: full (100 B, ×1.18 time); sure",
+        ),
+        (
+            [_timed("none", (1.0, 1.02, 1.04), 300), _timed("every_n:2", (1.0, 1.16, 1.25), 200)],
+            "recommended: every_n:2 (least compiled peak, 200 B, at the speed of the fastest within its 1000–1040 "
+            "ms); unsure: its median is ×1.14 none's, beyond none's own range (rerun with more --steps on an idle "
+            "machine)",
         ),
     ],
-    ids=["full-free-sqrt_n-leaner", "full-costs-time", "noisy", "memory-tie"],
+    ids=["full-free-sqrt_n-leaner", "full-costs-time", "noisy", "memory-tie", "offload-moves-nothing", "overlap-only"],
 )
 def test_recommendation_names_one_policy_and_how_sure(records, expected):
-    assert bench.recommend(records) == expected
+    assert bench.recommend(records, host_moves=False) == expected
 
 
 def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from flax import nnx
 
 import remat_kit
-from remat_kit import policies
+from remat_kit import cli, policies
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import fit as fit_lib
@@ -125,3 +126,17 @@ def test_an_impossible_budget_is_a_one_line_refusal_with_the_least_need_and_the_
 def test_group_names_keeps_the_outermost_name_of_one_value():
     emitted = {"a/q/kernel": 8, "a/q": 8, "a/o/kernel": 8, "a/o": 8, "a": 8, "norm": 8, "mlp/w": 32}
     assert fit_lib.group_names(emitted) == ((("a/q",), 8), (("a",), 8), (("norm",), 8), (("mlp/w",), 32))
+
+
+def test_plan_budget_and_fit_agree_on_the_built_in_model(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--preset", "tiny", "--budget", "5.2MB", "--limits", "none", "--no-progress", "--json", str(out)]
+    assert cli.main(argv) == 0
+    chosen = json.loads(out.read_text())["chosen"]
+    assert f"chosen: {chosen}" in capsys.readouterr().out
+    cfg = TransformerConfig.preset("tiny")
+    model = Transformer(cfg)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, 32), jnp.int32))["params"])
+    tokens = jax.ShapeDtypeStruct((2, 32), jnp.int32)
+    r = remat_kit.fit(model, lambda m, p, t: lm_loss(m, p, t), params, tokens, budget="5.2MB")
+    assert r.policy == chosen != "none"

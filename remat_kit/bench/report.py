@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from remat_kit import memory, policies
 from remat_kit.units import fmt_bytes
 
 #: Step-time spread, (max − min) / median, above which a policy's timing is too noisy for its ratio
@@ -123,40 +124,75 @@ def pareto_front(records: list[BenchRecord]) -> list[str]:
     return [b.policy for b in records if not any(_dominates(a, b) for a in records if a is not b)]
 
 
-def recommend(records: list[BenchRecord], threshold: float = NOISY_SPREAD) -> str:
+#: Relative difference in compiled peak below which two policies count as needing the same memory (the compiled
+#: figure is deterministic; this only keeps a few bytes of layout from deciding).
+COMPILED_TIE = 0.01
+
+
+def _offload_idle(r: BenchRecord, host_moves: bool) -> bool:
+    """An offload policy on a backend where offload moves nothing: it saves no memory there."""
+    if host_moves:
+        return False
+    try:
+        parsed = policies.parse(r.policy)
+    except ValueError:
+        return False
+    parts = parsed.policies if isinstance(parsed, policies.Mix) else (parsed,)
+    return any(p.kind == "offload" for p in parts)
+
+
+def recommend(records: list[BenchRecord], threshold: float = NOISY_SPREAD, host_moves: bool | None = None) -> str:
     """One line: the policy to use, why, and how sure the measurement makes it.
 
-    The rule: among the policies as fast as the fastest within the measured spread (their min–max step
-    times overlap its own), the one with the least measured step memory; when another policy of the
-    front needs clearly less memory at a measurable time cost, the line names it too. "sure" when no
-    timing involved spreads more than ``threshold`` of its median and the chosen policy's memory is
-    clearly below that of every policy as fast; otherwise "unsure", with the reason.
+    One judgement with ``plan``, ``auto`` and ``fit``: memory is the compiled step's peak (deterministic, the figure
+    they hold to a budget), never the process's RSS; time is the measured medians and their min–max spread. Among
+    the policies as fast as the fastest within the spread (their min–max step times overlap its own), the one with
+    the least compiled peak; a policy of the front with clearly less is named too, with its time cost. An offload
+    policy is never credited where the backend moves nothing (``host_moves``: default, this backend's
+    :func:`remat_kit.memory.host_offload`). "sure" only when the differences it rests on exceed the measured
+    spread: the chosen policy's median lies within the fastest's min–max, no timing involved spreads more than
+    ``threshold`` of its median, and its compiled peak is clearly below every other policy as fast.
 
     >>> def r(p, times, mem):
-    ...     return BenchRecord(p, *[0] * 5, mem, 0, "rss", 0, 0.0, sorted(times)[1], times, 1.0, 0.0, 0.0, None, None)
-    >>> recommend([r("none", (1.0, 1.02, 1.04), 300), r("full", (1.01, 1.03, 1.05), 100)])
-    'recommended: full (least step memory, 100 B, at the speed of the fastest within its 1000–1040 ms); sure'
+    ...     t = sorted(times)[1]
+    ...     return BenchRecord(p, *[0] * 4, mem, 0, 0, "rss", 0, 0.0, t, times, 1.0, 0.0, 0.0, None, None)
+    >>> recommend([r("none", (1.0, 1.02, 1.04), 300), r("full", (1.01, 1.03, 1.05), 100)], host_moves=False)
+    'recommended: full (least compiled peak, 100 B, at the speed of the fastest within its 1000–1040 ms); sure'
     """
     if not records:
         return "recommended: nothing measured"
-    fastest = min(records, key=lambda r: r.step_time_s)
-    as_fast = [r for r in records if not _faster(fastest, r)]
-    pick = min(as_fast, key=lambda r: r.step_bytes)
+    host_moves = memory.host_offload().enforced if host_moves is None else host_moves
+    credited = [r for r in records if not _offload_idle(r, host_moves)] or list(records)
+    fastest = min(credited, key=lambda r: r.step_time_s)
+    as_fast = [r for r in credited if not _faster(fastest, r)]
+    pick = min(as_fast, key=lambda r: (r.xla_peak_bytes, r.step_time_s))
     line = (
-        f"recommended: {pick.policy} (least step memory, {fmt_bytes(pick.step_bytes)}, at the speed of the fastest "
-        f"within its {fastest.step_time_min_s * 1e3:.0f}–{fastest.step_time_max_s * 1e3:.0f} ms)"
+        f"recommended: {pick.policy} (least compiled peak, {fmt_bytes(pick.xla_peak_bytes)}, at the speed of the "
+        f"fastest within its {fastest.step_time_min_s * 1e3:.0f}–{fastest.step_time_max_s * 1e3:.0f} ms)"
     )
-    front = pareto_front(records)
-    leaner = [r for r in records if r.policy in front and _smaller(r, pick)]
+    clearly_less = lambda a, b: a.xla_peak_bytes < b.xla_peak_bytes * (1 - COMPILED_TIE)
+    leaner = [r for r in credited if clearly_less(r, pick)]
+    leaner = [r for r in leaner if not any(clearly_less(o, r) and not _faster(r, o) for o in leaner if o is not r)]
     if leaner:
-        lean = min(leaner, key=lambda r: r.step_bytes)
-        line += f"; for less memory: {lean.policy} ({fmt_bytes(lean.step_bytes)}, ×{lean.step_time_ratio:.2f} time)"
+        lean = min(leaner, key=lambda r: r.step_time_s)
+        line += (
+            f"; for less memory: {lean.policy} ({fmt_bytes(lean.xla_peak_bytes)}, "
+            f"×{lean.step_time_s / pick.step_time_s:.2f} time)"
+        )
+    why = []
+    if pick is not fastest and pick.step_time_s > fastest.step_time_max_s:
+        why.append(
+            f"its median is ×{pick.step_time_s / fastest.step_time_s:.2f} {fastest.policy}'s, beyond "
+            f"{fastest.policy}'s own range"
+        )
     noisy = [r.policy for r in as_fast if len(r.step_times_s) > 1 and r.step_time_spread > threshold]
-    close = [r.policy for r in as_fast if r is not pick and not _smaller(pick, r)]
-    if not noisy and not close:
+    if noisy:
+        why.append(f"step times of {', '.join(noisy)} spread over {threshold:.0%}")
+    close = [r.policy for r in as_fast if r is not pick and not clearly_less(pick, r)]
+    if close:
+        why.append(f"{', '.join(close)} within {COMPILED_TIE:.0%} of its compiled peak")
+    if not why:
         return line + "; sure"
-    why = [f"step times of {', '.join(noisy)} spread over {threshold:.0%}"] if noisy else []
-    why += [f"{', '.join(close)} within {MEMORY_NOISE:.0%} of its memory"] if close else []
     return line + f"; unsure: {'; '.join(why)} (rerun with more --steps on an idle machine)"
 
 

@@ -56,8 +56,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(constants.PRESET_NAMES)}")
     p.add_argument(
         "--policy",
-        default=None,
-        help="rematerialization policy spec (see `remat-kit policies`; default none), or auto (with --budget)",
+        default="none",
+        help="rematerialization policy spec (see `remat-kit policies`), or auto (with --budget)",
     )
     p.add_argument(
         "--budget",
@@ -147,7 +147,7 @@ def config_from_args(args: argparse.Namespace):
     overrides.update(lora_overrides(args))
     return TrainConfig(
         model=TransformerConfig.preset(args.preset, **overrides),
-        policy=args.policy or "none",
+        policy="none" if args.policy == "auto" else args.policy,
         steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
@@ -229,7 +229,7 @@ def plan_budget(args: argparse.Namespace, config) -> str:
 
     if args.budget is None:
         raise ValueError("--policy auto chooses the policy that fits --budget SIZE; give --budget (e.g. 16GB)")
-    if args.policy not in (None, "auto"):
+    if args.policy not in ("none", "auto"):
         raise ValueError(f"--budget chooses the policy; give --policy auto or leave it out, not {args.policy!r}")
     if args.mesh:
         raise ValueError("--budget plans one device's step; with --mesh give --policy (plan --budget --mesh helps)")
@@ -280,7 +280,7 @@ def _train_command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.budget is not None or args.policy == "auto":
         config = dataclasses.replace(config, policy=plan_budget(args, config))
-    elif args.resume and args.checkpoint_dir and args.policy is None:
+    elif args.resume and args.checkpoint_dir and args.policy == "none":
         recorded = read_plan(args.checkpoint_dir)
         if recorded is not None:  # a budgeted run resumes under its plan, never silently under `none`
             print(f"[train] resuming under the recorded plan {recorded['policy']}", file=sys.stderr)

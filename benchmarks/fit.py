@@ -102,10 +102,7 @@ def main(argv=None) -> int:
         model, loss_fn, args, what = setup(name)
         ends = needs(model, loss_fn, args)
         say(f"\n{what}: full needs {fmt_bytes(ends['full'])}, none {fmt_bytes(ends['none'])}")
-        say(
-            f"{'budget':>10} {'plan':<64} {'need':>9} {'compiles':>8} {'fit s':>6} {'est. step':>10} "
-            f"{'measured':>10}"
-        )
+        say(f"{'budget':>10} {'plan':<64} {'need':>9} {'compiles':>8} {'fit s':>6} {'est. step':>10} {'measured':>10}")
         timed: dict[str, float] = {}
         for i in range(a.budgets):
             need = ends["full"] + i * (ends["none"] - ends["full"]) / (a.budgets - 1)

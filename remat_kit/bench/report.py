@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from remat_kit import memory, policies
+from remat_kit import policies
+from remat_kit.analysis import memory
 from remat_kit.units import fmt_bytes
 
 #: Step-time spread, (max − min) / median, above which a policy's timing is too noisy for its ratio

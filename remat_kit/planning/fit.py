@@ -21,12 +21,12 @@ from flax import nnx
 
 from remat_kit import _jax_internals, policies
 from remat_kit.analysis import inspection
-from remat_kit.unedited import entry as unedited_lib
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import budget as budget_lib
 from remat_kit.planning import cost, tensors
 from remat_kit.planning.budget import GENERIC_CANDIDATES, Candidate, Pricer, candidates_for
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner, get_optimizer
+from remat_kit.unedited import entry as unedited_lib
 from remat_kit.units import fmt_bytes, parse_bytes
 
 

@@ -6,6 +6,8 @@ import pytest
 from conftest import max_rel_err
 from doc_blocks import DOCS, ROOT, name, python_blocks, run_block
 
+import remat_kit
+
 
 def _linen_loop(ns):
     """Your own loop of policy(MyBlock): same parameters and gradients as the bare block."""
@@ -111,6 +113,13 @@ def _lora(ns):
     assert max_rel_err(frozen, before) == 0.0
 
 
+def _fit(ns):
+    """fit with a comfortable budget: none, after one compile, its need within the budget, its spec parses."""
+    r = ns["result"]
+    assert r.policy == "none" and str(remat_kit.parse(r.policy)) == "none" and 0 < r.need_bytes <= 10**9
+    assert "*" in r.table() and r.model is not None
+
+
 #: The guide each check's block lives in → {a marker found in the block: what to assert after running it}.
 CHECKS = {
     "your-model.md": {
@@ -133,6 +142,7 @@ CHECKS = {
         "per_tensor(cfg": _per_tensor,
     },
     "built-in-lm.md": {"lora.update(loss_fn": _lora},
+    "fit.md": {'remat_kit.fit(model, loss_fn, variables, x, budget="1GB")': _fit},
 }
 CASES = [(page, i) for page in DOCS for i in range(len(python_blocks(page)))]
 

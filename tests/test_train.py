@@ -552,7 +552,12 @@ def _wait_for_line(proc, text: str) -> None:
 def test_ctrl_c_before_the_first_step_exits_130_without_a_traceback(when, tmp_path):
     proc = _start(tmp_path, program=("-m", "remat_kit.cli") if when == "start_up" else ("-c", _SIGNAL_CLI))
     if when == "start_up":
-        _wait_for_handler(proc.pid)  # then at once: while the CLI imports JAX, before any progress line
+        _wait_for_handler(proc.pid)
+        # Then while the CLI imports JAX, before any progress line: train's own handler is in by then (the
+        # command line's start-up one, before the command is known, ends the process at once).
+        while "jaxlib" not in Path(f"/proc/{proc.pid}/maps").read_text():
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.002)
         proc.send_signal(signal.SIGINT)
         err = proc.communicate(timeout=180)[1]
     else:

@@ -9,6 +9,7 @@ exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 
@@ -34,9 +35,18 @@ def version() -> str:
         return __version__
 
 
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line and a pointer to ``--help``, as git's and cargo's are,
+    instead of the 14–20 lines of usage above the error. The subcommands' parsers are of this class too
+    (argparse makes them of their parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole parser. Imports no jax, flax or optax: ``--help`` answers at once (tests/test_cli.py)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="remat-kit",
         description="Choose, apply and measure activation rematerialization (gradient checkpointing) in JAX/Flax.",
         epilog="`remat-kit COMMAND --help` describes each command and its options.",
@@ -66,16 +76,34 @@ def _join_signed(argv: list[str]) -> list[str]:
     return out
 
 
+def _typed(argv: list[str]) -> frozenset[str]:
+    """The options ``argv`` sets (their ``dest``), told apart from those left at their defaults: the commands
+    refuse an option that would be ignored (``--keep`` without ``--checkpoint-dir``) even at its default value."""
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for sub in subparsers.choices.values():
+        for action in sub._actions:
+            if action.option_strings:
+                action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(argv))) - {"command", "func"}
+
+
 def _one_line_warning(message, category, filename, lineno, file=None, line=None):
     # A warning a user should read (a damaged checkpoint moved aside), without the source line under it.
     print(f"warning: {message}", file=file or sys.stderr)
 
 
-def _stop_on_signal(command: str):
-    """``train``: Ctrl-C only sets a flag from the very start, before JAX is imported (remat_kit.train.interrupt)."""
+def _on_signal(command: str, guard):
+    """What Ctrl-C does while ``command`` runs, in place of the start-up ``guard`` (an ExitOnSignal).
+
+    ``train`` saves what it has: its first Ctrl-C sets a flag the loop reads between phases and steps
+    (remat_kit.train.interrupt.StopOnSignal, in place before JAX is imported). Every other command has
+    nothing to save, so Ctrl-C ends it at once, even mid-compile: the guard stays, saying which command stopped.
+    """
     import contextlib
 
     if command != "train":
+        guard.message = f"remat-kit {command}: interrupted"
         return contextlib.nullcontext()
     from remat_kit.train.interrupt import StopOnSignal
 
@@ -84,30 +112,59 @@ def _stop_on_signal(command: str):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 success, 1 nothing fits, 2 bad input, 130 interrupted)."""
+    from remat_kit.train.interrupt import ExitOnSignal
+
+    # From the first line: a Ctrl-C while the parser is built (which imports every command's module) or the
+    # arguments are read ends the process with one line, as it does later (the `except` is for a caller
+    # on another thread, where no handler can be installed, and for a KeyboardInterrupt raised by code).
     try:
-        return _main(argv)
+        with ExitOnSignal("remat-kit: interrupted") as guard:
+            return _main(argv, guard)
     except KeyboardInterrupt:
-        # Ctrl-C before a command's own handling is in place: while the parser is built (which imports every
-        # command's module) or the arguments are read. One line, as for Ctrl-C later.
         print("remat-kit: interrupted", file=sys.stderr)
         return 130
 
 
-def _main(argv: list[str] | None) -> int:
-    import contextlib
+@contextlib.contextmanager
+def _private_tempdir():
+    """Temporary files of the command (XLA's dumps) go under one folder, removed on exit and on Ctrl-C,
+    which ends the process without running ``finally`` blocks."""
+    import shutil
+    import tempfile
+
+    from remat_kit.train.interrupt import on_exit
+
+    folder = tempfile.mkdtemp(prefix="remat-kit-")
+    remove = lambda: shutil.rmtree(folder, ignore_errors=True)
+    before, tempfile.tempdir = tempfile.tempdir, folder
+    try:
+        with on_exit(remove):
+            yield folder
+    finally:
+        tempfile.tempdir = before
+        remove()
+
+
+def _main(argv: list[str] | None, guard) -> int:
     import warnings
 
     from remat_kit.cli import common
 
     parser = build_parser()
-    args = parser.parse_args(_join_signed(list(sys.argv[1:] if argv is None else argv)))
+    argv = _join_signed(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(argv)
+    args.typed = _typed(argv)
     # --json without a path: the JSON is the only thing on stdout; the text report goes to stderr.
     to_stderr = getattr(args, "json", None) == "-" and args.command in ("plan", "bench")
     common.JSON_STDOUT = sys.stdout if to_stderr else None
     try:
         redirect = contextlib.redirect_stdout(sys.stderr) if to_stderr else contextlib.nullcontext()
-        with redirect, warnings.catch_warnings(), _stop_on_signal(args.command):
+        # train keeps its checkpoints' temporary files beside them (orbax): the private folder is for the others.
+        scratch = contextlib.nullcontext() if args.command == "train" else _private_tempdir()
+        with redirect, warnings.catch_warnings(), scratch, _on_signal(args.command, guard):
             warnings.showwarning = _one_line_warning
+            if hasattr(args, "check"):  # the options alone, before a multi-process run is joined
+                args.check(args)
             if hasattr(args, "mesh"):
                 from remat_kit.train.distributed import Processes, initialize_processes
 
@@ -119,6 +176,11 @@ def _main(argv: list[str] | None) -> int:
                     getattr(args, "process_id", None),
                     getattr(args, "distributed_timeout", None),
                 )
+                if processes is None and getattr(args, "distributed_timeout", None) is not None:
+                    raise ValueError(
+                        "--distributed-timeout goes with a run of several processes (--coordinator, "
+                        "JAX_COORDINATOR_ADDRESS or REMAT_KIT_DISTRIBUTED=1); one process joins nothing"
+                    )
                 initialize_processes(args.mesh, processes)
             return int(args.func(args) or 0)
     except (ValueError, TypeError, OSError) as err:

@@ -2,6 +2,10 @@
 
 import sys
 
-from remat_kit.cli import main
+try:
+    from remat_kit.cli import main
+except KeyboardInterrupt:  # Ctrl-C in the instant before main's own handling is in place
+    print("remat-kit: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

@@ -6,11 +6,11 @@ The command line is the only code that writes to stdout or stderr; the planning 
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from remat_kit import constants, policies
 from remat_kit.analysis import explain, inspection
+from remat_kit.cli.common import say
 from remat_kit.planning import analysis
 from remat_kit.units import fmt_bytes
 
@@ -251,4 +251,4 @@ def format_per_tensor(per) -> list[str]:
 
 def compile_progress(done: int, total: int, what: str) -> None:
     """Progress on stderr: compiles done, out of those done and expected, and how many are left."""
-    print(f"[plan] compiled {done}/{total} ({total - done} left): {what}", file=sys.stderr, flush=True)
+    say(f"[plan] compiled {done}/{total} ({total - done} left): {what}")

@@ -137,11 +137,13 @@ def initialize_processes(spec: str | MeshSpec | None = None, processes: Processe
     of the mesh's CPU devices (a no-op for GPUs and TPUs), cross-process CPU collectives go over
     gloo, and the run joins the coordinator. If JAX is already initialized, nothing is done again.
 
-    A process other than 0 first waits (up to the timeout) until the coordinator's port accepts a
-    connection, and raises a clear error if it never does: JAX itself would abort the process with
-    a misleading "another task died". Once joined, a process that stops sending heartbeats for the
-    timeout makes JAX abort every other process (SIGABRT, "Terminating process because the JAX
-    distributed service detected fatal errors"), so no process waits forever on a dead one.
+    First the processes meet over a plain socket on the coordinator's port (the roll call): process 0
+    waits (up to the timeout) for every other one to report, and raises a clear error naming those that
+    never did; another process raises one if it cannot reach process 0. JAX itself would abort the
+    process (a fatal log and a C++ stack; "another task died"). Once joined, a process that stops
+    sending heartbeats for the timeout makes JAX abort every other process (SIGABRT, "Terminating
+    process because the JAX distributed service detected fatal errors"), so no process waits forever
+    on a dead one.
 
     Args:
       spec: the mesh the run will use (checked to split evenly over the processes).
@@ -152,7 +154,8 @@ def initialize_processes(spec: str | MeshSpec | None = None, processes: Processe
 
     Raises:
       ValueError: the mesh does not split over the processes (checked before anything starts).
-      TimeoutError: the coordinator could not be reached within the timeout.
+      TimeoutError: a process did not join within the timeout (process 0 names which).
+      OSError: process 0 cannot listen on the coordinator's port.
     """
     if processes is None:
         ensure_cpu_devices(spec)
@@ -184,27 +187,103 @@ def initialize_processes(spec: str | MeshSpec | None = None, processes: Processe
             file=sys.stderr,
             flush=True,
         )
-        if processes.process_id:
-            _wait_for_port(processes, timeout)
+        if processes.num_processes > 1:
+            _roll_call(processes, timeout) if processes.process_id == 0 else _answer_roll_call(processes, timeout)
     jax.distributed.initialize(**kwargs)
     return processes
 
 
-def _wait_for_port(processes: Processes, timeout_s: float) -> None:
-    host, _, port = processes.coordinator.rpartition(":")
+# ---- the roll call: every process is there before JAX joins them ---------------------------------------
+# JAX aborts a process whose peers do not all join within its timeout (a fatal log and a C++ stack, in
+# process 0 too), and a process that finds no coordinator is told "another task died". So first, over a
+# plain socket on the coordinator's port, process 0 waits for every other process to report, and tells
+# them all to go on only once everyone has; whoever is missing is named in one line, before JAX starts.
+
+_ROLL_CALL = b"remat-kit process "  # + the id and a newline; process 0 answers GO, or STOP once it gives up
+_GO, _STOP = b"go\n", b"stop\n"
+
+
+def _roll_call(processes: Processes, timeout_s: float) -> None:
+    """Process 0: wait up to ``timeout_s`` for every other process to report on the coordinator's port."""
+    port = int(processes.coordinator.rpartition(":")[2])
+    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+    try:
+        server = socket.create_server(("", port), family=family, dualstack_ipv6=family == socket.AF_INET6)
+    except OSError as err:
+        raise OSError(
+            f"process 0 of {processes.num_processes} cannot listen on port {port} of --coordinator "
+            f"{processes.coordinator}: {err.strerror or err}"
+        ) from None
+    joined: dict[int, socket.socket] = {}
     deadline = time.monotonic() + timeout_s
-    while True:
+    try:
+        with server:
+            while len(joined) < processes.num_processes - 1 and (left := deadline - time.monotonic()) > 0:
+                server.settimeout(left)
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    break
+                pid = _read_id(conn)
+                if pid is None or not 0 < pid < processes.num_processes or pid in joined:
+                    conn.close()  # not one of ours, or a second process with the same id
+                    continue
+                joined[pid] = conn
+        missing = sorted(set(range(1, processes.num_processes)) - set(joined))
+        for conn in joined.values():
+            with contextlib.suppress(OSError):
+                conn.sendall(_STOP if missing else _GO)
+    finally:
+        for conn in joined.values():
+            conn.close()
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise TimeoutError(
+            f"process 0 of {processes.num_processes}: process{'es' if len(missing) > 1 else ''} {shown} never "
+            f"joined the coordinator at {processes.coordinator} within {timeout_s:g} s; start one process per "
+            "--process-id with the same --coordinator and --num-processes (--distributed-timeout sets the wait)"
+        )
+
+
+def _read_id(conn: socket.socket) -> int | None:
+    conn.settimeout(5.0)
+    try:
+        line = conn.recv(64)
+    except OSError:
+        return None
+    text = line.removeprefix(_ROLL_CALL).strip() if line.startswith(_ROLL_CALL) else b""
+    return int(text) if text.isdigit() else None
+
+
+def _answer_roll_call(processes: Processes, timeout_s: float) -> None:
+    """Another process: report to process 0 (retrying until ``timeout_s``) and wait for its go."""
+    host, _, port = processes.coordinator.rpartition(":")
+    who = f"process {processes.process_id} of {processes.num_processes}"
+    deadline = time.monotonic() + timeout_s
+    why = "no answer"
+    while time.monotonic() < deadline:
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
-                return
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0) as conn:
+                conn.sendall(_ROLL_CALL + str(processes.process_id).encode() + b"\n")
+                conn.settimeout(max(deadline - time.monotonic(), 0) + 5.0)  # process 0 answers within its wait
+                answer = conn.recv(16)
         except OSError as err:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"process {processes.process_id} of {processes.num_processes} could not join the coordinator "
-                    f"at {processes.coordinator} within {timeout_s:g} s ({err.strerror or err}); is process 0 "
-                    "running there, and the port reachable from this host? (--distributed-timeout sets the wait)"
-                ) from None
-            time.sleep(0.2)
+            why = err.strerror or str(err)
+            answer = b""
+        if answer == _GO:
+            return
+        if answer == _STOP:
+            raise TimeoutError(
+                f"{who}: process 0 at {processes.coordinator} gave up waiting for the other processes (it names "
+                "those missing); start one process per --process-id"
+            )
+        # Not listening yet, or not answering: process 0 has not started, or it refused this id (taken).
+        time.sleep(0.2)
+    raise TimeoutError(
+        f"{who} could not join the coordinator at {processes.coordinator} within {timeout_s:g} s ({why}); is process "
+        f"0 running there, the port reachable from this host, and no other process started with --process-id "
+        f"{processes.process_id}? (--distributed-timeout sets the wait)"
+    )
 
 
 def maybe_initialize_distributed(env: Mapping[str, str] | None = None) -> bool:

@@ -50,3 +50,23 @@ def not_a_pair(policy):
 
 
 NOT_CALLABLE = 3
+
+
+def wrong_shape(policy):
+    """Example inputs the loss cannot take: ``x``'s last axis is not the blocks' width."""
+    loss_fn, (params, x) = make(policy)
+    return loss_fn, (params, jax.ShapeDtypeStruct((BATCH, SEQ, D + 1), x.dtype))
+
+
+def not_scalar(policy):
+    """A loss that is not one number: the per-example losses."""
+    loss_fn, args = make(policy)
+    return (lambda p, x: jnp.full((BATCH,), loss_fn(p, x))), args
+
+
+class OwnBug(RuntimeError):
+    """The user's own error, raised by their factory: its traceback is theirs to read."""
+
+
+def raises(policy):
+    raise OwnBug(f"the user's own bug under {policy}")

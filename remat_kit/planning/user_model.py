@@ -41,17 +41,97 @@ def load_factory(text: str) -> Callable:
     return factory
 
 
+class FactoryError(Exception):
+    """The user's factory, or the loss it returned, raised an exception of its own (not a TypeError or
+    ValueError: those are bad values, said in one line). The exception is the ``__cause__``: its traceback
+    is the user's to read (the command line prints it above this one line)."""
+
+
 def _called(factory: Callable, policy, where: str) -> tuple[Callable, tuple]:
-    out = factory(policy)
+    try:
+        out = factory(policy)
+    except Exception as err:
+        message = f"{where}(policy {policy}) raised {type(err).__name__}: {_first_line(err)}"
+        if _bad_value(err):
+            raise (TypeError if isinstance(err, TypeError) else ValueError)(message) from None
+        raise FactoryError(message) from err
     if not isinstance(out, tuple) or len(out) != 2 or not callable(out[0]) or not isinstance(out[1], (tuple, list)):
         raise TypeError(f"{where}(policy) must return (loss_fn, example_args), got {type(out).__name__}")
     return out[0], tuple(out[1])
 
 
+def _bad_value(err: BaseException) -> bool:
+    """Whether ``err`` says the values were wrong (a TypeError or ValueError, or JAX's or Flax's own errors: a
+    parameter of another shape) rather than being the user's own exception (which keeps its traceback)."""
+    library = type(err).__module__.split(".")[0] in ("jax", "jaxlib", "flax")
+    return library or isinstance(err, (TypeError, ValueError))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def describe_args(args: tuple) -> str:
+    """Each argument's dtype and shape (a pytree: its leaf count), as messages show them.
+
+    >>> import jax, jax.numpy as jnp
+    >>> describe_args((jax.ShapeDtypeStruct((3, 4), jnp.float32), {"w": jnp.ones(2), "b": jnp.ones(1)}, 7))
+    'float32[3,4], a pytree of 2 arrays, int'
+    """
+    import jax
+
+    def one(x) -> str:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return f"{x.dtype}[{','.join(map(str, x.shape))}]"
+        leaves = jax.tree.leaves(x)
+        if len(leaves) == 1 and leaves[0] is x:
+            return type(x).__name__
+        return f"a pytree of {len(leaves)} arrays"
+
+    return ", ".join(one(x) for x in args)
+
+
+def check_traces(loss_fn: Callable, example: tuple, where: str, policy="none") -> None:
+    """Trace ``loss_fn(*example)`` (``jax.eval_shape``: nothing computed) and refuse, in one line naming the
+    factory and the arguments' shapes, inputs it cannot take (a TypeError or ValueError, or JAX's or Flax's own).
+
+    Raises:
+      ValueError: the loss cannot take the example arguments (shapes, dtypes) or returns no float scalar.
+      FactoryError: the loss raised an exception of its own (its traceback is the cause).
+    """
+    import jax
+
+    try:
+        out = jax.eval_shape(loss_fn, *example)
+    except Exception as err:
+        if _bad_value(err):
+            raise ValueError(
+                f"{where}: its loss_fn cannot take its example_args ({describe_args(example)}) under policy "
+                f"{policy}: {_first_line(err)}"
+            ) from None
+        raise FactoryError(f"{where}: its loss_fn raised {type(err).__name__}: {_first_line(err)}") from err
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape != () or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        got = type(out).__name__ if shape is None else f"{dtype}[{','.join(map(str, shape))}]"
+        raise ValueError(
+            f"{where}: its loss_fn must return a floating-point scalar (the loss), got {got} from example_args "
+            f"({describe_args(example)})"
+        )
+
+
 def model_from_factory(factory: Callable, where: str = "the factory") -> tuple[Callable, tuple]:
-    """``(make_loss, example_args)`` from ``factory(policy) -> (loss_fn, example_args)``, checked on ``none``."""
-    _, example = _called(factory, policies.none(), where)
-    return (lambda p: factory(p)[0]), example
+    """``(make_loss, example_args)`` from ``factory(policy) -> (loss_fn, example_args)``, checked on ``none``:
+    the loss is traced once on its example arguments (nothing is compiled), so a shape the loss cannot take
+    is one line naming the factory before anything else runs.
+
+    Raises:
+      TypeError/ValueError: the factory returns something else, or its loss cannot take its arguments.
+      FactoryError: the factory or its loss raised an exception of its own (its traceback is the cause).
+    """
+    loss_fn, example = _called(factory, policies.none(), where)
+    check_traces(loss_fn, example, where)
+    return (lambda p: _called(factory, p, where)[0]), example
 
 
 def names_from_factory(factory: Callable, where: str = "the factory") -> NameTable:
@@ -70,7 +150,8 @@ def names_from_factory(factory: Callable, where: str = "the factory") -> NameTab
 
     Raises:
       TypeError: the factory returns something else.
-      ValueError: the loss emits no name (nothing rematerialized under ``full``).
+      ValueError: the loss emits no name (nothing rematerialized under ``full``), or cannot take its arguments.
+      FactoryError: the factory or its loss raised an exception of its own (its traceback is the cause).
 
     >>> import jax.numpy as jnp
     >>> from jax.ad_checkpoint import checkpoint_name
@@ -81,6 +162,7 @@ def names_from_factory(factory: Callable, where: str = "the factory") -> NameTab
     import jax
 
     loss_fn, example = _called(factory, policies.full(), where)
+    check_traces(loss_fn, example, where, "full")
     rows = _jax_internals.jaxpr_tags(jax.make_jaxpr(loss_fn)(*example))
     if not rows:
         raise ValueError(

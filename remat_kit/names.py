@@ -39,6 +39,8 @@ tags the per-query logsumexp ``[b, kv, h/kv, s]`` (float32) that its backward pa
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from jax.ad_checkpoint import checkpoint_name
 
 LAYER_INPUT = "layer_input"
@@ -92,7 +94,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
-def resolve(names) -> tuple[str, ...]:
+def resolve(names, what: str = "tag names") -> tuple[str, ...]:
     """Canonicalize tag names: expand MaxText aliases, drop duplicates, keep first-seen order.
 
     Any other name passes through unchanged: your own code's tags need no flag. Whether the code
@@ -102,22 +104,29 @@ def resolve(names) -> tuple[str, ...]:
     Args:
       names: an iterable of tag names or aliases (a single string is rejected, to catch
         ``save="q_proj"`` meaning ``save=("q_proj",)``).
+      what: how messages name ``names`` (the caller's argument, e.g. ``"selective(save=...)"``).
 
     Returns:
       A tuple of canonical tags.
 
     Raises:
-      TypeError: ``names`` is a string or holds a non-string (or an empty string).
+      TypeError: ``names`` is a string, not iterable (None) or holds a non-string (or an empty string).
 
     >>> resolve(["query_proj", "mlpwi", "q_proj", "my_tag"])
     ('q_proj', 'mlp_gate', 'mlp_up', 'my_tag')
+    >>> resolve(None, "selective(save=...)")
+    Traceback (most recent call last):
+    ...
+    TypeError: selective(save=...) must be a sequence of tag names (strings), got None
     """
     if isinstance(names, str):
-        raise TypeError(f"tag names must be a sequence of strings, got the string {names!r}; write ({names!r},)")
+        raise TypeError(f"{what} must be a sequence of strings, got the string {names!r}; write ({names!r},)")
+    if not isinstance(names, Iterable):
+        raise TypeError(f"{what} must be a sequence of tag names (strings), got {names!r}")
     out: list[str] = []
     for name in names:
         if not isinstance(name, str) or not name:
-            raise TypeError(f"tag names must be non-empty strings, got {name!r} ({type(name).__name__})")
+            raise TypeError(f"{what} must be non-empty strings, got {name!r} ({type(name).__name__})")
         expanded = ALIASES.get(name, (name,))
         out.extend(t for t in expanded if t not in out)
     return tuple(out)

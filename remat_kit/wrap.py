@@ -115,6 +115,17 @@ def target_kind(target: Any) -> str:
     return "function"
 
 
+def _short_name(fn: Callable) -> str:
+    """A function's name for a one-line message: a partial's repr holds its arguments' (a module's is 20 lines).
+
+    >>> _short_name(functools.partial(max, 1, key=abs))
+    'functools.partial(max, …)'
+    """
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_short_name(fn.func)}, …)"
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
 def _check_not_captured(fn: Callable, modules: list[nnx.Module], args: tuple, kwargs: dict) -> None:
     """Raise when a captured module's parameters are constants of the transform the call runs under
     (its state holds no tracer: it was captured outside ``nnx.grad``/``nnx.jit``, not inside)."""
@@ -125,7 +136,7 @@ def _check_not_captured(fn: Callable, modules: list[nnx.Module], args: tuple, kw
         if leaves and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
             name = type(module).__name__
             raise ValueError(
-                f"function {getattr(fn, '__qualname__', repr(fn))} closes over the NNX module {name}, so its "
+                f"function {_short_name(fn)} closes over the NNX module {name}, so its "
                 f"parameters never reach the transform (nnx.grad would return all-zero gradients); apply the "
                 f"policy to the module instead: policy({name.lower()}), or wrap inside the transformed function"
             )
@@ -144,7 +155,7 @@ def _remat_function(policy, fn: Callable, static_argnums: tuple[int, ...], preve
 
     if not tags.needs_check(policy):
         return checkpointed
-    where = f"function {getattr(fn, '__qualname__', repr(fn))}"
+    where = f"function {_short_name(fn)}"
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):

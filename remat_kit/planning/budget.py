@@ -37,7 +37,7 @@ from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import analysis, cost
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner
-from remat_kit.units import fmt_bytes, fmt_flops
+from remat_kit.units import check_int, fmt_bytes, fmt_flops
 from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.planning.budget.parse_bytes
 
 
@@ -340,11 +340,15 @@ def auto(
       needed, what was given and which levers remain.
 
     Raises:
-      TypeError/ValueError: bad budget, margin, inputs or policies, before anything is compiled; an NNX
-        module among the inputs that holds a policy of its own (every row would measure that one:
-        :func:`remat_kit.analysis.inspection.refuse_baked_nnx`).
+      TypeError/ValueError: bad budget, margin, jobs, inputs or policies (an empty ``candidates`` too), before
+        anything is compiled; an NNX module among the inputs that holds a policy of its own (every row would
+        measure that one: :func:`remat_kit.analysis.inspection.refuse_baked_nnx`).
     """
     budget = Budget(budget_bytes, margin)
+    check_int("jobs", jobs)
+    if candidates is not None and not isinstance(candidates, str) and len(candidates) == 0:
+        # Not "the default candidates": an empty list would be read as None, and `none` chosen unasked.
+        raise ValueError("candidates=[] names no policy; give at least one, or None for the default candidates")
     wanted = candidates
     if isinstance(model, TransformerConfig):
         if args:

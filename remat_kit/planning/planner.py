@@ -214,6 +214,7 @@ class StepPlanner:
         """Compile ``(policy, batch, seq)`` shapes not yet known, ``jobs`` at a time (XLA compiles on
         one core per job, outside the GIL). Each shape is traced and lowered here (Python, one at a
         time) and handed to the pool at once, so lowering the next overlaps compiling the last."""
+        check_int("jobs", jobs)
         todo = [s for s in dict.fromkeys((str(p), b, q) for p, b, q in shapes) if s not in self._memory]
         todo_policies = {str(p): p for p, _, _ in shapes}
         with self._lock:
@@ -223,7 +224,7 @@ class StepPlanner:
             for s in todo:
                 run(s)
             return
-        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool, analysis.cancel_on_error(pool):
             futures = []
             for s in todo:
                 self._lower(todo_policies[s[0]], s[1], s[2])

@@ -399,7 +399,7 @@ def selective(save=SELECTIVE_DEFAULT, *, strict: bool = True) -> Policy:
     >>> str(selective(["query_proj", "key_proj"])), str(selective(["my_tag"]))
     ('selective:q_proj,k_proj', 'selective:my_tag')
     """
-    tags = _names.resolve(save)
+    tags = _names.resolve(save, "selective(save=...)")
     if not tags:
         raise ValueError(f"selective(save={save!r}) names no tag to keep; name at least one, or use full()")
     return Policy("selective", save=tags, strict=strict)
@@ -422,8 +422,8 @@ def offload(names=(_names.LAYER_INPUT,), save=(), dst: str = DEFAULT_OFFLOAD_DST
     """
     return Policy(
         "offload",
-        save=_names.resolve(save),
-        offload=_names.resolve(names),
+        save=_names.resolve(save, "offload(save=...)"),
+        offload=_names.resolve(names, "offload(names=...)"),
         dst=dst,
         strict=strict,
     )

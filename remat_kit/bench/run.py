@@ -40,6 +40,8 @@ from remat_kit.bench.report import (
 from remat_kit.bench.worker import _MemoryProbe, measure, measure_model
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import analysis
+from remat_kit.train import interrupt
+from remat_kit.train.config import check_setting
 from remat_kit.units import check_int
 
 __all__ = [
@@ -85,13 +87,17 @@ def _run_worker(job: dict[str, Any], log: Callable[[str], None]) -> dict[str, An
         )
         tail: list[str] = []
         assert proc.stderr is not None
-        for line in proc.stderr:
-            line = line.rstrip("\n")
-            if line.startswith("progress: "):
-                log(line[len("progress: ") :])
-            elif line.strip():
-                tail = [*tail[-20:], line]
-        if proc.wait() != 0:
+        # A Ctrl-C that ends this process at once (the command line's) ends the worker too; the
+        # terminal's reaches it anyway, a `kill -INT` of this process alone would not.
+        with interrupt.on_exit(proc.kill):
+            for line in proc.stderr:
+                line = line.rstrip("\n")
+                if line.startswith("progress: "):
+                    log(line[len("progress: ") :])
+                elif line.strip():
+                    tail = [*tail[-20:], line]
+            code = proc.wait()
+        if code != 0:
             raise RuntimeError(f"bench worker for {job['policy']} failed (exit {proc.returncode}):\n" + "\n".join(tail))
         out.seek(0)
         lines = out.read().strip().splitlines()
@@ -154,6 +160,7 @@ def run_bench(
         analysis.check_shape(config, batch, seq, loss_chunks)
     check_int("steps", steps)
     check_int("warmup", warmup, 0)
+    check_setting("seed", seed)
     specs = ["none", *[s for s in map(str, specs) if s != "none"]]  # none first: every ratio is over it
     raw, paths = {}, {}
     with tempfile.TemporaryDirectory(prefix="remat-kit-bench-") as tmp:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
 from remat_kit import constants
 from remat_kit.cli.common import (
@@ -15,7 +14,10 @@ from remat_kit.cli.common import (
     check_writable,
     command_line,
     config_from_args,
+    factory_errors,
     made,
+    say,
+    typed,
     write_json,
 )
 
@@ -28,15 +30,17 @@ DESCRIPTION = (
 
 
 def _progress(args: argparse.Namespace):
-    return (lambda line: None) if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
+    return (lambda line: None) if args.no_progress else say
 
 
 def _bench_command(args: argparse.Namespace) -> int:
     if args.model:
-        return _bench_model_command(args)
+        with factory_errors():
+            return _bench_model_command(args)
     from remat_kit.bench.run import DEFAULT_POLICIES, run_bench
     from remat_kit.cli.plan_report import parse_policies
     from remat_kit.train import mesh as mesh_lib
+    from remat_kit.train.config import check_setting
 
     check_plot(args.plot)
     config, batch, seq = config_from_args(args)
@@ -48,6 +52,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         check_writable(path, what)
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    check_setting("seed", args.seed, "--seed")
     command = command_line("bench", args)
     _progress(args)(f"{command}\n")
     records = run_bench(
@@ -125,16 +130,19 @@ def _bench_model_command(args: argparse.Namespace) -> int:
     from remat_kit.cli.plan import PRESET_ONLY
     from remat_kit.cli.plan_report import parse_model_policies
     from remat_kit.planning.user_model import load_factory, model_from_factory
+    from remat_kit.train.config import check_setting
 
-    given = [f"--{k.replace('_', '-')}" for k in PRESET_ONLY if getattr(args, k, None) not in (None, 0)]
+    given = typed(args, *PRESET_ONLY)
     if given:
-        raise ValueError(f"{', '.join(given)} shape the built-in model; with --model the factory gives the shapes")
+        verb = "shapes" if len(given) == 1 else "shape"
+        raise ValueError(f"{', '.join(given)} {verb} the built-in model; with --model the factory gives the shapes")
     check_plot(args.plot)
     specs = [str(p) for p in parse_model_policies(args.policies)]
     for path, what in ((args.json, "--json"), (args.markdown, "--markdown")):
         check_writable(path, what)
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    check_setting("seed", args.seed, "--seed")
     model_from_factory(load_factory(args.model), args.model)  # a bad factory fails here, before any compile
     command = command_line("bench", args)
     _progress(args)(f"{command}\n")

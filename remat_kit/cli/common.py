@@ -7,6 +7,7 @@ instant, so the library is imported inside the functions that run a command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from typing import Any
 
@@ -48,6 +49,15 @@ def add_shape_args(
 JSON_STDOUT = None
 
 
+def say(line: str) -> None:
+    """A progress line on stderr, in one write: a Ctrl-C's line, written from another thread as the process
+    ends, then never lands inside it (``print`` writes the text and its newline apart when unbuffered)."""
+    import sys
+
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def add_json_arg(parser: argparse.ArgumentParser, what: str) -> None:
     """``--json PATH`` writes ``what`` as JSON; ``--json`` alone (or ``-``) prints it on stdout, the text on stderr."""
     parser.add_argument(
@@ -66,6 +76,8 @@ def check_writable(path: str | None, what: str, *, suffixes: tuple[str, ...] | N
     The rule is :func:`remat_kit.train.outputs.check_output`'s, the one ``train`` applies: a folder that does
     not exist yet is created when the file is written (:func:`write_json`, :func:`made`).
     """
+    if path == "":  # else taken for "not given", and nothing written
+        raise ValueError(f"{what} '' is empty; give a file path")
     if path and path != "-":
         check_output(path, what, suffixes=suffixes)
 
@@ -79,6 +91,31 @@ def made(path: str) -> str:
     """``path``, its folder created if missing (a file checked by :func:`check_writable` is about to be written)."""
     make_parent(path)
     return path
+
+
+def typed(args: argparse.Namespace, *dests: str) -> list[str]:
+    """The options among ``dests`` the command line set (as ``--flag-name``), even to their default values.
+
+    Without the command line's record (a namespace parsed directly), those not at None, 0 or False.
+    """
+    if hasattr(args, "typed"):
+        return [f"--{d.replace('_', '-')}" for d in dests if d in args.typed]
+    return [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d, None) not in (None, 0, False)]
+
+
+@contextlib.contextmanager
+def factory_errors():
+    """A ``--model`` factory's own exception: its traceback (the user's code), then one line naming the factory
+    (a ValueError, which the command line prints as its error line)."""
+    import traceback
+
+    from remat_kit.planning.user_model import FactoryError
+
+    try:
+        yield
+    except FactoryError as err:
+        traceback.print_exception(err.__cause__)
+        raise ValueError(f"{err} (the traceback above is the model's)") from None
 
 
 def check_jobs(jobs: int) -> None:
@@ -196,7 +233,7 @@ def config_from_args(args: argparse.Namespace):
 
 def command_line(name: str, args: argparse.Namespace) -> str:
     """The canonical command that reproduces a run (every option spelled out), for results files."""
-    skip = {"func", "command", "json", "markdown", "plot", "no_progress"}
+    skip = {"func", "command", "json", "markdown", "plot", "no_progress", "typed", "check"}
     parts = [f"remat-kit {name}"]
     for key, value in sorted(vars(args).items()):
         if key in skip or value is None or value is False:
@@ -242,6 +279,13 @@ def add_lora_args(parser) -> None:
 def lora_overrides(args) -> dict[str, Any]:
     """TransformerConfig overrides of the flags :func:`add_lora_args` adds (only those given)."""
     out: dict[str, Any] = {}
+    for flag in ("lora_alpha", "lora_targets"):
+        value = getattr(args, flag, None)
+        if value is not None and not getattr(args, "lora_rank", None):  # else the full model trains, no word
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {value} needs --lora-rank R > 0: it sets the LoRA adapters, and "
+                "without a rank there are none (the full model would train)"
+            )
     if getattr(args, "lora_rank", None) is not None:
         out["lora_rank"] = args.lora_rank
     if getattr(args, "lora_alpha", None) is not None:

@@ -17,13 +17,17 @@ from remat_kit.cli.common import (
     check_writable,
     command_line,
     config_from_args,
+    factory_errors,
     made,
+    say,
+    typed,
     write_json,
 )
 from remat_kit.units import fmt_bytes, fmt_count
 
 #: Options that shape the built-in model, meaningless with ``--model`` (whose factory gives the shapes).
 PRESET_ONLY: tuple[str, ...] = (
+    "preset",
     "batch_size",
     "seq_len",
     "layers",
@@ -32,6 +36,10 @@ PRESET_ONLY: tuple[str, ...] = (
     "attention",
     "loss_chunks",
     "mesh",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "quantize",
 )
 
 DESCRIPTION = (
@@ -50,12 +58,19 @@ def _model_command(args: argparse.Namespace) -> int:
     from remat_kit.planning import budget, planner
     from remat_kit.planning.user_model import load_factory, model_from_factory
 
-    given = [f"--{k.replace('_', '-')}" for k in PRESET_ONLY if getattr(args, k, None) not in (None, 0)]
+    given = typed(args, *PRESET_ONLY)
     if given:
-        raise ValueError(f"{', '.join(given)} shape the built-in model; with --model the factory gives the shapes")
+        verb = "shapes" if len(given) == 1 else "shape"
+        raise ValueError(f"{', '.join(given)} {verb} the built-in model; with --model the factory gives the shapes")
     for flag in ("limits", "plot"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag} is not available with --model (its shapes are fixed by the factory)")
+    if typed(args, "top"):
+        raise ValueError(
+            "--top lists the built-in model's largest residuals; with --model, --explain shows what is live"
+        )
+    if typed(args, "jobs") and args.budget is None:
+        raise ValueError("--jobs compiles --budget's candidates at once; with --model alone they compile one at a time")
     if args.margin is not None and args.budget is None:
         raise ValueError("--margin goes with --budget")
     if args.per_tensor or args.maxtext:
@@ -74,7 +89,7 @@ def _model_command(args: argparse.Namespace) -> int:
         planner.Budget(budget_bytes, margin)  # checked before anything is loaded or compiled
     make_loss, example = model_from_factory(load_factory(args.model), args.model)
     if not args.no_progress:
-        print(f"[plan] {args.model}: {len(specs)} policies ...", file=sys.stderr, flush=True)
+        say(f"[plan] {args.model}: {len(specs)} policies ...")
     hardware = None
     if args.calibrate:
         from remat_kit.planning import cost
@@ -143,7 +158,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.budget is not None and (args.explain or args.timeline is not None):
         raise ValueError("--explain and --timeline compare policies at their peaks; they do not go with --budget")
     if args.model:
-        return _model_command(args)
+        with factory_errors():
+            return _model_command(args)
     config, batch, seq = config_from_args(args)
     mesh = mesh_lib.make_mesh(args.mesh) if args.mesh else None
     if mesh is not None:
@@ -165,7 +181,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 
     def progress(i, n, spec):
         if not args.no_progress:
-            print(f"[{i + 1}/{n}] {spec}: tracing and compiling ...", file=sys.stderr, flush=True)
+            say(f"[{i + 1}/{n}] {spec}: tracing and compiling ...")
 
     results = analyze_policies(
         config,
@@ -346,6 +362,8 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     Budget(budget_bytes, margin)  # checked before anything is compiled
     if args.maxtext and not args.per_tensor:
         raise ValueError("--maxtext goes with --per-tensor")
+    if typed(args, "top"):
+        raise ValueError("--top lists the largest residuals of a comparison; it does not go with --budget")
     # Only the chosen policy's limits by default: each policy's search costs a few compiles, and the
     # chosen one answers "how far can I push this run"; the others are one flag away.
     limits = args.limits or "chosen"
@@ -371,7 +389,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         )
         return 1
     if not args.no_progress:
-        print(f"[plan] compiling {len(pool)} candidates, {args.jobs} at a time ...", file=sys.stderr, flush=True)
+        say(f"[plan] compiling {len(pool)} candidates, {args.jobs} at a time ...")
     hardware = cost.calibrate(mesh.devices.flat[0].platform if mesh is not None else None) if args.calibrate else None
     result = budget.auto(
         config,
@@ -406,7 +424,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     per = None
     if args.per_tensor:
         if not args.no_progress:
-            print("[plan] per-tensor search ...", file=sys.stderr, flush=True)
+            say("[plan] per-tensor search ...")
         per = tensors.per_tensor(
             config,
             batch=batch,
@@ -432,11 +450,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
             for b, q in ((first, seq), (2 * first, seq), (batch, config.max_seq_len))
         ]
         if not args.no_progress:
-            print(
-                f"[plan] largest batch and sequence that fit for {len(wanted)} policies ...",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"[plan] largest batch and sequence that fit for {len(wanted)} policies ...")
         planner.precompile(shapes, jobs=args.jobs)
     for spec in wanted:
         kw = {"batch": batch, "seq": seq, "budget_bytes": budget_bytes, "margin": margin, "planner": planner}

@@ -99,7 +99,7 @@ def describe(spec: str) -> dict:
 
 
 def _policies_command(args: argparse.Namespace) -> int:
-    if args.spec:
+    if args.spec is not None:  # "" is refused by the parser, not taken for "no spec"
         info = describe(args.spec)
         if args.json:
             print(json.dumps(info, indent=1))

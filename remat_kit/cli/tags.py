@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from remat_kit.cli.common import add_parser
+from remat_kit.cli.common import add_parser, factory_errors
 
 
 def _tags_command(args: argparse.Namespace) -> int:
     from remat_kit.planning.user_model import load_factory, names_from_factory
 
-    table = names_from_factory(load_factory(args.model), args.model)
+    with factory_errors():
+        table = names_from_factory(load_factory(args.model), args.model)
     if args.json:
         rows = [{"name": r.name, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.nbytes} for r in table]
         print(json.dumps({"model": args.model, "names": rows}, indent=1))

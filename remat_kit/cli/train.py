@@ -135,7 +135,7 @@ def add_cli(subparsers) -> None:
         "(JAX's heartbeat timeout: then every other process aborts), before exiting with an error "
         f"(default: JAX's {constants.JAX_JOIN_TIMEOUT_S} s to join, {constants.JAX_HEARTBEAT_TIMEOUT_S} s heartbeat)",
     )
-    p.set_defaults(func=_train_command)
+    p.set_defaults(func=_train_command, check=_check)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -166,6 +166,9 @@ def config_from_args(args: argparse.Namespace):
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before anything is compiled, to clobber an earlier run's metrics or resume from nowhere."""
+    for flag in ("checkpoint_dir", "metrics", "plot"):
+        if getattr(args, flag) == "":  # else taken for "not given" (or the working directory)
+            raise ValueError(f"--{flag.replace('_', '-')} '' is empty; give a path")
     if args.metrics == "-":
         raise ValueError("--metrics '-': metrics are written to a file (one JSON line per step); give a file path")
     if args.metrics is not None and os.path.isdir(args.metrics):
@@ -200,12 +203,37 @@ def check_outputs(args: argparse.Namespace) -> None:
         )
 
 
+#: Options that only act together with another: ``{option: (what it needs, why)}``; typed without it, refused.
+NEEDS: dict[str, tuple[str, str]] = {
+    "keep": ("checkpoint_dir", "it counts the checkpoints kept there"),
+    "checkpoint_every": ("checkpoint_dir", "it spaces the checkpoints saved there"),
+    "overwrite": ("metrics", "it replaces an existing metrics file and its plot"),
+}
+
+
 def check_values(args: argparse.Namespace) -> None:
-    """Refuse a value the library would refuse, naming the flag as typed (``--keep must be …, got 0``)."""
+    """Refuse a value the library would refuse, naming the flag as typed (``--keep must be …, got 0``), and an
+    option that would be ignored."""
+    from remat_kit.cli.common import typed
     from remat_kit.train.config import check_setting
 
     for flag, setting in CHECKED_FLAGS.items():
         check_setting(setting, getattr(args, flag[2:].replace("-", "_")), flag)
+    for option, (needed, why) in NEEDS.items():
+        if typed(args, option) and getattr(args, needed) is None:
+            raise ValueError(f"--{option.replace('_', '-')} needs --{needed.replace('_', '-')}: {why}")
+    if typed(args, "eval_batches") and args.eval_every == 0:
+        raise ValueError("--eval-batches needs --eval-every N > 0: with --eval-every 0 nothing is evaluated")
+    if args.distributed_timeout is not None and args.distributed_timeout < 1:
+        raise ValueError(
+            f"--distributed-timeout must be a whole number of seconds >= 1, got {args.distributed_timeout}"
+        )
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Every check of the options that needs no device: run before a multi-process run is joined."""
+    check_outputs(args)
+    check_values(args)
 
 
 #: The file in --checkpoint-dir that records a --budget run's plan (what --resume reuses).
@@ -270,8 +298,6 @@ def plan_budget(args: argparse.Namespace, config) -> str:
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    check_outputs(args)
-    check_values(args)
     import numpy as np
 
     from remat_kit.train import distributed

@@ -52,6 +52,9 @@ INT_MINIMUMS: dict[str, int] = {
     "keep": 1,
     "max_corpus_bytes": 1,
 }
+#: The largest value of an integer setting that has one: a seed is a 32-bit PRNG key (JAX without x64 keeps
+#: only the low 32 bits: 2**32 would be the run of seed 0, and 2**63 an OverflowError deep inside JAX).
+INT_MAXIMUMS: dict[str, int] = {"seed": 2**32 - 1}
 #: Integer settings that may also be None (no limit).
 NONE_OK = ("max_corpus_bytes",)
 
@@ -79,6 +82,9 @@ def check_setting(setting: str, value: Any, name: str | None = None) -> None:
     if setting in INT_MINIMUMS:
         if value is not None or setting not in NONE_OK:  # None: not given (no limit)
             check_int(name, value, INT_MINIMUMS[setting])
+            high = INT_MAXIMUMS.get(setting)
+            if high is not None and value > high:
+                raise ValueError(f"{name} must be an integer in {INT_MINIMUMS[setting]}..{high}, got {value}")
         return
     allowed, ok = NUMBER_RANGES[setting]
     number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
@@ -146,6 +152,12 @@ class TrainConfig:
             object.__setattr__(self, "seq_len", min(self.model.max_seq_len, 256))
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}")
+        tokens = self.batch_size * self.seq_len
+        if self.loss_chunks != "auto" and self.loss_chunks > tokens:  # chunks of no token: padding only
+            raise ValueError(
+                f"loss_chunks={self.loss_chunks} exceeds the {tokens} tokens of a micro-batch (batch_size × "
+                f"seq_len); allowed: 0..{tokens} or 'auto'"
+            )
         if self.warmup_steps == -1:
             object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
         if self.warmup_steps >= self.steps:

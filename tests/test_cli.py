@@ -1,11 +1,16 @@
 """The command line itself: help without jax, --version, one flag vocabulary, `policies`, and the
 errors a user meets in the first minutes (each checked before anything is compiled)."""
 
+import contextlib
 import dataclasses
 import json
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -360,6 +365,67 @@ BAD_INPUTS = [
     (["train", "--val-fraction", "1"], "--val-fraction must be a finite number in (0, 1), got 1"),
     (["train", "--quantize", "nf4"], "--quantize nf4 needs --lora-rank R > 0"),
     (["bench", "--preset", "tiny", "--quantize", "nf4"], "--quantize nf4 needs --lora-rank R > 0"),
+    # Issue 39: every LoRA flag names the missing --lora-rank (else the full model trained, no word).
+    (["train", "--lora-targets", "q_proj"], "--lora-targets q_proj needs --lora-rank R > 0"),
+    (["train", "--lora-alpha", "8"], "--lora-alpha 8.0 needs --lora-rank R > 0"),
+    (["train", "--lora-rank", "0", "--lora-alpha", "8"], "--lora-alpha 8.0 needs --lora-rank R > 0"),
+    (["plan", "--preset", "tiny", "--lora-alpha", "8"], "--lora-alpha 8.0 needs --lora-rank R > 0"),
+    (["bench", "--preset", "tiny", "--lora-targets", "all"], "--lora-targets all needs --lora-rank R > 0"),
+    # An empty path is refused, not taken for "not given" (or the working directory).
+    (["train", "--checkpoint-dir", ""], "--checkpoint-dir '' is empty; give a path"),
+    (["train", "--metrics", ""], "--metrics '' is empty; give a path"),
+    (["train", "--plot", ""], "--plot '' is empty; give a path"),
+    (["plan", "--preset", "tiny", "--json", ""], "--json '' is empty; give a file path"),
+    (["plan", "--preset", "tiny", "--timeline", ""], "--timeline '' is empty; give a file path"),
+    (["plan", "--preset", "tiny", "--budget", "50MB", "--plot", ""], "--plot '' is empty; give a file path"),
+    (["bench", "--preset", "tiny", "--json", ""], "--json '' is empty; give a file path"),
+    (["bench", "--preset", "tiny", "--markdown", ""], "--markdown '' is empty; give a file path"),
+    (["policies", ""], "unknown policy spec ''"),
+    # Values accepted without a word before.
+    (["train", "--distributed-timeout", "-5"], "--distributed-timeout must be a whole number of seconds >= 1, got -5"),
+    (["train", "--distributed-timeout", "5"], "--distributed-timeout goes with a run of several processes"),
+    (["bench", "--preset", "tiny", "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["bench", "--model", "tests.plan_model_factory:factory", "--seed", "-1"], "--seed must be an integer >= 0"),
+    (
+        ["train", "--seed", "99999999999999999999"],
+        "--seed must be an integer in 0..4294967295, got 99999999999999999999",
+    ),
+    (["bench", "--preset", "tiny", "--seed", "4294967296"], "--seed must be an integer in 0..4294967295"),
+    (["train", "--loss-chunks", "1000000"], "loss_chunks=1000000 exceeds the 1024 tokens of a micro-batch"),
+    (["plan", "--preset", "tiny", "--loss-chunks", "65"], "loss_chunks=65 exceeds the token count 64"),
+    (["bench", "--preset", "tiny", "--loss-chunks", "65"], "loss_chunks=65 exceeds the token count 64"),
+    # An option that would be ignored where it is given.
+    (["train", "--keep", "3"], "--keep needs --checkpoint-dir"),
+    (["train", "--checkpoint-every", "50"], "--checkpoint-every needs --checkpoint-dir"),
+    (["train", "--overwrite"], "--overwrite needs --metrics"),
+    (["train", "--eval-batches", "2", "--eval-every", "0"], "--eval-batches needs --eval-every N > 0"),
+    (["plan", "--preset", "tiny", "--budget", "50MB", "--top", "3"], "--top lists the largest residuals"),
+    (["plan", "--model", "tests.plan_model_factory:factory", "--preset", "tiny"], "--preset shapes the built-in"),
+    (["plan", "--model", "tests.plan_model_factory:factory", "--lora-rank", "4"], "--lora-rank shapes the built-in"),
+    (["plan", "--model", "tests.plan_model_factory:factory", "--top", "3"], "--top lists the built-in model's"),
+    (["plan", "--model", "tests.plan_model_factory:factory", "--jobs", "2"], "--jobs compiles --budget's candidates"),
+    (["bench", "--model", "tests.plan_model_factory:factory", "--preset", "2b"], "--preset shapes the built-in"),
+    (["bench", "--model", "tests.plan_model_factory:factory", "--quantize", "nf4"], "--quantize shapes the built-in"),
+    # A factory whose loss cannot take its inputs: one line naming the factory and the shapes (traced, not compiled).
+    (
+        ["plan", "--model", "tests.plan_model_factory:wrong_shape"],
+        "tests.plan_model_factory:wrong_shape: its loss_fn cannot take its example_args (a pytree of 2 arrays, "
+        "float32[8,16,33]) under policy none: ",
+    ),
+    (
+        ["bench", "--model", "tests.plan_model_factory:wrong_shape"],
+        "tests.plan_model_factory:wrong_shape: its loss_fn cannot take its example_args",
+    ),
+    (
+        ["tags", "--model", "tests.plan_model_factory:wrong_shape"],
+        "tests.plan_model_factory:wrong_shape: its loss_fn cannot take its example_args",
+    ),
+    (
+        ["plan", "--model", "tests.plan_model_factory:not_scalar", "--budget", "1GB"],
+        "tests.plan_model_factory:not_scalar: its loss_fn must return a floating-point scalar (the loss), got "
+        "float32[8] from example_args",
+    ),
+    (["tags", "--model", "os.path:join"], "os.path:join(policy full) raised TypeError: "),
 ]
 
 
@@ -391,6 +457,45 @@ BAD_INPUTS = [
         "train-val-fraction-1",
         "train-nf4-without-lora-rank",
         "bench-nf4-without-lora-rank",
+        "train-lora-targets-without-rank",
+        "train-lora-alpha-without-rank",
+        "train-lora-alpha-rank-0",
+        "plan-lora-alpha-without-rank",
+        "bench-lora-targets-without-rank",
+        "train-checkpoint-dir-empty",
+        "train-metrics-empty",
+        "train-plot-empty",
+        "plan-json-empty",
+        "plan-timeline-empty",
+        "budget-plot-empty",
+        "bench-json-empty",
+        "bench-markdown-empty",
+        "policies-empty-spec",
+        "train-distributed-timeout-negative",
+        "train-distributed-timeout-one-process",
+        "bench-seed-negative",
+        "bench-model-seed-negative",
+        "train-seed-huge",
+        "bench-seed-over-32-bits",
+        "train-loss-chunks-over-tokens",
+        "plan-loss-chunks-over-tokens",
+        "bench-loss-chunks-over-tokens",
+        "train-keep-without-dir",
+        "train-checkpoint-every-without-dir",
+        "train-overwrite-without-metrics",
+        "train-eval-batches-without-eval",
+        "budget-top",
+        "plan-model-preset",
+        "plan-model-lora-rank",
+        "plan-model-top",
+        "plan-model-jobs",
+        "bench-model-preset",
+        "bench-model-quantize",
+        "plan-model-wrong-shape",
+        "bench-model-wrong-shape",
+        "tags-model-wrong-shape",
+        "budget-model-not-scalar",
+        "tags-model-not-a-factory",
     ],
 )
 def test_bad_input_is_one_line_exit_2_before_any_work(argv, message, tmp_path, capsys, no_work, monkeypatch):
@@ -437,3 +542,307 @@ def test_tags_with_a_bad_model_is_one_line_and_exit_2(capsys, model, message):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("remat-kit tags: error:")
     assert re.search(message, err), err
+
+
+# ---- a mistyped option value: argparse's one line and the command's --help, not 14-20 lines of usage ----------
+
+PARSE_ERRORS = [
+    (["train", "--steps", "abc"], "remat-kit train: error: argument --steps: invalid int value: 'abc'", "train"),
+    (["train", "--quantize", "bogus"], "remat-kit train: error: argument --quantize: invalid choice: 'bogus'", "train"),
+    (["plan", "--limits", "bogus"], "remat-kit plan: error: argument --limits: invalid choice: 'bogus'", "plan"),
+    (["bench", "--warmup", "x"], "remat-kit bench: error: argument --warmup: invalid int value: 'x'", "bench"),
+    (["tags"], "remat-kit tags: error: the following arguments are required: --model", "tags"),
+    (["policies", "--bogus"], "remat-kit: error: unrecognized arguments: --bogus", None),
+    (["bogus"], "remat-kit: error: argument COMMAND: invalid choice: 'bogus'", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message", "command"),
+    PARSE_ERRORS,
+    ids=["train-steps", "train-quantize", "plan-limits", "bench-warmup", "tags-no-model", "unknown-option", "command"],
+)
+def test_a_mistyped_option_is_one_line_and_the_help_hint(argv, message, command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "usage:" not in err, err
+    hint = f"(see `remat-kit {command} --help`)" if command else "(see `remat-kit --help`)"
+    assert err.startswith(message) and err.rstrip().endswith(hint), err
+
+
+# ---- the API's bad values: one line naming the argument, before anything is traced ---------------------------------
+
+
+def _selective_none():
+    from remat_kit import policies
+
+    policies.selective(save=None)
+
+
+def _offload_names_none():
+    from remat_kit import policies
+
+    policies.offload(names=None)
+
+
+def _auto(**kwargs):
+    import remat_kit
+    from remat_kit.model.transformer import TransformerConfig
+
+    remat_kit.auto(TransformerConfig.preset("tiny"), batch=2, seq=32, budget_bytes=10**9, **kwargs)
+
+
+def _partial_capturing_an_nnx_module():
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from remat_kit import policies
+
+    module = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    loss = policies.full()(functools.partial(lambda m, x: m(x).sum(), module))
+    jax.grad(loss)(jnp.ones((2, 3)))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (_selective_none, TypeError, "selective(save=...) must be a sequence of tag names (strings), got None"),
+        (_offload_names_none, TypeError, "offload(names=...) must be a sequence of tag names (strings), got None"),
+        (lambda: _auto(candidates=[]), ValueError, "candidates=[] names no policy; give at least one, or None"),
+        (lambda: _auto(jobs=0), ValueError, "jobs must be a positive integer, got 0"),
+        (
+            _partial_capturing_an_nnx_module,
+            ValueError,
+            "function functools.partial(_partial_capturing_an_nnx_module.<locals>.<lambda>, …) closes over",
+        ),
+    ],
+    ids=["selective-save-none", "offload-names-none", "auto-no-candidates", "auto-jobs-0", "partial-nnx-module"],
+)
+def test_api_bad_values_are_one_line_naming_the_argument(call, error, message, monkeypatch):
+    import jax
+
+    from remat_kit.planning import budget
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda *_: pytest.fail("compiled before the check"))
+    monkeypatch.setattr(budget, "search", lambda *_, **__: pytest.fail("searched before the check"))
+    with pytest.raises(error) as caught:
+        call()
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value), str(caught.value)
+
+
+# ---- a --model factory's own exception: its traceback, then one line naming the factory -----------------------
+
+
+@pytest.mark.parametrize("command", ["plan", "bench", "tags"])
+def test_a_factorys_own_exception_shows_its_traceback_then_one_line(command, capsys, no_work):
+    assert cli.main([command, "--model", "tests.plan_model_factory:raises"]) == 2
+    err = capsys.readouterr().err.rstrip().splitlines()
+    policy = "full" if command == "tags" else "none"
+    assert "Traceback (most recent call last):" in err
+    assert f"tests.plan_model_factory.OwnBug: the user's own bug under {policy}" in err  # theirs, as Python says it
+    assert err[-1] == (
+        f"remat-kit {command}: error: tests.plan_model_factory:raises(policy {policy}) raised OwnBug: the user's own "
+        "bug under " + policy + " (the traceback above is the model's)"
+    )
+
+
+# ---- a multi-process run that never forms: one line, never JAX's abort ------------------------------------------
+
+
+def test_process_0_names_the_process_that_never_joined_instead_of_aborting(tmp_path):
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = ["train", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "3", "--process-id", "0"]
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "remat_kit.cli", *argv, "--distributed-timeout", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Check failure" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[-1].startswith(
+        f"remat-kit train: error: process 0 of 3: processes 1, 2 never joined the coordinator at 127.0.0.1:{port} "
+        "within 2 s; start one process per --process-id"
+    ), lines
+    assert time.monotonic() - start < 60  # the 2 s wait and an import of JAX, not JAX's 300 s
+
+
+# ---- Ctrl-C as a terminal sends it: every command exits 130 at once, with one line ---------------------------
+
+#: Starts the CLI as a shell starts a job: SIGINT at its default disposition (a test runner may run with it
+#: ignored, and a child that inherits an ignored SIGINT would prove nothing), exec'd into `python -m remat_kit.cli`.
+_TERMINAL_CHILD = (
+    "import os, signal, sys\n"
+    "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'remat_kit.cli', *sys.argv[1:]])\n"
+)
+
+#: Seconds from Ctrl-C to exit a command with nothing to save may take (it ends at once; the margin is for a
+#: loaded CI machine). train saves first: it stops at its next safe point, within one compile of the tiny preset.
+AT_ONCE_S, TRAIN_S = 10, 60
+
+
+def _start_as_a_terminal_would(argv, cwd, **env):
+    # Its own process group (a shell's job), which the terminal's Ctrl-C signals as a whole: worker processes too.
+    # The repository is importable from `cwd` (the tests' factories), as the working tree is for the suite.
+    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [sys.executable, "-c", _TERMINAL_CHILD, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        process_group=0,
+        env={**os.environ, "PYTHONPATH": path, **env},
+    )
+
+
+def _handler_in(pid: int) -> bool:
+    # Python catches SIGINT from its first instant, SIGTERM only once remat-kit's handler is in (Linux: the
+    # caught-signal mask), so this is the first moment at which a Ctrl-C is the CLI's to handle.
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+#: ``when`` of a Ctrl-C while JAX's compiled extension is being loaded (where a KeyboardInterrupt crashed the process).
+IMPORTING_JAX = "importing jax"
+
+
+def _importing_jax(pid: int) -> bool:
+    return "jaxlib" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _wait_until(proc, when: str | None) -> list[str]:
+    """Wait until the handler is in (``when`` None), JAX is being imported (:data:`IMPORTING_JAX`) or a stderr line
+    holds ``when``; the lines read so far."""
+    deadline = time.monotonic() + 180
+    if when is None or when == IMPORTING_JAX:
+        ready = _handler_in if when is None else _importing_jax
+        while not ready(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.002)
+        return []
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if when in line:
+            return lines
+        assert time.monotonic() < deadline, lines
+    raise AssertionError(f"exit {proc.wait()} before a {when!r} line: {lines}")
+
+
+_TINY_BENCH = ["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--no-grad-check", "--policies", "full"]
+
+SIGNALS = [
+    (["policies"], None),
+    (["train", "--preset", "tiny", "--steps", "1", "--no-progress"], None),
+    (["plan", "--preset", "tiny"], None),
+    (_TINY_BENCH, None),
+    (["tags", "--model", "os.path:join"], None),
+    (["policies"], IMPORTING_JAX),
+    (["plan", "--preset", "tiny"], IMPORTING_JAX),  # at 0.5 s: ignored (exit 0 after all eight compiles) or a crash
+    (["tags", "--model", "os.path:join"], IMPORTING_JAX),  # printed "KeyboardInterrupt:", then the factory's error
+    (["plan", "--preset", "tiny"], "[1/8] none: tracing and compiling"),  # once ignored, or waited for all eight
+    (["plan", "--preset", "tiny", "--jobs", "1"], "[2/8] full: tracing and compiling"),
+    (["plan", "--preset", "tiny", "--budget", "1GB"], "[plan] compiling"),
+    (["plan", "--model", "tests.plan_model_factory:factory"], "[plan] tests.plan_model_factory:factory"),
+    ([*_TINY_BENCH, "--in-process"], "[1/2] none"),
+    (_TINY_BENCH, "[1/2] none"),  # in its worker process, which the terminal's Ctrl-C reaches too
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "when"),
+    SIGNALS,
+    ids=[
+        "policies-start-up",
+        "train-start-up",
+        "plan-start-up",
+        "bench-start-up",
+        "tags-start-up",
+        "policies-importing-jax",
+        "plan-importing-jax",
+        "tags-importing-jax",
+        "plan-first-compile",
+        "plan-jobs-1-second-compile",
+        "budget-compiling",
+        "plan-model-compiling",
+        "bench-in-process-measuring",
+        "bench-worker-measuring",
+    ],
+)
+def test_ctrl_c_exits_130_at_once_with_one_line(argv, when, tmp_path):
+    proc = _start_as_a_terminal_would(argv, tmp_path)
+    try:
+        _wait_until(proc, when)
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: to the whole foreground job
+        out, err = proc.communicate(timeout=TRAIN_S + 60)
+        waited = time.monotonic() - sent
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    command = argv[0]
+    assert proc.returncode == 130, err
+    assert waited < (TRAIN_S if command == "train" else AT_ONCE_S), f"{waited:.1f} s from Ctrl-C to exit"
+    assert err.strip().splitlines()[-1] in (f"remat-kit {command}: interrupted", "remat-kit: interrupted"), err
+    for swallowed in ("Traceback", "Exception ignored", "KeyboardInterrupt", "error:"):
+        assert swallowed not in err, err
+    if command != "policies":
+        assert out == ""  # stopped before any report
+    assert list(tmp_path.iterdir()) == []  # nothing written where it ran
+
+
+def test_ctrl_c_of_bench_alone_ends_its_worker_too(tmp_path):
+    # `kill -INT` of the bench process only (not its group): the worker measuring a policy must not outlive it.
+    proc = _start_as_a_terminal_would(_TINY_BENCH, tmp_path)
+    try:
+        _wait_until(proc, "[1/2] none")
+        workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert workers, "no worker process"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=AT_ONCE_S + 60)
+        assert proc.returncode == 130 and err.strip().splitlines()[-1] == "remat-kit bench: interrupted", err
+        deadline = time.monotonic() + AT_ONCE_S
+        while any(_alive(int(w)) for w in workers):
+            assert time.monotonic() < deadline, "the worker outlived its bench"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_ctrl_c_mid_explain_removes_its_temporary_files(tmp_path):
+    # --explain compiles with XLA's dump into a temporary folder; Ctrl-C ends the process without `finally`
+    # blocks, so the command's private temporary folder is removed by the signal's own cleanup.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    ours = lambda: [p.name for p in scratch.iterdir() if p.name.startswith("remat")]
+    proc = _start_as_a_terminal_would(
+        ["plan", "--preset", "tiny", "--explain", "--jobs", "1"], tmp_path, TMPDIR=str(scratch)
+    )
+    try:
+        _wait_until(proc, "[2/8] full: tracing and compiling")
+        assert len(ours()) == 1 and ours()[0].startswith("remat-kit-")  # the command's own folder
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=AT_ONCE_S + 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and ours() == []

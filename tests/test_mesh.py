@@ -168,6 +168,11 @@ def test_bad_process_settings(kwargs, match):
         D.Processes.resolve(**kwargs, env={"REMAT_KIT_DISTRIBUTED": "1"})
 
 
+def test_a_bad_timeout_is_refused_with_one_process_too():
+    with pytest.raises(ValueError, match=r"timeout_s must be an integer >= 1, got -5"):
+        D.Processes.resolve(timeout_s=-5, env={})  # returned None (one process) without a word
+
+
 def test_bad_process_setting_from_environment():
     with pytest.raises(ValueError, match=r"JAX_NUM_PROCESSES must be an integer, got 'two'"):
         D.Processes.resolve(env={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two"})

@@ -94,6 +94,8 @@ class Processes:
         num_processes = from_env(num_processes, "JAX_NUM_PROCESSES")
         process_id = from_env(process_id, "JAX_PROCESS_ID")
         timeout_s = from_env(timeout_s, "REMAT_KIT_DISTRIBUTED_TIMEOUT")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1):
+            raise ValueError(f"timeout_s must be an integer >= 1, got {timeout_s!r}")  # also with one process
         if coordinator is None:
             if num_processes not in (None, 1) or process_id not in (None, 0):
                 raise ValueError(

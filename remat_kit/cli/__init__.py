@@ -2,8 +2,10 @@
 
 Each module listed in :data:`COMMAND_MODULES` defines ``add_cli(subparsers)``, which registers its
 subparser and sets ``func`` (``args -> exit code``). Only ``func`` imports the library (jax, flax,
-optax), so building the parser, and so ``--help``, is instant. Bad input surfaces as one line on stderr and
-exit status 2, never a traceback.
+optax), so building the parser, and so ``--help``, is instant; an optional ``check`` (``args -> None``) reads
+the options before a multi-process run is joined. Bad input surfaces as one line on stderr and exit status 2,
+never a traceback; a mistyped option is argparse's one line and a ``--help`` hint. Ctrl-C at any moment exits
+130 with one line: at once, or for ``train`` after saving what it has (:mod:`remat_kit.train.interrupt`).
 """
 
 from __future__ import annotations
@@ -100,8 +102,6 @@ def _on_signal(command: str, guard):
     (remat_kit.train.interrupt.StopOnSignal, in place before JAX is imported). Every other command has
     nothing to save, so Ctrl-C ends it at once, even mid-compile: the guard stays, saying which command stopped.
     """
-    import contextlib
-
     if command != "train":
         guard.message = f"remat-kit {command}: interrupted"
         return contextlib.nullcontext()

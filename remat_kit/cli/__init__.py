@@ -83,11 +83,30 @@ def _typed(argv: list[str]) -> frozenset[str]:
     refuse an option that would be ignored (``--keep`` without ``--checkpoint-dir``) even at its default value."""
     parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = set()
     for sub in subparsers.choices.values():
         for action in sub._actions:
             if action.option_strings:
                 action.default = argparse.SUPPRESS
-    return frozenset(vars(parser.parse_args(argv))) - {"command", "func"}
+                options.add(action.dest)
+    return frozenset(vars(parser.parse_args(argv))) & options
+
+
+#: Options whose empty value the command's own check words (what is allowed there): the rest share one message.
+_OWN_EMPTY_CHECK = frozenset(
+    {"policies", "budget", "json", "markdown", "plot", "timeline", "metrics", "checkpoint_dir"}
+)
+
+
+def _refuse_empty(args: argparse.Namespace) -> None:
+    """An option typed with an empty value (``--mesh ''``, ``--data ''``) is refused: read as "not given", it
+    would be ignored without a word."""
+    for dest in sorted(args.typed - _OWN_EMPTY_CHECK):
+        value = getattr(args, dest, None)
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise ValueError(
+                f"--{dest.replace('_', '-')} '' is empty; give a value (see `remat-kit {args.command} --help`)"
+            )
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None):
@@ -163,6 +182,7 @@ def _main(argv: list[str] | None, guard) -> int:
         scratch = contextlib.nullcontext() if args.command == "train" else _private_tempdir()
         with redirect, warnings.catch_warnings(), scratch, _on_signal(args.command, guard):
             warnings.showwarning = _one_line_warning
+            _refuse_empty(args)
             if hasattr(args, "check"):  # the options alone, before a multi-process run is joined
                 args.check(args)
             if hasattr(args, "mesh"):

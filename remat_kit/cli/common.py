@@ -51,7 +51,14 @@ JSON_STDOUT = None
 
 def say(line: str) -> None:
     """A progress line on stderr, in one write: a Ctrl-C's line, written from another thread as the process
-    ends, then never lands inside it (``print`` writes the text and its newline apart when unbuffered)."""
+    ends, then never lands inside it (``print`` writes the text and its newline apart when unbuffered).
+
+    >>> import contextlib, io, sys
+    >>> with contextlib.redirect_stderr(io.StringIO()) as err:
+    ...     say("[1/8] none: tracing and compiling ...")
+    >>> err.getvalue()
+    '[1/8] none: tracing and compiling ...\\n'
+    """
     import sys
 
     sys.stderr.write(line + "\n")
@@ -97,6 +104,9 @@ def typed(args: argparse.Namespace, *dests: str) -> list[str]:
     """The options among ``dests`` the command line set (as ``--flag-name``), even to their default values.
 
     Without the command line's record (a namespace parsed directly), those not at None, 0 or False.
+
+    >>> typed(argparse.Namespace(keep=3, typed=frozenset({"keep"})), "keep", "overwrite")
+    ['--keep']
     """
     if hasattr(args, "typed"):
         return [f"--{d.replace('_', '-')}" for d in dests if d in args.typed]

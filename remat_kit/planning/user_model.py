@@ -99,6 +99,14 @@ def check_traces(loss_fn: Callable, example: tuple, where: str, policy="none") -
     Raises:
       ValueError: the loss cannot take the example arguments (shapes, dtypes) or returns no float scalar.
       FactoryError: the loss raised an exception of its own (its traceback is the cause).
+
+    >>> import jax.numpy as jnp
+    >>> check_traces(lambda w, x: (x @ w).sum(), (jnp.ones((3, 2)), jnp.ones((4, 3))), "m:f")
+    >>> try:
+    ...     check_traces(lambda w, x: (x @ w).sum(), (jnp.ones((3, 2)), jnp.ones((4, 5))), "m:f")
+    ... except ValueError as err:
+    ...     print(str(err).split(" under ")[0])
+    m:f: its loss_fn cannot take its example_args (float32[3,2], float32[4,5])
     """
     import jax
 

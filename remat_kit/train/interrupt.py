@@ -138,6 +138,9 @@ class ExitOnSignal(_SignalWatch):
 
     Args:
       message: the one line written to stderr (settable later: the command is known after parsing).
+
+    >>> with ExitOnSignal("remat-kit: interrupted") as guard:
+    ...     guard.message = "remat-kit plan: interrupted"  # a Ctrl-C now would end the process with this line
     """
 
     def __init__(self, message: str):

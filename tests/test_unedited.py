@@ -518,3 +518,52 @@ def test_compare_refuses_an_applied_nnx_model_passed_as_an_argument():
     scanned = remat_kit.apply(um.NnxModel(alternate=False, rngs=nnx.Rngs(0)), "every_n:2", scan=True)
     with pytest.raises(TypeError, match=r"made by remat_kit.apply"):
         remat_kit.auto(make_loss, scanned, budget_bytes=10**9)
+
+
+# ---- default offload: apply owns each block's input, as the stacks do ------------------------------------
+
+
+def _applied_loss(framework, scan, policy):
+    """(loss(state), state) of the 4-block imitation model under ``policy`` (None: the plain model)."""
+    if framework == "linen":
+        model = um.InlineModel(alternate=not scan)
+        variables = model.init(jax.random.key(0), X)
+        applied = model if policy is None else remat_kit.apply(model, policy, scan=scan)
+        return (lambda v: jnp.sum(applied.apply(v, X) * T)), variables
+    model = um.NnxModel(alternate=not scan, rngs=nnx.Rngs(0))
+    applied = model if policy is None else remat_kit.apply(model, policy, scan=scan)
+    graphdef, params, rest = nnx.split(applied, nnx.Param, ...)
+    # Fresh Variables for the rest in every trace (as apply_factory: those made outside cannot be updated in it).
+    return (lambda p: jnp.sum(nnx.merge(graphdef, p, jax.tree.map(lambda a: a, rest))(X, True) * T)), params
+
+
+OFFLOAD_CASES = [(f, s) for f in ("linen", "nnx") for s in (False, True)]
+
+
+@pytest.mark.parametrize(
+    ("framework", "scan"), OFFLOAD_CASES, ids=[f"{f}-{'scan' if s else 'loop'}" for f, s in OFFLOAD_CASES]
+)
+def test_default_offload_moves_exactly_the_layer_inputs_and_keeps_the_plain_gradients(framework, scan):
+    """HF's offload=True: the policy's default names layer_input, which apply tags on each block's input."""
+
+    def rows(policy):
+        loss, state = _applied_loss(framework, scan, policy)
+        return [r for r in _jax_internals.saved_residuals(loss, state) if not r.is_argument]
+
+    offloaded, full = rows("offload"), rows("full")
+    layer_inputs = [(4, *X.shape)] if scan else [X.shape] * 4  # one per block, stacked under the scan
+    assert sorted(r.shape for r in offloaded if r.host) == sorted(layer_inputs)
+    # Everything else is what full keeps: the layer inputs moved to the host, nothing added, nothing dropped.
+    assert sorted((r.shape, r.dtype) for r in offloaded) == sorted((r.shape, r.dtype) for r in full)
+    # Keeping the layer inputs on the device is what full keeps (they are what full keeps of each block).
+    assert sorted((r.shape, r.dtype, r.host) for r in rows("selective:layer_input")) == sorted(
+        (r.shape, r.dtype, r.host) for r in full
+    )
+    plain_loss, state = _applied_loss(framework, scan, None)
+    loss, _ = _applied_loss(framework, scan, "offload")
+    assert_grads_equal(jax.jit(jax.grad(loss))(state), jax.grad(plain_loss)(state), RTOL_F32)
+
+
+def test_names_of_lists_the_block_input_as_layer_input():
+    row = next(r for r in remat_kit.names_of(um.InlineModel(), X) if r.name == "layer_input")
+    assert (row.shape, row.source) == (X.shape, "input")

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import _jax_internals
+from remat_kit import names as _names
 from remat_kit.policies import Mix, Policy, full, parse, tags
 from remat_kit.unedited.paths import BlockName, NameTable, Where, join, parse_where
 
@@ -154,6 +155,32 @@ def trace_only(fn: Callable, args: tuple, kwargs: dict, *, keep: bool = False) -
     return jax.eval_shape(run, *[leaves[i] for i in at])
 
 
+def tag_input(fn: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block call's arguments with its input (the first argument: the residual stream) tagged ``layer_input``.
+
+    ``apply`` owns what enters each block as the stacks do (:func:`remat_kit._layers.tag_input`), so
+    ``offload`` (default: the layer inputs) and ``selective:layer_input`` work on a model that tags nothing.
+    Only array leaves are tagged; the other arguments (masks, positions, flags) are left as they are.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from remat_kit import tags
+    >>> f = lambda x, mask: tag_input(lambda x, mask: None, (x, mask), {})[0][0] * mask
+    >>> sorted(tags.emitted_tags(f, jnp.ones(2), jnp.ones(2)))
+    ['layer_input']
+    """
+    if args:
+        first = args[0]
+        return (first if nnx.graph.is_graph_node(first) else name_tree(first, _names.LAYER_INPUT), *args[1:]), kwargs
+    try:
+        params = [p for p in _inspect.signature(fn).parameters.values() if p.name != "self"]
+    except (TypeError, ValueError):
+        return args, kwargs
+    name = params[0].name if params else None
+    if name in kwargs and not nnx.graph.is_graph_node(kwargs[name]):
+        kwargs = {**kwargs, name: name_tree(kwargs[name], _names.LAYER_INPUT)}
+    return args, kwargs
+
+
 def name_tree(tree: Any, name: str) -> Any:
     """``checkpoint_name`` every array leaf of ``tree`` with ``name`` (other leaves unchanged)."""
     return jax.tree.map(lambda x: checkpoint_name(x, name) if isinstance(x, jax.Array) else x, tree)
@@ -169,6 +196,7 @@ class Collector:
         rows = []
         for name, shape, dtype, nbytes in _jax_internals.jaxpr_tags(jaxpr):
             source = "module" if name in module_names else "param" if name in param_names else "tag"
+            source = "input" if name == _names.LAYER_INPUT and source == "tag" else source
             rows.append(BlockName(name, shape, dtype, nbytes, source))
         self.blocks.setdefault(where, rows)
 

@@ -8,7 +8,9 @@ policy may keep is named without touching the model:
   ``pre_attention_norm``);
 * every matmul that consumes one of the block's own parameters, by that parameter's path
   (``mlp/gating_einsum``: gm.nn's FeedForward does ``jnp.einsum`` with its params directly);
-* the model's own ``checkpoint_name`` tags (MaxText's ``query_proj``, ``mlpwi``) as they are.
+* the model's own ``checkpoint_name`` tags (MaxText's ``query_proj``, ``mlpwi``) as they are;
+* the block's input (its first argument) as ``layer_input``: ``apply`` owns what enters each block as
+  the stacks do, so the default ``offload`` (the layer inputs, HF's ``offload=True``) works unedited.
 
 So ``selective:attn/q_einsum,mlp/*`` and ``offload:attn/*`` work on an untagged model; a pattern or
 name that matches nothing is a ValueError with the nearest names (:mod:`remat_kit.policies.tags`).
@@ -39,7 +41,7 @@ arguments (never captured), so ``nnx.split`` gives the plain model's state and `
 >>> jax.tree.structure(params) == jax.tree.structure(Model().init(jax.random.key(0), x))
 True
 >>> remat_kit.names_of(Model(), x).names
-('up/kernel', 'up')
+('layer_input', 'up/kernel', 'up')
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from remat_kit.unedited.engine import (
     make_plan,
     name_tree,
     split_static,
+    tag_input,
     trace_only,
 )
 from remat_kit.unedited.paths import NameTable, Where, join, repeated_block
@@ -281,7 +284,7 @@ def _remat_block(run: _Run, module: nn.Module, path, next_fun, args: tuple, kwar
     where = f"{type(module).__name__} block {join(path)}"
 
     def call(mdl, dargs, dkwargs):
-        full_args, full_kwargs = rebuild(dargs, dkwargs)
+        full_args, full_kwargs = tag_input(type(module).__call__, *rebuild(dargs, dkwargs))
         outer = run.block
         run.block, run.entering = path, True
         try:
@@ -344,7 +347,7 @@ def names_of(model: Any, *example_args: Any, where: Any = None, **example_kwargs
 
     >>> import jax.numpy as jnp, flax.linen as nn
     >>> names_of(nn.Sequential([nn.Dense(3), nn.Dense(3)]), jnp.ones((1, 3)), where=nn.Dense).names
-    ('kernel',)
+    ('layer_input', 'kernel')
     """
     if isinstance(model, nnx.Module):
         return unedited_nnx.names_of(model, example_args, example_kwargs, where)

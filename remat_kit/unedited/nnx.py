@@ -30,6 +30,7 @@ from remat_kit.unedited.engine import (
     checkpointed,
     make_plan,
     split_static,
+    tag_input,
     trace_only,
 )
 from remat_kit.unedited.paths import NameTable, Where, join, repeated_block, state_keys
@@ -122,7 +123,7 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
         it_nodes, it_arrays = iter(node_args), iter(arrays)
         call_flat = [next(it_nodes) if i in node_at else next(it_arrays) for i in range(len(flat))]
         dargs, dkwargs = jax.tree.unflatten(treedef, call_flat)
-        full_args, full_kwargs = rebuild(dargs, dkwargs)
+        full_args, full_kwargs = tag_input(original, *rebuild(dargs, dkwargs))
         out = call_naming_submodules(original, inner, full_args, full_kwargs)
         # A State, not leaves: the call may add variables (a first ``sow``), changing the tree.
         _, _, new_rest = nnx.split(merged, nnx.Param, ...)

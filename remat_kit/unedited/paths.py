@@ -133,8 +133,8 @@ class BlockName:
       shape, dtype: the value's.
       nbytes: its size in bytes.
       source: ``"module"`` (a submodule's output), ``"param"`` (a matmul with the block's parameter),
-        ``"tag"`` (the model's own ``checkpoint_name``), or ``"traced"`` (read from a traced loss,
-        ``remat-kit tags --model``: any of the three).
+        ``"tag"`` (the model's own ``checkpoint_name``), ``"input"`` (the block's input, ``layer_input``), or
+        ``"traced"`` (read from a traced loss, ``remat-kit tags --model``: any of the others).
     """
 
     name: str

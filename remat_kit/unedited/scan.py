@@ -400,7 +400,7 @@ def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x)
         it_s = iter(layer_stack)
         full = [carry[at] if at is not None else next(it_s) for at in carry_at[j]]
         layer = nnx.merge(graphdefs[j], jax.tree.unflatten(treedefs[j], full))
-        args, kwargs = run.calls[j].fill((h,), {})
+        args, kwargs = run.calls[j].fill((_layers.tag_input(h),), {})  # apply owns the layer input
         y = call_naming_submodules(originals[j], layer, args, kwargs)
         # By path, not position: the call may add variables (a first sow), shifting the leaves after them.
         new = dict(nnx.to_flat_state(nnx.state(layer)))
@@ -788,7 +788,7 @@ def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dic
         ]
 
     def layer_call(j, layer_vars, h, i):
-        full_args, full_kwargs = spec.calls[j].fill((h, *rest), dyn_kwargs)
+        full_args, full_kwargs = spec.calls[j].fill((_layers.tag_input(h), *rest), dyn_kwargs)  # the layer input
         outer = run.block
         run.block, run.entering = (), True  # the layer's submodules are named by their path in it
         try:

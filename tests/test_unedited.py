@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -567,3 +569,113 @@ def test_default_offload_moves_exactly_the_layer_inputs_and_keeps_the_plain_grad
 def test_names_of_lists_the_block_input_as_layer_input():
     row = next(r for r in remat_kit.names_of(um.InlineModel(), X) if r.name == "layer_input")
     assert (row.shape, row.source) == (X.shape, "input")
+
+
+# ---- transforms already on the model: seen through (nn.jit, nnx.jit) or refused, never silently bypassed ----
+
+
+def _linen_rows(model, variables):
+    return _jax_internals.saved_residuals(lambda v: model.apply(v, X).sum(), variables)
+
+
+@pytest.mark.parametrize("plain_first", [False, True], ids=["applied-first", "plain-first"])
+def test_linen_nn_jit_on_the_models_call_is_seen_through(plain_first):
+    """gm.nn wraps Transformer.__call__ in nn.jit, whose trace cache ignores apply's interceptors: the applied
+    model once kept the plain residuals (traced first) or found no block (the plain model traced first)."""
+    model = um.JitModel()
+    variables = model.init(jax.random.key(0), X)
+    plain = len(_linen_rows(model, variables)) if plain_first else None
+    applied = remat_kit.apply(model, "full")
+    kept = len(_linen_rows(applied, variables))
+    assert kept < len(_linen_rows(model, variables)) == (plain or len(_linen_rows(model, variables)))
+    rngs = {"dropout": jax.random.key(3)}
+    loss = lambda m: lambda v: jnp.sum(m.apply(v, X, deterministic=False, rngs=rngs) * T)
+    assert_grads_equal(jax.jit(jax.grad(loss(applied)))(variables), jax.grad(loss(model))(variables), RTOL_F32)
+
+
+@pytest.mark.parametrize(
+    ("transform", "named"),
+    [("remat", "nn.remat"), ("jit", "nn.jit"), ("vmap", "nn.vmap")],
+    ids=["remat", "jit", "vmap"],
+)
+def test_linen_blocks_under_a_flax_transform_are_refused_naming_it(transform, named):
+    model = um.TransformedBlocksModel(transform)
+    variables = model.init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match=rf"cannot rematerialize Block block layer_0: it runs inside flax's {named} "):
+        remat_kit.apply(model, "full").apply(variables, X)
+
+
+class HelperJit(nn.Module):
+    """The blocks run in a helper method wrapped in nn.jit."""
+
+    @nn.jit
+    @nn.compact
+    def layers(self, x):
+        for i in range(2):
+            x = um.Block(8, name=f"layer_{i}")(x, False, True)
+        return x
+
+    def __call__(self, x):
+        return self.layers(x)
+
+
+@pytest.mark.parametrize("plain_first", [False, True], ids=["applied-first", "plain-first"])
+def test_linen_blocks_in_a_jitted_helper_are_refused_naming_it(plain_first):
+    variables = HelperJit().init(jax.random.key(0), X)
+    if plain_first:  # the helper's cached trace then hides every block from apply
+        HelperJit().apply(variables, X)
+    message = "nn.jit on HelperJit.layers" if plain_first else r"runs inside flax's nn.jit \(on HelperJit.layers\)"
+    with pytest.raises(ValueError, match=message):
+        remat_kit.apply(HelperJit(), "full").apply(variables, X)
+
+
+class OnceModel(nn.Module):
+    """Calls its blocks on its first trace only (as a replayed cache would): the guardrail's last line."""
+
+    traces: ClassVar[list] = []  # a class attribute, not a field: Flax would freeze a list field
+
+    @nn.compact
+    def __call__(self, x):
+        OnceModel.traces.append(1)
+        for i in range(2 if len(OnceModel.traces) == 1 else 0):
+            x = um.Block(8, name=f"layer_{i}")(x, False, True)
+        return x
+
+
+def test_linen_apply_that_reaches_no_block_is_an_error_not_a_plain_run():
+    OnceModel.traces.clear()
+    variables = um.InlineModel(num_layers=2).init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match=r"ran no block of OnceModel under full.*keep what the plain model keeps"):
+        remat_kit.apply(OnceModel(), "full").apply({"params": variables["params"]}, X)
+
+
+@pytest.mark.parametrize("jit_blocks", [False, True], ids=["model-jit", "model-and-blocks-jit"])
+def test_nnx_jit_on_the_model_and_its_blocks_is_seen_through(jit_blocks):
+    def make():
+        return um.NnxJitModel(jit_blocks=jit_blocks, rngs=nnx.Rngs(0))
+
+    def rows(model):
+        graphdef, state = nnx.split(model)
+        return _jax_internals.saved_residuals(lambda s: nnx.merge(graphdef, s)(X, True).sum(), state)
+
+    plain, full = rows(make()), rows(remat_kit.apply(make(), "full"))
+    selective = rows(remat_kit.apply(make(), "selective:attn/q_einsum"))
+    # The name reaches inside each (jitted) block: one more residual per block than full, far fewer than plain.
+    assert len(full) + 4 == len(selective) < len(plain)
+    want = nnx.jit(nnx.grad(_nnx_loss))(make())
+    got = nnx.jit(nnx.grad(_nnx_loss))(remat_kit.apply(make(), "full"))
+    assert_grads_equal(nnx.state(got), nnx.state(want), RTOL_F32)
+
+
+class NnxVmapBlock(um.NnxBlock):
+    @nnx.vmap(in_axes=(None, 0, None, None))
+    def __call__(self, x, is_local, deterministic=False):
+        return super().__call__(x, is_local, deterministic)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_nnx_blocks_under_another_transform_are_refused_naming_it(scan):
+    model = um.NnxModel(num_layers=2, alternate=False, rngs=nnx.Rngs(0))
+    model.layers = nnx.List([NnxVmapBlock(8, rngs=nnx.Rngs(i)) for i in range(2)])
+    with pytest.raises(ValueError, match=r"cannot rematerialize NnxVmapBlock blocks: .* decorated with nnx.vmap"):
+        remat_kit.apply(model, "full", scan=scan)

@@ -224,6 +224,29 @@ def checkpointed(policy: Policy, where: str, named: Callable, jaxpr: Any, args: 
     return jax.checkpoint(named, policy=policy.jax_policy, prevent_cse=True)(*args)
 
 
+def nnx_plain_call(cls: type) -> Callable:
+    """An NNX block class's ``__call__``, an ``nnx.jit`` on it seen through.
+
+    ``nnx.jit`` re-creates the block inside its own trace, so the submodules :func:`call_naming_submodules`
+    names would not be the ones that run; under the policy's ``jax.checkpoint`` (itself inside the caller's
+    trace) the inner jit compiles nothing of its own, so dropping it changes no value.
+
+    Raises:
+      ValueError: another NNX transform on it (``nnx.remat``, ``nnx.vmap`` ...), naming it.
+    """
+    fn = cls.__call__
+    transform = _jax_internals.nnx_transform(fn)
+    if transform is None:
+        return fn
+    if transform == "jit":
+        return fn.fun
+    raise ValueError(
+        f"remat_kit.apply cannot rematerialize {cls.__name__} blocks: their __call__ is decorated with "
+        f"nnx.{transform}, whose trace apply cannot reach into (it would keep or override the block's own); "
+        "use the block without it"
+    )
+
+
 # ---- NNX: naming submodule outputs ----------------------------------------------------------------
 
 # id(submodule) -> its name, for the tagging subclasses while a block's copy runs.

@@ -140,6 +140,8 @@ class _Run:
     block: tuple[str, ...] | None = None  # path of the block being run, while inside it
     entering: bool = False  # the next __call__ is the block's own
     module_names: set[str] = dataclasses.field(default_factory=set)
+    lifted: dict = dataclasses.field(default_factory=dict)  # path -> Flax transforms its call ran inside
+    ran: int = 0  # blocks this call handed to the policy (0 after an apply: nothing was rematerialized)
 
 
 _RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("remat_kit_apply_run", default=None)
@@ -161,6 +163,7 @@ class Applied:
         self.plan = plan
         self._matcher = plan.where
         self._traces: dict = {}  # (method, call signature) -> the discovery trace's (found, calls)
+        self._lifted: dict = {}  # module path -> the Flax transforms its call runs inside (discovery)
 
     def init(self, *args, **kwargs):
         """The model's ``init`` (runs plainly: remat changes no variable)."""
@@ -185,14 +188,34 @@ class Applied:
         if self._matcher is not None and getattr(self, "_checked", False):
             return self._matcher
         found, _ = self._discover(method, args, kwargs)
+        if not any(path for path, *_ in found):
+            lifted = [
+                f"nn.{_jax_internals.linen_transform(fn)} on {type(self.module).__name__}.{name}"
+                for name, fn in vars(type(self.module)).items()
+                if _jax_internals.linen_transform(fn)
+            ]
+            raise ValueError(
+                f"remat_kit.apply saw no submodule of {type(self.module).__name__} called (a Flax transform that "
+                f"replays a cached trace hides them{': ' + ', '.join(lifted) if lifted else ''}); apply to the model "
+                "without it, or call the model's own methods (not a jitted helper)"
+            )
         matcher = self._matcher or Where(classes=(repeated_block([(p, c) for p, c, _ in found]),))
-        blocks = [module for path, _, module in found if path and matcher(module, join(path))]
+        blocks = [(path, module) for path, _, module in found if path and matcher(module, join(path))]
+        for path, module in blocks:
+            if self._lifted.get(path):
+                transform, owner = self._lifted[path][0]
+                transform = {"checkpoint": "remat"}.get(transform, transform)  # nn.remat is nn.checkpoint
+                raise ValueError(
+                    f"remat_kit.apply cannot rematerialize {type(module).__name__} block {join(path)}: it runs inside "
+                    f"flax's nn.{transform} (on {owner}), whose trace apply cannot reach into (a cached or lifted "
+                    f"trace would keep or override the block's own); use the model without nn.{transform} there"
+                )
         if not blocks:
             listed = ", ".join(join(p) for p, *_ in found if p)
             raise ValueError(
                 f"where={matcher} matches no module of {type(self.module).__name__}; its modules: {listed}"
             )
-        check_static_argnames(self.plan.static_argnames, [type(b) for b in blocks])
+        check_static_argnames(self.plan.static_argnames, [type(b) for _, b in blocks])
         self._matcher, self._checked = matcher, True
         return matcher
 
@@ -208,19 +231,45 @@ class Applied:
         if key is None or key not in self._traces:
             run = _Run(self.plan, None, discovered=[])
             with _running(run):
-                trace_only(getattr(self.module, method), args, kwargs)
+                trace_only(getattr(self.module, method), args, self._see_through(kwargs))
+            self._lifted.update(run.lifted)
             if key is None:
                 return run.discovered, run.calls
             self._traces[key] = (run.discovered, run.calls)
         return self._traces[key]
+
+    def _see_through(self, kwargs: dict) -> dict:
+        """``kwargs`` with the model's method, when ``nn.jit`` wraps it, run as a plain method.
+
+        ``nn.jit`` replays its cached trace whatever interceptors are active (gm.nn wraps
+        ``Transformer.__call__`` in it): the blocks would silently run plainly. Inside an outer ``jax.jit``
+        the inner one compiles nothing of its own, so dropping it changes no value
+        (:func:`remat_kit._jax_internals.linen_see_through_jit`).
+        """
+        method = kwargs.get("method")
+        fn = (
+            getattr(type(self.module), method or "__call__", None)
+            if method is None or isinstance(method, str)
+            else method
+        )
+        if _jax_internals.linen_transform(fn) == "jit":
+            return {**kwargs, "method": _jax_internals.linen_see_through_jit(fn)}
+        return kwargs
 
     def _run(self, method: str, args: tuple, kwargs: dict):
         run = _Run(self.plan, self.matcher(method, args, kwargs))
         if self.plan.scan:
             unedited_scan.linen_run(run, *self._discover(method, args, kwargs), _remat_block)
         with _running(run):
-            out = getattr(self.module, method)(*args, **kwargs)
+            out = getattr(self.module, method)(*args, **self._see_through(kwargs))
         unedited_scan.linen_finish(run)
+        if method == "apply" and not run.ran:
+            # The no-op guardrail: discovery found blocks, yet this call handed none to the policy.
+            raise ValueError(
+                f"remat_kit.apply ran no block of {type(self.module).__name__} under {self.plan.policy}: the call "
+                f"reached none of the blocks found ({self._matcher}), so it would keep what the plain model keeps "
+                "(a transform on the model that replays a cached trace?); apply to the model without it"
+            )
         return out
 
 
@@ -248,6 +297,8 @@ def _intercept(next_fun, args, kwargs, context):
     if run.discovered is not None:
         if method == "__call__":
             run.discovered.append((tuple(module.path), type(module), module))
+            if around := _jax_internals.linen_transforms_around():
+                run.lifted[tuple(module.path)] = around
             if run.plan.scan:
                 run.calls.append(unedited_scan.template(type(module).__call__, args, kwargs, run.plan.static_argnames))
         return next_fun(*args, **kwargs)
@@ -268,6 +319,7 @@ def _intercept(next_fun, args, kwargs, context):
     path = tuple(module.path)
     if not run.matcher(module, join(path)):
         return next_fun(*args, **kwargs)
+    run.ran += 1
     if hasattr(run, "scan_block"):
         return run.scan_block(module, path, next_fun, args, kwargs)
     return _remat_block(run, module, path, next_fun, args, kwargs)

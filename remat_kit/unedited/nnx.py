@@ -29,6 +29,7 @@ from remat_kit.unedited.engine import (
     check_static_argnames,
     checkpointed,
     make_plan,
+    nnx_plain_call,
     split_static,
     tag_input,
     trace_only,
@@ -64,6 +65,8 @@ def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
             raise applied_twice(type(model).__name__, node._remat_kit_policy, "apply returned a copy of it")
     copy = nnx.clone(model)
     found = blocks(copy, plan.where)
+    for cls in dict.fromkeys(type(b) for _, b in found):
+        nnx_plain_call(cls)  # a transform on the blocks' __call__: seen through (nnx.jit) or refused here
     check_static_argnames(plan.static_argnames, [type(b) for _, b in found])
     if plan.scan:
         return unedited_scan.nnx_scan(copy, plan, found, remat_class, run_block)
@@ -81,7 +84,7 @@ def remat_class(cls: type, policy, static_argnames: frozenset[str], applied=None
     """
     key = (cls, policy, static_argnames, applied)
     if key not in _REMAT_CLASSES:
-        original = cls.__call__
+        original = nnx_plain_call(cls)
 
         def __call__(self, *args, **kwargs):
             if policy is None and _COLLECT.get() is None:

@@ -48,7 +48,7 @@ from remat_kit import _jax_internals
 from remat_kit.policies import Mix, Policy, tags
 from remat_kit.policies import layers as _layers
 from remat_kit.policies.static import is_static
-from remat_kit.unedited.engine import Plan, call_naming_submodules, split_static, trace_only
+from remat_kit.unedited.engine import Plan, call_naming_submodules, nnx_plain_call, split_static, trace_only
 from remat_kit.unedited.paths import join, state_keys
 
 #: The state of the running call of a parent module whose blocks are scanned (:class:`_CallState`).
@@ -300,7 +300,7 @@ class _Pending:
 
 
 def _block_class(cls: type, plan: Plan, run_block: Callable) -> type:
-    original = cls.__call__
+    original = nnx_plain_call(cls)  # an nnx.jit on it seen through (another transform refused)
 
     def __call__(self, *args, **kwargs):
         mark = self._remat_kit_mark
@@ -331,7 +331,7 @@ def _block_class(cls: type, plan: Plan, run_block: Callable) -> type:
                     "scan=True: the blocks take array arguments besides the input; only Python flags can be shared"
                 )
             layers = [_get(state.parent, rel) for rel in run.rels]
-            originals = [type(layer).__mro__[1].__call__ for layer in layers[: run.period]]
+            originals = [nnx_plain_call(type(layer).__mro__[1]) for layer in layers[: run.period]]
             out, outs = _scan(layers, originals, plan, run, args[0])
             state.pending[mark.rel] = _Pending(run, outs, out, 1)
             return out

@@ -679,3 +679,37 @@ def test_nnx_blocks_under_another_transform_are_refused_naming_it(scan):
     model.layers = nnx.List([NnxVmapBlock(8, rngs=nnx.Rngs(i)) for i in range(2)])
     with pytest.raises(ValueError, match=r"cannot rematerialize NnxVmapBlock blocks: .* decorated with nnx.vmap"):
         remat_kit.apply(model, "full", scan=scan)
+
+
+# ---- a report's reason is the measured one -------------------------------------------------------------
+
+REASONS = [
+    ((2, 4, 16), "but the step peaks in the optimizer update", "XLA removed"),  # AdamW + clipping dominate
+    ((8, 32, 16), "XLA removed most of the recompute (CSE", "optimizer update"),  # activations dominate
+]
+
+
+@pytest.mark.parametrize(("shape", "said", "not_said"), REASONS, ids=["optimizer-peak", "cse"])
+def test_auto_says_why_a_loops_saving_does_not_show_from_what_is_live_at_the_peak(shape, said, not_said):
+    """full keeps far less than none in both, and the step's need is (about) none's in both: at a tiny shape the
+    step peaks in the optimizer update, which no policy moves; at a larger one XLA merged the recompute away."""
+    model = um.InlineModel(num_layers=2, features=16)
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
+    make_loss = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2))
+    planner = StepPlanner(lambda policy, batch, seq: (make_loss(policy), variables, (x,)))
+    result = remat_kit.auto(
+        make_loss,
+        variables,
+        x,
+        budget_bytes=10**12,
+        exhaustive=True,
+        candidates=["none", "full"],
+        mixes=False,
+        planner=planner,
+    )
+    (note,) = result.notes
+    assert note.startswith("full keeps") and said in note and not_said not in note
+    peak = planner.explanation(remat_kit.policies.parse("full"))
+    assert (peak.peak_phase == "optimizer") == (said == REASONS[0][1])
+

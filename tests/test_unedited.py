@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import ClassVar
 
 import flax.linen as nn
@@ -713,3 +714,74 @@ def test_auto_says_why_a_loops_saving_does_not_show_from_what_is_live_at_the_pea
     peak = planner.explanation(remat_kit.policies.parse("full"))
     assert (peak.peak_phase == "optimizer") == (said == REASONS[0][1])
 
+
+# ---- module-path names wherever a policy is applied: the stacks too -------------------------------------
+
+
+def _stack_loss(framework, policy, period=False):
+    """(loss(params), params) of a 4-layer stack of the untagged imitation block under ``policy``."""
+    import functools
+
+    import remat_kit.nnx
+
+    if framework == "linen":
+        block = functools.partial(um.Block, 8)
+        layers = remat_kit.stack([block, block] if period else block, 4, policy)
+        variables = layers.init(jax.random.key(0), X, False, True)
+        return (lambda v: jnp.sum(layers.apply(v, X, False, True) * T)), variables
+    make = lambda rngs: um.NnxBlock(8, rngs=rngs)
+    layers = remat_kit.nnx.stack([make, make] if period else make, 4, policy, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
+    return (lambda p: jnp.sum(nnx.merge(graphdef, p, jax.tree.map(lambda a: a, rest))(X, False, True) * T)), params
+
+
+STACK_PATHS = [
+    (f, p, period)
+    for f in ("linen", "nnx")
+    for p, period in [
+        ("selective:attn/q_einsum,mlp", False),
+        ("offload:mlp/gating_einsum", False),
+        ("selective:attn/q_einsum*2+full*2", False),
+        ("selective:attn/q_einsum", True),
+    ]
+]
+
+
+@pytest.mark.parametrize(
+    ("framework", "policy", "period"),
+    STACK_PATHS,
+    ids=[f"{f}-{p}{'-period' if period else ''}" for f, p, period in STACK_PATHS],
+)
+def test_a_stack_takes_module_path_names_as_apply_does(framework, policy, period):
+    """One naming rule: remat_kit.stack / remat_kit.nnx.stack on an untagged block take attn/q_einsum (once
+    refused: "never emits: attn/q_einsum"), keep exactly what it names beside full's, with the plain gradients."""
+
+    def rows(spec):
+        loss, params = _stack_loss(framework, spec, period)
+        return sorted((r.shape, r.host) for r in _jax_internals.saved_residuals(loss, params) if not r.is_argument)
+
+    # The baseline keeps what full keeps, in the same layout (a mix: its selective part keeping only layer_input).
+    kept, full = rows(policy), rows(policy.replace("attn/q_einsum", "layer_input") if "*" in policy else "full")
+    added = sorted((collections.Counter(kept) - collections.Counter(full)).elements())  # beyond full's, as a multiset
+    stacked = (2, *X.shape) if period else (4, *X.shape)  # one value per layer, stacked over the scan's steps
+    if policy.startswith("selective:attn/q_einsum*2"):  # the mix's selective half keeps two layers' q_einsum
+        assert added == [((2, *X.shape), False)]
+    elif policy.startswith("offload:"):  # gating_einsum's matmul output (2 x b x s x f, its own layout), on the host
+        assert [(int(np.prod(shape)), host) for shape, host in added] == [(4 * 2 * 2 * 6 * 16, True)]
+    else:  # q_einsum's output (mlp's is not needed by the backward pass); a period: each position's
+        assert added == [(stacked, False)] * (2 if period else 1)
+    loss, params = _stack_loss(framework, policy, period)
+    plain, _ = _stack_loss(framework, "none", period)
+    assert_grads_equal(jax.jit(jax.grad(loss))(params), jax.grad(plain)(params), RTOL_F32)
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"], ids=["linen", "nnx"])
+def test_a_stack_names_module_paths_only_where_the_policy_needs_them(framework):
+    """A policy of the block's own tags (offload: layer_input) runs the stack as before; a misspelt path says
+    the nearest one."""
+    loss, params = _stack_loss(framework, "offload")
+    assert "attn/q_einsum" not in remat_kit.tags.emitted_tags(loss, params)
+    loss, params = _stack_loss(framework, "selective:attn/q_einsum")
+    assert "attn/q_einsum" in remat_kit.tags.emitted_tags(loss, params)
+    with pytest.raises(ValueError, match=r"never emits: attn/q_einsumm \(did you mean 'attn/q_einsum'\?\)"):
+        _stack_loss(framework, "selective:attn/q_einsumm")[0](params)

@@ -207,7 +207,7 @@ class StepPlanner:
         return self._memory[key]
 
     def explanation(self, policy: policies.Policy, batch=None, seq=None) -> explain.Explanation:
-        """What is live at the compiled step's peak and where it is (:func:`remat_kit.explain.explain`).
+        """What is live at the compiled step's peak and where it is (:func:`remat_kit.analysis.explain.explain`).
 
         One more compile, with XLA's dump (memoized): asked only where a report must say why a policy's
         saving does not show in the step's peak (:func:`remat_kit.planning.budget.cse_notes`).

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import inspect as _inspect
 from collections.abc import Callable, Iterable
@@ -14,12 +13,13 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import _jax_internals
 from remat_kit import names as _names
+from remat_kit.nnx.paths import call_naming_submodules as call_naming_submodules  # apply's NNX naming
 from remat_kit.policies import Mix, Policy, full, parse, tags
-from remat_kit.unedited.paths import BlockName, NameTable, Where, join, parse_where
+from remat_kit.policies.tags import name_tree as name_tree  # apply names a tree as the stacks do
+from remat_kit.unedited.paths import BlockName, NameTable, Where, parse_where
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +158,7 @@ def trace_only(fn: Callable, args: tuple, kwargs: dict, *, keep: bool = False) -
 def tag_input(fn: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A block call's arguments with its input (the first argument: the residual stream) tagged ``layer_input``.
 
-    ``apply`` owns what enters each block as the stacks do (:func:`remat_kit._layers.tag_input`), so
+    ``apply`` owns what enters each block as the stacks do (:func:`remat_kit.policies.layers.tag_input`), so
     ``offload`` (default: the layer inputs) and ``selective:layer_input`` work on a model that tags nothing.
     Only array leaves are tagged; the other arguments (masks, positions, flags) are left as they are.
 
@@ -179,11 +179,6 @@ def tag_input(fn: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if name in kwargs and not nnx.graph.is_graph_node(kwargs[name]):
         kwargs = {**kwargs, name: name_tree(kwargs[name], _names.LAYER_INPUT)}
     return args, kwargs
-
-
-def name_tree(tree: Any, name: str) -> Any:
-    """``checkpoint_name`` every array leaf of ``tree`` with ``name`` (other leaves unchanged)."""
-    return jax.tree.map(lambda x: checkpoint_name(x, name) if isinstance(x, jax.Array) else x, tree)
 
 
 @dataclasses.dataclass
@@ -245,44 +240,3 @@ def nnx_plain_call(cls: type) -> Callable:
         f"nnx.{transform}, whose trace apply cannot reach into (it would keep or override the block's own); "
         "use the block without it"
     )
-
-
-# ---- NNX: naming submodule outputs ----------------------------------------------------------------
-
-# id(submodule) -> its name, for the tagging subclasses while a block's copy runs.
-_NAMES: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar("remat_kit_nnx_names", default=None)
-_TAG_CLASSES: dict[type, type] = {}
-
-
-def call_naming_submodules(original: Callable, block: nnx.Module, args: tuple, kwargs: dict) -> Any:
-    """``original(block, *args, **kwargs)`` with every submodule output named by its path in ``block``.
-
-    ``block`` must be a private copy (merged inside the traced call): its submodules' classes are
-    swapped for naming subclasses.
-    """
-    names = {}
-    for path, node in nnx.iter_graph(block):
-        if path and isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict)):
-            names[id(node)] = join(path)
-            node.__class__ = _tag_class(type(node))
-    token = _NAMES.set(names)
-    try:
-        return original(block, *args, **kwargs)
-    finally:
-        _NAMES.reset(token)
-
-
-def _tag_class(cls: type) -> type:
-    """``cls`` whose ``__call__`` names its output by the instance's path (from :data:`_NAMES`)."""
-    if cls not in _TAG_CLASSES:
-        original = cls.__call__
-
-        def __call__(self, *args, **kwargs):
-            out = original(self, *args, **kwargs)
-            names = _NAMES.get()
-            return name_tree(out, names[id(self)]) if names and id(self) in names else out
-
-        _TAG_CLASSES[cls] = type(cls)(
-            cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        )
-    return _TAG_CLASSES[cls]

@@ -141,6 +141,8 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
         module_names = {t for t, *_ in _jax_internals.jaxpr_tags(jaxpr)} - set(leaf_names)
         collect.add(where, jaxpr, module_names, {n for n in leaf_names if n})
         out, new_rest = named(*all_args)
+    elif policy is None:  # names only (an NNX stack's layer, under the stack's own policy)
+        out, new_rest = named(*all_args)
     else:
         out, new_rest = checkpointed(policy, where, named, jaxpr, all_args)
     nnx.update(nodes, new_rest)

@@ -17,21 +17,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fnmatch
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from remat_kit.names import join as join  # the one path naming rule, shared with the stacks
+from remat_kit.names import state_keys as state_keys
 from remat_kit.units import fmt_bytes
-
-
-def join(path: Iterable[Any]) -> str:
-    """A module path as a ``/``-joined string (list indices become their digits)."""
-    return "/".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
-
-
-def state_keys(keypath) -> list:
-    """The keys of a jax key path into an ``nnx.State`` (the trailing ``.value`` of a Variable dropped)."""
-    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in keypath]
-    return keys[:-1] if keys and keys[-1] == "value" else keys
 
 
 @dataclasses.dataclass(frozen=True)

@@ -495,7 +495,8 @@ def test_auto_on_an_applied_linen_model_picks_the_least_recompute_that_fits(scan
     result = remat_kit.auto(make_loss, variables, x, budget_bytes=budget, planner=planner, **options)
     assert str(result.chosen) == selective
     assert needs[selective] <= budget
-    assert planner.compiles == 3
+    # Each candidate compiled once; each noted one once more, with XLA's dump (what is live at its peak says why).
+    assert planner.compiles == 3 + len(every.notes)
 
 
 def test_compare_says_when_xla_removed_the_recompute_of_a_loop():

@@ -163,7 +163,7 @@ def tag_input(fn: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     Only array leaves are tagged; the other arguments (masks, positions, flags) are left as they are.
 
     >>> import jax, jax.numpy as jnp
-    >>> from remat_kit import tags
+    >>> from remat_kit.policies import tags
     >>> f = lambda x, mask: tag_input(lambda x, mask: None, (x, mask), {})[0][0] * mask
     >>> sorted(tags.emitted_tags(f, jnp.ones(2), jnp.ones(2)))
     ['layer_input']

@@ -718,3 +718,105 @@ class linen_layer_rngs:
         cls._depth -= 1
         if cls._depth == 0:
             flax_scope.LazyRng.as_jax_rng = cls._original
+
+
+# ---- Flax lifted transforms already on an unedited model (remat_kit.apply) --------------------------
+
+
+def _linen_transforms_file() -> str:
+    from flax.linen import transforms
+
+    return transforms.__file__
+
+
+def linen_transform(fn: Any) -> str | None:
+    """The Flax lifted transform a Linen method is wrapped in (``"jit"``, ``"checkpoint"``, ``"vmap"`` ...), or None.
+
+    ``nn.jit``/``nn.remat``/``nn.vmap`` on a method (or on a class, for its ``__call__``) replace it by a
+    ``wrapped_fn`` of :mod:`flax.linen.transforms` that holds the transform in its closure; Flax offers no
+    public way to ask.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_filename != _linen_transforms_file() or code.co_name != "wrapped_fn":
+        return None
+    cells = dict(zip(code.co_freevars, fn.__closure__ or (), strict=True))
+    transform = cells["transform"].cell_contents if "transform" in cells else None
+    return getattr(transform, "__name__", "transform")
+
+
+def linen_see_through_jit(fn: Callable) -> Callable:
+    """``fn``, an ``nn.jit``-wrapped Linen method, as a plain method: ``method(module, *args, **kwargs)``.
+
+    ``nn.jit`` caches its trace by the module and the arguments' shapes, not by the method interceptors
+    active while it traced, so a model traced once plainly replays the plain trace (and one traced under
+    :func:`remat_kit.apply` would replay that). Under an outer ``jax.jit`` (a training step) the inner jit
+    compiles nothing of its own, so running the method unjitted changes no value; its RNG streams are forked
+    as ``nn.jit`` forks them, so dropout draws the same keys.
+    """
+    from flax.linen import transforms
+
+    inner = fn.__wrapped__
+
+    def method(module, *args, **kwargs):
+        with transforms.fork_rngs(module):
+            return inner(module, *args, **kwargs)
+
+    method.__name__ = inner.__name__
+    return method
+
+
+def linen_transforms_around() -> list[tuple[str, str]]:
+    """``(transform, "Class.method")`` of each Flax lifted transform the running Python call is inside,
+    innermost first (read from the call stack: Flax keeps no record of it); remat_kit's own are left out."""
+    import sys
+
+    found, path = [], _linen_transforms_file()
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == path and code.co_name == "wrapped_fn":
+            local = frame.f_locals
+            transform = local.get("transform")
+            if not getattr(transform, "__module__", "").startswith("remat_kit"):
+                module = local.get("self")
+                fns = local.get("prewrapped_fns") or [local.get("fn")]
+                method = local.get("fn_name") or getattr(fns[0], "__name__", "?")
+                found.append((getattr(transform, "__name__", "transform"), f"{type(module).__name__}.{method}"))
+        frame = frame.f_back
+    return found
+
+
+#: NNX's wrappers around every transform (argument plumbing), not a transform of their own.
+_NNX_PLUMBING = ("resolve_kwargs", "update_context_manager", "split_inputs", "merge_inputs")
+
+
+def nnx_transform(fn: Any) -> str | None:
+    """The Flax NNX transform a method is decorated with (``"jit"``, ``"remat"``, ``"vmap"`` ...), or None.
+
+    ``nnx.jit`` leaves a ``JitWrapped`` object; the others a wrapper function of :mod:`flax.nnx` whose
+    closures end in ``<transform>_wrapper``. Flax offers no public way to ask.
+    """
+    import os
+
+    from flax import nnx
+
+    if type(fn).__name__ == "JitWrapped":
+        return "jit"
+    root = os.path.dirname(nnx.__file__)
+    code = getattr(fn, "__code__", None)
+    if code is None or not code.co_filename.startswith(root) or not hasattr(fn, "__wrapped__"):
+        return None
+    todo, seen = [fn], set()
+    while todo:
+        f = todo.pop(0)
+        if id(f) in seen or len(seen) > 32:
+            continue
+        seen.add(id(f))
+        name = getattr(getattr(f, "__code__", None), "co_name", "")  # __name__ is the method's (functools.wraps)
+        if name.endswith("_wrapper") and name[: -len("_wrapper")] not in _NNX_PLUMBING:
+            return name[: -len("_wrapper")].removeprefix("simple_")
+        for cell in getattr(f, "__closure__", None) or ():
+            value = cell.cell_contents
+            if callable(value) and getattr(getattr(value, "__code__", None), "co_filename", "").startswith(root):
+                todo.append(value)
+    return "transform"

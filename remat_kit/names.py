@@ -40,6 +40,7 @@ tags the per-query logsumexp ``[b, kv, h/kv, s]`` (float32) that its backward pa
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from jax.ad_checkpoint import checkpoint_name
 
@@ -161,3 +162,22 @@ def spellings(tags) -> tuple[str, ...]:
 def tag(x, name: str):
     """Attach a ``checkpoint_name`` tag (thin alias of :func:`jax.ad_checkpoint.checkpoint_name`)."""
     return checkpoint_name(x, name)
+
+
+# ---- names by module path (remat_kit.apply and the stacks: one naming rule) ----------------------------
+
+
+def join(path: Any) -> str:
+    """A module path as a ``/``-joined string (list indices become their digits): the name a value inside a
+    block gets from :func:`remat_kit.apply` and the stacks (``attn/q_einsum``).
+
+    >>> join(("attn", "q_einsum"))
+    'attn/q_einsum'
+    """
+    return "/".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
+
+
+def state_keys(keypath) -> list:
+    """The keys of a jax key path into an ``nnx.State`` (the trailing ``.value`` of a Variable dropped)."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in keypath]
+    return keys[:-1] if keys and keys[-1] == "value" else keys

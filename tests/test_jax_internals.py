@@ -268,3 +268,61 @@ def test_linen_layer_rngs_draw_each_layers_plain_dropout_key():
             got[i] = Drop().apply({}, x, rngs=marked)
         assert bool(jnp.all(got[i] == want[i])), (i, JAX)
     assert not bool(jnp.all(want[0] == want[1]))  # the layers draw different keys
+
+
+# ---- Flax transforms already on a model (remat_kit.apply sees through nn.jit/nnx.jit, refuses the rest) ----
+
+
+def test_linen_transform_names_the_lifted_transform_on_a_method_or_class():
+    import flax.linen as nn
+
+    class M(nn.Module):
+        @nn.jit
+        def a(self, x):
+            return x
+
+        def __call__(self, x):
+            return x
+
+    assert internals.linen_transform(M.a) == "jit"
+    assert internals.linen_transform(M.__call__) is None
+    assert internals.linen_transform(nn.remat(M).__call__) == "checkpoint"
+    assert internals.linen_transform(nn.vmap(M, variable_axes={}, split_rngs={}).__call__) == "vmap"
+
+
+def test_linen_transforms_around_reads_the_enclosing_transforms():
+    import flax.linen as nn
+
+    seen = []
+
+    class Inner(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            seen.append(internals.linen_transforms_around())
+            return x
+
+    class Outer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.remat(Inner)()(x)
+
+    Outer().init(jax.random.key(0), jnp.ones(2))
+    assert seen[0] == [("checkpoint", "CheckpointInner.__call__")]
+
+
+def test_nnx_transform_names_jit_and_vmap():
+    from flax import nnx
+
+    class B(nnx.Module):
+        @nnx.jit
+        def a(self, x):
+            return x
+
+        @nnx.vmap(in_axes=(None, 0))
+        def b(self, x):
+            return x
+
+        def c(self, x):
+            return x
+
+    assert [internals.nnx_transform(f) for f in (B.a, B.b, B.c)] == ["jit", "vmap", None]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+from typing import ClassVar
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,7 @@ from flax import nnx
 import remat_kit
 from remat_kit import _jax_internals
 from remat_kit.planning.planner import StepPlanner
+from remat_kit.policies import tags
 from tests import unedited_models as um
 
 X = jax.random.normal(jax.random.key(1), (2, 6, 8))
@@ -492,7 +496,8 @@ def test_auto_on_an_applied_linen_model_picks_the_least_recompute_that_fits(scan
     result = remat_kit.auto(make_loss, variables, x, budget_bytes=budget, planner=planner, **options)
     assert str(result.chosen) == selective
     assert needs[selective] <= budget
-    assert planner.compiles == 3
+    # Each candidate compiled once; each noted one once more, with XLA's dump (what is live at its peak says why).
+    assert planner.compiles == 3 + len(every.notes)
 
 
 def test_compare_says_when_xla_removed_the_recompute_of_a_loop():
@@ -518,3 +523,269 @@ def test_compare_refuses_an_applied_nnx_model_passed_as_an_argument():
     scanned = remat_kit.apply(um.NnxModel(alternate=False, rngs=nnx.Rngs(0)), "every_n:2", scan=True)
     with pytest.raises(TypeError, match=r"made by remat_kit.apply"):
         remat_kit.auto(make_loss, scanned, budget_bytes=10**9)
+
+
+# ---- default offload: apply owns each block's input, as the stacks do ------------------------------------
+
+
+def _applied_loss(framework, scan, policy):
+    """(loss(state), state) of the 4-block imitation model under ``policy`` (None: the plain model)."""
+    if framework == "linen":
+        model = um.InlineModel(alternate=not scan)
+        variables = model.init(jax.random.key(0), X)
+        applied = model if policy is None else remat_kit.apply(model, policy, scan=scan)
+        return (lambda v: jnp.sum(applied.apply(v, X) * T)), variables
+    model = um.NnxModel(alternate=not scan, rngs=nnx.Rngs(0))
+    applied = model if policy is None else remat_kit.apply(model, policy, scan=scan)
+    graphdef, params, rest = nnx.split(applied, nnx.Param, ...)
+    # Fresh Variables for the rest in every trace (as apply_factory: those made outside cannot be updated in it).
+    return (lambda p: jnp.sum(nnx.merge(graphdef, p, jax.tree.map(lambda a: a, rest))(X, True) * T)), params
+
+
+OFFLOAD_CASES = [(f, s) for f in ("linen", "nnx") for s in (False, True)]
+
+
+@pytest.mark.parametrize(
+    ("framework", "scan"), OFFLOAD_CASES, ids=[f"{f}-{'scan' if s else 'loop'}" for f, s in OFFLOAD_CASES]
+)
+def test_default_offload_moves_exactly_the_layer_inputs_and_keeps_the_plain_gradients(framework, scan):
+    """HF's offload=True: the policy's default names layer_input, which apply tags on each block's input."""
+
+    def rows(policy):
+        loss, state = _applied_loss(framework, scan, policy)
+        return [r for r in _jax_internals.saved_residuals(loss, state) if not r.is_argument]
+
+    offloaded, full = rows("offload"), rows("full")
+    layer_inputs = [(4, *X.shape)] if scan else [X.shape] * 4  # one per block, stacked under the scan
+    assert sorted(r.shape for r in offloaded if r.host) == sorted(layer_inputs)
+    # Everything else is what full keeps: the layer inputs moved to the host, nothing added, nothing dropped.
+    assert sorted((r.shape, r.dtype) for r in offloaded) == sorted((r.shape, r.dtype) for r in full)
+    # Keeping the layer inputs on the device is what full keeps (they are what full keeps of each block).
+    assert sorted((r.shape, r.dtype, r.host) for r in rows("selective:layer_input")) == sorted(
+        (r.shape, r.dtype, r.host) for r in full
+    )
+    plain_loss, state = _applied_loss(framework, scan, None)
+    loss, _ = _applied_loss(framework, scan, "offload")
+    assert_grads_equal(jax.jit(jax.grad(loss))(state), jax.grad(plain_loss)(state), RTOL_F32)
+
+
+def test_names_of_lists_the_block_input_as_layer_input():
+    row = next(r for r in remat_kit.names_of(um.InlineModel(), X) if r.name == "layer_input")
+    assert (row.shape, row.source) == (X.shape, "input")
+
+
+# ---- transforms already on the model: seen through (nn.jit, nnx.jit) or refused, never silently bypassed ----
+
+
+def _linen_rows(model, variables):
+    return _jax_internals.saved_residuals(lambda v: model.apply(v, X).sum(), variables)
+
+
+@pytest.mark.parametrize("plain_first", [False, True], ids=["applied-first", "plain-first"])
+def test_linen_nn_jit_on_the_models_call_is_seen_through(plain_first):
+    """gm.nn wraps Transformer.__call__ in nn.jit, whose trace cache ignores apply's interceptors: the applied
+    model once kept the plain residuals (traced first) or found no block (the plain model traced first)."""
+    model = um.JitModel()
+    variables = model.init(jax.random.key(0), X)
+    plain = len(_linen_rows(model, variables)) if plain_first else None
+    applied = remat_kit.apply(model, "full")
+    # init too, from the same keys (nn.jit's RNG fork kept); eager against jitted initializers: float32 rounding.
+    assert_grads_equal(applied.init(jax.random.key(0), X), variables, RTOL_F32)
+    kept = len(_linen_rows(applied, variables))
+    assert kept < len(_linen_rows(model, variables)) == (plain or len(_linen_rows(model, variables)))
+    rngs = {"dropout": jax.random.key(3)}
+    loss = lambda m: lambda v: jnp.sum(m.apply(v, X, deterministic=False, rngs=rngs) * T)
+    assert_grads_equal(jax.jit(jax.grad(loss(applied)))(variables), jax.grad(loss(model))(variables), RTOL_F32)
+
+
+@pytest.mark.parametrize(
+    ("transform", "named"),
+    [("remat", "nn.remat"), ("jit", "nn.jit"), ("vmap", "nn.vmap")],
+    ids=["remat", "jit", "vmap"],
+)
+def test_linen_blocks_under_a_flax_transform_are_refused_naming_it(transform, named):
+    model = um.TransformedBlocksModel(transform)
+    variables = model.init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match=rf"cannot rematerialize Block block layer_0: it runs inside flax's {named} "):
+        remat_kit.apply(model, "full").apply(variables, X)
+
+
+class HelperJit(nn.Module):
+    """The blocks run in a helper method wrapped in nn.jit."""
+
+    @nn.jit
+    @nn.compact
+    def layers(self, x):
+        for i in range(2):
+            x = um.Block(8, name=f"layer_{i}")(x, False, True)
+        return x
+
+    def __call__(self, x):
+        return self.layers(x)
+
+
+@pytest.mark.parametrize("plain_first", [False, True], ids=["applied-first", "plain-first"])
+def test_linen_blocks_in_a_jitted_helper_are_refused_naming_it(plain_first):
+    variables = HelperJit().init(jax.random.key(0), X)
+    if plain_first:  # the helper's cached trace then hides every block from apply
+        HelperJit().apply(variables, X)
+    message = "nn.jit on HelperJit.layers" if plain_first else r"runs inside flax's nn.jit \(on HelperJit.layers\)"
+    with pytest.raises(ValueError, match=message):
+        remat_kit.apply(HelperJit(), "full").apply(variables, X)
+
+
+class OnceModel(nn.Module):
+    """Calls its blocks on its first trace only (as a replayed cache would): the guardrail's last line."""
+
+    traces: ClassVar[list] = []  # a class attribute, not a field: Flax would freeze a list field
+
+    @nn.compact
+    def __call__(self, x):
+        OnceModel.traces.append(1)
+        for i in range(2 if len(OnceModel.traces) == 1 else 0):
+            x = um.Block(8, name=f"layer_{i}")(x, False, True)
+        return x
+
+
+def test_linen_apply_that_reaches_no_block_is_an_error_not_a_plain_run():
+    OnceModel.traces.clear()
+    variables = um.InlineModel(num_layers=2).init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match=r"ran no block of OnceModel under full.*keep what the plain model keeps"):
+        remat_kit.apply(OnceModel(), "full").apply({"params": variables["params"]}, X)
+
+
+@pytest.mark.parametrize("jit_blocks", [False, True], ids=["model-jit", "model-and-blocks-jit"])
+def test_nnx_jit_on_the_model_and_its_blocks_is_seen_through(jit_blocks):
+    def make():
+        return um.NnxJitModel(jit_blocks=jit_blocks, rngs=nnx.Rngs(0))
+
+    def rows(model):
+        graphdef, state = nnx.split(model)
+        return _jax_internals.saved_residuals(lambda s: nnx.merge(graphdef, s)(X, True).sum(), state)
+
+    plain, full = rows(make()), rows(remat_kit.apply(make(), "full"))
+    selective = rows(remat_kit.apply(make(), "selective:attn/q_einsum"))
+    # The name reaches inside each (jitted) block: one more residual per block than full, far fewer than plain.
+    assert len(full) + 4 == len(selective) < len(plain)
+    want = nnx.jit(nnx.grad(_nnx_loss))(make())
+    got = nnx.jit(nnx.grad(_nnx_loss))(remat_kit.apply(make(), "full"))
+    assert_grads_equal(nnx.state(got), nnx.state(want), RTOL_F32)
+
+
+class NnxVmapBlock(um.NnxBlock):
+    @nnx.vmap(in_axes=(None, 0, None, None))
+    def __call__(self, x, is_local, deterministic=False):
+        return super().__call__(x, is_local, deterministic)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_nnx_blocks_under_another_transform_are_refused_naming_it(scan):
+    model = um.NnxModel(num_layers=2, alternate=False, rngs=nnx.Rngs(0))
+    model.layers = nnx.List([NnxVmapBlock(8, rngs=nnx.Rngs(i)) for i in range(2)])
+    with pytest.raises(ValueError, match=r"cannot rematerialize NnxVmapBlock blocks: .* decorated with nnx.vmap"):
+        remat_kit.apply(model, "full", scan=scan)
+
+
+# ---- a report's reason is the measured one -------------------------------------------------------------
+
+REASONS = [
+    ((2, 4, 16), "but the step peaks in the optimizer update", "XLA removed"),  # AdamW + clipping dominate
+    ((8, 32, 16), "XLA removed most of the recompute (CSE", "optimizer update"),  # activations dominate
+]
+
+
+@pytest.mark.parametrize(("shape", "said", "not_said"), REASONS, ids=["optimizer-peak", "cse"])
+def test_auto_says_why_a_loops_saving_does_not_show_from_what_is_live_at_the_peak(shape, said, not_said):
+    """full keeps far less than none in both, and the step's need is (about) none's in both: at a tiny shape the
+    step peaks in the optimizer update, which no policy moves; at a larger one XLA merged the recompute away."""
+    model = um.InlineModel(num_layers=2, features=16)
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
+    make_loss = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2))
+    planner = StepPlanner(lambda policy, batch, seq: (make_loss(policy), variables, (x,)))
+    result = remat_kit.auto(
+        make_loss,
+        variables,
+        x,
+        budget_bytes=10**12,
+        exhaustive=True,
+        candidates=["none", "full"],
+        mixes=False,
+        planner=planner,
+    )
+    (note,) = result.notes
+    assert note.startswith("full keeps") and said in note and not_said not in note
+    peak = planner.explanation(remat_kit.policies.parse("full"))
+    assert (peak.peak_phase == "optimizer") == (said == REASONS[0][1])
+
+
+# ---- module-path names wherever a policy is applied: the stacks too -------------------------------------
+
+
+def _stack_loss(framework, policy, period=False):
+    """(loss(params), params) of a 4-layer stack of the untagged imitation block under ``policy``."""
+    import functools
+
+    import remat_kit.nnx
+
+    if framework == "linen":
+        block = functools.partial(um.Block, 8)
+        layers = remat_kit.stack([block, block] if period else block, 4, policy)
+        variables = layers.init(jax.random.key(0), X, False, True)
+        return (lambda v: jnp.sum(layers.apply(v, X, False, True) * T)), variables
+    make = lambda rngs: um.NnxBlock(8, rngs=rngs)
+    layers = remat_kit.nnx.stack([make, make] if period else make, 4, policy, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
+    return (lambda p: jnp.sum(nnx.merge(graphdef, p, jax.tree.map(lambda a: a, rest))(X, False, True) * T)), params
+
+
+STACK_PATHS = [
+    (f, p, period)
+    for f in ("linen", "nnx")
+    for p, period in [
+        ("selective:attn/q_einsum,mlp", False),
+        ("offload:mlp/gating_einsum", False),
+        ("selective:attn/q_einsum*2+full*2", False),
+        ("selective:attn/q_einsum", True),
+    ]
+]
+
+
+@pytest.mark.parametrize(
+    ("framework", "policy", "period"),
+    STACK_PATHS,
+    ids=[f"{f}-{p}{'-period' if period else ''}" for f, p, period in STACK_PATHS],
+)
+def test_a_stack_takes_module_path_names_as_apply_does(framework, policy, period):
+    """One naming rule: remat_kit.stack / remat_kit.nnx.stack on an untagged block take attn/q_einsum (once
+    refused: "never emits: attn/q_einsum"), keep exactly what it names beside full's, with the plain gradients."""
+
+    def rows(spec):
+        loss, params = _stack_loss(framework, spec, period)
+        return sorted((r.shape, r.host) for r in _jax_internals.saved_residuals(loss, params) if not r.is_argument)
+
+    # The baseline keeps what full keeps, in the same layout (a mix: its selective part keeping only layer_input).
+    kept, full = rows(policy), rows(policy.replace("attn/q_einsum", "layer_input") if "*" in policy else "full")
+    added = sorted((collections.Counter(kept) - collections.Counter(full)).elements())  # beyond full's, as a multiset
+    stacked = (2, *X.shape) if period else (4, *X.shape)  # one value per layer, stacked over the scan's steps
+    if policy.startswith("selective:attn/q_einsum*2"):  # the mix's selective half keeps two layers' q_einsum
+        assert added == [((2, *X.shape), False)]
+    elif policy.startswith("offload:"):  # gating_einsum's matmul output (2 x b x s x f, its own layout), on the host
+        assert [(int(np.prod(shape)), host) for shape, host in added] == [(4 * 2 * 2 * 6 * 16, True)]
+    else:  # q_einsum's output (mlp's is not needed by the backward pass); a period: each position's
+        assert added == [(stacked, False)] * (2 if period else 1)
+    loss, params = _stack_loss(framework, policy, period)
+    plain, _ = _stack_loss(framework, "none", period)
+    assert_grads_equal(jax.jit(jax.grad(loss))(params), jax.grad(plain)(params), RTOL_F32)
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"], ids=["linen", "nnx"])
+def test_a_stack_names_module_paths_only_where_the_policy_needs_them(framework):
+    """A policy of the block's own tags (offload: layer_input) runs the stack as before; a misspelt path says
+    the nearest one."""
+    loss, params = _stack_loss(framework, "offload")
+    assert "attn/q_einsum" not in tags.emitted_tags(loss, params)
+    loss, params = _stack_loss(framework, "selective:attn/q_einsum")
+    assert "attn/q_einsum" in tags.emitted_tags(loss, params)
+    with pytest.raises(ValueError, match=r"never emits: attn/q_einsumm \(did you mean 'attn/q_einsum'\?\)"):
+        _stack_loss(framework, "selective:attn/q_einsumm")[0](params)

@@ -8,6 +8,8 @@ Python bool per layer (local/global attention), dropout, ``sow``, bfloat16 compu
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -96,6 +98,41 @@ class SetupModel(nn.Module):
         for block in self.blocks:
             x = block(x, False, deterministic)
         return self.final_norm(x)
+
+
+class JitModel(nn.Module):
+    """gm.nn's ``Transformer``: ``__call__`` wrapped in ``nn.jit`` (its trace cache ignores method interceptors)."""
+
+    num_layers: int = 4
+    features: int = 8
+
+    @functools.partial(nn.jit, static_argnames=("self", "deterministic"))
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        for i in range(self.num_layers):
+            x = Block(self.features, name=f"layer_{i}")(x, False, deterministic)
+        return nn.RMSNorm(name="final_norm")(x)
+
+
+class TransformedBlocksModel(nn.Module):
+    """Blocks under a Flax lifted transform of their own: ``nn.remat(Block)``, ``nn.jit(Block)``, ``nn.vmap``."""
+
+    transform: str = "remat"
+    num_layers: int = 2
+
+    @nn.compact
+    def __call__(self, x, deterministic=True):
+        wrap = {
+            "remat": lambda cls: nn.remat(cls, static_argnums=(2, 3)),
+            "jit": lambda cls: nn.jit(cls, static_argnums=(2, 3)),
+            "vmap": lambda cls: nn.vmap(
+                cls, in_axes=(0, None, None), variable_axes={"params": None}, split_rngs={"params": False}
+            ),
+        }[self.transform]
+        x = x[None] if self.transform == "vmap" else x  # vmapped over a leading axis of one
+        for i in range(self.num_layers):
+            x = wrap(Block)(8, name=f"layer_{i}")(x, False, deterministic)
+        return x[0] if self.transform == "vmap" else x
 
 
 # ---- Linen (MaxText style: the layer carries its own checkpoint_name tags) ---------------------------
@@ -213,6 +250,25 @@ class NnxModel(nnx.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, self.alternate and i % 2 == 0, deterministic)
         return self.final_norm(x)
+
+
+class NnxJitModel(NnxModel):
+    """``__call__`` decorated with ``nnx.jit``, and (``jit_blocks``) each block's ``__call__`` too."""
+
+    def __init__(self, num_layers=4, d=8, *, jit_blocks=False, rngs):
+        super().__init__(num_layers, d, alternate=False, rngs=rngs)
+        if jit_blocks:
+            self.layers = nnx.List([NnxJitBlock(d, rngs=rngs) for _ in range(num_layers)])
+
+    @nnx.jit(static_argnames="deterministic")
+    def __call__(self, x, deterministic=False):
+        return super().__call__(x, deterministic)
+
+
+class NnxJitBlock(NnxBlock):
+    @nnx.jit(static_argnums=(2, 3))
+    def __call__(self, x, is_local, deterministic=False):
+        return super().__call__(x, is_local, deterministic)
 
 
 # ---- a MODULE:FACTORY for the CLI (remat-kit tags/plan/bench --model tests.unedited_models:factory) -------

@@ -657,6 +657,20 @@ def cse_note(policy: str, saved_drop: int, temp_drop: int) -> str | None:
     )
 
 
+def optimizer_peak_note(policy: str, saved_drop: int, peak_at: str) -> str:
+    """The note, in place of :func:`cse_note`, when a policy keeps less than ``none`` but the compiled step's peak
+    is in the optimizer update, after the backward pass: no remat policy moves that peak, whatever it keeps.
+
+    >>> optimizer_peak_note("full", 1000, "optimizer: add at optax").split(":")[0]
+    'full keeps 1.0 kB less than none, but the step peaks in the optimizer update (optimizer'
+    """
+    return (
+        f"{policy} keeps {fmt_bytes(saved_drop)} less than none, but the step peaks in the optimizer update "
+        f"({peak_at}), after the backward pass: no remat policy moves that peak; at a "
+        "larger batch or sequence, where the activations outgrow the optimizer's temporaries, the saving shows"
+    )
+
+
 def saved_signature(residuals: Sequence[Any]) -> tuple:
     """The saved set of a residual list as a comparable signature: sorted ``(shape, dtype, host)``."""
     return tuple(sorted((tuple(r.shape), str(r.dtype), bool(r.host)) for r in residuals))

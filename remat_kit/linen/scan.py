@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax.core.scope import subtract_filters
 
+from remat_kit.linen.paths import apply_named
 from remat_kit.policies import Mix, Policy, parse, tags
 from remat_kit.policies import layers as _layers
 from remat_kit.units import check_int
@@ -98,30 +99,30 @@ class Stack(nn.Module):
         # mutable there too (BatchNorm's batch_stats, sow'n intermediates).
         mutable = subtract_filters(self.scope.mutable, "params")
 
-        def run_layer(v, h, i):
+        def run_layer(v, h, i, named=False):
             h = _layers.tag_input(h)
             rngs = {s: jax.random.fold_in(k, i) for s, k in keys.items()}
             if mutable is False:
-                y, mutated = layer.apply(v, h, *args, rngs=rngs, **kwargs), {}
+                apply = lambda v, h: (layer.apply(v, h, *args, rngs=rngs, **kwargs), {})
             else:
-                y, mutated = layer.apply(v, h, *args, rngs=rngs, mutable=mutable, **kwargs)
+                apply = lambda v, h: layer.apply(v, h, *args, rngs=rngs, mutable=mutable, **kwargs)
+            # Module-path names (attn/q_einsum), as remat_kit.apply gives them, where the policy needs them.
+            y, mutated = apply_named(apply, v, h) if named else apply(v, h)
             h, aux = _split_output(y, h, type(layer).__name__)
             return h, (aux, mutated)
 
-        # A mix checks each part by its own rule (one part may be strict=False).
-        for policy in self.policy.policies:
-            if tags.needs_check(policy):
-                one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
-                tags.check_traced(
-                    policy,
-                    type(layer).__name__,
-                    lambda v, h: run_layer(v, h, jnp.int32(0)),
-                    one,
-                    jax.ShapeDtypeStruct(x.shape, x.dtype),
-                    key=_block_key(self.block, streams, args, kwargs),
-                )
-
-        out, (aux, mutated) = _layers.run(self.policy, num_layers, run_layer, variables, x)
+        # The policy's names against one layer's (each part of a mix by its own rule: one may be strict=False).
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
+        abstract_x = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        policy, named = tags.stack_policy(
+            self.policy,
+            type(layer).__name__,
+            lambda: tags.emitted_tags(lambda v, h: run_layer(v, h, jnp.int32(0)), one, abstract_x),
+            lambda: tags.emitted_tags(lambda v, h: run_layer(v, h, jnp.int32(0), True), one, abstract_x),
+            key=(_block_key(self.block, streams, args, kwargs), tags.signature((one, abstract_x))),
+        )
+        step = functools.partial(run_layer, named=named)
+        out, (aux, mutated) = _layers.run(policy, num_layers, step, variables, x)
         if not self.is_initializing():  # flax's init does not update statistics either
             for col, tree in mutated.items():
                 self.put_variable(col, "layers", tree)
@@ -209,13 +210,14 @@ class PeriodStack(nn.Module):
         keys = {s: self.make_rng(s) for s in streams}
         mutable = subtract_filters(self.scope.mutable, "params")
 
-        def one(layer, mine, h, i):
+        def one(layer, mine, h, i, named=False):
             h = _layers.tag_input(h)
             rngs = {s: jax.random.fold_in(k, i) for s, k in keys.items()}
             if mutable is False:
-                y, mutated = layer.apply(mine, h, *args, rngs=rngs, **kwargs), {}
+                apply = lambda v, h: (layer.apply(v, h, *args, rngs=rngs, **kwargs), {})
             else:
-                y, mutated = layer.apply(mine, h, *args, rngs=rngs, mutable=mutable, **kwargs)
+                apply = lambda v, h: layer.apply(v, h, *args, rngs=rngs, mutable=mutable, **kwargs)
+            y, mutated = apply_named(apply, mine, h) if named else apply(mine, h)
             if not _same_type(y, h):
                 raise ValueError(
                     f"{type(layer).__name__} returns {_describe(y)} for an input {_describe(h)}; a block of a "
@@ -223,24 +225,28 @@ class PeriodStack(nn.Module):
                 )
             return y, mutated
 
-        steps = [functools.partial(one, layer) for layer in layers]
         # Position j's variables: {col: tree["j"]}, each stacked over the periods.
         positions = tuple(
             {col: tree[str(j)] for col, tree in variables.items() if str(j) in tree} for j in range(period)
         )
-        names = "+".join(type(layer).__name__ for layer in layers)
-        for policy in self.policy.policies:
-            if tags.needs_check(policy):
-                one_period = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), positions)
-                tags.check_traced(
-                    policy,
-                    names,
-                    lambda v, h: _layers.period_step(steps)(v, h, jnp.int32(0)),
-                    one_period,
-                    jax.ShapeDtypeStruct(x.shape, x.dtype),
-                    key=_block_key(tuple(self.blocks), streams, args, kwargs),
-                )
-        out, mutated = _layers.run_periods(self.policy, periods, steps, positions, x)
+        one_period = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), positions)
+        abstract_x = jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        def emitted(named):
+            steps = [functools.partial(one, layer, named=named) for layer in layers]
+            return tags.emitted_tags(
+                lambda v, h: _layers.period_step(steps)(v, h, jnp.int32(0)), one_period, abstract_x
+            )
+
+        policy, named = tags.stack_policy(
+            self.policy,
+            "+".join(type(layer).__name__ for layer in layers),
+            lambda: emitted(False),
+            lambda: emitted(True),
+            key=(_block_key(tuple(self.blocks), streams, args, kwargs), tags.signature((one_period, abstract_x))),
+        )
+        steps = [functools.partial(one, layer, named=named) for layer in layers]
+        out, mutated = _layers.run_periods(policy, periods, steps, positions, x)
         if not self.is_initializing():
             for col in {c for m in mutated for c in m}:
                 self.put_variable(col, "layers", {str(j): m[col] for j, m in enumerate(mutated) if col in m})

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from remat_kit.nnx import wrap as wrap_nnx
+from remat_kit.nnx.paths import run_named
 from remat_kit.nnx.wrap import captured_nnx_modules
 from remat_kit.policies import Mix, Policy, parse
 from remat_kit.policies import layers as _layers
@@ -107,26 +108,29 @@ class Stack(nnx.Module):
         dynamic = [leaf if j not in keys and not wrap_nnx.is_static(leaf) else None for j, leaf in enumerate(leaves)]
         static = [leaf if j not in keys and wrap_nnx.is_static(leaf) else None for j, leaf in enumerate(leaves)]
 
-        def call(layer, h, dyn, layer_keys):
+        def call(layer, h, dyn, layer_keys, named=False):
             h = _layers.tag_input(h)  # the stack owns the layer input: a policy may keep or offload it
             merged = [d if s is None else s for d, s in zip(dyn, static, strict=True)]
             for j, streams in layer_keys.items():
                 merged[j] = nnx.Rngs(**streams)
             a, kw = jax.tree.unflatten(treedef, merged)
+            if named:  # module-path names (attn/q_einsum), as remat_kit.apply gives them
+                return run_named(layer, lambda b, h: b(h, *a, **kw), h)
             return layer(h, *a, **kw)
 
-        self._check_once(call, x, dynamic, static, _layers.layer_at(keys, jnp.int32(0)))
-        if isinstance(self.policy, Policy) and self.policy.plan(self.num_layers).mode == "layer":
-            return self._scan_layers(call, x, dynamic, keys)
-        return self._scan_stacked(call, x, dynamic, keys)
+        policy, named = self._check_once(call, x, dynamic, static, _layers.layer_at(keys, jnp.int32(0)))
+        call = functools.partial(call, named=named)
+        if isinstance(policy, Policy) and policy.plan(self.num_layers).mode == "layer":
+            return self._scan_layers(policy, call, x, dynamic, keys)
+        return self._scan_stacked(policy, call, x, dynamic, keys)
 
     # ---- "layer": nnx.scan + nnx.remat -----------------------------------------------------------
 
-    def _scan_layers(self, call, x, dynamic, keys):
+    def _scan_layers(self, policy, call, x, dynamic, keys):
         step = call
-        if self.policy.remat:
+        if policy.remat:
             # prevent_cse is not needed under a scan (XLA does not CSE across loop iterations).
-            step = nnx.remat(call, policy=self.policy.jax_policy, prevent_cse=False, graph_updates=False)
+            step = nnx.remat(call, policy=policy.jax_policy, prevent_cse=False, graph_updates=False)
 
         @nnx.scan(in_axes=(0, nnx.Carry, None, 0), out_axes=nnx.Carry, graph_updates=False)
         def body(layer, h, dyn, layer_keys):
@@ -136,7 +140,7 @@ class Stack(nnx.Module):
 
     # ---- "first" / "group" / a mix: the shared driver over the split layers -------------------------
 
-    def _scan_stacked(self, call, x, dynamic, keys):
+    def _scan_stacked(self, policy, call, x, dynamic, keys):
         graphdef, params, other = nnx.split(self.layers, nnx.Param, ...)
 
         def step(variables, h, i):
@@ -144,37 +148,43 @@ class Stack(nnx.Module):
             h = call(layer, h, dynamic, _layers.layer_at(keys, i))
             return h, nnx.split(layer, nnx.Param, ...)[2]
 
-        h, updated = _layers.run(self.policy, self.num_layers, step, (params, other), x)  # updated: [L, ...]
+        h, updated = _layers.run(policy, self.num_layers, step, (params, other), x)  # updated: [L, ...]
         nnx.update(self.layers, updated)
         return h
 
     # ---- the tag rule and the output shape, once per input signature -----------------------------
 
-    def _check_once(self, call, x, dynamic, static, layer_keys) -> None:
+    def _check_once(self, call, x, dynamic, static, layer_keys) -> tuple[Policy | Mix, bool]:
+        """The output's shape, once per input signature; the policy's names resolved against one layer's
+        (:func:`remat_kit.policies.tags.stack_policy`): ``(policy, whether the layer runs with its paths named)``."""
         graphdef, state = nnx.split(self.layers)
         one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
         abstract_x, abstract_dyn = wrap_nnx.abstract((x, dynamic))
-        key = ("stack", self.policy, graphdef, abstract_x, tuple(jax.tree.leaves(abstract_dyn)), tuple(static))
+        key = ("stack", graphdef, abstract_x, tuple(jax.tree.leaves(abstract_dyn)), tuple(static))
         shapes = []
 
-        def traced(state, h, dyn):
-            out = call(nnx.merge(graphdef, state), h, dyn, layer_keys)
+        def traced(state, h, dyn, named=False):
+            out = call(nnx.merge(graphdef, state), h, dyn, layer_keys, named)
             shapes.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out))
             return out
 
+        def emitted(named=False):
+            return _tags.emitted_tags(functools.partial(traced, named=named), one_layer, abstract_x, abstract_dyn)
+
         def run_check():
-            emitted = _tags.emitted_tags(traced, one_layer, abstract_x, abstract_dyn)
             expected = jax.ShapeDtypeStruct(abstract_x.shape, abstract_x.dtype)
+            if not shapes:
+                emitted()
             if shapes[0] != expected:
                 raise TypeError(
                     f"{self.block_name} must return one array shaped like its input ({expected.shape}, "
                     f"{expected.dtype}) to be stacked; it returns {shapes[0]}"
                 )
-            # A mix checks each part by its own rule (one part may be strict=False).
-            for policy in self.policy.policies:
-                _tags.check(policy, emitted, self.block_name)
 
+        # Each part of a mix by its own rule (one part may be strict=False).
+        policy, named = _tags.stack_policy(self.policy, self.block_name, emitted, lambda: emitted(True), key)
         _tags.once(key, run_check)
+        return policy, named
 
 
 class PeriodStack(nnx.Module):
@@ -219,25 +229,30 @@ class PeriodStack(nnx.Module):
                 )
         splits = [nnx.split(layers, nnx.Param, ...) for layers in self.positions]
 
-        def block(graphdef, variables, h, i):
+        def block(graphdef, variables, h, i, named=False):
             layer = nnx.merge(graphdef, *variables)
             merged = list(leaves)
             for j, streams in _layers.layer_at(keys, i).items():
                 merged[j] = nnx.Rngs(**streams)
             a, kw = jax.tree.unflatten(treedef, merged)
-            h = layer(_layers.tag_input(h), *a, **kw)
+            h = _layers.tag_input(h)
+            # Module-path names (attn/q_einsum), as remat_kit.apply gives them, where the policy needs them.
+            h = run_named(layer, lambda b, h: b(h, *a, **kw), h) if named else layer(h, *a, **kw)
             return h, nnx.split(layer, nnx.Param, ...)[2]
 
-        steps = [functools.partial(block, g) for g, _, _ in splits]
         variables = tuple((p, o) for _, p, o in splits)
-        for policy in self.policy.policies:
-            if _tags.needs_check(policy):
-                one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
-                emitted = _tags.emitted_tags(
-                    lambda v, h: _layers.period_step(steps)(v, h, jnp.int32(0))[0], one, wrap_nnx.abstract(x)
-                )
-                _tags.check(policy, emitted, "+".join(type(layers).__name__ for layers in self.positions))
-        h, updated = _layers.run_periods(self.policy, periods, steps, variables, x)
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
+
+        def emitted(named=False):
+            steps = [functools.partial(block, g, named=named) for g, _, _ in splits]
+            return _tags.emitted_tags(
+                lambda v, h: _layers.period_step(steps)(v, h, jnp.int32(0))[0], one, wrap_nnx.abstract(x)
+            )
+
+        names = "+".join(type(layers).__name__ for layers in self.positions)
+        policy, named = _tags.stack_policy(self.policy, names, emitted, lambda: emitted(True))
+        steps = [functools.partial(block, g, named=named) for g, _, _ in splits]
+        h, updated = _layers.run_periods(policy, periods, steps, variables, x)
         for layers, rest in zip(self.positions, updated, strict=True):
             nnx.update(layers, rest)
         return h

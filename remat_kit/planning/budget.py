@@ -478,10 +478,13 @@ def cse_notes(
     batch: int | None = None,
     seq: int | None = None,
 ) -> tuple[str, ...]:
-    """:func:`remat_kit.analysis.explain.cse_note` of each compiled candidate whose step rematerializes outside a loop
-    (a Python loop of blocks) and whose JAX residuals drop under ``none``'s while the compiled temp memory
-    barely does: XLA removed the recompute. Traces the losses' residuals; compiles ``none``'s step if it was
-    not compiled (only when some candidate keeps less than it).
+    """A note for each compiled candidate whose step rematerializes outside a loop (a Python loop of blocks)
+    and whose JAX residuals drop under ``none``'s while the compiled temp memory barely does, with the
+    measured reason: where the step peaks in the optimizer update, remat cannot move that peak
+    (:func:`remat_kit.analysis.explain.optimizer_peak_note`); elsewhere XLA removed the recompute
+    (:func:`remat_kit.analysis.explain.cse_note`). Traces the losses' residuals; compiles ``none``'s step if
+    it was not compiled (only when some candidate keeps less than it), and a noted candidate's step once more
+    with XLA's dump (to read what is live at its peak).
 
     Args:
       planner: the planner ``table`` was compiled with; ``pool``: the candidates' policies.
@@ -508,10 +511,16 @@ def cse_notes(
     if all(drop <= 0 for _, drop in drops):
         return ()
     base_temp = planner.compiled_memory(none, batch, seq).temp
-    notes = (
-        explain.cse_note(str(p), drop, base_temp - planner.compiled_memory(p, batch, seq).temp) for p, drop in drops
-    )
-    return tuple(n for n in notes if n)
+    notes = []
+    for p, drop in drops:
+        note = explain.cse_note(str(p), drop, base_temp - planner.compiled_memory(p, batch, seq).temp)
+        if note:
+            # The reason is read from what is live at the step's peak: in the optimizer update, remat cannot move
+            # it (the recompute survived); anywhere else, XLA merged the recompute away.
+            peak = planner.explanation(p, batch, seq)
+            note = explain.optimizer_peak_note(str(p), drop, peak.peak_at) if peak.peak_phase == "optimizer" else note
+            notes.append(note)
+    return tuple(notes)
 
 
 def planner_platform(planner: StepPlanner) -> str:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from remat_kit import _jax_internals, policies
-from remat_kit.analysis import flops
+from remat_kit.analysis import _xla_dump, explain, flops
 from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.constants import DEFAULT_MARGIN
 from remat_kit.model.loss import lm_loss
@@ -133,6 +133,7 @@ class StepPlanner:
         self._work: dict[tuple, cost.Work] = {}
         self._loops: dict[tuple, bool] = {}
         self._memory: dict[tuple, CompiledMemory] = {}
+        self._explained: dict[tuple, explain.Explanation] = {}
         self._lock = threading.Lock()
         self.compiles = 0
         self.planned = 0  # compiles known to be ahead (precompile, expect), for progress
@@ -204,6 +205,23 @@ class StepPlanner:
             if self.progress:
                 self.progress(done, total, f"{key[0]}" + ("" if batch is None else f" @ batch {batch} × seq {seq}"))
         return self._memory[key]
+
+    def explanation(self, policy: policies.Policy, batch=None, seq=None) -> explain.Explanation:
+        """What is live at the compiled step's peak and where it is (:func:`remat_kit.analysis.explain.explain`).
+
+        One more compile, with XLA's dump (memoized): asked only where a report must say why a policy's
+        saving does not show in the step's peak (:func:`remat_kit.planning.budget.cse_notes`).
+        """
+        key = self._key(policy, batch, seq)
+        if key not in self._explained:
+            compiled, program = _xla_dump.compile_with_dump(self._trace(policy, batch, seq).lower())
+            self._traced.pop(key, None)
+            self._explained[key] = explain.explain(
+                program, CompiledMemory.from_compiled(compiled), parameter_groups=lambda n: "inputs", has_optimizer=True
+            )
+            with self._lock:
+                self.compiles += 1
+        return self._explained[key]
 
     def expect(self, n: int) -> None:
         """Announce ``n`` more compiles ahead (an estimate), so progress shows how many are left."""

@@ -31,9 +31,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import _jax_internals
 from remat_kit import names as _names
+from remat_kit.policies.policy import Mix, Policy
 
 # Keys of checks that passed (policy, code, input signature), oldest first; bounded so long sessions
 # do not grow it (the oldest is dropped: at worst it is traced once more).
@@ -219,3 +221,59 @@ def check_traced(policy, where: str, fn: Callable, *args: Any, key: Hashable | N
         return
     sig = signature(args) if key is not None else None
     once(None if sig is None else (policy, key, sig), lambda: check(policy, emitted_tags(fn, *args), where))
+
+
+def name_tree(tree: Any, name: str) -> Any:
+    """``checkpoint_name`` every array leaf of ``tree`` with ``name`` (other leaves unchanged)."""
+    return jax.tree.map(lambda x: checkpoint_name(x, name) if isinstance(x, jax.Array) else x, tree)
+
+
+# ---- names by module path where a policy is applied: apply and the stacks alike ---------------------
+
+#: (policy, block key, input signature) -> the resolved policy and whether the block runs with paths named.
+_STACK_NAMES: collections.OrderedDict = collections.OrderedDict()
+_MAX_STACK_NAMES = 1024
+
+
+def stack_policy(policy: Any, where: str, plain: Callable, named: Callable, key: Any = None) -> tuple[Any, bool]:
+    """A stack's policy with its names resolved against one layer, and whether the layer must run named.
+
+    The one naming rule wherever a policy is applied: a name the block does not emit as a tag may be a module
+    path (``attn/q_einsum``), a parameter path (``mlp/gating_einsum``) or a glob over them, as with
+    ``remat_kit.apply``. Only when the policy names something the plain block does not emit does the
+    layer run with its submodule outputs and parameter matmuls named (a policy of the block's own tags runs
+    the stack exactly as before).
+
+    Args:
+      policy: the stack's :class:`~remat_kit.policies.Policy` or :class:`~remat_kit.policies.Mix`.
+      where: the block, for messages.
+      plain, named: ``() -> frozenset`` of the names one layer emits, plainly / with its paths named (traced).
+      key: a hashable name for the block and its input signature: the answer is remembered under it.
+
+    Returns:
+      ``(policy, named)``: patterns expanded, every part checked (a strict one raises ValueError naming the
+      nearest names); ``named``: run the layer with its paths named.
+    """
+    parts = policy.policies if isinstance(policy, Mix) else (policy,)
+    if not any(p.tags for p in parts):
+        return policy, False
+    cache = hashable((policy, key)) if key is not None else None
+    if cache is not None and cache in _STACK_NAMES:
+        return _STACK_NAMES[cache]
+    emitted = plain()
+    naming = any(missing(p, emitted) for p in parts)
+    if naming:
+        emitted = named()
+
+    def one(p: Policy) -> Policy:
+        if not p.tags:
+            return p
+        check(p, emitted, where)
+        return resolve(p, emitted, where)
+
+    out = (Mix(tuple((one(p), n) for p, n in policy.parts)) if isinstance(policy, Mix) else one(policy), naming)
+    if cache is not None:
+        _STACK_NAMES[cache] = out
+        if len(_STACK_NAMES) > _MAX_STACK_NAMES:
+            _STACK_NAMES.popitem(last=False)
+    return out

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import inspect as _inspect
 from collections.abc import Callable, Iterable
@@ -14,11 +13,13 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import _jax_internals
+from remat_kit import names as _names
+from remat_kit.nnx.paths import call_naming_submodules as call_naming_submodules  # apply's NNX naming
 from remat_kit.policies import Mix, Policy, full, parse, tags
-from remat_kit.unedited.paths import BlockName, NameTable, Where, join, parse_where
+from remat_kit.policies.tags import name_tree as name_tree  # apply names a tree as the stacks do
+from remat_kit.unedited.paths import BlockName, NameTable, Where, parse_where
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +155,30 @@ def trace_only(fn: Callable, args: tuple, kwargs: dict, *, keep: bool = False) -
     return jax.eval_shape(run, *[leaves[i] for i in at])
 
 
-def name_tree(tree: Any, name: str) -> Any:
-    """``checkpoint_name`` every array leaf of ``tree`` with ``name`` (other leaves unchanged)."""
-    return jax.tree.map(lambda x: checkpoint_name(x, name) if isinstance(x, jax.Array) else x, tree)
+def tag_input(fn: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block call's arguments with its input (the first argument: the residual stream) tagged ``layer_input``.
+
+    ``apply`` owns what enters each block as the stacks do (:func:`remat_kit.policies.layers.tag_input`), so
+    ``offload`` (default: the layer inputs) and ``selective:layer_input`` work on a model that tags nothing.
+    Only array leaves are tagged; the other arguments (masks, positions, flags) are left as they are.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from remat_kit.policies import tags
+    >>> f = lambda x, mask: tag_input(lambda x, mask: None, (x, mask), {})[0][0] * mask
+    >>> sorted(tags.emitted_tags(f, jnp.ones(2), jnp.ones(2)))
+    ['layer_input']
+    """
+    if args:
+        first = args[0]
+        return (first if nnx.graph.is_graph_node(first) else name_tree(first, _names.LAYER_INPUT), *args[1:]), kwargs
+    try:
+        params = [p for p in _inspect.signature(fn).parameters.values() if p.name != "self"]
+    except (TypeError, ValueError):
+        return args, kwargs
+    name = params[0].name if params else None
+    if name in kwargs and not nnx.graph.is_graph_node(kwargs[name]):
+        kwargs = {**kwargs, name: name_tree(kwargs[name], _names.LAYER_INPUT)}
+    return args, kwargs
 
 
 @dataclasses.dataclass
@@ -169,6 +191,7 @@ class Collector:
         rows = []
         for name, shape, dtype, nbytes in _jax_internals.jaxpr_tags(jaxpr):
             source = "module" if name in module_names else "param" if name in param_names else "tag"
+            source = "input" if name == _names.LAYER_INPUT and source == "tag" else source
             rows.append(BlockName(name, shape, dtype, nbytes, source))
         self.blocks.setdefault(where, rows)
 
@@ -196,42 +219,24 @@ def checkpointed(policy: Policy, where: str, named: Callable, jaxpr: Any, args: 
     return jax.checkpoint(named, policy=policy.jax_policy, prevent_cse=True)(*args)
 
 
-# ---- NNX: naming submodule outputs ----------------------------------------------------------------
+def nnx_plain_call(cls: type) -> Callable:
+    """An NNX block class's ``__call__``, an ``nnx.jit`` on it seen through.
 
-# id(submodule) -> its name, for the tagging subclasses while a block's copy runs.
-_NAMES: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar("remat_kit_nnx_names", default=None)
-_TAG_CLASSES: dict[type, type] = {}
+    ``nnx.jit`` re-creates the block inside its own trace, so the submodules :func:`call_naming_submodules`
+    names would not be the ones that run; under the policy's ``jax.checkpoint`` (itself inside the caller's
+    trace) the inner jit compiles nothing of its own, so dropping it changes no value.
 
-
-def call_naming_submodules(original: Callable, block: nnx.Module, args: tuple, kwargs: dict) -> Any:
-    """``original(block, *args, **kwargs)`` with every submodule output named by its path in ``block``.
-
-    ``block`` must be a private copy (merged inside the traced call): its submodules' classes are
-    swapped for naming subclasses.
+    Raises:
+      ValueError: another NNX transform on it (``nnx.remat``, ``nnx.vmap`` ...), naming it.
     """
-    names = {}
-    for path, node in nnx.iter_graph(block):
-        if path and isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict)):
-            names[id(node)] = join(path)
-            node.__class__ = _tag_class(type(node))
-    token = _NAMES.set(names)
-    try:
-        return original(block, *args, **kwargs)
-    finally:
-        _NAMES.reset(token)
-
-
-def _tag_class(cls: type) -> type:
-    """``cls`` whose ``__call__`` names its output by the instance's path (from :data:`_NAMES`)."""
-    if cls not in _TAG_CLASSES:
-        original = cls.__call__
-
-        def __call__(self, *args, **kwargs):
-            out = original(self, *args, **kwargs)
-            names = _NAMES.get()
-            return name_tree(out, names[id(self)]) if names and id(self) in names else out
-
-        _TAG_CLASSES[cls] = type(cls)(
-            cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        )
-    return _TAG_CLASSES[cls]
+    fn = cls.__call__
+    transform = _jax_internals.nnx_transform(fn)
+    if transform is None:
+        return fn
+    if transform == "jit":
+        return fn.fun
+    raise ValueError(
+        f"remat_kit.apply cannot rematerialize {cls.__name__} blocks: their __call__ is decorated with "
+        f"nnx.{transform}, whose trace apply cannot reach into (it would keep or override the block's own); "
+        "use the block without it"
+    )

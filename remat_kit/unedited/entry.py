@@ -8,7 +8,9 @@ policy may keep is named without touching the model:
   ``pre_attention_norm``);
 * every matmul that consumes one of the block's own parameters, by that parameter's path
   (``mlp/gating_einsum``: gm.nn's FeedForward does ``jnp.einsum`` with its params directly);
-* the model's own ``checkpoint_name`` tags (MaxText's ``query_proj``, ``mlpwi``) as they are.
+* the model's own ``checkpoint_name`` tags (MaxText's ``query_proj``, ``mlpwi``) as they are;
+* the block's input (its first argument) as ``layer_input``: ``apply`` owns what enters each block as
+  the stacks do, so the default ``offload`` (the layer inputs, HF's ``offload=True``) works unedited.
 
 So ``selective:attn/q_einsum,mlp/*`` and ``offload:attn/*`` work on an untagged model; a pattern or
 name that matches nothing is a ValueError with the nearest names (:mod:`remat_kit.policies.tags`).
@@ -39,7 +41,7 @@ arguments (never captured), so ``nnx.split`` gives the plain model's state and `
 >>> jax.tree.structure(params) == jax.tree.structure(Model().init(jax.random.key(0), x))
 True
 >>> remat_kit.names_of(Model(), x).names
-('up/kernel', 'up')
+('layer_input', 'up/kernel', 'up')
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from remat_kit.unedited.engine import (
     make_plan,
     name_tree,
     split_static,
+    tag_input,
     trace_only,
 )
 from remat_kit.unedited.paths import NameTable, Where, join, repeated_block
@@ -137,6 +140,8 @@ class _Run:
     block: tuple[str, ...] | None = None  # path of the block being run, while inside it
     entering: bool = False  # the next __call__ is the block's own
     module_names: set[str] = dataclasses.field(default_factory=set)
+    lifted: dict = dataclasses.field(default_factory=dict)  # path -> Flax transforms its call ran inside
+    ran: int = 0  # blocks this call handed to the policy (0 after an apply: nothing was rematerialized)
 
 
 _RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("remat_kit_apply_run", default=None)
@@ -158,6 +163,7 @@ class Applied:
         self.plan = plan
         self._matcher = plan.where
         self._traces: dict = {}  # (method, call signature) -> the discovery trace's (found, calls)
+        self._lifted: dict = {}  # module path -> the Flax transforms its call runs inside (discovery)
 
     def init(self, *args, **kwargs):
         """The model's ``init`` (runs plainly: remat changes no variable)."""
@@ -182,14 +188,34 @@ class Applied:
         if self._matcher is not None and getattr(self, "_checked", False):
             return self._matcher
         found, _ = self._discover(method, args, kwargs)
+        if not any(path for path, *_ in found):
+            lifted = [
+                f"nn.{_jax_internals.linen_transform(fn)} on {type(self.module).__name__}.{name}"
+                for name, fn in vars(type(self.module)).items()
+                if _jax_internals.linen_transform(fn)
+            ]
+            raise ValueError(
+                f"remat_kit.apply saw no submodule of {type(self.module).__name__} called (a Flax transform that "
+                f"replays a cached trace hides them{': ' + ', '.join(lifted) if lifted else ''}); apply to the model "
+                "without it, or call the model's own methods (not a jitted helper)"
+            )
         matcher = self._matcher or Where(classes=(repeated_block([(p, c) for p, c, _ in found]),))
-        blocks = [module for path, _, module in found if path and matcher(module, join(path))]
+        blocks = [(path, module) for path, _, module in found if path and matcher(module, join(path))]
+        for path, module in blocks:
+            if self._lifted.get(path):
+                transform, owner = self._lifted[path][0]
+                transform = {"checkpoint": "remat"}.get(transform, transform)  # nn.remat is nn.checkpoint
+                raise ValueError(
+                    f"remat_kit.apply cannot rematerialize {type(module).__name__} block {join(path)}: it runs inside "
+                    f"flax's nn.{transform} (on {owner}), whose trace apply cannot reach into (a cached or lifted "
+                    f"trace would keep or override the block's own); use the model without nn.{transform} there"
+                )
         if not blocks:
             listed = ", ".join(join(p) for p, *_ in found if p)
             raise ValueError(
                 f"where={matcher} matches no module of {type(self.module).__name__}; its modules: {listed}"
             )
-        check_static_argnames(self.plan.static_argnames, [type(b) for b in blocks])
+        check_static_argnames(self.plan.static_argnames, [type(b) for _, b in blocks])
         self._matcher, self._checked = matcher, True
         return matcher
 
@@ -205,19 +231,45 @@ class Applied:
         if key is None or key not in self._traces:
             run = _Run(self.plan, None, discovered=[])
             with _running(run):
-                trace_only(getattr(self.module, method), args, kwargs)
+                trace_only(getattr(self.module, method), args, self._see_through(kwargs))
+            self._lifted.update(run.lifted)
             if key is None:
                 return run.discovered, run.calls
             self._traces[key] = (run.discovered, run.calls)
         return self._traces[key]
+
+    def _see_through(self, kwargs: dict) -> dict:
+        """``kwargs`` with the model's method, when ``nn.jit`` wraps it, run as a plain method.
+
+        ``nn.jit`` replays its cached trace whatever interceptors are active (gm.nn wraps
+        ``Transformer.__call__`` in it): the blocks would silently run plainly. Inside an outer ``jax.jit``
+        the inner one compiles nothing of its own, so dropping it changes no value
+        (:func:`remat_kit._jax_internals.linen_see_through_jit`).
+        """
+        method = kwargs.get("method")
+        fn = (
+            getattr(type(self.module), method or "__call__", None)
+            if method is None or isinstance(method, str)
+            else method
+        )
+        if _jax_internals.linen_transform(fn) == "jit":
+            return {**kwargs, "method": _jax_internals.linen_see_through_jit(fn)}
+        return kwargs
 
     def _run(self, method: str, args: tuple, kwargs: dict):
         run = _Run(self.plan, self.matcher(method, args, kwargs))
         if self.plan.scan:
             unedited_scan.linen_run(run, *self._discover(method, args, kwargs), _remat_block)
         with _running(run):
-            out = getattr(self.module, method)(*args, **kwargs)
+            out = getattr(self.module, method)(*args, **self._see_through(kwargs))
         unedited_scan.linen_finish(run)
+        if method == "apply" and not run.ran:
+            # The no-op guardrail: discovery found blocks, yet this call handed none to the policy.
+            raise ValueError(
+                f"remat_kit.apply ran no block of {type(self.module).__name__} under {self.plan.policy}: the call "
+                f"reached none of the blocks found ({self._matcher}), so it would keep what the plain model keeps "
+                "(a transform on the model that replays a cached trace?); apply to the model without it"
+            )
         return out
 
 
@@ -245,6 +297,8 @@ def _intercept(next_fun, args, kwargs, context):
     if run.discovered is not None:
         if method == "__call__":
             run.discovered.append((tuple(module.path), type(module), module))
+            if around := _jax_internals.linen_transforms_around():
+                run.lifted[tuple(module.path)] = around
             if run.plan.scan:
                 run.calls.append(unedited_scan.template(type(module).__call__, args, kwargs, run.plan.static_argnames))
         return next_fun(*args, **kwargs)
@@ -265,6 +319,7 @@ def _intercept(next_fun, args, kwargs, context):
     path = tuple(module.path)
     if not run.matcher(module, join(path)):
         return next_fun(*args, **kwargs)
+    run.ran += 1
     if hasattr(run, "scan_block"):
         return run.scan_block(module, path, next_fun, args, kwargs)
     return _remat_block(run, module, path, next_fun, args, kwargs)
@@ -281,7 +336,7 @@ def _remat_block(run: _Run, module: nn.Module, path, next_fun, args: tuple, kwar
     where = f"{type(module).__name__} block {join(path)}"
 
     def call(mdl, dargs, dkwargs):
-        full_args, full_kwargs = rebuild(dargs, dkwargs)
+        full_args, full_kwargs = tag_input(type(module).__call__, *rebuild(dargs, dkwargs))
         outer = run.block
         run.block, run.entering = path, True
         try:
@@ -344,7 +399,7 @@ def names_of(model: Any, *example_args: Any, where: Any = None, **example_kwargs
 
     >>> import jax.numpy as jnp, flax.linen as nn
     >>> names_of(nn.Sequential([nn.Dense(3), nn.Dense(3)]), jnp.ones((1, 3)), where=nn.Dense).names
-    ('kernel',)
+    ('layer_input', 'kernel')
     """
     if isinstance(model, nnx.Module):
         return unedited_nnx.names_of(model, example_args, example_kwargs, where)

@@ -29,7 +29,9 @@ from remat_kit.unedited.engine import (
     check_static_argnames,
     checkpointed,
     make_plan,
+    nnx_plain_call,
     split_static,
+    tag_input,
     trace_only,
 )
 from remat_kit.unedited.paths import NameTable, Where, join, repeated_block, state_keys
@@ -63,6 +65,8 @@ def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
             raise applied_twice(type(model).__name__, node._remat_kit_policy, "apply returned a copy of it")
     copy = nnx.clone(model)
     found = blocks(copy, plan.where)
+    for cls in dict.fromkeys(type(b) for _, b in found):
+        nnx_plain_call(cls)  # a transform on the blocks' __call__: seen through (nnx.jit) or refused here
     check_static_argnames(plan.static_argnames, [type(b) for _, b in found])
     if plan.scan:
         return unedited_scan.nnx_scan(copy, plan, found, remat_class, run_block)
@@ -80,7 +84,7 @@ def remat_class(cls: type, policy, static_argnames: frozenset[str], applied=None
     """
     key = (cls, policy, static_argnames, applied)
     if key not in _REMAT_CLASSES:
-        original = cls.__call__
+        original = nnx_plain_call(cls)
 
         def __call__(self, *args, **kwargs):
             if policy is None and _COLLECT.get() is None:
@@ -122,7 +126,7 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
         it_nodes, it_arrays = iter(node_args), iter(arrays)
         call_flat = [next(it_nodes) if i in node_at else next(it_arrays) for i in range(len(flat))]
         dargs, dkwargs = jax.tree.unflatten(treedef, call_flat)
-        full_args, full_kwargs = rebuild(dargs, dkwargs)
+        full_args, full_kwargs = tag_input(original, *rebuild(dargs, dkwargs))
         out = call_naming_submodules(original, inner, full_args, full_kwargs)
         # A State, not leaves: the call may add variables (a first ``sow``), changing the tree.
         _, _, new_rest = nnx.split(merged, nnx.Param, ...)
@@ -136,6 +140,8 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
     if collect is not None:
         module_names = {t for t, *_ in _jax_internals.jaxpr_tags(jaxpr)} - set(leaf_names)
         collect.add(where, jaxpr, module_names, {n for n in leaf_names if n})
+        out, new_rest = named(*all_args)
+    elif policy is None:  # names only (an NNX stack's layer, under the stack's own policy)
         out, new_rest = named(*all_args)
     else:
         out, new_rest = checkpointed(policy, where, named, jaxpr, all_args)

@@ -17,21 +17,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fnmatch
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from remat_kit.names import join as join  # the one path naming rule, shared with the stacks
+from remat_kit.names import state_keys as state_keys
 from remat_kit.units import fmt_bytes
-
-
-def join(path: Iterable[Any]) -> str:
-    """A module path as a ``/``-joined string (list indices become their digits)."""
-    return "/".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
-
-
-def state_keys(keypath) -> list:
-    """The keys of a jax key path into an ``nnx.State`` (the trailing ``.value`` of a Variable dropped)."""
-    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in keypath]
-    return keys[:-1] if keys and keys[-1] == "value" else keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +124,8 @@ class BlockName:
       shape, dtype: the value's.
       nbytes: its size in bytes.
       source: ``"module"`` (a submodule's output), ``"param"`` (a matmul with the block's parameter),
-        ``"tag"`` (the model's own ``checkpoint_name``), or ``"traced"`` (read from a traced loss,
-        ``remat-kit tags --model``: any of the three).
+        ``"tag"`` (the model's own ``checkpoint_name``), ``"input"`` (the block's input, ``layer_input``), or
+        ``"traced"`` (read from a traced loss, ``remat-kit tags --model``: any of the others).
     """
 
     name: str

@@ -48,7 +48,7 @@ from remat_kit import _jax_internals
 from remat_kit.policies import Mix, Policy, tags
 from remat_kit.policies import layers as _layers
 from remat_kit.policies.static import is_static
-from remat_kit.unedited.engine import Plan, call_naming_submodules, split_static, trace_only
+from remat_kit.unedited.engine import Plan, call_naming_submodules, nnx_plain_call, split_static, trace_only
 from remat_kit.unedited.paths import join, state_keys
 
 #: The state of the running call of a parent module whose blocks are scanned (:class:`_CallState`).
@@ -300,7 +300,7 @@ class _Pending:
 
 
 def _block_class(cls: type, plan: Plan, run_block: Callable) -> type:
-    original = cls.__call__
+    original = nnx_plain_call(cls)  # an nnx.jit on it seen through (another transform refused)
 
     def __call__(self, *args, **kwargs):
         mark = self._remat_kit_mark
@@ -331,7 +331,7 @@ def _block_class(cls: type, plan: Plan, run_block: Callable) -> type:
                     "scan=True: the blocks take array arguments besides the input; only Python flags can be shared"
                 )
             layers = [_get(state.parent, rel) for rel in run.rels]
-            originals = [type(layer).__mro__[1].__call__ for layer in layers[: run.period]]
+            originals = [nnx_plain_call(type(layer).__mro__[1]) for layer in layers[: run.period]]
             out, outs = _scan(layers, originals, plan, run, args[0])
             state.pending[mark.rel] = _Pending(run, outs, out, 1)
             return out
@@ -400,7 +400,7 @@ def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x)
         it_s = iter(layer_stack)
         full = [carry[at] if at is not None else next(it_s) for at in carry_at[j]]
         layer = nnx.merge(graphdefs[j], jax.tree.unflatten(treedefs[j], full))
-        args, kwargs = run.calls[j].fill((h,), {})
+        args, kwargs = run.calls[j].fill((_layers.tag_input(h),), {})  # apply owns the layer input
         y = call_naming_submodules(originals[j], layer, args, kwargs)
         # By path, not position: the call may add variables (a first sow), shifting the leaves after them.
         new = dict(nnx.to_flat_state(nnx.state(layer)))
@@ -788,7 +788,7 @@ def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dic
         ]
 
     def layer_call(j, layer_vars, h, i):
-        full_args, full_kwargs = spec.calls[j].fill((h, *rest), dyn_kwargs)
+        full_args, full_kwargs = spec.calls[j].fill((_layers.tag_input(h), *rest), dyn_kwargs)  # the layer input
         outer = run.block
         run.block, run.entering = (), True  # the layer's submodules are named by their path in it
         try:

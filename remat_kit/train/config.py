@@ -15,7 +15,7 @@ import optax
 
 from remat_kit import constants, policies
 from remat_kit.model import loss
-from remat_kit.model.transformer import PRESETS, TransformerConfig
+from remat_kit.model.transformer import PRESETS, TransformerConfig, resolve_tiles
 from remat_kit.train import data
 from remat_kit.train import step as step_lib
 from remat_kit.units import check_int
@@ -146,6 +146,7 @@ class TrainConfig:
             object.__setattr__(self, "seq_len", min(self.model.max_seq_len, 256))
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's max_seq_len={self.model.max_seq_len}")
+        resolve_tiles(self.model.seq_tiles, self.batch_size, self.seq_len)  # tiles must divide seq_len
         if self.warmup_steps == -1:
             object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
         if self.warmup_steps >= self.steps:

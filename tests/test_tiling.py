@@ -1,4 +1,4 @@
-"""Sequence tiles (remat_kit.tiling.tiled, TransformerConfig.seq_tiles) and ``plan --max-seq``.
+"""Sequence tiles (remat_kit.policies.tiling.tiled, TransformerConfig.seq_tiles) and ``plan --max-seq``.
 
 Tiled gradients equal the untiled ones (float32, rel 1e-5) for a plain function and for the model under every
 policy kind; the tiles take effect (a scan of K trips, less compiled memory); bad values are one-line errors
@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import pytest
 from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
-from remat_kit import cli, policies, tiling
-from remat_kit.memory import CompiledMemory
+from remat_kit import cli, policies
+from remat_kit.policies import tiling
+from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig, auto_tiles, init_params, resolve_tiles
 from remat_kit.planning.planner import Budget, Planner

@@ -14,7 +14,7 @@ The figures per backend (:data:`DEFAULT_HARDWARE`) are datasheet-class defaults;
 replaces peak FLOP/s and bandwidth with a timed matmul and a timed copy on this machine (a few
 hundred ms). The model ignores fusion (an elementwise chain is priced op by op, an upper bound); launch
 overheads are priced per loop trip (:attr:`Hardware.trip_s`, the dispatch of one trip's fused kernels), so the
-extra trips of sequence tiles (:func:`remat_kit.tiling.tiled`: K trips where one call was) cost time even
+extra trips of sequence tiles (:func:`remat_kit.policies.tiling.tiled`: K trips where one call was) cost time even
 though their FLOPs and bytes are the untiled ones'.
 
 >>> import jax, jax.numpy as jnp

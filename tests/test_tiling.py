@@ -14,11 +14,11 @@ import pytest
 from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 from remat_kit import cli, policies
-from remat_kit.policies import tiling
 from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig, auto_tiles, init_params, resolve_tiles
 from remat_kit.planning.planner import Budget, Planner
+from remat_kit.policies import tiling
 from remat_kit.train.config import TrainConfig
 
 W1 = jax.random.normal(jax.random.key(0), (8, 24)) * 0.3

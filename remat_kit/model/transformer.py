@@ -43,9 +43,9 @@ import jax.numpy as jnp
 
 from remat_kit import constants, names, policies
 from remat_kit.linen.scan import stack
-from remat_kit.policies import tiling
 from remat_kit.model import attention, lora_layer
 from remat_kit.model.ops import project, rms_norm, swiglu
+from remat_kit.policies import tiling
 from remat_kit.units import check_int
 
 DTYPES: tuple[str, ...] = constants.DTYPES

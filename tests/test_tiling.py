@@ -265,3 +265,48 @@ def test_plan_max_seq_finds_the_compiled_edge(tmp_path, capsys):
     full, none = (next(r for r in report["policies"] if r["policy"] == p) for p in ("full", "none"))
     assert all(f["seq"] > n["seq"] for f, n in zip(full["edges"], none["edges"], strict=True))
     assert full["floor_per_position_bytes"] == 4 * 64 * 4 * 2  # L · d · float32 · batch: the layer inputs
+
+
+# ---- full's layer inputs kept as 16-bit words (the stack's pack) -----------------------------------------------
+
+
+def _packed_model(cfg, pack: bool):
+    from remat_kit.linen.scan import stack
+    from remat_kit.model import transformer
+
+    class Model(transformer.Transformer):
+        def make_layers(self):
+            block = transformer._block_class(self.config, self.policy)
+            return stack(block, self.config.num_layers, self.policy, pack=pack, name="layers")
+
+    return Model(config=cfg, policy="full")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"lora_rank": 4, "lora_targets": ("q_proj", "mlp_up"), "quantize": "nf4"}, {"dropout": 0.1}],
+    ids=["bf16", "lora-nf4", "dropout"],
+)
+def test_packed_full_equals_full(overrides):
+    from remat_kit.model import lora
+
+    cfg = TransformerConfig.preset("tiny", max_seq_len=32, dtype="bfloat16", **overrides)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256, dtype=jnp.int32)
+    trainable, frozen = lora.partition(params) if cfg.lora_rank else (params, {})
+    deterministic = not cfg.dropout
+    rngs = None if deterministic else {"dropout": jax.random.key(2)}
+
+    def grads(pack):
+        model = _packed_model(cfg, pack)
+        loss = lambda t: lm_loss(
+            model, lora.combine(t, frozen) if frozen else t, tokens, deterministic=deterministic, rngs=rngs
+        )
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss))(trainable))
+        return jax.jit(jax.value_and_grad(loss))(trainable), "u16[4,2,32,64]" in jaxpr
+
+    (loss0, g0), packed0 = grads(False)
+    (loss1, g1), packed1 = grads(True)
+    assert (packed0, packed1) == (False, True)  # the kept inputs are 16-bit words only when packed
+    assert float(loss1) == float(loss0)
+    assert max_rel_err(g1, g0) <= RTOL_F32

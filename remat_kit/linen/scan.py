@@ -61,11 +61,15 @@ class Stack(nn.Module):
         **kwargs)`` returns a value shaped like ``x``, or a pair ``(x, aux)``.
       num_layers: the depth.
       policy: the rematerialization policy.
+      pack: under ``full`` with a 16-bit floating ``x``, keep the layer inputs as 16-bit integer words
+        (:func:`remat_kit.policies.layers.run_packed`: same values and gradients; XLA:CPU does not widen them
+        to float32). Applies to blocks returning ``x`` alone with no mutable collection; elsewhere ignored.
     """
 
     block: Callable[..., nn.Module]
     num_layers: int
     policy: Policy | Mix
+    pack: bool = False
 
     @nn.compact
     def __call__(self, x, *args, **kwargs):
@@ -121,6 +125,11 @@ class Stack(nn.Module):
                     key=_block_key(self.block, streams, args, kwargs),
                 )
 
+        if self.pack and not mutable and not self.is_initializing() and _layers.packable(self.policy, x):
+            one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
+            extra = jax.eval_shape(lambda v, h: run_layer(v, h, jnp.int32(0))[1], one, x)
+            if not jax.tree.leaves(extra):  # no aux, nothing mutated: the block returns x alone
+                return _layers.run_packed(num_layers, run_layer, variables, x)
         out, (aux, mutated) = _layers.run(self.policy, num_layers, run_layer, variables, x)
         if not self.is_initializing():  # flax's init does not update statistics either
             for col, tree in mutated.items():

@@ -390,7 +390,12 @@ class Transformer(nn.Module):
 
     def make_layers(self) -> nn.Module:
         """The layer stack (called in ``setup``; a subclass may lay the layers out otherwise)."""
-        return stack(_block_class(self.config, self.policy), self.config.num_layers, self.policy, name="layers")
+        # Long-context mode (sequence tiles) also keeps full's layer inputs as 16-bit words, which XLA:CPU does
+        # not widen to float32 (remat_kit.policies.layers.run_packed).
+        pack = self.config.seq_tiles != 1
+        return stack(
+            _block_class(self.config, self.policy), self.config.num_layers, self.policy, pack=pack, name="layers"
+        )
 
     def hidden(self, tokens, deterministic: bool = True):
         """Final hidden states ``[batch, seq, d_model]`` (before the output projection)."""

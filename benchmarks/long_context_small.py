@@ -50,9 +50,10 @@ def main(argv=None) -> int:
     tiles = args.seq_tiles if args.seq_tiles == "auto" else int(args.seq_tiles)
     config = TransformerConfig.preset("small", max_seq_len=args.limit, seq_tiles=tiles)
     print(f"real steps at the plan's longest sequence: batch {args.batch} x {seq:,}, {args.policy}, seq_tiles={tiles}")
-    (record,) = run_bench(
+    records = run_bench(
         config, args.batch, seq, [args.policy], steps=args.steps, warmup=1, grad_check=False, subprocesses=True
-    )
+    )  # none runs too (every bench compares with it)
+    record = next(r for r in records if r.policy == args.policy)
     state = Planner(config).state_bytes()  # parameters and AdamW state, from shapes
     used = record.peak_bytes - record.baseline_bytes + state  # the step's own bytes, the state put back
     print(

@@ -653,6 +653,7 @@ def fit(
         choice=choice,
     )
 
+
 @dataclasses.dataclass(frozen=True)
 class SeqEdge:
     """The longest sequence whose compiled step fits one budget under one policy, and the compiled edge.

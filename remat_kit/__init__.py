@@ -25,6 +25,7 @@ _LAZY = {
     "compare": ("remat_kit.analysis.inspection", "compare"),
     "auto": ("remat_kit.planning.budget", "auto"),
     "fit": ("remat_kit.planning.fit", "fit"),
+    "tiled": ("remat_kit.policies.tiling", "tiled"),
     "apply": ("remat_kit.unedited.entry", "apply"),
     "names_of": ("remat_kit.unedited.entry", "names_of"),
     "apply_factory": ("remat_kit.unedited.entry", "apply_factory"),
@@ -49,4 +50,5 @@ __all__ = [
     "policies",
     "remat",
     "stack",
+    "tiled",
 ]

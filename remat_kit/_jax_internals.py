@@ -263,6 +263,26 @@ def weighted_leaf_eqns(jaxpr, times: int = 1) -> Iterator[tuple[Any, int]]:
             yield from weighted_leaf_eqns(sub, inner)
 
 
+def loop_trips(jaxpr, times: int = 1) -> int:
+    """How many scan trips one run of a (closed) jaxpr executes, nested scans multiplied out (a ``while``: once).
+
+    >>> import jax, jax.numpy as jnp
+    >>> inner = lambda c, _: (c + 1.0, None)
+    >>> outer = lambda c, _: (jax.lax.scan(inner, c, None, length=3)[0], None)
+    >>> loop_trips(jax.make_jaxpr(lambda x: jax.lax.scan(outer, x, None, length=2)[0])(0.0))
+    8
+    """
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0
+    for eqn in jaxpr.eqns:
+        inner = times * int(eqn.params["length"]) if eqn.primitive.name == "scan" else times
+        if eqn.primitive.name == "scan":
+            total += inner
+        for sub in subjaxprs(eqn):
+            total += loop_trips(sub, inner)
+    return total
+
+
 def aval_nbytes(var) -> int:
     """Bytes of one jaxpr variable's (or literal's) abstract value; 0 for tokens and other non-arrays."""
     aval = getattr(var, "aval", None)

@@ -171,6 +171,7 @@ def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None
         default=0,
         help="0: plain loss over full logits; K: the fused chunked cross-entropy; auto: as `train` picks",
     )
+    add_seq_tiles_arg(parser)
     add_lora_args(parser)
 
 
@@ -212,6 +213,33 @@ def loss_chunks_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {text!r}") from None
 
 
+def seq_tiles_arg(text: str) -> int | str:
+    """argparse type of ``--seq-tiles``: ``auto`` or an integer (checked by :func:`check_seq_tiles_flag`)."""
+    return loss_chunks_arg(text)
+
+
+def add_seq_tiles_arg(parser: argparse.ArgumentParser) -> None:
+    """``--seq-tiles K|auto`` (train, plan, bench): the block's per-token parts in K sequence tiles."""
+    parser.add_argument(
+        "--seq-tiles",
+        type=seq_tiles_arg,
+        default=None,
+        metavar="K|auto",
+        help="run the block's per-token parts (norms, projections, MLP) over the sequence in K tiles, each under "
+        "its own checkpoint, so a layer's recompute never holds their whole-sequence intermediates; K divides "
+        "the sequence; auto: tiles of about 4,096 tokens once a step has more (default: 1, untiled)",
+    )
+
+
+def check_seq_tiles_flag(value) -> dict[str, Any]:
+    """The TransformerConfig override of ``--seq-tiles`` (empty when not given), refused in the flag's words."""
+    if value is None:
+        return {}
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"--seq-tiles must be 'auto' or an integer >= 1 (1: untiled), got {value!r}")
+    return {"seq_tiles": value}
+
+
 def config_from_args(args: argparse.Namespace):
     """The ``(TransformerConfig, batch, seq)`` the options ask for, validated before anything is traced."""
     from remat_kit.model.transformer import TransformerConfig
@@ -227,6 +255,7 @@ def config_from_args(args: argparse.Namespace):
     if args.layers is not None:
         overrides["num_layers"] = args.layers
     overrides.update(lora_overrides(args))
+    overrides.update(check_seq_tiles_flag(getattr(args, "seq_tiles", None)))
     config = TransformerConfig.preset(args.preset, **overrides)
     default_batch, default_seq = constants.PRESET_SHAPES.get(args.preset, (1, min(128, config.max_seq_len)))
     batch = default_batch if args.batch_size is None else args.batch_size

@@ -35,6 +35,7 @@ PRESET_ONLY: tuple[str, ...] = (
     "param_dtype",
     "attention",
     "loss_chunks",
+    "seq_tiles",
     "mesh",
     "lora_rank",
     "lora_alpha",
@@ -154,6 +155,20 @@ def _plan_command(args: argparse.Namespace) -> int:
     from remat_kit.train import mesh as mesh_lib
 
     check_jobs(args.jobs)
+    if args.seq_step is not None and args.max_seq is None:
+        raise ValueError("--seq-step goes with --max-seq")
+    if args.max_seq is not None:
+        from remat_kit.cli import plan_max_seq
+
+        args.seq_step = 256 if args.seq_step is None else args.seq_step
+        if args.model:
+            given = [f"--{k.replace('_', '-')}" for k in PRESET_ONLY if getattr(args, k, None) not in (None, 0)]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} shape the built-in model; with --model the factory gives the shapes"
+                )
+            return plan_max_seq.run_model(args)
+        return plan_max_seq.run_preset(args)
     check_plot(args.plot)
     if args.budget is not None and (args.explain or args.timeline is not None):
         raise ValueError("--explain and --timeline compare policies at their peaks; they do not go with --budget")
@@ -289,6 +304,20 @@ def add_cli(subparsers) -> None:
     )
     p.add_argument("--mesh", default=None, help="plan per device over a mesh, e.g. data=4 or data=2,fsdp=2")
     p.add_argument("--budget", default=None, help="device memory budget (any unit: 80GB, 24GiB): choose a policy")
+    p.add_argument(
+        "--max-seq",
+        nargs="?",
+        type=int,
+        const=131_072,
+        default=None,
+        metavar="LIMIT",
+        help="with --budget (one size or several, 16GB,24GB,80GB): per policy, the longest sequence whose compiled "
+        "step fits, found at its edge (that length fits, the next --seq-step does not), with the cost of one more "
+        "position beside the floor the policy keeps; lengths up to LIMIT (default 131,072)",
+    )
+    p.add_argument(
+        "--seq-step", type=int, default=None, help="with --max-seq: lengths tried in multiples of this (default 256)"
+    )
     p.add_argument(
         "--margin", type=float, default=None, help=f"with --budget: safety margin (default {constants.DEFAULT_MARGIN})"
     )

@@ -14,7 +14,9 @@ from remat_kit import constants
 from remat_kit.cli.common import (
     add_lora_args,
     add_parser,
+    add_seq_tiles_arg,
     add_shape_args,
+    check_seq_tiles_flag,
     float_arg,
     lora_overrides,
     loss_chunks_arg,
@@ -90,6 +92,7 @@ def add_cli(subparsers) -> None:
         help="K: logits, loss and gradients in K chunks (the fused loss); 0: the plain loss; "
         "auto (default): fused where the float32 logits reach 256 MiB",
     )
+    add_seq_tiles_arg(p)
     p.add_argument("--seed", type=int, default=d["seed"], help="initialization, dropout and data-order seed")
     p.add_argument("--data", nargs="+", metavar="PATH", help="text files or folders (default: Python stdlib)")
     p.add_argument("--max-corpus-bytes", type=int, default=None, help="read at most this many bytes of text")
@@ -145,6 +148,7 @@ def config_from_args(args: argparse.Namespace):
 
     overrides = {} if args.dropout is None else {"dropout": float(args.dropout)}
     overrides.update(lora_overrides(args))
+    overrides.update(check_seq_tiles_flag(args.seq_tiles))
     return TrainConfig(
         model=TransformerConfig.preset(args.preset, **overrides),
         policy="none" if args.policy == "auto" else args.policy,

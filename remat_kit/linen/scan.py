@@ -62,11 +62,15 @@ class Stack(nn.Module):
         **kwargs)`` returns a value shaped like ``x``, or a pair ``(x, aux)``.
       num_layers: the depth.
       policy: the rematerialization policy.
+      pack: under ``full`` with a 16-bit floating ``x``, keep the layer inputs as 16-bit integer words
+        (:func:`remat_kit.policies.layers.run_packed`: same values and gradients; XLA:CPU does not widen them
+        to float32). Applies to blocks returning ``x`` alone with no mutable collection; elsewhere ignored.
     """
 
     block: Callable[..., nn.Module]
     num_layers: int
     policy: Policy | Mix
+    pack: bool = False
 
     @nn.compact
     def __call__(self, x, *args, **kwargs):
@@ -122,6 +126,10 @@ class Stack(nn.Module):
             key=(_block_key(self.block, streams, args, kwargs), tags.signature((one, abstract_x))),
         )
         step = functools.partial(run_layer, named=named)
+        if self.pack and not mutable and not self.is_initializing() and _layers.packable(policy, x):
+            extra = jax.eval_shape(lambda v, h: step(v, h, jnp.int32(0))[1], one, x)
+            if not jax.tree.leaves(extra):  # no aux, nothing mutated: the block returns x alone
+                return _layers.run_packed(num_layers, step, variables, x)
         out, (aux, mutated) = _layers.run(policy, num_layers, step, variables, x)
         if not self.is_initializing():  # flax's init does not update statistics either
             for col, tree in mutated.items():

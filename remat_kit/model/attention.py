@@ -365,6 +365,10 @@ def _block_scores(q_blk, k_blk, q0, k0, scale: float):
     Head-major blocks (``q_blk [b, kv, g, bq, d]``, ``k_blk [b, kv, bk, d]``): a batched matmul whose
     operands need no transpose inside the loop.
     """
+    # The offsets pass a barrier with the block: the mask then depends on the data. Alone it depends only on the
+    # pair index, and JAX's scan partial evaluation hoists such loop-invariant work out of an enclosing scan (the
+    # layers'), precomputing every pair's mask at once: [pairs, b, kv, g, block, block] bool, quadratic in seq.
+    q0, k0, q_blk = jax.lax.optimization_barrier((q0, k0, q_blk))
     scores = jnp.einsum("bkgqd,bksd->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
     bq, bk = q_blk.shape[3], k_blk.shape[2]
     allowed = (q0 + jnp.arange(bq))[:, None] >= (k0 + jnp.arange(bk))[None, :]
@@ -471,7 +475,11 @@ def _flash(q, k, v, block: int, chains: int):
     ``custom_vjp`` as one unit and would not see a tag inside its forward rule). A policy that keeps
     ``context`` saves them; one that does not recomputes this forward in the backward pass.
     """
-    out, lse = names.tag(jax.lax.stop_gradient(_forward(q, k, v, block, chains)), names.CONTEXT)
+    # stop_gradient on the inputs too, not only on the output: a tangent entering the pair scan makes JAX
+    # linearize it and keep its per-pair masks ([pairs, b, kv, g, block, block] bool, quadratic in the sequence)
+    # even though the output's tangent is then dropped.
+    qs, ks, vs = (jax.lax.stop_gradient(x) for x in (q, k, v))
+    out, lse = names.tag(jax.lax.stop_gradient(_forward(qs, ks, vs, block, chains)), names.CONTEXT)
     return _flash_grad(q, k, v, out, lse, block, chains)
 
 

@@ -45,9 +45,55 @@ from remat_kit import constants, names, policies
 from remat_kit.linen.scan import stack
 from remat_kit.model import attention, lora_layer
 from remat_kit.model.ops import project, rms_norm, swiglu
+from remat_kit.policies import tiling
 from remat_kit.units import check_int
 
 DTYPES: tuple[str, ...] = constants.DTYPES
+
+
+#: ``seq_tiles="auto"`` tiles a step once its batch × sequence passes this many tokens, with tiles of about
+#: this many tokens each: the per-tile working set then stays fixed as the sequence grows.
+AUTO_TILE_TOKENS = 4096
+
+
+def check_seq_tiles(seq_tiles) -> int | str:
+    """``seq_tiles`` as given once it is ``"auto"`` or an integer >= 1 (one line naming it otherwise).
+
+    >>> check_seq_tiles("auto"), check_seq_tiles(4)
+    ('auto', 4)
+    """
+    if isinstance(seq_tiles, str) and seq_tiles == "auto":
+        return seq_tiles
+    if isinstance(seq_tiles, bool) or not isinstance(seq_tiles, int) or seq_tiles < 1:
+        raise ValueError(f"seq_tiles must be 'auto' or an integer >= 1 (1: untiled), got {seq_tiles!r}")
+    return seq_tiles
+
+
+def auto_tiles(batch: int, seq: int) -> int:
+    """The tile count ``seq_tiles="auto"`` picks: 1 up to :data:`AUTO_TILE_TOKENS` tokens, else the smallest
+    divisor of ``seq`` that brings a tile to at most that many tokens.
+
+    >>> auto_tiles(2, 1024), auto_tiles(2, 16384), auto_tiles(1, 6000)
+    (1, 8, 2)
+    """
+    tokens = batch * seq
+    if tokens <= AUTO_TILE_TOKENS:
+        return 1
+    need = -(-tokens // AUTO_TILE_TOKENS)
+    return next(k for k in range(need, seq + 1) if seq % k == 0)
+
+
+def resolve_tiles(seq_tiles, batch: int, seq: int) -> int:
+    """``seq_tiles`` as a count for a ``batch × seq`` step: ``"auto"`` becomes :func:`auto_tiles`; a count
+    must divide ``seq`` (one line naming both otherwise).
+
+    >>> resolve_tiles("auto", 2, 16384), resolve_tiles(4, 2, 1024)
+    (8, 4)
+    """
+    seq_tiles = check_seq_tiles(seq_tiles)
+    if seq_tiles == "auto":
+        return auto_tiles(batch, seq)
+    return tiling.check_tiles(seq_tiles, seq, what="seq_tiles")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +120,11 @@ class TransformerConfig:
         default (:func:`remat_kit.model.attention.default_block`).
       lora_rank, lora_alpha, lora_targets, quantize: LoRA adapters / an int8 or NF4 base: its Block
         kernels, embedding and untied output head (see :mod:`remat_kit.model.lora`).
+      seq_tiles: run the block's per-token parts (the norms, the q/k/v projections, the attention output
+        projection, the MLP, the residual adds) over the sequence in this many tiles, each under its own
+        checkpoint (:func:`remat_kit.policies.tiling.tiled`), so a layer's recompute never holds their whole-sequence
+        intermediates; 1 (default) untiled; ``"auto"``: :func:`auto_tiles` of the shape. Attention itself
+        cannot be tiled by position (it mixes them); it is chunked instead (``attention``).
     """
 
     vocab_size: int = 256
@@ -95,6 +146,7 @@ class TransformerConfig:
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     quantize: str = "none"
+    seq_tiles: int | str = 1
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_seq_len"):
@@ -116,6 +168,7 @@ class TransformerConfig:
             # A config that went through JSON (a bench worker's job, checkpoint metadata) has a list here.
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         lora_layer.check_config(self)
+        check_seq_tiles(self.seq_tiles)
 
     @property
     def head_dim(self) -> int:
@@ -219,9 +272,17 @@ def _norm(cfg: TransformerConfig, name: str) -> RMSNorm:
 
 
 class Block(nn.Module):
-    """One lean pre-norm transformer layer; emits every tag of :data:`remat_kit.names.VOCABULARY`."""
+    """One lean pre-norm transformer layer; emits every tag of :data:`remat_kit.names.VOCABULARY`.
+
+    Attributes:
+      config: the model shape; its ``seq_tiles`` runs the per-token parts in sequence tiles.
+      tile_policy: what each sequence tile's checkpoint keeps (the layer's policy, so a tile keeps what the
+        layer would: nothing for ``full``, the tagged outputs for ``selective``, everything for ``none``);
+        None keeps nothing but the tile's inputs.
+    """
 
     config: TransformerConfig
+    tile_policy: Any = None
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):  # x: [batch, seq, d_model]
@@ -229,24 +290,53 @@ class Block(nn.Module):
         b, s, _ = x.shape
         h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = names.tag(x, names.LAYER_INPUT)
+        attn_norm, mlp_norm = _norm(cfg, "attn_norm"), _norm(cfg, "mlp_norm")
+        q_proj, k_proj, v_proj = (_dense(n * hd, cfg, f"{w}_proj") for n, w in ((h, "q"), (kv, "k"), (kv, "v")))
+        attn_out = _dense(cfg.d_model, cfg, "attn_out")
+        gate_proj, up_proj = _dense(cfg.d_ff, cfg, "mlp_gate"), _dense(cfg.d_ff, cfg, "mlp_up")
+        out_proj = _dense(cfg.d_model, cfg, "mlp_out")
+        drop = cfg.dropout > 0 and not deterministic
+        keys = (self.make_rng("dropout"), self.make_rng("dropout")) if drop else (None, None)
 
-        y = names.tag(_norm(cfg, "attn_norm")(x), names.ATTN_NORM)
-        q = names.tag(_dense(h * hd, cfg, "q_proj")(y).reshape(b, s, h, hd), names.Q_PROJ)
-        k = names.tag(_dense(kv * hd, cfg, "k_proj")(y).reshape(b, s, kv, hd), names.K_PROJ)
-        v = names.tag(_dense(kv * hd, cfg, "v_proj")(y).reshape(b, s, kv, hd), names.V_PROJ)
+        def qkv(x):  # per token: the attention norm and the q/k/v projections
+            y = names.tag(attn_norm(x), names.ATTN_NORM)
+            n = x.shape[1]
+            q = names.tag(q_proj(y).reshape(b, n, h, hd), names.Q_PROJ)
+            k = names.tag(k_proj(y).reshape(b, n, kv, hd), names.K_PROJ)
+            v = names.tag(v_proj(y).reshape(b, n, kv, hd), names.V_PROJ)
+            return q, k, v
+
+        def rest(x, context, pos):  # per token: attention's output projection, the MLP, both residual adds
+            attn = names.tag(attn_out(context), names.ATTN_OUT)
+            x = x + _dropout(attn, cfg.dropout, keys[0], pos)
+            y = names.tag(mlp_norm(x), names.MLP_NORM)
+            gate = names.tag(gate_proj(y), names.MLP_GATE)
+            up = names.tag(up_proj(y), names.MLP_UP)
+            act = names.tag(swiglu(gate, up), names.MLP_ACT)
+            out = names.tag(out_proj(act), names.MLP_OUT)
+            return x + _dropout(out, cfg.dropout, keys[1], pos)
+
+        tiles = resolve_tiles(cfg.seq_tiles, b, s)
+        if tiles > 1 and not self.is_initializing():  # init creates the same parameters untiled
+            qkv = tiling.tiled(qkv, tiles, policy=self.tile_policy)
+            rest = tiling.tiled(rest, tiles, policy=self.tile_policy)
+        q, k, v = qkv(x)
         q, k = attention.rope(q, cfg.rope_base), attention.rope(k, cfg.rope_base)
         # attend() tags the context itself (inside chunked attention's custom_vjp); flat, so the out
         # projection's input is the very array attention's backward keeps, not a second copy.
         context = attention.attend(q, k, v, kind=cfg.attention, block=cfg.attention_block, flat=True)
-        attn = names.tag(_dense(cfg.d_model, cfg, "attn_out")(context), names.ATTN_OUT)
-        x = x + nn.Dropout(cfg.dropout)(attn, deterministic=deterministic)
+        # The positions ride along as a tiled input: a tile's dropout key is folded with its first position.
+        pos = jnp.arange(s, dtype=jnp.int32)[None, :]
+        return rest(x, context, pos)
 
-        y = names.tag(_norm(cfg, "mlp_norm")(x), names.MLP_NORM)
-        gate = names.tag(_dense(cfg.d_ff, cfg, "mlp_gate")(y), names.MLP_GATE)
-        up = names.tag(_dense(cfg.d_ff, cfg, "mlp_up")(y), names.MLP_UP)
-        act = names.tag(swiglu(gate, up), names.MLP_ACT)
-        out = names.tag(_dense(cfg.d_model, cfg, "mlp_out")(act), names.MLP_OUT)
-        return x + nn.Dropout(cfg.dropout)(out, deterministic=deterministic)
+
+def _dropout(y, rate: float, key, pos):
+    """Residual dropout of ``y`` (``key`` None: none), its key folded with the first position of ``pos``
+    (a sequence tile draws its own mask)."""
+    if key is None:
+        return y
+    keep = jax.random.bernoulli(jax.random.fold_in(key, pos[0, 0]), 1.0 - rate, y.shape)
+    return jnp.where(keep, y / (1.0 - rate), jnp.zeros_like(y))
 
 
 class Transformer(nn.Module):
@@ -300,7 +390,12 @@ class Transformer(nn.Module):
 
     def make_layers(self) -> nn.Module:
         """The layer stack (called in ``setup``; a subclass may lay the layers out otherwise)."""
-        return stack(_block_class(self.config), self.config.num_layers, self.policy, name="layers")
+        # Long-context mode (sequence tiles) also keeps full's layer inputs as 16-bit words, which XLA:CPU does
+        # not widen to float32 (remat_kit.policies.layers.run_packed).
+        pack = self.config.seq_tiles != 1
+        return stack(
+            _block_class(self.config, self.policy), self.config.num_layers, self.policy, pack=pack, name="layers"
+        )
 
     def hidden(self, tokens, deterministic: bool = True):
         """Final hidden states ``[batch, seq, d_model]`` (before the output projection)."""
@@ -333,8 +428,11 @@ class Transformer(nn.Module):
         return lora_layer.project_weight(x, w, 1 - vocab_axis, jnp.dtype(self.config.dtype), jnp.float32)
 
 
-def _block_class(cfg: TransformerConfig):
-    return functools.partial(Block, config=cfg)
+def _block_class(cfg: TransformerConfig, policy: policies.Policy | policies.Mix | None = None):
+    # Sequence tiles keep what the layer's policy keeps; under a mix (parts with different rules, one block
+    # class) they keep nothing but their inputs.
+    tile_policy = policy if isinstance(policy, policies.Policy) else None
+    return functools.partial(Block, config=cfg, tile_policy=tile_policy)
 
 
 def check_tokens(cfg: TransformerConfig, tokens) -> None:
@@ -349,6 +447,7 @@ def check_tokens(cfg: TransformerConfig, tokens) -> None:
         raise ValueError(f"tokens must have batch >= 1 and seq >= 1, got shape {shape}")
     if shape[1] > cfg.max_seq_len:
         raise ValueError(f"sequence length {shape[1]} exceeds the model's max_seq_len={cfg.max_seq_len}")
+    resolve_tiles(cfg.seq_tiles, shape[0], shape[1])
 
 
 def init_params(config: TransformerConfig, key, batch: int = 1, seq: int | None = None):

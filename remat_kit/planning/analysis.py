@@ -40,7 +40,7 @@ from remat_kit.analysis import explain as explain_lib
 from remat_kit.analysis.memory import CompiledMemory, host_offload, tree_bytes
 from remat_kit.model import lora
 from remat_kit.model.loss import lm_loss
-from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params
+from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params, resolve_tiles
 from remat_kit.planning import estimates as estimates_lib
 from remat_kit.train import mesh as mesh_lib
 from remat_kit.train import step as step_lib
@@ -224,6 +224,7 @@ def check_shape(config: TransformerConfig, batch: int, seq: int, loss_chunks: in
         raise ValueError(f"loss_chunks must be 0 (plain loss) or a positive integer, got {loss_chunks!r}")
     if loss_chunks > batch * seq:
         raise ValueError(f"loss_chunks={loss_chunks} exceeds the token count {batch * seq}; allowed: 0..{batch * seq}")
+    resolve_tiles(config.seq_tiles, batch, seq)  # tiles that do not divide the sequence: one line, before tracing
 
 
 # ---- the training step -----------------------------------------------------------------------------

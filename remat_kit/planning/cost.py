@@ -12,8 +12,10 @@ the transfer that does not overlap compute; on a backend where offload moves not
 
 The figures per backend (:data:`DEFAULT_HARDWARE`) are datasheet-class defaults; :func:`calibrate`
 replaces peak FLOP/s and bandwidth with a timed matmul and a timed copy on this machine (a few
-hundred ms). The model ignores fusion (an elementwise chain is priced op by op, an upper bound) and
-launch overheads.
+hundred ms). The model ignores fusion (an elementwise chain is priced op by op, an upper bound); launch
+overheads are priced per loop trip (:attr:`Hardware.trip_s`, the dispatch of one trip's fused kernels), so the
+extra trips of sequence tiles (:func:`remat_kit.policies.tiling.tiled`: K trips where one call was) cost time even
+though their FLOPs and bytes are the untiled ones'.
 
 >>> import jax, jax.numpy as jnp
 >>> f = lambda x: jnp.sum(jnp.sin(jnp.sin(x)))
@@ -67,6 +69,7 @@ class Hardware:
       host_bytes_per_s: the host link's bandwidth (offload).
       overlap: the share of an offload's transfer hidden behind compute, in [0, 1].
       calibrated: True when peak and bandwidth were measured here by :func:`calibrate`.
+      trip_s: seconds of dispatch per loop trip (launching one trip's fused kernels), an assumption.
     """
 
     name: str
@@ -75,6 +78,7 @@ class Hardware:
     host_bytes_per_s: float
     overlap: float = 0.0
     calibrated: bool = False
+    trip_s: float = 0.0
 
     def __post_init__(self):
         for field in ("flops_per_s", "bytes_per_s", "host_bytes_per_s"):
@@ -83,6 +87,8 @@ class Hardware:
                 raise ValueError(f"Hardware.{field} must be a positive number, got {value!r}")
         if not 0 <= self.overlap <= 1:
             raise ValueError(f"Hardware.overlap must be in [0, 1], got {self.overlap!r}")
+        if isinstance(self.trip_s, bool) or not isinstance(self.trip_s, (int, float)) or self.trip_s < 0:
+            raise ValueError(f"Hardware.trip_s must be a number >= 0, got {self.trip_s!r}")
 
     def op_seconds(self, op_flops: float, op_bytes: float) -> float:
         """The roofline time of one op: compute-bound or memory-bound, whichever is slower."""
@@ -127,12 +133,21 @@ class Hardware:
 #: (989 TFLOP/s; HBM 3.35 TB/s on H100, 4.8 on H200: the lower is used) over PCIe Gen5 x16 (~55 GB/s
 #: effective); tpu: v5p-class (459 TFLOP/s bf16, 2.76 TB/s HBM). The offload overlap is an assumption
 #: (XLA schedules the copies asynchronously; half of them hidden), not a measurement.
+#: The dispatch cost per loop trip is an assumption too: a trip of a tiled block runs some ten fused kernels, about
+#: 5 µs each to launch on a GPU, a few µs on a TPU; XLA:CPU dispatches a trip's thunks in a few µs.
 DEFAULT_HARDWARE: dict[str, Hardware] = {
-    "cpu": Hardware("cpu", flops_per_s=1e11, bytes_per_s=2e10, host_bytes_per_s=2e10, overlap=0.0),
+    "cpu": Hardware("cpu", flops_per_s=1e11, bytes_per_s=2e10, host_bytes_per_s=2e10, overlap=0.0, trip_s=5e-6),
     "gpu": Hardware(
-        "gpu (H100/H200-class)", flops_per_s=989e12, bytes_per_s=3.35e12, host_bytes_per_s=5.5e10, overlap=0.5
+        "gpu (H100/H200-class)",
+        flops_per_s=989e12,
+        bytes_per_s=3.35e12,
+        host_bytes_per_s=5.5e10,
+        overlap=0.5,
+        trip_s=5e-5,
     ),
-    "tpu": Hardware("tpu (v5p-class)", flops_per_s=459e12, bytes_per_s=2.76e12, host_bytes_per_s=3.2e10, overlap=0.5),
+    "tpu": Hardware(
+        "tpu (v5p-class)", flops_per_s=459e12, bytes_per_s=2.76e12, host_bytes_per_s=3.2e10, overlap=0.5, trip_s=2e-5
+    ),
 }
 
 
@@ -194,15 +209,20 @@ class Work:
     Attributes:
       ops: each distinct op (primitive name, FLOPs, bytes read + written) and how many times it runs.
       host_bytes: bytes the step moves between device and host memory (offload copies, both ways).
+      trips: loop trips the step executes (scans multiplied out; :func:`remat_kit._jax_internals.loop_trips`).
     """
 
     ops: tuple[tuple[tuple[str, int, int], int], ...]
     host_bytes: int = 0
+    trips: int = 0
 
     def minus(self, base: Work) -> Work:
-        """The ops this step runs more often than ``base`` (what a policy recomputes over ``none``)."""
+        """The ops this step runs more often than ``base`` (what a policy recomputes over ``none``), and its
+        extra loop trips."""
         extra = collections.Counter(dict(self.ops)) - collections.Counter(dict(base.ops))
-        return Work(tuple(sorted(extra.items())), max(self.host_bytes - base.host_bytes, 0))
+        return Work(
+            tuple(sorted(extra.items())), max(self.host_bytes - base.host_bytes, 0), max(self.trips - base.trips, 0)
+        )
 
     @property
     def flops(self) -> int:
@@ -242,7 +262,7 @@ def work_of(jaxpr) -> Work:
             host += times * sum(_jax_internals.aval_nbytes(v) for v in eqn.invars)
         counts[_op_key(eqn)] += times
     counts = collections.Counter({k: n for k, n in counts.items() if k[1] or k[2]})  # free ops carry no cost
-    return Work(tuple(sorted(counts.items())), host)
+    return Work(tuple(sorted(counts.items())), host, _jax_internals.loop_trips(jaxpr))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +274,8 @@ class Estimate:
       offload_s: exposed seconds of host transfers (0 where offload moves nothing).
       recompute_flops, recompute_bytes: FLOPs and bytes of the recomputed ops.
       offload_bytes: bytes moved over the host link.
+      trips_s, extra_trips: the dispatch time of the loop trips the step runs beyond ``none``'s (sequence
+        tiles: K trips per tiled call), and their count.
     """
 
     recompute_s: float
@@ -261,11 +283,13 @@ class Estimate:
     recompute_flops: int
     recompute_bytes: int
     offload_bytes: int
+    trips_s: float = 0.0
+    extra_trips: int = 0
 
     @property
     def cost_s(self) -> float:
-        """The estimated step-time cost: recompute plus exposed offload."""
-        return self.recompute_s + self.offload_s
+        """The estimated step-time cost: recompute, exposed offload and the dispatch of extra loop trips."""
+        return self.recompute_s + self.offload_s + self.trips_s
 
     @property
     def rank(self) -> tuple:
@@ -288,4 +312,6 @@ def estimate(work: Work, base: Work, hardware: Hardware, *, host_moves: bool = T
         recompute_flops=extra.flops,
         recompute_bytes=extra.nbytes,
         offload_bytes=moved,
+        trips_s=extra.trips * hardware.trip_s,
+        extra_trips=extra.trips,
     )

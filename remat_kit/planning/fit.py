@@ -27,7 +27,7 @@ from remat_kit.planning import cost, tensors
 from remat_kit.planning.budget import GENERIC_CANDIDATES, Candidate, Pricer, candidates_for
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner, get_optimizer
 from remat_kit.unedited import entry as unedited_lib
-from remat_kit.units import fmt_bytes, parse_bytes
+from remat_kit.units import check_int, fmt_bytes, parse_bytes
 
 
 def max_fit(
@@ -62,7 +62,7 @@ def max_fit(
     need = lambda n: planner.memory(policy, *((n, seq) if dim == "batch" else (batch, n)))[0]
     target = budget.target
     first = 1
-    if planner.loss_chunks:  # the chunk count may not exceed the token count
+    if isinstance(planner.loss_chunks, int) and planner.loss_chunks:  # chunks may not exceed the token count
         first = -(-planner.loss_chunks // (seq if dim == "batch" else batch))
     start = max(first, min(batch if dim == "batch" else seq, cap))
     if dim == "seq":
@@ -652,3 +652,69 @@ def fit(
         candidates=choice.candidates,
         choice=choice,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqEdge:
+    """The longest sequence whose compiled step fits one budget under one policy, and the compiled edge.
+
+    Attributes:
+      policy: the policy spec.
+      budget_bytes, margin: the budget (a step fits when its need × (1 + margin) is at most the budget).
+      seq: the longest multiple of ``step`` that fits (0: not even ``step`` fits), compiled.
+      need_bytes: its compiled device need (None when nothing fits).
+      next_seq, next_need_bytes: ``seq + step``, compiled and shown not to fit; None when ``seq`` is the limit.
+      host_bytes: host memory the step at ``seq`` needs (offloaded residuals; 0 where offload moves nothing).
+      step, limit: the granularity and the longest length tried.
+    """
+
+    policy: str
+    budget_bytes: int
+    margin: float
+    seq: int
+    need_bytes: int | None
+    next_seq: int | None
+    next_need_bytes: int | None
+    host_bytes: int
+    step: int
+    limit: int
+
+
+def longest_seq(
+    planner,
+    policy: policies.Policy | str,
+    *,
+    batch: int | None,
+    budget_bytes: int,
+    margin: float = DEFAULT_MARGIN,
+    step: int = 256,
+    limit: int,
+    first: int = 1,
+    probes: tuple[int, ...] = (),
+) -> SeqEdge:
+    """The longest multiple of ``step`` (at most ``limit``) whose compiled step fits, found at its edge.
+
+    The answer is compiled and fits, and the next multiple of ``step`` is compiled and does not (or the
+    answer is ``limit``). Few compiles: the need is affine (chunked attention) or at most quadratic in the
+    sequence, so a parabola through the measured points names the answer (:func:`_boundary`).
+
+    Args:
+      planner: a :class:`~remat_kit.planning.planner.StepPlanner` whose ``memory(policy, batch, seq)`` compiles.
+      batch: the batch size (None for a model whose factory fixes it).
+      step: the granularity in positions; limit: the longest sequence tried (a multiple of ``step``).
+      first: the shortest multiple of ``step`` allowed (in units of ``step``).
+      probes: lengths (in positions) to compile first, e.g. the reference shape.
+    """
+    check_int("step", step)
+    check_int("limit", limit, step)
+    budget = Budget(budget_bytes, margin)
+    policy = policies.parse(policy)
+    cap = limit // step
+    need = lambda n: planner.memory(policy, batch, n * step)[0]
+    units = tuple(p // step for p in probes if p % step == 0 and first <= p // step <= cap)
+    n = _boundary(need, budget.target, first, cap, probes=units, degree=2)
+    seq = n * step
+    got = planner.memory(policy, batch, seq) if n else (None, 0)
+    nxt = (n + 1) * step if n < cap else None
+    nxt_need = need(n + 1) if nxt is not None else None
+    return SeqEdge(str(policy), budget_bytes, margin, seq, got[0], nxt, nxt_need, got[1], step, limit)

@@ -21,7 +21,7 @@ from remat_kit import _jax_internals, policies
 from remat_kit.analysis import _xla_dump, explain, flops
 from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.constants import DEFAULT_MARGIN
-from remat_kit.model.loss import lm_loss
+from remat_kit.model.loss import lm_loss, resolve_chunks
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis, cost
 from remat_kit.train import mesh as mesh_lib
@@ -272,7 +272,8 @@ class Planner(StepPlanner):
     Args:
       config: the model.
       optimizer: a name in :data:`OPTIMIZERS` or an optax transformation.
-      loss_chunks: 0 for the plain loss, k for the chunked loss.
+      loss_chunks: 0 for the plain loss, k for the chunked loss, ``"auto"`` for the count ``train`` picks at
+        each shape (:func:`remat_kit.model.loss.auto_chunks`: it grows with the sequence).
       mesh: a ``jax.sharding.Mesh`` or a mesh spec such as ``"data=2,fsdp=2"``; bytes are then per device.
       grad_accum: micro-batches per update: ``optax.MultiSteps`` adds its gradient buffer, as in ``train``.
       progress: see :class:`StepPlanner`.
@@ -292,17 +293,25 @@ class Planner(StepPlanner):
         params = analysis.abstract_params(config)
 
         def build(policy, batch, seq):
-            analysis.check_shape(config, batch, seq, loss_chunks)
+            chunks = self.chunks_at(batch, seq)
+            analysis.check_shape(config, batch, seq, chunks)
             if self.mesh is not None:
                 mesh_lib.check_batch(batch, self.mesh)
             model = Transformer(config=config, policy=policy)
-            loss = lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=loss_chunks)
+            loss = lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=chunks)
             return loss, params, (jax.ShapeDtypeStruct((batch, seq), jnp.int32),)
 
         super().__init__(build, optimizer, mesh, progress)
         self._params = params
         if grad_accum > 1:
             self.opt = optax.MultiSteps(self.opt, every_k_schedule=grad_accum)
+
+    def chunks_at(self, batch: int, seq: int) -> int:
+        """The loss's chunk count at a shape: ``loss_chunks`` itself, or (``"auto"``) what ``train`` picks there."""
+        if self.loss_chunks == "auto":
+            devices = 1 if self.mesh is None else self.mesh.size
+            return resolve_chunks("auto", batch * seq, self.config.vocab_size, devices)
+        return self.loss_chunks
 
     def state_bytes(self) -> int:
         """Bytes of the parameters and optimizer state on each device, from shapes alone (nothing compiled).

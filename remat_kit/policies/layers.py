@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import names as _names
@@ -240,3 +241,104 @@ def run_periods(
         steps = [p.checkpoint(one, prevent_cse=False) for p, one in zip(wrap, steps, strict=True)]
     # Per-layer policies wrap each block above; the scan over periods then adds nothing (none).
     return run(none() if per_layer else policy, periods, period_step(steps), tuple(variables), x)
+
+
+#: Floating dtypes :func:`run_packed` stores as 16-bit words.
+PACKED_DTYPES = ("bfloat16", "float16")
+
+
+def packable(policy: Policy | Mix, x: Any) -> bool:
+    """Whether :func:`run_packed` applies: ``full`` (one layer per step, keeping only its input) over one
+    16-bit floating array."""
+    return (
+        isinstance(policy, Policy)
+        and policy.kind == "full"
+        and hasattr(x, "dtype")
+        and jnp.dtype(x.dtype).name in PACKED_DTYPES
+    )
+
+
+def run_packed(num_layers: int, step: Step, variables: Any, x: jax.Array) -> jax.Array:
+    """``full`` over ``num_layers`` layers, its kept layer inputs stored as 16-bit integer words.
+
+    The same values and gradients as :func:`run` under ``full`` (each layer recomputed from its input in the
+    backward pass); the difference is the dtype of the stack of kept inputs. XLA:CPU (jax 0.10) converts a
+    scan's stacked bfloat16 input to float32 whole before the loop that reads it (its dynamic slices run in
+    float32 there), so ``full``'s kept layer inputs cost three times their bytes at the start of the backward
+    pass (the bfloat16 stack and its float32 copy); integer words are never converted. A ``jax.custom_vjp``
+    over the whole scan: its forward saves ``bitcast(input, uint16)`` per layer, its backward recomputes each
+    layer from the bitcast back and takes its vector-Jacobian product, only for the inputs JAX differentiates.
+
+    Args:
+      step: ``step(layer_variables, h, i) -> (h, ys)`` with ``ys`` empty (no aux, no mutated collections).
+    """
+    index = jnp.arange(num_layers, dtype=jnp.int32)
+    layer = lambda v, h, i: step(v, h, i)[0]
+    converted, consts = jax.closure_convert(layer, layer_at(variables, 0), x, index[0])
+    return _packed(converted, num_layers, variables, x, *consts)
+
+
+def _scan_layers(fn, num_layers, variables, x, consts, keep: bool):
+    def body(h, xs):
+        v, i = xs
+        return fn(v, h, i, *consts), (jax.lax.bitcast_convert_type(h, jnp.uint16) if keep else None)
+
+    return jax.lax.scan(body, x, (variables, jnp.arange(num_layers, dtype=jnp.int32)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _packed(fn, num_layers, variables, x, *consts):
+    return _scan_layers(fn, num_layers, variables, x, consts, keep=False)[0]
+
+
+def _packed_fwd(fn, num_layers, variables, x, *consts):
+    out, stack = _scan_layers(fn, num_layers, variables, x, consts, keep=True)
+    return out, (variables, stack, tuple(consts))
+
+
+def _packed_bwd(fn, num_layers, residuals, g):
+    variables, stack, consts = residuals
+    # Every floating input is differentiated (codes, counters and keys have no cotangent); the cotangents JAX
+    # drops (a frozen base's) are dead code, removed with the work that makes them.
+    floating = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
+    v_leaves, v_tree = jax.tree.flatten(variables)
+    v_diff = [i for i, a in enumerate(v_leaves) if floating(a)]
+    c_diff = [i for i, a in enumerate(consts) if floating(a)]
+
+    def body(carry, xs):
+        gh, gc = carry
+        v, packed, i = xs
+        h = jax.lax.bitcast_convert_type(packed, g.dtype)
+        leaves = jax.tree.leaves(v)
+
+        def f(dv, dc, h):
+            full_v, full_c = list(leaves), list(consts)
+            for k, a in zip(v_diff, dv, strict=True):
+                full_v[k] = a
+            for k, a in zip(c_diff, dc, strict=True):
+                full_c[k] = a
+            return fn(jax.tree.unflatten(v_tree, full_v), h, i, *full_c)
+
+        _, vjp = jax.vjp(f, [leaves[k] for k in v_diff], [consts[k] for k in c_diff], h)
+        dv, dc, dh = vjp(gh)
+        return (dh, [a + b for a, b in zip(gc, dc, strict=True)]), dv
+
+    zeros = [jnp.zeros_like(consts[k]) for k in c_diff]
+    xs = (variables, stack, jnp.arange(num_layers, dtype=jnp.int32))
+    (dx, dcs), dvs = jax.lax.scan(body, (g, zeros), xs, reverse=True)
+    out_v = [_zero_cotangent(a) for a in v_leaves]
+    for k, a in zip(v_diff, dvs, strict=True):
+        out_v[k] = a
+    out_c = [_zero_cotangent(a) for a in consts]
+    for k, a in zip(c_diff, dcs, strict=True):
+        out_c[k] = a
+    return (jax.tree.unflatten(v_tree, out_v), dx, *out_c)
+
+
+def _zero_cotangent(a):
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return jnp.zeros(a.shape, a.dtype)
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+
+_packed.defvjp(_packed_fwd, _packed_bwd)

@@ -15,7 +15,7 @@ import optax
 
 from remat_kit import constants, policies
 from remat_kit.model import loss
-from remat_kit.model.transformer import PRESETS, TransformerConfig
+from remat_kit.model.transformer import PRESETS, TransformerConfig, resolve_tiles
 from remat_kit.train import data
 from remat_kit.train import step as step_lib
 from remat_kit.units import check_int
@@ -158,6 +158,7 @@ class TrainConfig:
                 f"loss_chunks={self.loss_chunks} exceeds the {tokens} tokens of a micro-batch (batch_size × "
                 f"seq_len); allowed: 0..{tokens} or 'auto'"
             )
+        resolve_tiles(self.model.seq_tiles, self.batch_size, self.seq_len)  # tiles must divide seq_len
         if self.warmup_steps == -1:
             object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
         if self.warmup_steps >= self.steps:

@@ -1,0 +1,329 @@
+"""``remat-kit plan --max-seq``: per policy, the longest sequence whose compiled step fits each budget.
+
+Each answer is found at its edge by compiling (:func:`remat_kit.planning.fit.longest_seq`): the longest
+multiple of ``--seq-step`` that fits, and the next one, which does not. Beside it: the need at the reference
+length, the cost of one more position (the slope from the reference to the longest edge, whole batch) and the
+floor under it, what the policy's layer stack keeps per position (trace-only), with offloaded bytes counted on
+the device where offload moves nothing (XLA:CPU, :func:`remat_kit.analysis.memory.host_offload`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect as pyinspect
+import os
+import sys
+from typing import Any
+
+from remat_kit.cli.common import check_writable, command_line, write_json
+from remat_kit.units import fmt_bytes, fmt_count
+
+#: ``--max-seq`` without a value tries sequences up to this length.
+DEFAULT_LIMIT = 131_072
+
+#: ``--max-seq`` compares these by default on a preset (one of each kind that changes what a layer keeps).
+DEFAULT_POLICIES: tuple[str, ...] = ("none", "dots", "selective", "offload", "full")
+
+
+def budgets_arg(text: str) -> list[int]:
+    """``--budget`` with ``--max-seq``: one size or several, comma-separated (``16GB,24GB,80GB``)."""
+    from remat_kit.units import parse_bytes
+
+    return [parse_bytes(part) for part in text.split(",")]
+
+
+def host_ram() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_args(args: argparse.Namespace) -> tuple[list[int], float, int, int]:
+    """``(budgets, margin, step, limit)`` of ``--max-seq``, refused in one line before anything is compiled."""
+    from remat_kit.planning.planner import DEFAULT_MARGIN, Budget
+
+    if args.budget is None:
+        raise ValueError("--max-seq needs --budget (one size or several: 16GB,24GB,80GB)")
+    for flag in ("explain", "per_tensor", "maxtext", "calibrate"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} does not go with --max-seq")
+    for flag in ("timeline", "plot", "limits", "mesh"):
+        if getattr(args, flag, None) is not None:
+            raise ValueError(f"--{flag} does not go with --max-seq")
+    budgets = budgets_arg(args.budget)
+    margin = DEFAULT_MARGIN if args.margin is None else args.margin
+    for b in budgets:
+        Budget(b, margin)
+    step, limit = args.seq_step, args.max_seq
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"--seq-step must be an integer >= 1, got {step!r}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < step or limit % step:
+        raise ValueError(f"--max-seq {limit!r} must be a positive multiple of --seq-step {step}")
+    tiles = getattr(args, "seq_tiles", None)
+    if isinstance(tiles, int) and not isinstance(tiles, bool) and tiles > 0 and step % tiles:
+        raise ValueError(f"--seq-step {step} must be a multiple of --seq-tiles {tiles}: every length tried is tiled")
+    check_writable(args.json, "--json")
+    return budgets, margin, step, limit
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyReach:
+    """One policy's row: the reference need, the per-position cost and floor, and the edge at each budget."""
+
+    policy: str
+    ref_seq: int
+    ref_need_bytes: int
+    per_position_bytes: float | None
+    floor_per_position_bytes: float
+    floor_host_per_position_bytes: float
+    edges: tuple[Any, ...]  # remat_kit.planning.fit.SeqEdge, one per budget
+
+    def to_dict(self) -> dict[str, Any]:
+        row = {k: v for k, v in dataclasses.asdict(self).items() if k != "edges"}
+        row["edges"] = [dataclasses.asdict(e) for e in self.edges]
+        return row
+
+
+def reach(planner, policy, *, batch, ref_seq: int, budgets, margin, step, limit, first, floor) -> PolicyReach:
+    """A policy's :class:`PolicyReach` (compiles the reference shape and each budget's edge)."""
+    from remat_kit.planning import fit
+
+    ref_need = planner.memory(policy, batch, ref_seq)[0]
+    probes = (ref_seq, 4 * ref_seq)
+    edges = tuple(
+        fit.longest_seq(
+            planner,
+            policy,
+            batch=batch,
+            budget_bytes=b,
+            margin=margin,
+            step=step,
+            limit=limit,
+            first=first,
+            probes=probes,
+        )
+        for b in budgets
+    )
+    longest = max(edges, key=lambda e: e.seq)
+    per = None
+    if longest.seq > ref_seq:
+        per = (longest.need_bytes - ref_need) / (longest.seq - ref_seq)
+    elif longest.next_seq is not None and longest.next_seq != ref_seq:
+        per = (longest.next_need_bytes - ref_need) / (longest.next_seq - ref_seq)
+    device, host = floor
+    return PolicyReach(str(policy), ref_seq, ref_need, per, device, host, edges)
+
+
+def format_rows(rows: list[PolicyReach], budgets: list[int]) -> list[str]:
+    """The table: need at the reference, cost per position, floor, × floor, and the longest sequence per budget."""
+    ref = rows[0].ref_seq
+    cols = "".join(f"{'max seq ' + fmt_bytes(b):>17}" for b in budgets)
+    head = f"{'policy':12} {'need @' + format(ref, ','):>13} {'per pos.':>10} {'floor':>10} {'x floor':>8}{cols}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        per = "-" if r.per_position_bytes is None else fmt_bytes(r.per_position_bytes)
+        ratio = (
+            "-"
+            if r.per_position_bytes is None or not r.floor_per_position_bytes
+            else f"{r.per_position_bytes / r.floor_per_position_bytes:.2f}"
+        )
+        cells = "".join(f"{format(e.seq, ','):>17}" for e in r.edges)
+        lines.append(
+            f"{r.policy:12} {fmt_bytes(r.ref_need_bytes):>13} {per:>10} {fmt_bytes(r.floor_per_position_bytes):>10} "
+            f"{ratio:>8}{cells}"
+        )
+    return lines
+
+
+def format_edges(rows: list[PolicyReach]) -> list[str]:
+    """The compiled edges: the longest length fits, the next does not (or it is the limit)."""
+    lines = []
+    for r in rows:
+        for e in r.edges:
+            where = f"  {r.policy:12} {fmt_bytes(e.budget_bytes)}: "
+            if not e.seq:
+                lines.append(where + f"nothing fits: {e.step:,} needs {fmt_bytes(e.next_need_bytes * (1 + e.margin))}")
+                continue
+            line = where + f"{e.seq:,} needs {fmt_bytes(e.need_bytes * (1 + e.margin))}"
+            if e.next_seq is None:
+                line += f"; {e.seq + e.step:,} is past --max-seq {e.limit:,}"
+            else:
+                line += f"; {e.next_seq:,} needs {fmt_bytes(e.next_need_bytes * (1 + e.margin))}, over"
+            if e.host_bytes:
+                line += f"; host {fmt_bytes(e.host_bytes)}"
+            lines.append(line)
+    return lines
+
+
+def host_lines(rows: list[PolicyReach], enforced: bool, platform: str) -> list[str]:
+    """What offload does here, and the host bytes offloading policies need against this machine's memory."""
+    ram = host_ram()
+    lines = []
+    offloading = [r for r in rows if r.floor_host_per_position_bytes or any(e.host_bytes for e in r.edges)]
+    if not enforced:
+        lines.append(
+            f"offload on {platform}: the device-to-host copy moves nothing here (XLA:CPU), so offloaded layer inputs "
+            "count as device bytes above; on a GPU/TPU they leave the device and the per-position cost drops by them"
+        )
+        return lines
+    for r in offloading:
+        for e in r.edges:
+            if not e.seq:
+                continue
+            holds = "unknown" if ram is None else ("yes" if e.host_bytes <= ram else "no")
+            lines.append(
+                f"{r.policy} at {e.seq:,} ({fmt_bytes(e.budget_bytes)}): host {fmt_bytes(e.host_bytes)} "
+                f"({fmt_bytes(r.floor_host_per_position_bytes)} per position); this host has "
+                f"{'?' if ram is None else fmt_bytes(ram)}: holds them: {holds}"
+            )
+    return lines
+
+
+def run_preset(args: argparse.Namespace) -> int:
+    """``plan --max-seq`` on the built-in model (a preset)."""
+    from remat_kit import constants
+    from remat_kit.analysis import memory
+    from remat_kit.cli.common import check_seq_tiles_flag, lora_overrides
+    from remat_kit.cli.plan_report import compile_progress, parse_policies
+    from remat_kit.model.transformer import TransformerConfig
+    from remat_kit.planning import analysis
+    from remat_kit.planning.planner import Planner
+
+    budgets, margin, step, limit = check_args(args)
+    overrides: dict[str, Any] = {"max_seq_len": limit}
+    for flag, field in (("dtype", "dtype"), ("param_dtype", "param_dtype"), ("attention", "attention")):
+        if getattr(args, flag):
+            overrides[field] = getattr(args, flag)
+    if args.layers is not None:
+        overrides["num_layers"] = args.layers
+    overrides.update(lora_overrides(args))
+    overrides.update(check_seq_tiles_flag(args.seq_tiles))
+    config = TransformerConfig.preset(args.preset, **overrides)
+    batch, ref = constants.PRESET_SHAPES.get(args.preset, (1, min(128, config.max_seq_len)))
+    batch = batch if args.batch_size is None else args.batch_size
+    ref = ref if args.seq_len is None else args.seq_len
+    chunks = args.loss_chunks
+    ref_chunks = chunks
+    if chunks == "auto":
+        from remat_kit.model.loss import auto_chunks
+
+        ref_chunks = auto_chunks(batch * ref, config.vocab_size)
+    analysis.check_shape(config, batch, ref, ref_chunks)
+    specs = parse_policies(",".join(DEFAULT_POLICIES) if args.policies is None else args.policies, config.num_layers)
+    planner = Planner(config, loss_chunks=chunks, progress=None if args.no_progress else compile_progress)
+    first = 1
+    if isinstance(chunks, int) and chunks:  # the chunk count may not exceed the token count
+        first = max(1, -(-chunks // (batch * step)))
+    rule = memory.host_offload()
+    rows = []
+    for p in specs:
+        if not args.no_progress:
+            print(f"[plan] {p}: longest sequence at {len(budgets)} budget(s) ...", file=sys.stderr, flush=True)
+        device, host = analysis.layer_stack_bytes(config, p, batch, ref)
+        if not rule.enforced:
+            device, host = device + host, 0
+        rows.append(
+            reach(
+                planner,
+                p,
+                batch=batch,
+                ref_seq=ref,
+                budgets=budgets,
+                margin=margin,
+                step=step,
+                limit=limit,
+                first=first,
+                floor=(device / ref, host / ref),
+            )
+        )
+    tiles = config.seq_tiles
+    print(
+        f"remat-kit plan --max-seq: preset {args.preset} ({fmt_count(config.num_params())} params, "
+        f"L={config.num_layers}, d={config.d_model}), batch {batch}, loss_chunks={chunks}, seq_tiles={tiles}, "
+        f"{config.dtype} compute, clipped AdamW step, margin {margin:.0%}, lengths in multiples of {step:,} up to "
+        f"{limit:,}, compile-only"
+        + (f", LoRA rank {config.lora_rank} ({config.quantize} base)" if config.lora_rank else "")
+    )
+    return _report(args, rows, budgets, rule, {"preset": args.preset, "config": dataclasses.asdict(config)}, batch)
+
+
+def run_model(args: argparse.Namespace) -> int:
+    """``plan --max-seq --model MODULE:FACTORY``: the factory must take ``seq=`` (the lengths tried)."""
+    from remat_kit.analysis import inspection, memory
+    from remat_kit.cli.plan_report import compile_progress, parse_model_policies
+    from remat_kit.planning.planner import StepPlanner
+    from remat_kit.planning.user_model import load_factory
+
+    budgets, margin, step, limit = check_args(args)
+    factory = load_factory(args.model)
+    params = pyinspect.signature(factory).parameters
+    if "seq" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise ValueError(
+            f"--max-seq with --model {args.model}: the factory must take the sequence length, "
+            "FACTORY(policy, seq=N) -> (loss_fn, example_args), to be compiled at each length tried"
+        )
+    specs = parse_model_policies(args.policies)
+
+    def build(policy, batch, seq):
+        loss_fn, example = factory(policy, seq=seq)
+        return loss_fn, example[0], tuple(example[1:])
+
+    planner = StepPlanner(build, progress=None if args.no_progress else compile_progress)
+    rule = memory.host_offload()
+    rows = []
+    for p in specs:
+        loss_fn, example = factory(p, seq=step)
+        device, host = inspection.split_saved(inspection.residuals(loss_fn, *example), rule.enforced)
+        rows.append(
+            reach(
+                planner,
+                p,
+                batch=None,
+                ref_seq=step,
+                budgets=budgets,
+                margin=margin,
+                step=step,
+                limit=limit,
+                first=1,
+                floor=(device / step, host / step),
+            )
+        )
+    print(
+        f"remat-kit plan --max-seq --model {args.model}: clipped AdamW step, margin {margin:.0%}, lengths in "
+        f"multiples of {step:,} up to {limit:,}, compile-only; floor: every residual the loss keeps, per position"
+    )
+    return _report(args, rows, budgets, rule, {"model": args.model}, None)
+
+
+def _report(args, rows: list[PolicyReach], budgets: list[int], rule, head: dict, batch) -> int:
+    print(
+        "need: the compiled step's device bytes at the reference length; per pos.: bytes of one more position "
+        "(whole batch), from the reference to the longest edge; floor: what the layers keep per position "
+        "(trace-only; the layer inputs under full); max seq: the longest multiple of --seq-step that fits "
+        "(with the margin), compiled, the next one compiled and over\n"
+    )
+    for line in format_rows(rows, budgets):
+        print(line)
+    print("\nthe edges, compiled (needs with the margin):")
+    for line in format_edges(rows):
+        print(line)
+    for line in host_lines(rows, rule.enforced, rule.platform):
+        print(line)
+    if args.json:
+        payload = {
+            "command": command_line("plan", args),
+            **head,
+            "batch": batch,
+            "budgets": budgets,
+            "margin": rows[0].edges[0].margin if rows else None,
+            "offload_moves_memory": rule.enforced,
+            "host_ram_bytes": host_ram(),
+            "policies": [r.to_dict() for r in rows],
+        }
+        write_json(args.json, payload)
+        if args.json != "-":
+            print(f"\nwrote {args.json}")
+    return 0 if all(e.seq for r in rows for e in r.edges) else 1

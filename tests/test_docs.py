@@ -120,6 +120,12 @@ def _fit(ns):
     assert "*" in r.table() and r.model is not None
 
 
+def _tiled(ns):
+    """tiled: the untiled function's gradients, and the tiled one really runs as a scan of K slices."""
+    assert max_rel_err(ns["g_tiled"], ns["g_plain"]) <= 1e-5
+    assert "scan" in str(jax.make_jaxpr(ns["tiled_mlp"])(ns["x"], ns["w_up"], ns["w_down"]))
+
+
 #: The guide each check's block lives in → {a marker found in the block: what to assert after running it}.
 CHECKS = {
     "your-model.md": {
@@ -142,6 +148,7 @@ CHECKS = {
         "per_tensor(cfg": _per_tensor,
     },
     "built-in-lm.md": {"lora.update(loss_fn": _lora},
+    "long-context.md": {"remat_kit.tiled(mlp, 8": _tiled},
     "fit.md": {'remat_kit.fit(model, loss_fn, variables, x, budget="1GB")': _fit},
 }
 CASES = [(page, i) for page in DOCS for i in range(len(python_blocks(page)))]

@@ -39,7 +39,7 @@ def _stack(ns):
 def _apply(ns):
     """remat_kit.apply(..., scan=True) on an unedited model: the plain model's tree and gradients."""
     plain, x = ns["Model"](), ns["x"]
-    assert set(ns["remat_kit"].names_of(plain, x).names) == {"up", "up/kernel", "down", "down/kernel"}
+    assert set(ns["remat_kit"].names_of(plain, x).names) == {"layer_input", "up", "up/kernel", "down", "down/kernel"}
     assert jax.tree.structure(ns["params"]) == jax.tree.structure(plain.init(jax.random.key(0), x))
     want = jax.grad(lambda p: plain.apply(p, x).sum())(ns["params"])
     assert max_rel_err(ns["grads"], want) <= 1e-5

@@ -59,10 +59,6 @@ def _model_command(args: argparse.Namespace) -> int:
     from remat_kit.planning import budget, planner
     from remat_kit.planning.user_model import load_factory, model_from_factory
 
-    given = typed(args, *PRESET_ONLY)
-    if given:
-        verb = "shapes" if len(given) == 1 else "shape"
-        raise ValueError(f"{', '.join(given)} {verb} the built-in model; with --model the factory gives the shapes")
     for flag in ("limits", "plot"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag} is not available with --model (its shapes are fixed by the factory)")
@@ -157,16 +153,14 @@ def _plan_command(args: argparse.Namespace) -> int:
     check_jobs(args.jobs)
     if args.seq_step is not None and args.max_seq is None:
         raise ValueError("--seq-step goes with --max-seq")
+    if args.model and (given := typed(args, *PRESET_ONLY)):
+        verb = "shapes" if len(given) == 1 else "shape"
+        raise ValueError(f"{', '.join(given)} {verb} the built-in model; with --model the factory gives the shapes")
     if args.max_seq is not None:
         from remat_kit.cli import plan_max_seq
 
         args.seq_step = 256 if args.seq_step is None else args.seq_step
         if args.model:
-            given = [f"--{k.replace('_', '-')}" for k in PRESET_ONLY if getattr(args, k, None) not in (None, 0)]
-            if given:
-                raise ValueError(
-                    f"{', '.join(given)} shape the built-in model; with --model the factory gives the shapes"
-                )
             return plan_max_seq.run_model(args)
         return plan_max_seq.run_preset(args)
     check_plot(args.plot)

@@ -15,6 +15,7 @@ from flax import nnx
 
 import remat_kit
 from remat_kit.analysis import _xla_dump
+from remat_kit.unedited import scan as unedited_scan
 from tests import unedited_models as um
 
 X = jax.random.normal(jax.random.key(1), (2, 6, 8))
@@ -319,8 +320,6 @@ def test_an_nnx_decoder_with_shared_arrays_and_cache_x_returns_scans_with_the_pl
 
 
 def test_an_unhashable_config_is_traced_once_per_signature_not_once_per_call():
-    from remat_kit.unedited import scan as unedited_scan
-
     applied = remat_kit.apply(_decoder(), "full", scan=True)
     before = len(unedited_scan._SCHEDULES.by_equality)
     first, _ = applied(X4, POS, None, MASK)

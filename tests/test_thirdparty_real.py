@@ -6,8 +6,8 @@ downloaded. The packages are pinned in ci/thirdparty.txt (gemma needs Python >= 
 them into its newest-Python venv and runs this module with REMAT_KIT_REQUIRE_THIRDPARTY=1, which turns the
 skip below into a failure. Without the packages (the default venv) each model's tests skip, saying why.
 
-Tests marked ``needs the apply36 fixes`` in their docstring exercise issue 36's items 2 and 4 (default
-``offload`` through apply; gm.nn's ``nn.jit``-wrapped ``__call__`` seen through); they pass once those land.
+Tests whose docstring says ``needs the apply36 fixes`` exercise issue 36's items 2 and 4 as well (default
+``offload`` through apply; gm.nn's ``nn.jit``-wrapped ``__call__`` seen through), merged as branch apply36.
 """
 
 from __future__ import annotations

@@ -435,7 +435,7 @@ def test_linen_scan_broadcasts_an_array_argument_every_block_shares():
                 x = Masked(name=f"layer_{i}")(x, mask if i % 2 else ~mask)  # a mask per block
             return x
 
-    with pytest.raises(ValueError, match="same other arguments"):
+    with pytest.raises(ValueError, match=r"Masked block layer_1 gets its own mask= \(not layer_0's array\)"):
         remat_kit.apply(PerLayer(), "full", scan=True).apply(variables, X, mask)
 
 

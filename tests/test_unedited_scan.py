@@ -15,6 +15,7 @@ from flax import nnx
 
 import remat_kit
 from remat_kit.analysis import _xla_dump
+from remat_kit.unedited import scan as unedited_scan
 from tests import unedited_models as um
 
 X = jax.random.normal(jax.random.key(1), (2, 6, 8))
@@ -275,3 +276,162 @@ def test_nnx_blocks_that_repeat_no_period_are_refused_naming_each_blocks_flags()
     applied = remat_kit.apply(NnxPattern(3, (False, True, False, False), rngs=nnx.Rngs(0)), "full", scan=True)
     with pytest.raises(ValueError, match=r"nor do they repeat a period.*layers/1 \(is_local=True"):
         applied(X)
+
+
+# ---- decoders as gm.nn and tunix write them: shared arrays per block, (cache, x), an unhashable config -------
+
+B, L = 2, 6
+POS = jnp.broadcast_to(jnp.arange(L), (B, L))
+MASK = jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (B, L, L))
+SEG = jnp.asarray([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+X4 = jax.random.normal(jax.random.key(4), (B, L, 8))
+
+
+def _decoder():
+    return um.NnxDecoder(um.DecoderConfig(num_layers=8), rngs=nnx.Rngs(0))
+
+
+def _decoder_grads(model):
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(params):
+        out, cache = nnx.merge(graphdef, params)(X4, POS, None, MASK, segment_ids=SEG)
+        assert cache is None
+        return jnp.sum(out * jnp.sin(X4))
+
+    compiled = jax.jit(jax.grad(loss)).lower(params).compile()
+    return compiled(params), scan_trips(compiled)
+
+
+@pytest.mark.parametrize("policy", ["every_n:2", "selective:q_proj,mlp"], ids=["every_n:2", "selective"])
+def test_an_nnx_decoder_with_shared_arrays_and_cache_x_returns_scans_with_the_plain_gradients(policy):
+    with pytest.raises(TypeError, match="unhashable"):  # its graph holds the config: the schedule cache cannot hash it
+        hash(nnx.graphdef(_decoder()))
+    applied = remat_kit.apply(_decoder(), policy, scan=True)
+    assert jax.tree.structure(nnx.state(applied)) == jax.tree.structure(nnx.state(_decoder()))
+    want, plain_trips = _decoder_grads(_decoder())
+    got, trips = _decoder_grads(applied)
+    assert_leaves_close(got, want)
+    assert {"every_n:2": 4, "selective:q_proj,mlp": 8}[policy] in trips - plain_trips  # one scan over the blocks
+    zeroed = jax.tree.map(lambda a: a, got)
+    zeroed["layers"][7] = jax.tree.map(jnp.zeros_like, got["layers"][7])
+    with pytest.raises(AssertionError):
+        assert_leaves_close(zeroed, want)
+
+
+def test_an_unhashable_config_is_traced_once_per_signature_not_once_per_call():
+    applied = remat_kit.apply(_decoder(), "full", scan=True)
+    before = len(unedited_scan._SCHEDULES.by_equality)
+    first, _ = applied(X4, POS, None, MASK)
+    second, _ = applied(X4, POS, None, MASK)
+    np.testing.assert_array_equal(first, second)
+    assert len(unedited_scan._SCHEDULES.by_equality) == before + 1
+
+
+def scan_bodies(closed) -> list[int]:
+    """The equation count (nested ones included) of each ``scan`` body in a closed jaxpr, sorted."""
+
+    def count(jaxpr) -> int:
+        return sum(1 + sum(count(j) for j in _sub_jaxprs(e)) for e in jaxpr.eqns)
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "scan":
+                yield count(e.params["jaxpr"].jaxpr)
+            for j in _sub_jaxprs(e):
+                yield from walk(j)
+
+    return sorted(walk(closed.jaxpr))
+
+
+def _sub_jaxprs(eqn):
+    for v in eqn.params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+            if hasattr(j, "eqns"):
+                yield j
+            elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+                yield j.jaxpr
+
+
+def test_the_scan_body_does_not_grow_with_depth():
+    """One compiled block: the scan bodies of a scanned 4- and 16-layer decoder's gradient are the same size."""
+
+    def jaxpr(n, scan):
+        model = um.NnxDecoder(um.DecoderConfig(num_layers=n), rngs=nnx.Rngs(0))
+        if scan:
+            model = remat_kit.apply(model, "full", scan=True)
+        graphdef, params = nnx.split(model, nnx.Param)
+        return jax.make_jaxpr(jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p)(X4, POS, None, MASK)[0])))(params)
+
+    assert scan_bodies(jaxpr(4, True)) == scan_bodies(jaxpr(16, True))
+    assert scan_bodies(jaxpr(4, True))  # there is a scan
+    assert not scan_bodies(jaxpr(4, False))
+    # The measure can fail: the unrolled model's program grows with depth.
+    assert len(jaxpr(16, False).eqns) > len(jaxpr(4, False).eqns)
+
+
+def _decode(model_call, cache):
+    """Prefill two tokens then decode one, returning the logits of both steps and the final cache."""
+    out1, cache = model_call(X4[:, :2], POS[:, :2], cache, MASK[:, :2, :L])
+    out2, cache = model_call(X4[:, 2:3], POS[:, 2:3], cache, MASK[:, 2:3, :L])
+    return out1, out2, cache
+
+
+def test_the_nnx_decoders_kv_cache_path_is_the_plain_models_and_scan_names_the_cache():
+    cache = um.init_cache(8, B, L, 8)
+    want = _decode(_decoder(), cache)
+    got = _decode(remat_kit.apply(_decoder(), "full"), cache)
+    assert_leaves_close(got, want)
+    scanned = remat_kit.apply(_decoder(), "full", scan=True)
+    with pytest.raises(ValueError, match=r"NnxDecoder's block layers/1 gets its own cache= .*per-layer KV cache"):
+        _decode(scanned, cache)
+
+
+def test_a_linen_decoder_returning_cache_x_scans_with_the_plain_gradients_and_decodes():
+    model = um.CacheModel(num_layers=8)
+    variables = model.init(jax.random.key(0), X4, POS, MASK)
+    applied = remat_kit.apply(model, "every_n:2", scan=True)
+
+    def loss(m, v):
+        out, cache = m.apply(v, X4, POS, MASK)
+        assert cache is None
+        return jnp.sum(out * jnp.sin(X4))
+
+    want = jax.jit(jax.grad(lambda v: loss(model, v)))(variables)
+    compiled = jax.jit(jax.grad(lambda v: loss(applied, v))).lower(variables).compile()
+    assert_leaves_close(compiled(variables), want)
+    assert 4 in scan_trips(compiled)  # 8 identical blocks, every_n:2: four steps of two
+    cache = um.init_cache(8, B, L, 8)
+
+    def call(m):
+        return lambda x, p, c, mask: m.apply(variables, x, p, mask, c)
+
+    assert_leaves_close(_decode(call(remat_kit.apply(model, "full")), cache), _decode(call(model), cache))
+    with pytest.raises(
+        ValueError,
+        match=r"CacheBlock block layer_1 gets its own cache=",
+    ):
+        _decode(call(applied), cache)
+
+
+class TwinOut(nn.Module):
+    """Returns ``(x, x)``: two parts shaped like the input, so which one feeds the next block is unknown."""
+
+    @nn.compact
+    def __call__(self, x):
+        y = x + nn.Dense(8)(x)
+        return y, y
+
+
+class TwinModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x, _ = TwinOut(name=f"layer_{i}")(x)
+        return x
+
+
+def test_a_block_output_with_no_one_part_shaped_like_its_input_is_refused_in_one_line():
+    variables = TwinModel().init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match=r"TwinOut block layer_0 returns \(float32\[2,6,8\], float32\[2,6,8\]\)"):
+        remat_kit.apply(TwinModel(), "full", scan=True).apply(variables, X)

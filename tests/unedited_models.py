@@ -4,10 +4,17 @@ Used by tests/test_unedited.py and benchmarks/unedited.py. Gemma-style:
 RMSNorms named ``pre_attention_norm``/``pre_ffw_norm``, attention projections ``q_einsum``/``k_einsum``/
 ``attn_vec_einsum``, a FeedForward computing with its own ``gating_einsum``/``linear`` params, a
 Python bool per layer (local/global attention), dropout, ``sow``, bfloat16 compute.
+
+Decoders written the way gm.nn's ``Transformer`` and tunix's Llama3/Qwen3 write theirs (what remat_kit met
+on the real models): every block takes the same ``positions``, attention ``mask`` (and tunix's
+``segment_ids``) beside its input and its own layer's KV ``cache`` (None in training), and returns
+``(cache, x)``; the NNX one holds a ``@dataclass(slots=True)`` config that is not frozen, so its graph
+cannot be hashed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -269,6 +276,114 @@ class NnxJitBlock(NnxBlock):
     @nnx.jit(static_argnums=(2, 3))
     def __call__(self, x, is_local, deterministic=False):
         return super().__call__(x, is_local, deterministic)
+
+
+# ---- decoders with a KV cache: shared arrays per block, (cache, x) returns ---------------------------------
+
+
+def _cache_attend(q, k, v, positions, cache, mask, segment_ids=None):
+    """Attention over the sequence or, with ``cache``, over the cache updated at its ``end_index``: (cache, out)."""
+    q = q * jnp.cos(positions[..., None] / 4.0)  # a stand-in for rotary embeddings: positions matter
+    k = k * jnp.cos(positions[..., None] / 4.0)
+    if cache is not None:
+        at = cache["end_index"][0]
+        k = jax.lax.dynamic_update_slice(cache["k"], k, (0, at, 0))
+        v = jax.lax.dynamic_update_slice(cache["v"], v, (0, at, 0))
+        cache = {"k": k, "v": v, "end_index": cache["end_index"] + q.shape[1]}
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    s = jnp.einsum("btd,bsd->bts", q, k) / q.shape[-1] ** 0.5
+    return cache, jnp.einsum("bts,bsd->btd", jax.nn.softmax(jnp.where(mask, s, -1e9)), v)
+
+
+def init_cache(num_layers, batch, length, d):
+    """A KV cache per layer, ``layer_{i}: {k, v, end_index}`` (gm.nn's and tunix's layout)."""
+    zeros = jnp.zeros((batch, length, d))
+    return {
+        f"layer_{i}": {"k": zeros, "v": zeros, "end_index": jnp.zeros((batch,), jnp.int32)} for i in range(num_layers)
+    }
+
+
+class CacheBlock(nn.Module):
+    """gm.nn's Block in small: ``(x, positions, cache, mask) -> (cache, x)``."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x, positions, cache, mask):
+        h = nn.RMSNorm(name="pre_attention_norm")(x)
+        dense = lambda name: nn.Dense(self.features, use_bias=False, name=name)
+        cache, a = _cache_attend(
+            dense("q_einsum")(h), dense("k_einsum")(h), dense("v_einsum")(h), positions, cache, mask
+        )
+        x = x + dense("attn_vec_einsum")(a)
+        return cache, x + FeedForward(self.features, 2 * self.features, name="mlp")(nn.RMSNorm(name="pre_ffw_norm")(x))
+
+
+class CacheModel(nn.Module):
+    """gm.nn's Transformer in small: blocks ``layer_{i}`` made in ``setup``, each given its layer's cache."""
+
+    num_layers: int = 4
+    features: int = 8
+
+    def setup(self):
+        self.blocks = [CacheBlock(self.features, name=f"layer_{i}") for i in range(self.num_layers)]
+        self.final_norm = nn.RMSNorm()
+
+    def __call__(self, x, positions, mask, cache=None):
+        old, new = cache or {}, {}
+        for i, block in enumerate(self.blocks):
+            new[f"layer_{i}"], x = block(x, positions, old.get(f"layer_{i}"), mask)
+        return self.final_norm(x), (None if cache is None else new)
+
+
+@dataclasses.dataclass(slots=True)
+class DecoderConfig:
+    """Not frozen, so not hashable (tunix's Qwen3 ``ModelConfig``); every module of the decoder holds it."""
+
+    num_layers: int = 4
+    d: int = 8
+
+
+class NnxDecoderLayer(nnx.Module):
+    """tunix's DecoderLayer in small: ``(x, positions, cache, mask, segment_ids=None) -> (cache, x)``."""
+
+    def __init__(self, config: DecoderConfig, *, rngs):
+        d = config.d
+        self.config = config
+        self.input_layernorm = nnx.RMSNorm(d, rngs=rngs)
+        self.q_proj = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+        self.k_proj = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+        self.v_proj = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+        self.o_proj = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+        self.post_attention_layernorm = nnx.RMSNorm(d, rngs=rngs)
+        self.mlp = NnxFeedForward(d, 2 * d, rngs=rngs)
+
+    def __call__(self, x, segment_pos, cache, attn_mask, segment_ids=None):
+        h = self.input_layernorm(x)
+        cache, a = _cache_attend(
+            self.q_proj(h), self.k_proj(h), self.v_proj(h), segment_pos, cache, attn_mask, segment_ids
+        )
+        x = x + self.o_proj(a)
+        return cache, x + self.mlp(self.post_attention_layernorm(x))
+
+
+class NnxDecoder(nnx.Module):
+    """tunix's Llama3/Qwen3 in small: ``layers`` an ``nnx.List``; returns ``(out, new cache or None)``."""
+
+    def __init__(self, config: DecoderConfig, *, rngs):
+        self.config = config
+        self.layers = nnx.List([NnxDecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = nnx.RMSNorm(config.d, rngs=rngs)
+
+    def __call__(self, x, positions, cache, attention_mask, segment_ids=None):
+        new_cache = None if cache is None else {}
+        for i, layer in enumerate(self.layers):
+            layer_cache = cache[f"layer_{i}"] if cache else None
+            layer_cache, x = layer(x, positions, layer_cache, attention_mask, segment_ids=segment_ids)
+            if cache is not None:
+                new_cache[f"layer_{i}"] = layer_cache
+        return self.final_norm(x), new_cache
 
 
 # ---- a MODULE:FACTORY for the CLI (remat-kit tags/plan/bench --model tests.unedited_models:factory) -------

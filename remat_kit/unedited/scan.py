@@ -16,6 +16,12 @@ called with the previous block's output and the static arguments it was traced w
 precomputed output. Anything else (code between the calls, other arguments) is a ValueError saying why
 the model cannot be scanned unedited.
 
+Both sides: array arguments besides the input (positions, an attention mask, segment ids) must be the same
+arrays for every block of a run: the scan closes over them (a per-layer KV cache is a ValueError naming the
+argument). A block may return its output alone or in a tuple with values of other shapes (gm.nn's and
+tunix's ``(cache, x)``, the cache None in training): the scan carries the one part shaped like the input
+and stacks the rest (:func:`_carry_at`).
+
 NNX (:func:`nnx_scan`): the blocks of one ``nnx.List`` at consecutive indices; a block's kind is
 its graph (class, static attributes) and state shapes. State shared by every block (one ``nnx.Rngs``
 stream held by every Dropout) is carried through the scan, so RNG draws match the loop.
@@ -23,8 +29,7 @@ stream held by every Dropout) is carried through the scan, so RNG draws match th
 Linen (:func:`linen_run`, runs by :func:`linen_runs`): blocks under one parent called one after the
 other; a block's kind is its class and attributes. The run's first block reads every block's variables
 from the parent (the model's own tree) and scans one functional ``apply`` per position over them.
-Array arguments besides the input must be the same for every block (they are broadcast); RNG streams
-draw each layer's plain key (derived from its path, as Flax does:
+RNG streams draw each layer's plain key (derived from its path, as Flax does:
 :func:`remat_kit._jax_internals.linen_block_rngs`); mutable collections the blocks write (``sow``,
 ``batch_stats``, a cache) come out stacked and are written back into each block's own scope.
 """
@@ -42,6 +47,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from remat_kit import _jax_internals
@@ -55,9 +61,48 @@ from remat_kit.unedited.paths import join, state_keys
 _CALL: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_kit_scan_call", default=None)
 #: While a parent's call is traced to find its blocks' static arguments: the list they are recorded in.
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("remat_kit_scan_record", default=None)
-#: (parent graphdef, signatures of its state and call) -> that call's runs: the discovery trace, once per signature.
-_SCHEDULES: collections.OrderedDict = collections.OrderedDict()
-_MAX_SCHEDULES = 64
+
+
+class _Schedules:
+    """(parent graphdef, signatures of its state and call) -> that call's runs: the discovery trace, once per key.
+
+    A graphdef holds the model's static attributes; one that cannot be hashed (tunix's Qwen3 keeps a
+    ``@dataclass(slots=True)`` config, which is not frozen) is looked up by equality among the unhashable
+    keys instead, so such a model is traced once per signature too. The newest ``limit`` keys are kept.
+
+    >>> cache = _Schedules(limit=2)
+    >>> cache.put(("g", [1]), "runs"); cache.get(("g", [1])), cache.get(("g", [2]))
+    ('runs', None)
+    """
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self.hashed: collections.OrderedDict = collections.OrderedDict()
+        self.by_equality: list[tuple[Any, Any]] = []  # oldest first
+
+    def get(self, key: Any) -> Any:
+        if tags.hashable(key) is not None:
+            if key in self.hashed:
+                self.hashed.move_to_end(key)
+                return self.hashed[key]
+            return None
+        for i, (k, runs) in enumerate(self.by_equality):
+            if _same(k, key):
+                self.by_equality.append(self.by_equality.pop(i))
+                return runs
+        return None
+
+    def put(self, key: Any, runs: Any) -> None:
+        if tags.hashable(key) is not None:
+            self.hashed[key] = runs
+            if len(self.hashed) > self.limit:
+                self.hashed.popitem(last=False)
+        else:
+            self.by_equality.append((key, runs))
+            del self.by_equality[: -self.limit]
+
+
+_SCHEDULES = _Schedules()
 
 
 def _get(node, path):
@@ -231,9 +276,9 @@ def _schedule(parent: nnx.Module, original, args: tuple, kwargs: dict) -> dict:
     others = [leaf for i, leaf in enumerate(flat) if i not in node_at]
     sig = tags.signature((state, others))
     key = None if sig is None else (graphdef, treedef, tuple(node_at), sig)
-    if key is not None and key in _SCHEDULES:
-        _SCHEDULES.move_to_end(key)
-        return _SCHEDULES[key]
+    cached = None if key is None else _SCHEDULES.get(key)
+    if cached is not None:
+        return cached
     records: list = []
 
     def probe(state, others):
@@ -247,26 +292,29 @@ def _schedule(parent: nnx.Module, original, args: tuple, kwargs: dict) -> dict:
             _RECORD.reset(token)
 
     trace_only(probe, (state, others), {})
-    mine = [(m, call) for m, call in records if m.parent == parent._remat_kit_path]
+    mine = [(m, call, arrays) for m, call, arrays in records if m.parent == parent._remat_kit_path]
     runs = _nnx_runs(mine, type(parent).__name__)
     if key is not None:
-        _SCHEDULES[key] = runs
-        if len(_SCHEDULES) > _MAX_SCHEDULES:
-            _SCHEDULES.popitem(last=False)
+        _SCHEDULES.put(key, runs)
     return runs
 
 
-def _nnx_runs(records: list[tuple[_Mark, Call]], where: str) -> dict:
-    """The runs among one parent call's block calls (``(mark, call)`` in call order); see :func:`linen_runs`."""
-    seen = [m.rel for m, _ in records]
-    blocks = [(m, c) for m, c in records if seen.count(m.rel) == 1]  # a block called twice is not scanned
+def _nnx_runs(records: list[tuple[_Mark, Call, tuple]], where: str) -> dict:
+    """The runs among one parent call's block calls (``(mark, call, array arguments)`` in call order).
+
+    See :func:`linen_runs`. Every block of a run must get the first one's array arguments but the input
+    (one scan shares them): a block given its own (a per-layer cache) is a ValueError naming the argument.
+    """
+    seen = [m.rel for m, *_ in records]
+    blocks = [r for r in records if seen.count(r[0].rel) == 1]  # a block called twice is not scanned
     siblings: list[list] = []
-    for m, c in blocks:
+    for r in blocks:
+        m = r[0]
         prev = siblings[-1][-1][0].rel if siblings else None
         if prev is not None and prev[:-1] == m.rel[:-1] and m.rel[-1] == prev[-1] + 1:
-            siblings[-1].append((m, c))
+            siblings[-1].append(r)
         else:
-            siblings.append([(m, c)])
+            siblings.append([r])
     runs: dict = {}
     for group in siblings:
         start = 0
@@ -276,11 +324,13 @@ def _nnx_runs(records: list[tuple[_Mark, Call]], where: str) -> dict:
                 start += 1
                 continue
             part = group[start : start + covered]
-            run = NnxRun(tuple(m.rel for m, _ in part), period, tuple(c for _, c in part[:period]))
-            runs.update({m.rel: (run, k) for k, (m, _) in enumerate(part)})
+            for m, c, arrays in part[1:]:
+                _check_shared(f"{where}'s block {join(m.rel)}", join(part[0][0].rel), c, part[0][2], arrays)
+            run = NnxRun(tuple(m.rel for m, *_ in part), period, tuple(c for _, c, _ in part[:period]))
+            runs.update({m.rel: (run, k) for k, (m, *_) in enumerate(part)})
             start += covered
     if not runs:
-        names = "; ".join(f"{join(m.rel)} ({c.describe()})" for m, c in blocks)
+        names = "; ".join(f"{join(m.rel)} ({c.describe()})" for m, c, _ in blocks)
         raise ValueError(
             f"scan=True: no two consecutive blocks of {where} are identical, nor do they repeat a period of blocks "
             f"(same class, attributes, parameter shapes and static arguments): {names}; use scan=False"
@@ -292,8 +342,10 @@ def _nnx_runs(records: list[tuple[_Mark, Call]], where: str) -> dict:
 class _Pending:
     run: NnxRun
     outs: tuple  # per position: [periods, ...] stacked outputs
-    last: Any  # the output handed to the model most recently
+    last: Any  # the next block's input in the output handed to the model most recently
     next: int
+    carry_at: tuple  # per position: where the next block's input is in the output (:func:`_carry_at`)
+    arrays: tuple  # the first block's array arguments but its input: (positional ones, keyword ones)
 
     def at(self, k: int) -> Any:
         return jax.tree.map(lambda a: a[k // self.run.period], self.outs[k % self.run.period])
@@ -306,7 +358,8 @@ def _block_class(cls: type, plan: Plan, run_block: Callable) -> type:
         mark = self._remat_kit_mark
         records = _RECORD.get()
         if records is not None:  # the parent's discovery trace: record the call, run it plainly
-            records.append((mark, template(original, args, kwargs, plan.static_argnames)))
+            _, dyn_args, dyn_kwargs = split_static(original, args, kwargs, plan.static_argnames, is_static)
+            records.append((mark, template(original, args, kwargs, plan.static_argnames), (dyn_args, dyn_kwargs)))
             return original(self, *args, **kwargs)
         state = _CALL.get()
         if state is None or getattr(state.parent, "_remat_kit_path", None) != mark.parent:
@@ -323,17 +376,15 @@ def _block_class(cls: type, plan: Plan, run_block: Callable) -> type:
                 f"scan=True: block {join(mark.rel)} is called with {call.describe()}, not "
                 f"{run.calls[k % run.period].describe()} as when the model was traced; use scan=False"
             )
+        _, dyn_args, dyn_kwargs = split_static(original, args, kwargs, plan.static_argnames, is_static)
+        where = f"{cls.__name__} block {join(mark.rel)}"
         if k == 0:
-            if [a is _HOLE for a in call.args] != [True] + [False] * (len(call.args) - 1) or any(
-                v is _HOLE for _, v in call.kwargs
-            ):
-                raise ValueError(
-                    "scan=True: the blocks take array arguments besides the input; only Python flags can be shared"
-                )
+            _check_scannable_call(where, args, dyn_args, dyn_kwargs, run.calls)
             layers = [_get(state.parent, rel) for rel in run.rels]
             originals = [nnx_plain_call(type(layer).__mro__[1]) for layer in layers[: run.period]]
-            out, outs = _scan(layers, originals, plan, run, args[0])
-            state.pending[mark.rel] = _Pending(run, outs, out, 1)
+            rest = (dyn_args[1:], dyn_kwargs)
+            out, outs, carry_at = _scan(layers, originals, plan, run, args[0], rest)
+            state.pending[mark.rel] = _Pending(run, outs, _take(out, carry_at[0]), 1, carry_at, rest)
             return out
         pending = state.pending.get(run.rels[0])
         if pending is None or pending.next != k:
@@ -343,21 +394,28 @@ def _block_class(cls: type, plan: Plan, run_block: Callable) -> type:
                 f"scan=True: block {join(mark.rel)} is not called with block {join(run.rels[k - 1])}'s output (the "
                 "model runs code between its blocks); use scan=False"
             )
-        pending.last = pending.at(k)
+        _check_shared(where, join(run.rels[0]), call, pending.arrays, (dyn_args[1:], dyn_kwargs), skip_input=False)
+        out = pending.at(k)
+        pending.last = _take(out, pending.carry_at[k % run.period])
         pending.next = k + 1
-        return pending.last
+        return out
 
     # _remat_kit_policy: compare/auto refuse a model that runs a policy of its own (inspection.refuse_baked_nnx).
     return _subclass("block", cls, __call__, (plan, run_block), _remat_kit_policy=plan.policy)
 
 
-def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x):
+def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x, rest: tuple):
     """Run ``layers`` (a run repeating a period) on ``x`` as one scan; write their updated state back.
 
+    ``rest``: the array arguments but the input, ``(positional ones, keyword ones)``, the same for every
+    block (positions, an attention mask, segment ids): closed over by the scan.
+
     Returns:
-      ``(the first block's output, each position's outputs stacked over the periods)``.
+      ``(the first block's output, each position's outputs stacked over the periods, each position's
+      place of the next block's input in its output)`` (:func:`_carry_at`).
     """
     # Long: split, stack, scan and write back are one transaction over the same layers' state.
+    out_at: dict[int, Any] = {}
     period = run.period
     graphdefs = [nnx.graphdef(layer) for layer in layers[:period]]
     treedefs = [jax.tree.structure(nnx.state(layer)) for layer in layers[:period]]
@@ -400,8 +458,9 @@ def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x)
         it_s = iter(layer_stack)
         full = [carry[at] if at is not None else next(it_s) for at in carry_at[j]]
         layer = nnx.merge(graphdefs[j], jax.tree.unflatten(treedefs[j], full))
-        args, kwargs = run.calls[j].fill((_layers.tag_input(h),), {})  # apply owns the layer input
+        args, kwargs = run.calls[j].fill((_layers.tag_input(h), *rest[0]), rest[1])  # apply owns the layer input
         y = call_naming_submodules(originals[j], layer, args, kwargs)
+        out_at[j] = _carry_at(y, h, f"{type(layers[j]).__name__} block {join(run.rels[j])}")
         # By path, not position: the call may add variables (a first sow), shifting the leaves after them.
         new = dict(nnx.to_flat_state(nnx.state(layer)))
         new_carry = list(carry)
@@ -418,7 +477,7 @@ def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x)
             call = functools.partial(layer_call, j)
             named, _ = _jax_internals.name_param_matmuls(call, names(j, h, carry), layer_stack, h, carry)
             y, new_carry, new_stack = named(layer_stack, h, carry)
-            return (y, new_carry), (y, new_stack)
+            return (_take(y, out_at[j]), new_carry), (y, new_stack)
 
         return step
 
@@ -445,7 +504,108 @@ def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x)
             if at is not None:
                 variable.set_value(carry[at])
     outs = tuple(y[0] for y in ys)
-    return jax.tree.map(lambda a: a[0], outs[0]), outs
+    return jax.tree.map(lambda a: a[0], outs[0]), outs, tuple(out_at[j] for j in range(period))
+
+
+def _check_scannable_call(where: str, args: tuple, dyn_args: tuple, dyn_kwargs: dict, calls: tuple) -> None:
+    """The first block of a run can start the scan: an array input first, shared arguments the scan can close over.
+
+    Raises:
+      ValueError: no array input first; positions of the period taking arrays in different places; an NNX
+        object (a call-time ``nnx.Rngs``) among the shared arguments.
+    """
+    if not args or is_static(args[0]) or nnx.graph.is_graph_node(args[0]):
+        raise ValueError(f"scan=True: {where} takes no array input as its first argument; use scan=False")
+    holes = [c.hole_names() for c in calls]
+    for j, h in enumerate(holes[1:], start=1):
+        if h != holes[0]:
+            raise ValueError(
+                f"scan=True: position 0 and {j} of the period take array arguments in different places "
+                f"({', '.join(holes[0])} vs {', '.join(h)}), so one set of arrays cannot reach both; use scan=False"
+            )
+    shared = [*zip(holes[0][1 : len(dyn_args)], dyn_args[1:], strict=True), *dyn_kwargs.items()]
+    for name, value in shared:
+        if any(nnx.graph.is_graph_node(leaf) for leaf in jax.tree.leaves(value, is_leaf=nnx.graph.is_graph_node)):
+            raise ValueError(
+                f"scan=True: {where} takes the NNX object {name}= (a call-time nnx.Rngs?), which one scan cannot "
+                "share between its blocks; pass arrays and Python values only, or use scan=False"
+            )
+
+
+def _identical(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same arrays (the same objects, in the same structure)."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    return ta == tb and all(x is y for x, y in zip(la, lb, strict=True))
+
+
+def _check_shared(where: str, first: str, call: Call, first_arrays: tuple, arrays: tuple, skip_input=True) -> None:
+    """A later block of a run gets the first block's array arguments (but the input): else a ValueError naming one.
+
+    Args:
+      where: the later block, for the message; first: the first block's path.
+      call: the later block's :class:`Call` (its holes name the arrays).
+      first_arrays, arrays: ``(positional arrays, keyword arrays)`` of the first and the later block;
+        ``skip_input``: they start with the input (not compared).
+    """
+    (fa, fk), (oa, ok) = first_arrays, arrays
+    if skip_input:
+        fa, oa = fa[1:], oa[1:]
+    names = call.hole_names()[1:]  # without the input
+    differing = [n for n, a, b in zip(names, fa, oa, strict=False) if not _identical(a, b)]
+    differing += [k for k in sorted({*fk, *ok}) if k not in fk or k not in ok or not _identical(fk[k], ok[k])]
+    if len(fa) != len(oa):
+        differing.append(names[min(len(fa), len(oa))] if min(len(fa), len(oa)) < len(names) else "argument")
+    name = differing[0] if differing else None
+    if name is not None:
+        raise ValueError(
+            f"scan=True: {where} gets its own {name}= (not {first}'s array), and one scan shares every block "
+            "argument but the input: a per-layer KV cache or mask cannot be scanned unedited; use scan=False"
+        )
+
+
+def _carry_at(y: Any, h: Any, where: str) -> int | None:
+    """Where the next block's input is in a block's output ``y``: None (all of it) or its index in a tuple.
+
+    gm.nn's and tunix's blocks return ``(cache, x)`` (the cache None in training): the scan carries ``x``
+    and stacks the rest.
+
+    >>> import jax.numpy as jnp
+    >>> h = jnp.ones(3)
+    >>> _carry_at(h, h, "b"), _carry_at((None, h), h, "b"), _carry_at(({"k": jnp.ones(2)}, h, 1), h, "b")
+    (None, 1, 1)
+    """
+    want = _shapes(h)
+    if _shapes(y) == want:
+        return None
+    if isinstance(y, (tuple, list)):
+        at = [i for i, part in enumerate(y) if not is_static(part) and _shapes(part) == want]
+        if len(at) == 1:
+            return at[0]
+    raise ValueError(
+        f"scan=True: {where} returns {_describe(y)}, neither its input's shape and dtype {_describe(h)} nor a tuple "
+        "holding exactly one such value, so its output cannot feed the next block in one scan; use scan=False"
+    )
+
+
+def _take(y: Any, at: int | None) -> Any:
+    """The next block's input in a block's output (see :func:`_carry_at`)."""
+    return y if at is None else y[at]
+
+
+def _describe(tree: Any) -> str:
+    """A value's structure with arrays as ``float32[2,8,16]`` (for messages)."""
+
+    def one(a):
+        return f"{jnp.result_type(a)}[{','.join(map(str, jnp.shape(a)))}]"
+
+    if isinstance(tree, tuple):
+        return "(" + ", ".join(_describe(t) for t in tree) + ("," if len(tree) == 1 else "") + ")"
+    if tree is None or isinstance(tree, (bool, int, float, str)):
+        return repr(tree)
+    if isinstance(tree, (jax.Array, np.ndarray)):
+        return one(tree)
+    return str(jax.tree.map(one, tree))
 
 
 def _leaf_variables(layer: nnx.Module) -> list:
@@ -502,6 +662,17 @@ class Call:
         it = iter(arrays)
         args = tuple(next(it) if a is _HOLE else a for a in self.args)
         return args, {k: array_kwargs[k] if v is _HOLE else v for k, v in self.kwargs}
+
+    def hole_names(self) -> tuple[str, ...]:
+        """The names of the array arguments, in order: positional ones, then keyword ones.
+
+        >>> Call((_HOLE, True, _HOLE), (("mask", _HOLE),), ("x", "is_local", "positions")).hole_names()
+        ('x', 'positions', 'mask')
+        """
+        named = [self.names[i] if i < len(self.names) else f"argument {i}" for i, a in enumerate(self.args)]
+        return tuple(n for n, a in zip(named, self.args, strict=True) if a is _HOLE) + tuple(
+            k for k, v in self.kwargs if v is _HOLE
+        )
 
     def describe(self) -> str:
         """The static arguments, named: ``is_local=True, deterministic=False``."""
@@ -630,9 +801,10 @@ class _LinenPending:
     run: LinenRun
     outs: tuple  # per position: [periods, ...] stacked outputs
     mutated: tuple  # per position: [periods, ...] stacked collections the blocks wrote
-    last: Any
+    last: Any  # the next block's input in the output handed to the model most recently
     arrays: tuple  # the first block's array arguments but its input, and its array keyword arguments
     next: int
+    carry_at: tuple = ()  # per position: where the next block's input is in the output (:func:`_carry_at`)
 
     def at(self, k: int) -> tuple[Any, Any]:
         """Block ``k``'s output and what it wrote."""
@@ -707,23 +879,13 @@ def _linen_follow(run, module, path, spec: LinenRun, todo: _LinenPending | None,
             "model was traced; use scan=False"
         )
     dyn_args, dyn_kwargs = _arrays(type(module), args, kwargs, statics)
-    first_args, first_kwargs = todo.arrays
-    same = (
-        len(dyn_args) == len(first_args) + 1
-        and all(a is b for a, b in zip(dyn_args[1:], first_args, strict=True))
-        and dyn_kwargs.keys() == first_kwargs.keys()
-        and all(dyn_kwargs[n] is first_kwargs[n] for n in dyn_kwargs)
-    )
-    if not same:
-        raise ValueError(
-            f"scan=True: block {join(path)} is not called with the same other arguments (arrays) as "
-            f"{join(spec.paths[0])} (the model passes each block its own array, e.g. a per-layer mask, which one "
-            "scan cannot vary); use scan=False"
-        )
-    todo.last, mutated = todo.at(k)
+    where = f"{type(module).__name__} block {join(path)}"
+    _check_shared(where, join(spec.paths[0]), call, todo.arrays, (dyn_args[1:], dyn_kwargs), skip_input=False)
+    out, mutated = todo.at(k)
+    todo.last = _take(out, todo.carry_at[k % spec.period])
     todo.next = k + 1
     _write_back(module, mutated)
-    return todo.last
+    return out
 
 
 def _shapes(tree: Any) -> Any:
@@ -787,6 +949,8 @@ def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dic
             for keys in (state_keys(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
         ]
 
+    out_at: dict[int, int | None] = {}
+
     def layer_call(j, layer_vars, h, i):
         full_args, full_kwargs = spec.calls[j].fill((_layers.tag_input(h), *rest), dyn_kwargs)  # the layer input
         outer = run.block
@@ -799,11 +963,7 @@ def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dic
         y, mutated = res if mutable is not False else (res, {})
         # Parameters are read, never written, in apply: not returned (no stacked copy of them).
         mutated = {c: dict(t) for c, t in dict(mutated).items() if c != "params"}
-        if _shapes(y) != _shapes(h):
-            raise ValueError(
-                f"scan=True: {type(blocks[j]).__name__} block {join(paths[j])} returns {_shapes(y)}, not its input's "
-                f"shape and dtype {_shapes(h)}, so its output cannot feed the next block in one scan; use scan=False"
-            )
+        out_at[j] = _carry_at(y, h, f"{type(blocks[j]).__name__} block {join(paths[j])}")
         return y, mutated
 
     param_names = [leaf_names(tree) for tree in stacked]  # the same paths as one layer's
@@ -816,7 +976,7 @@ def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dic
             call = functools.partial(layer_call, j)
             named, _ = _jax_internals.name_param_matmuls(call, names_for(j, h), layer_vars, h, i)
             y, mutated = named(layer_vars, h, i)
-            return y, (y, mutated)
+            return _take(y, out_at[j]), (y, mutated)
 
         return step
 
@@ -838,8 +998,9 @@ def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dic
             policy = _resolved(policy, frozenset().union(*emitted), where)
     steps = [make_step(j) for j in range(period)]
     _, ys = _layers.run_periods(policy, len(paths) // period, steps, stacked, x, positions)
-    todo = _LinenPending(spec, tuple(y[0] for y in ys), tuple(y[1] for y in ys), None, (rest, dyn_kwargs), 1)
+    carry_at = tuple(out_at[j] for j in range(period))
+    todo = _LinenPending(spec, tuple(y[0] for y in ys), tuple(y[1] for y in ys), None, (rest, dyn_kwargs), 1, carry_at)
     out, mutated = todo.at(0)
-    todo.last = out
+    todo.last = _take(out, carry_at[0])
     _write_back(module, mutated)
     return out, todo

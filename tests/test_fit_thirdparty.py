@@ -7,6 +7,7 @@ Needs the registry package ``google-tunix`` (not a dependency of remat_kit): run
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,22 @@ from remat_kit import policies
 from remat_kit.planning.planner import DEFAULT_MARGIN, StepPlanner
 
 pytestmark = pytest.mark.thirdparty
-llama = pytest.importorskip("tunix.models.llama3.model", reason="google-tunix is not installed here")
+
+
+def _llama():
+    """tunix's Llama 3 module; missing, a skip, or a failure under CI's REMAT_KIT_REQUIRE_THIRDPARTY=1 (section 4).
+
+    Imported in the test, not at collection: a module-level skip would show in every default run, where the
+    thirdparty marker is deselected.
+    """
+    try:
+        import tunix.models.llama3.model as llama
+    except ImportError as err:
+        if os.environ.get("REMAT_KIT_REQUIRE_THIRDPARTY") == "1":
+            raise
+        pytest.skip(f"google-tunix is not installed here: {err}")
+    return llama
+
 
 B, L, V = 4, 32, 64
 
@@ -32,6 +48,7 @@ def _tunix_promotes_ranks():
 
 
 def _model():
+    llama = _llama()
     config = dataclasses.replace(
         llama.ModelConfig.llama3p2_1b(),
         num_layers=4,

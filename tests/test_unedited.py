@@ -713,6 +713,12 @@ def test_auto_says_why_a_loops_saving_does_not_show_from_what_is_live_at_the_pea
         mixes=False,
         planner=planner,
     )
+    if not result.notes and said == REASONS[1][1]:
+        # Newer JAX (0.12, remat3) keeps the loop's recompute at this shape: full's step needs less than none's,
+        # so there is nothing to explain, and no note is the right answer.
+        need = {s: planner.memory(remat_kit.policies.parse(s))[0] for s in ("none", "full")}
+        assert need["full"] < need["none"], need
+        return
     (note,) = result.notes
     assert note.startswith("full keeps") and said in note and not_said not in note
     peak = planner.explanation(remat_kit.policies.parse("full"))

@@ -92,11 +92,7 @@ class Stack(nn.Module):
                 return layer.init({"params": k, "dropout": k, **{s: k for s in streams}}, x, *args, **kwargs)
 
             created = jax.vmap(init_one)(jax.random.split(key, num_layers))
-            for col, tree in created.items():
-                if col == "params":
-                    self.param("layers", lambda _, t=tree: t)
-                else:
-                    self.variable(col, "layers", lambda t=tree: t)
+            _declare(self, created)
         variables = {col: tree["layers"] for col, tree in self.variables.items() if "layers" in tree}
         keys = {s: self.make_rng(s) for s in streams}
         # Parameters are read-only inside a layer; every other collection the caller made mutable is
@@ -135,6 +131,15 @@ class Stack(nn.Module):
             for col, tree in mutated.items():
                 self.put_variable(col, "layers", tree)
         return out if aux is None else (out, aux)
+
+
+def _declare(module: nn.Module, created: dict) -> None:
+    """Declare each collection of ``created`` (stacked over the layers) as ``module``'s variable ``layers``."""
+    for col, tree in created.items():
+        if col == "params":
+            module.param("layers", lambda _, t=tree: t)
+        else:
+            module.variable(col, "layers", lambda t=tree: t)
 
 
 def _split_output(y, h, block_name: str):
@@ -209,11 +214,7 @@ class PeriodStack(nn.Module):
 
                 for col, tree in jax.vmap(init_one)(keys[:, j]).items():
                     created.setdefault(col, {})[str(j)] = tree
-            for col, tree in created.items():
-                if col == "params":
-                    self.param("layers", lambda _, t=tree: t)
-                else:
-                    self.variable(col, "layers", lambda t=tree: t)
+            _declare(self, created)
         variables = {col: tree["layers"] for col, tree in self.variables.items() if "layers" in tree}
         keys = {s: self.make_rng(s) for s in streams}
         mutable = subtract_filters(self.scope.mutable, "params")

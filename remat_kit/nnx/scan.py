@@ -95,16 +95,7 @@ class Stack(nnx.Module):
           ValueError: the policy names a tag the block never emits (checked once per input signature).
         """
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
-        # Call-time RNG streams: {leaf position: {stream: [num_layers] keys}}, one key per layer.
-        keys = {}
-        for j, leaf in enumerate(leaves):
-            if isinstance(leaf, nnx.Rngs):
-                keys[j] = {name: jax.random.split(stream(), self.num_layers) for name, stream in leaf.items()}
-            elif nnx.graph.is_graph_node(leaf):
-                raise TypeError(
-                    f"stack's extra call arguments must be arrays, Python values or nnx.Rngs, got "
-                    f"{type(leaf).__name__}; give the blocks their modules in make_block(rngs)"
-                )
+        keys = _call_keys(leaves, self.num_layers, "stack's")
         dynamic = [leaf if j not in keys and not wrap_nnx.is_static(leaf) else None for j, leaf in enumerate(leaves)]
         static = [leaf if j not in keys and wrap_nnx.is_static(leaf) else None for j, leaf in enumerate(leaves)]
 
@@ -217,16 +208,7 @@ class PeriodStack(nnx.Module):
         """
         periods = self.num_layers // len(self.positions)
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
-        # Call-time RNG streams: {leaf position: {stream: [num_layers] keys}}, one key per layer.
-        keys = {}
-        for j, leaf in enumerate(leaves):
-            if isinstance(leaf, nnx.Rngs):
-                keys[j] = {name: jax.random.split(stream(), self.num_layers) for name, stream in leaf.items()}
-            elif nnx.graph.is_graph_node(leaf):
-                raise TypeError(
-                    f"a period stack's extra call arguments must be arrays, Python values or nnx.Rngs, got "
-                    f"{type(leaf).__name__}; give the blocks their modules in make_block(rngs)"
-                )
+        keys = _call_keys(leaves, self.num_layers, "a period stack's")
         splits = [nnx.split(layers, nnx.Param, ...) for layers in self.positions]
 
         def block(graphdef, variables, h, i, named=False):
@@ -256,6 +238,21 @@ class PeriodStack(nnx.Module):
         for layers, rest in zip(self.positions, updated, strict=True):
             nnx.update(layers, rest)
         return h
+
+
+def _call_keys(leaves: list, num_layers: int, what: str) -> dict[int, dict[str, jax.Array]]:
+    """Call-time RNG streams: {leaf position: {stream: [num_layers] keys}}, one key per layer; any other NNX object
+    among the call's arguments is a TypeError (``what`` names the stack in it)."""
+    keys = {}
+    for j, leaf in enumerate(leaves):
+        if isinstance(leaf, nnx.Rngs):
+            keys[j] = {name: jax.random.split(stream(), num_layers) for name, stream in leaf.items()}
+        elif nnx.graph.is_graph_node(leaf):
+            raise TypeError(
+                f"{what} extra call arguments must be arrays, Python values or nnx.Rngs, got "
+                f"{type(leaf).__name__}; give the blocks their modules in make_block(rngs)"
+            )
+    return keys
 
 
 def _stacked(make_block, count: int):

@@ -82,45 +82,24 @@ class Stack(nn.Module):
         """
         layer = self.block(parent=None)
         num_layers = self.num_layers
-        # Every stream the caller gave (flax keeps them on the scope); "dropout" is always seeded at
-        # init, as before, so parameter values do not depend on which streams an init passes.
+        # Every stream the caller gave (flax keeps them on the scope).
         streams = sorted(self.scope.rngs)
         if self.is_initializing():
-            key = self.make_rng("params")
-
-            def init_one(k):
-                return layer.init({"params": k, "dropout": k, **{s: k for s in streams}}, x, *args, **kwargs)
-
-            created = jax.vmap(init_one)(jax.random.split(key, num_layers))
-            _declare(self, created)
+            _declare(self, _init_layers(self, [layer], streams, x, args, kwargs)[0])
         variables = {col: tree["layers"] for col, tree in self.variables.items() if "layers" in tree}
-        keys = {s: self.make_rng(s) for s in streams}
         # Parameters are read-only inside a layer; every other collection the caller made mutable is
         # mutable there too (BatchNorm's batch_stats, sow'n intermediates).
         mutable = subtract_filters(self.scope.mutable, "params")
+        apply = _layer_apply(self, streams, mutable, args, kwargs)
 
         def run_layer(v, h, i, named=False):
-            h = _layers.tag_input(h)
-            rngs = {s: jax.random.fold_in(k, i) for s, k in keys.items()}
-            if mutable is False:
-                apply = lambda v, h: (layer.apply(v, h, *args, rngs=rngs, **kwargs), {})
-            else:
-                apply = lambda v, h: layer.apply(v, h, *args, rngs=rngs, mutable=mutable, **kwargs)
-            # Module-path names (attn/q_einsum), as remat_kit.apply gives them, where the policy needs them.
-            y, mutated = apply_named(apply, v, h) if named else apply(v, h)
+            y, mutated = apply(layer, v, h, i, named)
             h, aux = _split_output(y, h, type(layer).__name__)
             return h, (aux, mutated)
 
-        # The policy's names against one layer's (each part of a mix by its own rule: one may be strict=False).
-        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
-        abstract_x = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        policy, named = tags.stack_policy(
-            self.policy,
-            type(layer).__name__,
-            lambda: tags.emitted_tags(lambda v, h: run_layer(v, h, jnp.int32(0)), one, abstract_x),
-            lambda: tags.emitted_tags(lambda v, h: run_layer(v, h, jnp.int32(0), True), one, abstract_x),
-            key=(_block_key(self.block, streams, args, kwargs), tags.signature((one, abstract_x))),
-        )
+        make_step = lambda named: functools.partial(run_layer, named=named)
+        policy, named = _names(self, type(layer).__name__, self.block, make_step, variables, x, streams, args, kwargs)
+        one = _layers.one_layer(variables)
         step = functools.partial(run_layer, named=named)
         if self.pack and not mutable and not self.is_initializing() and _layers.packable(policy, x):
             extra = jax.eval_shape(lambda v, h: step(v, h, jnp.int32(0))[1], one, x)
@@ -140,6 +119,52 @@ def _declare(module: nn.Module, created: dict) -> None:
             module.param("layers", lambda _, t=tree: t)
         else:
             module.variable(col, "layers", lambda t=tree: t)
+
+
+def _init_layers(module: nn.Module, layers: list[nn.Module], streams: list[str], x, args, kwargs) -> list[dict]:
+    """Each position's variables for every layer of ``module`` (a stack), stacked on axis 0.
+
+    Layer ``i`` is initialized from ``jax.random.split(make_rng("params"), num_layers)[i]``
+    (:func:`remat_kit.policies.layers.init_stacked`), that key seeding every stream: "dropout" always, as
+    before, so parameter values do not depend on which streams an init passes.
+    """
+
+    def init(layer):
+        return lambda k: layer.init({"params": k, "dropout": k, **{s: k for s in streams}}, x, *args, **kwargs)
+
+    return _layers.init_stacked([init(layer) for layer in layers], module.make_rng("params"), module.num_layers)
+
+
+def _layer_apply(module: nn.Module, streams: list[str], mutable, args, kwargs) -> Callable:
+    """``apply(layer, v, h, i, named=False) -> (y, mutated)``: layer ``i`` of ``module`` (a stack) on ``h``.
+
+    The stack owns each layer's input, so it tags it ``layer_input``; every stream of ``module`` reaches the
+    layer folded with ``i``; ``mutable`` collections come back written (``{}`` when none is). ``named``: run
+    with module-path names (``attn/q_einsum``), as ``remat_kit.apply`` gives them, where the policy needs them.
+    """
+    keys = {s: module.make_rng(s) for s in streams}
+
+    def apply(layer, v, h, i, named=False):
+        h = _layers.tag_input(h)
+        rngs = _layers.fold_keys(keys, i)
+        if mutable is False:
+            call = lambda v, h: (layer.apply(v, h, *args, rngs=rngs, **kwargs), {})
+        else:
+            call = lambda v, h: layer.apply(v, h, *args, rngs=rngs, mutable=mutable, **kwargs)
+        return apply_named(call, v, h) if named else call(v, h)
+
+    return apply
+
+
+def _names(module, where: str, blocks, make_step, variables, x, streams, args, kwargs) -> tuple[Policy | Mix, bool]:
+    """``module``'s policy with its names resolved against one layer (one period): ``(policy, named)``.
+
+    Each part of a mix by its own rule (one may be ``strict=False``); remembered per block code and input
+    signature (:func:`remat_kit.policies.layers.stack_names`).
+    """
+    one, abstract_x = _layers.one_layer(variables), jax.ShapeDtypeStruct(x.shape, x.dtype)
+    key = (_block_key(blocks, streams, args, kwargs), tags.signature((one, abstract_x)))
+    return _layers.stack_names(module.policy, where, make_step, one, abstract_x, key)
 
 
 def _split_output(y, h, block_name: str):
@@ -205,28 +230,16 @@ class PeriodStack(nn.Module):
         periods = self.num_layers // period
         streams = sorted(self.scope.rngs)
         if self.is_initializing():
-            keys = jax.random.split(self.make_rng("params"), self.num_layers).reshape(periods, period)
             created: dict[str, dict[str, Any]] = {}
-            for j, layer in enumerate(layers):
-
-                def init_one(k, layer=layer):
-                    return layer.init({"params": k, "dropout": k, **{s: k for s in streams}}, x, *args, **kwargs)
-
-                for col, tree in jax.vmap(init_one)(keys[:, j]).items():
+            for j, made in enumerate(_init_layers(self, layers, streams, x, args, kwargs)):
+                for col, tree in made.items():
                     created.setdefault(col, {})[str(j)] = tree
             _declare(self, created)
         variables = {col: tree["layers"] for col, tree in self.variables.items() if "layers" in tree}
-        keys = {s: self.make_rng(s) for s in streams}
-        mutable = subtract_filters(self.scope.mutable, "params")
+        apply = _layer_apply(self, streams, subtract_filters(self.scope.mutable, "params"), args, kwargs)
 
         def one(layer, mine, h, i, named=False):
-            h = _layers.tag_input(h)
-            rngs = {s: jax.random.fold_in(k, i) for s, k in keys.items()}
-            if mutable is False:
-                apply = lambda v, h: (layer.apply(v, h, *args, rngs=rngs, **kwargs), {})
-            else:
-                apply = lambda v, h: layer.apply(v, h, *args, rngs=rngs, mutable=mutable, **kwargs)
-            y, mutated = apply_named(apply, mine, h) if named else apply(mine, h)
+            y, mutated = apply(layer, mine, h, i, named)
             if not _same_type(y, h):
                 raise ValueError(
                     f"{type(layer).__name__} returns {_describe(y)} for an input {_describe(h)}; a block of a "
@@ -238,22 +251,9 @@ class PeriodStack(nn.Module):
         positions = tuple(
             {col: tree[str(j)] for col, tree in variables.items() if str(j) in tree} for j in range(period)
         )
-        one_period = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), positions)
-        abstract_x = jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-        def emitted(named):
-            steps = [functools.partial(one, layer, named=named) for layer in layers]
-            return tags.emitted_tags(
-                lambda v, h: _layers.period_step(steps)(v, h, jnp.int32(0)), one_period, abstract_x
-            )
-
-        policy, named = tags.stack_policy(
-            self.policy,
-            "+".join(type(layer).__name__ for layer in layers),
-            lambda: emitted(False),
-            lambda: emitted(True),
-            key=(_block_key(tuple(self.blocks), streams, args, kwargs), tags.signature((one_period, abstract_x))),
-        )
+        make_step = lambda named: _layers.period_step([functools.partial(one, layer, named=named) for layer in layers])
+        where = "+".join(type(layer).__name__ for layer in layers)
+        policy, named = _names(self, where, tuple(self.blocks), make_step, positions, x, streams, args, kwargs)
         steps = [functools.partial(one, layer, named=named) for layer in layers]
         out, mutated = _layers.run_periods(policy, periods, steps, positions, x)
         if not self.is_initializing():

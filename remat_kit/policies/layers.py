@@ -24,7 +24,7 @@ residual (a copy of the weights), while the stacked variables themselves are for
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -33,7 +33,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import names as _names
-from remat_kit.policies import Mix, Policy, keep_activations, none
+from remat_kit.policies import Mix, Policy, keep_activations, none, tags
 
 #: ``step(layer_variables, h, i) -> (h, ys)``: one layer; ``h`` keeps its type, ``ys`` is stacked.
 Step = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
@@ -60,6 +60,121 @@ def layer_at(tree: Any, i: jax.Array) -> Any:
     [2, 3]
     """
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def init_stacked(inits: Sequence[Callable[[jax.Array], Any]], key: jax.Array, num_layers: int) -> list:
+    """Every layer's variables, made under ``jax.vmap`` and stacked on axis 0, one stack per position of a period.
+
+    The layers repeat ``len(inits)`` block types; layer ``i`` is position ``i % len(inits)`` and is made by
+    that position's init from ``jax.random.split(key, num_layers)[i]``, so its values depend on its index
+    alone (the same for one block type, ``len(inits) == 1``, and for a period).
+
+    Args:
+      inits: ``inits[j](key) -> variables`` makes one layer of position ``j``.
+      key: the stack's key.
+      num_layers: the depth, a multiple of ``len(inits)``.
+
+    Returns:
+      ``[position j's variables, stacked over its num_layers // len(inits) layers]``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> made = init_stacked([lambda k: jax.random.uniform(k)] * 2, jax.random.key(0), 6)
+    >>> [a.shape for a in made]
+    [(3,), (3,)]
+    >>> bool(made[1][0] == jax.random.uniform(jax.random.split(jax.random.key(0), 6)[1]))
+    True
+    """
+    keys = jax.random.split(key, num_layers)
+    return [jax.vmap(init)(keys[j :: len(inits)]) for j, init in enumerate(inits)]
+
+
+def fold_keys(keys: dict[str, jax.Array], i: jax.Array) -> dict[str, jax.Array]:
+    """Layer ``i``'s RNG streams: each of the stack's keys folded with the layer index.
+
+    >>> import jax
+    >>> key = jax.random.key(0)
+    >>> bool(fold_keys({"dropout": key}, 3)["dropout"] == jax.random.fold_in(key, 3))
+    True
+    """
+    return {stream: jax.random.fold_in(k, i) for stream, k in keys.items()}
+
+
+def one_layer(stacked: Any) -> Any:
+    """What one layer of ``stacked`` (every leaf stacked on axis 0) looks like: a tree of ``ShapeDtypeStruct``.
+
+    >>> import jax.numpy as jnp
+    >>> one_layer({"w": jnp.ones((4, 2, 3))})["w"].shape
+    (2, 3)
+    """
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked)
+
+
+def stack_names(
+    policy: Policy | Mix, where: str, make_step: Callable[[bool], Step], one: Any, x: Any, key: Any = None
+) -> tuple[Policy | Mix, bool]:
+    """A stack's policy with its names resolved against one layer (:func:`remat_kit.policies.tags.stack_policy`).
+
+    The layer is traced (nothing compiled) as layer 0 on abstract values, plainly and, only where the policy
+    names what the plain layer does not emit, with its module paths named.
+
+    Args:
+      policy: the stack's policy.
+      where: the block (or the period's blocks), for messages.
+      make_step: ``make_step(named) -> step(variables, h, i)``: one layer (a period for a period stack), its
+        paths named or not.
+      one: one layer's variables, abstract (:func:`one_layer`); x: its input, abstract.
+      key: a hashable name for the layer and its input signature (the answer is remembered under it), or None.
+
+    Returns:
+      ``(policy, named)``: as :func:`remat_kit.policies.tags.stack_policy`.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from remat_kit import policies
+    >>> from remat_kit.names import tag
+    >>> make_step = lambda named: lambda w, h, i: (tag(h * w, "mlp/up"), None)
+    >>> one = x = jax.ShapeDtypeStruct((2,), jnp.float32)
+    >>> policy, named = stack_names(policies.parse("selective:mlp/*"), "Block", make_step, one, x)
+    >>> str(policy), named
+    ('selective:mlp/up', False)
+    """
+
+    def emitted(named: bool) -> frozenset[str]:
+        return tags.emitted_tags(lambda v, h: make_step(named)(v, h, jnp.int32(0)), one, x)
+
+    return tags.stack_policy(policy, where, lambda: emitted(False), lambda: emitted(True), key)
+
+
+def per_layer(policy: Policy | Mix, depth: int) -> bool:
+    """Whether ``policy`` wraps each layer on its own over ``depth`` layers (periods): a policy whose plan is
+    ``"layer"`` (none, full, selective, offload, dots), not a grouping one nor a mix.
+
+    >>> from remat_kit import policies
+    >>> per_layer(policies.parse("full"), 4), per_layer(policies.parse("every_n:2"), 4)
+    (True, False)
+    """
+    return isinstance(policy, Policy) and policy.plan(depth).mode == "layer"
+
+
+def period_policies(
+    policy: Policy | Mix, periods: int, emitted: Sequence[frozenset[str]], where: Sequence[str]
+) -> tuple[Policy | Mix, list[Policy] | None]:
+    """A period's policies with their names resolved: ``(policy, position_policies)`` for :func:`run_periods`.
+
+    A per-layer policy wraps each block of the period on its own, so each position's names are its own
+    (``position_policies[j]`` resolved against ``emitted[j]``); a grouping policy or a mix wraps whole
+    periods, so its names are resolved against every position's (``position_policies`` None).
+
+    >>> from remat_kit import policies
+    >>> p, positions = period_policies(policies.parse("selective:*up"), 2, [{"a/up"}, {"b/up"}], ["A", "B"])
+    >>> [str(q) for q in positions]
+    ['selective:a/up', 'selective:b/up']
+    >>> p, positions = period_policies(policies.parse("every_n:2"), 2, [{"a/up"}, {"b/up"}], ["A", "B"])
+    >>> str(p), positions
+    ('every_n:2', None)
+    """
+    if per_layer(policy, periods):
+        return policy, [tags.resolved(policy, e, w) for e, w in zip(emitted, where, strict=True)]
+    return tags.resolved(policy, frozenset().union(*emitted), where[0]), None
 
 
 def keep_all(fn: Callable) -> Callable:
@@ -235,12 +350,12 @@ def run_periods(
     >>> float(h), ys[1].tolist()
     (6.0, [1, 3])
     """
-    per_layer = isinstance(policy, Policy) and policy.plan(periods).mode == "layer"
-    if per_layer:
+    each = per_layer(policy, periods)
+    if each:
         wrap = position_policies or [policy] * len(steps)
         steps = [p.checkpoint(one, prevent_cse=False) for p, one in zip(wrap, steps, strict=True)]
     # Per-layer policies wrap each block above; the scan over periods then adds nothing (none).
-    return run(none() if per_layer else policy, periods, period_step(steps), tuple(variables), x)
+    return run(none() if each else policy, periods, period_step(steps), tuple(variables), x)
 
 
 #: Floating dtypes :func:`run_packed` stores as 16-bit words.

@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import _jax_internals
 from remat_kit import names as _names
-from remat_kit.policies.policy import Mix, Policy
+from remat_kit.policies.policy import Mix
 
 # Keys of checks that passed (policy, code, input signature), oldest first; bounded so long sessions
 # do not grow it (the oldest is dropped: at worst it is traced once more).
@@ -235,6 +235,22 @@ _STACK_NAMES: collections.OrderedDict = collections.OrderedDict()
 _MAX_STACK_NAMES = 1024
 
 
+def resolved(policy: Any, emitted: Iterable[str], where: str) -> Any:
+    """``policy`` (each part of a mix) checked (:func:`check`) and its patterns expanded (:func:`resolve`) against
+    ``emitted``: the names a block emits, ``where`` naming it in messages.
+
+    >>> from remat_kit import policies
+    >>> str(resolved(policies.parse("selective:mlp/**2+full*1"), ["mlp/up", "attn"], "Block"))
+    'selective:mlp/up*2+full*1'
+    """
+    if isinstance(policy, Mix):
+        return Mix(tuple((resolved(p, emitted, where), n) for p, n in policy.parts))
+    if not policy.tags:
+        return policy
+    check(policy, emitted, where)
+    return resolve(policy, emitted, where)
+
+
 def stack_policy(policy: Any, where: str, plain: Callable, named: Callable, key: Any = None) -> tuple[Any, bool]:
     """A stack's policy with its names resolved against one layer, and whether the layer must run named.
 
@@ -262,16 +278,7 @@ def stack_policy(policy: Any, where: str, plain: Callable, named: Callable, key:
         return _STACK_NAMES[cache]
     emitted = plain()
     naming = any(missing(p, emitted) for p in parts)
-    if naming:
-        emitted = named()
-
-    def one(p: Policy) -> Policy:
-        if not p.tags:
-            return p
-        check(p, emitted, where)
-        return resolve(p, emitted, where)
-
-    out = (Mix(tuple((one(p), n) for p, n in policy.parts)) if isinstance(policy, Mix) else one(policy), naming)
+    out = (resolved(policy, named() if naming else emitted, where), naming)
     if cache is not None:
         _STACK_NAMES[cache] = out
         if len(_STACK_NAMES) > _MAX_STACK_NAMES:

@@ -61,21 +61,10 @@ class Stack(nnx.Module):
     """
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int, policy: Policy | Mix, *, rngs):
-        names = []
-
-        @nnx.split_rngs(splits=num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs):
-            block = make_block(rngs)
-            if not isinstance(block, nnx.Module):
-                raise TypeError(f"make_block(rngs) must return an nnx.Module instance, got {block!r}")
-            names.append(type(block).__name__)
-            return block
-
-        self.layers = create(rngs)
+        self.layers = _stacked(make_block, num_layers)(rngs)
         self.num_layers = num_layers
         self.policy = policy
-        self.block_name = names[0]
+        self.block_name = type(self.layers).__name__
 
     def __call__(self, x, *args, **kwargs):
         """Apply the layers in order; ``args``/``kwargs`` reach every layer unchanged.
@@ -100,18 +89,12 @@ class Stack(nnx.Module):
         static = [leaf if j not in keys and wrap_nnx.is_static(leaf) else None for j, leaf in enumerate(leaves)]
 
         def call(layer, h, dyn, layer_keys, named=False):
-            h = _layers.tag_input(h)  # the stack owns the layer input: a policy may keep or offload it
             merged = [d if s is None else s for d, s in zip(dyn, static, strict=True)]
-            for j, streams in layer_keys.items():
-                merged[j] = nnx.Rngs(**streams)
-            a, kw = jax.tree.unflatten(treedef, merged)
-            if named:  # module-path names (attn/q_einsum), as remat_kit.apply gives them
-                return run_named(layer, lambda b, h: b(h, *a, **kw), h)
-            return layer(h, *a, **kw)
+            return _run_layer(layer, h, merged, treedef, layer_keys, named)
 
         policy, named = self._check_once(call, x, dynamic, static, _layers.layer_at(keys, jnp.int32(0)))
         call = functools.partial(call, named=named)
-        if isinstance(policy, Policy) and policy.plan(self.num_layers).mode == "layer":
+        if _layers.per_layer(policy, self.num_layers):
             return self._scan_layers(policy, call, x, dynamic, keys)
         return self._scan_stacked(policy, call, x, dynamic, keys)
 
@@ -149,7 +132,7 @@ class Stack(nnx.Module):
         """The output's shape, once per input signature; the policy's names resolved against one layer's
         (:func:`remat_kit.policies.tags.stack_policy`): ``(policy, whether the layer runs with its paths named)``."""
         graphdef, state = nnx.split(self.layers)
-        one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
+        one_layer = _layers.one_layer(state)
         abstract_x, abstract_dyn = wrap_nnx.abstract((x, dynamic))
         key = ("stack", graphdef, abstract_x, tuple(jax.tree.leaves(abstract_dyn)), tuple(static))
         shapes = []
@@ -159,21 +142,21 @@ class Stack(nnx.Module):
             shapes.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out))
             return out
 
-        def emitted(named=False):
-            return _tags.emitted_tags(functools.partial(traced, named=named), one_layer, abstract_x, abstract_dyn)
-
         def run_check():
             expected = jax.ShapeDtypeStruct(abstract_x.shape, abstract_x.dtype)
             if not shapes:
-                emitted()
+                _tags.emitted_tags(traced, one_layer, abstract_x, abstract_dyn)
             if shapes[0] != expected:
                 raise TypeError(
                     f"{self.block_name} must return one array shaped like its input ({expected.shape}, "
                     f"{expected.dtype}) to be stacked; it returns {shapes[0]}"
                 )
 
-        # Each part of a mix by its own rule (one part may be strict=False).
-        policy, named = _tags.stack_policy(self.policy, self.block_name, emitted, lambda: emitted(True), key)
+        # The call's arrays travel with the input: (h, dyn) traced together.
+        make_step = lambda named: lambda v, hd, i: traced(v, *hd, named=named)
+        policy, named = _layers.stack_names(
+            self.policy, self.block_name, make_step, one_layer, (abstract_x, abstract_dyn), key
+        )
         _tags.once(key, run_check)
         return policy, named
 
@@ -213,26 +196,14 @@ class PeriodStack(nnx.Module):
 
         def block(graphdef, variables, h, i, named=False):
             layer = nnx.merge(graphdef, *variables)
-            merged = list(leaves)
-            for j, streams in _layers.layer_at(keys, i).items():
-                merged[j] = nnx.Rngs(**streams)
-            a, kw = jax.tree.unflatten(treedef, merged)
-            h = _layers.tag_input(h)
-            # Module-path names (attn/q_einsum), as remat_kit.apply gives them, where the policy needs them.
-            h = run_named(layer, lambda b, h: b(h, *a, **kw), h) if named else layer(h, *a, **kw)
+            h = _run_layer(layer, h, leaves, treedef, _layers.layer_at(keys, i), named)
             return h, nnx.split(layer, nnx.Param, ...)[2]
 
         variables = tuple((p, o) for _, p, o in splits)
-        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), variables)
-
-        def emitted(named=False):
-            steps = [functools.partial(block, g, named=named) for g, _, _ in splits]
-            return _tags.emitted_tags(
-                lambda v, h: _layers.period_step(steps)(v, h, jnp.int32(0))[0], one, wrap_nnx.abstract(x)
-            )
-
+        make_step = lambda named: _layers.period_step([functools.partial(block, g, named=named) for g, _, _ in splits])
         names = "+".join(type(layers).__name__ for layers in self.positions)
-        policy, named = _tags.stack_policy(self.policy, names, emitted, lambda: emitted(True))
+        one = _layers.one_layer(variables)
+        policy, named = _layers.stack_names(self.policy, names, make_step, one, wrap_nnx.abstract(x))
         steps = [functools.partial(block, g, named=named) for g, _, _ in splits]
         h, updated = _layers.run_periods(policy, periods, steps, variables, x)
         for layers, rest in zip(self.positions, updated, strict=True):
@@ -255,13 +226,33 @@ def _call_keys(leaves: list, num_layers: int, what: str) -> dict[int, dict[str, 
     return keys
 
 
+def _run_layer(layer: nnx.Module, h, leaves: list, treedef, layer_keys: dict, named: bool):
+    """``layer(h, *args, **kwargs)``: the call's extra arguments from ``leaves`` of ``(args, kwargs)``, each call-time
+    ``nnx.Rngs`` among them (at ``layer_keys``' positions) made of this layer's keys.
+
+    The stack owns the layer input: it is tagged ``layer_input``, so a policy may keep or offload it. ``named``:
+    module-path names (``attn/q_einsum``), as ``remat_kit.apply`` gives them, where the policy needs them.
+    """
+    h = _layers.tag_input(h)
+    merged = list(leaves)
+    for j, streams in layer_keys.items():
+        merged[j] = nnx.Rngs(**streams)
+    a, kw = jax.tree.unflatten(treedef, merged)
+    if named:
+        return run_named(layer, lambda b, h: b(h, *a, **kw), h)
+    return layer(h, *a, **kw)
+
+
 def _stacked(make_block, count: int):
     """``create(rngs)``: ``count`` blocks from ``make_block``, every variable stacked on axis 0 (Flax's recipe)."""
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs):
-        return make_block(rngs)
+        block = make_block(rngs)
+        if not isinstance(block, nnx.Module):
+            raise TypeError(f"make_block(rngs) must return an nnx.Module instance, got {block!r}")
+        return block
 
     return create
 

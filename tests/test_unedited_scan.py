@@ -15,7 +15,7 @@ from flax import nnx
 
 import remat_kit
 from remat_kit.analysis import _xla_dump
-from remat_kit.unedited import scan as unedited_scan
+from remat_kit.unedited import nnx as unedited_nnx
 from tests import unedited_models as um
 
 X = jax.random.normal(jax.random.key(1), (2, 6, 8))
@@ -321,11 +321,11 @@ def test_an_nnx_decoder_with_shared_arrays_and_cache_x_returns_scans_with_the_pl
 
 def test_an_unhashable_config_is_traced_once_per_signature_not_once_per_call():
     applied = remat_kit.apply(_decoder(), "full", scan=True)
-    before = len(unedited_scan._SCHEDULES.by_equality)
+    before = len(unedited_nnx._SCHEDULES.by_equality)
     first, _ = applied(X4, POS, None, MASK)
     second, _ = applied(X4, POS, None, MASK)
     np.testing.assert_array_equal(first, second)
-    assert len(unedited_scan._SCHEDULES.by_equality) == before + 1
+    assert len(unedited_nnx._SCHEDULES.by_equality) == before + 1
 
 
 def scan_bodies(closed) -> list[int]:

@@ -142,6 +142,7 @@ class _Run:
     module_names: set[str] = dataclasses.field(default_factory=set)
     lifted: dict = dataclasses.field(default_factory=dict)  # path -> Flax transforms its call ran inside
     ran: int = 0  # blocks this call handed to the policy (0 after an apply: nothing was rematerialized)
+    scan: unedited_scan.LinenScan | None = None  # scan=True: the runs of blocks this call scans
 
 
 _RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("remat_kit_apply_run", default=None)
@@ -259,10 +260,11 @@ class Applied:
     def _run(self, method: str, args: tuple, kwargs: dict):
         run = _Run(self.plan, self.matcher(method, args, kwargs))
         if self.plan.scan:
-            unedited_scan.linen_run(run, *self._discover(method, args, kwargs), _remat_block)
+            run.scan = unedited_scan.LinenScan(*self._discover(method, args, kwargs), run.matcher)
         with _running(run):
             out = getattr(self.module, method)(*args, **self._see_through(kwargs))
-        unedited_scan.linen_finish(run)
+        if run.scan is not None:
+            run.scan.finish()
         if method == "apply" and not run.ran:
             # The no-op guardrail: discovery found blocks, yet this call handed none to the policy.
             raise ValueError(
@@ -320,8 +322,8 @@ def _intercept(next_fun, args, kwargs, context):
     if not run.matcher(module, join(path)):
         return next_fun(*args, **kwargs)
     run.ran += 1
-    if hasattr(run, "scan_block"):
-        return run.scan_block(module, path, next_fun, args, kwargs)
+    if run.scan is not None and run.scan.covers(path):
+        return run.scan.block(run, module, path, args, kwargs)
     return _remat_block(run, module, path, next_fun, args, kwargs)
 
 

@@ -8,19 +8,28 @@ non-parameter state (RNG counts, batch statistics) back. No module is ever captu
 ``nnx.grad``/``nnx.Optimizer`` see every parameter, and ``nnx.split`` gives the plain model's state.
 Inside, submodule outputs are named by their path relative to the block, and matmuls with the
 block's parameters by the parameter's path (as on the Linen side, :mod:`remat_kit.apply`).
+
+With ``scan=True`` (:func:`nnx_scan`) the blocks of one list that repeat a period run as one scan,
+through the conversion both halves share (:mod:`remat_kit.unedited.scan`); a block left out of every
+run is rematerialized here on its own (:func:`remat_class`, :func:`run_block`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextvars
+import dataclasses
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from remat_kit import _jax_internals
+from remat_kit.policies import layers as _layers
+from remat_kit.policies import tags
 from remat_kit.policies.static import is_static
-from remat_kit.unedited import scan as unedited_scan
 from remat_kit.unedited.engine import (
     Collector,
     Plan,
@@ -35,6 +44,16 @@ from remat_kit.unedited.engine import (
     trace_only,
 )
 from remat_kit.unedited.paths import NameTable, Where, join, repeated_block, state_keys
+from remat_kit.unedited.scan import (
+    Call,
+    carry_index,
+    check_shared,
+    find_period,
+    position_policies,
+    same,
+    take_carry,
+    template,
+)
 
 _COLLECT: contextvars.ContextVar[Collector | None] = contextvars.ContextVar("remat_kit_nnx_collect", default=None)
 _REMAT_CLASSES: dict[tuple, type] = {}
@@ -69,7 +88,7 @@ def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
         nnx_plain_call(cls)  # a transform on the blocks' __call__: seen through (nnx.jit) or refused here
     check_static_argnames(plan.static_argnames, [type(b) for _, b in found])
     if plan.scan:
-        return unedited_scan.nnx_scan(copy, plan, found, remat_class, run_block)
+        return nnx_scan(copy, plan, found)
     for index, (_, block) in enumerate(found):
         policy = plan.policy_for(index)
         block.__class__ = remat_class(type(block), policy, plan.static_argnames, plan.policy)
@@ -167,3 +186,477 @@ def names_of(model: nnx.Module, example_args: tuple, example_kwargs: dict, where
     finally:
         _COLLECT.reset(token)
     return collector.table()
+
+
+# ---- scan=True: runs of blocks as one scan (the shared conversion: remat_kit.unedited.scan) ----------
+
+#: The state of the running call of a parent module whose blocks are scanned (:class:`_CallState`).
+_CALL: contextvars.ContextVar[Any] = contextvars.ContextVar("remat_kit_scan_call", default=None)
+#: While a parent's call is traced to find its blocks' static arguments: the list they are recorded in.
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("remat_kit_scan_record", default=None)
+
+
+class _Schedules:
+    """(parent graphdef, signatures of its state and call) -> that call's runs: the discovery trace, once per key.
+
+    A graphdef holds the model's static attributes; one that cannot be hashed (tunix's Qwen3 keeps a
+    ``@dataclass(slots=True)`` config, which is not frozen) is looked up by equality among the unhashable
+    keys instead, so such a model is traced once per signature too. The newest ``limit`` keys are kept.
+
+    >>> cache = _Schedules(limit=2)
+    >>> cache.put(("g", [1]), "runs"); cache.get(("g", [1])), cache.get(("g", [2]))
+    ('runs', None)
+    """
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self.hashed: collections.OrderedDict = collections.OrderedDict()
+        self.by_equality: list[tuple[Any, Any]] = []  # oldest first
+
+    def get(self, key: Any) -> Any:
+        if tags.hashable(key) is not None:
+            if key in self.hashed:
+                self.hashed.move_to_end(key)
+                return self.hashed[key]
+            return None
+        for i, (k, runs) in enumerate(self.by_equality):
+            if same(k, key):
+                self.by_equality.append(self.by_equality.pop(i))
+                return runs
+        return None
+
+    def put(self, key: Any, runs: Any) -> None:
+        if tags.hashable(key) is not None:
+            self.hashed[key] = runs
+            if len(self.hashed) > self.limit:
+                self.hashed.popitem(last=False)
+        else:
+            self.by_equality.append((key, runs))
+            del self.by_equality[: -self.limit]
+
+
+_SCHEDULES = _Schedules()
+
+
+def _get(node, path):
+    for p in path:
+        node = node[p] if isinstance(p, int) else getattr(node, p)
+    return node
+
+
+def _parent_path(model: nnx.Module, path: tuple) -> tuple:
+    """The longest proper prefix of ``path`` that is a module other than a list/dict container."""
+    for cut in range(len(path) - 1, -1, -1):
+        node = _get(model, path[:cut])
+        if isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict)):
+            return path[:cut]
+    return ()
+
+
+def _lists(found: list[tuple[tuple, nnx.Module]]) -> list[list[tuple[tuple, nnx.Module]]]:
+    """The blocks split into groups at consecutive indices of one container (a list of layers)."""
+    out: list[list] = []
+    for path, block in found:
+        prev = out[-1][-1][0] if out else None
+        if (
+            prev is not None
+            and path[:-1] == prev[:-1]
+            and isinstance(path[-1], int)
+            and isinstance(prev[-1], int)
+            and path[-1] == prev[-1] + 1
+        ):
+            out[-1].append((path, block))
+        else:
+            out.append([(path, block)])
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mark:
+    """What a block of an NNX model applied with ``scan=True`` knows of itself (an attribute of the block)."""
+
+    parent: tuple  # its parent module's path in the model
+    rel: tuple  # its path in the parent
+    kind: int  # blocks of one kind share their graph (class, static attributes) and state shapes
+    index: int  # its place among all the blocks (for every_n when it runs on its own)
+
+
+def nnx_scan(model: nnx.Module, plan: Plan, found: list[tuple[tuple, nnx.Module]]) -> nnx.Module:
+    """Make the blocks of ``model`` (a copy) that repeat a period in one list run as one scan under ``plan``.
+
+    Which blocks form a run is known only at call time, from their static arguments: each parent's call
+    is traced once per call signature (:func:`_schedule`). A block in no run is rematerialized on its own:
+    alone in its list, its class becomes :func:`remat_class`'s; left out of every run at call time, it runs
+    through :func:`run_block`.
+
+    Raises:
+      ValueError: no two consecutive blocks of one list (nothing could ever be scanned), naming them.
+    """
+    groups = _lists(found)
+    if all(len(g) < 2 for g in groups):
+        names = ", ".join(f"{join(p)} ({type(b).__name__})" for p, b in found)
+        loose = [join(p) for p, _ in found if not isinstance(p[-1], int)]
+        if loose:  # held as attributes or in a dict: their call order is not known before the call
+            raise ValueError(
+                f"scan=True scans consecutive items of one list (nnx.List), and {', '.join(loose)} "
+                f"{'is no list item' if len(loose) == 1 else 'are no list items'}: hold the blocks in an nnx.List, "
+                "or use scan=False"
+            )
+        raise ValueError(
+            f"scan=True: no two consecutive blocks are identical, nor do two sit at consecutive places of one list: "
+            f"{names}; use scan=False"
+        )
+    kinds: list = []
+    order = {id(b): i for i, (_, b) in enumerate(found)}
+    parents = set()
+    for group in groups:
+        if len(group) < 2:
+            _, block = group[0]
+            index = order[id(block)]
+            block.__class__ = remat_class(type(block), plan.policy_for(index), plan.static_argnames, plan.policy)
+            continue
+        parent = _parent_path(model, group[0][0])
+        parents.add(parent)
+        for path, block in group:
+            kind = (nnx.graphdef(block), jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), nnx.state(block)))
+            at = next((i for i, k in enumerate(kinds) if same(k, kind)), None)
+            if at is None:
+                at, kinds = len(kinds), [*kinds, kind]
+            object.__setattr__(block, "_remat_kit_mark", _Mark(parent, path[len(parent) :], at, order[id(block)]))
+        for _, block in group:  # after every kind was read: the class is part of a graph
+            block.__class__ = _block_class(type(block), plan)
+    for parent in parents:
+        node = _get(model, parent)
+        object.__setattr__(node, "_remat_kit_path", parent)
+        node.__class__ = _parent_class(type(node))
+    return model
+
+
+_CLASSES: dict[tuple, type] = {}
+
+
+def _subclass(kind: str, cls: type, call, key=(), **attrs) -> type:
+    k = (kind, cls, *key)
+    if k not in _CLASSES:
+        _CLASSES[k] = type(cls)(
+            cls.__name__,
+            (cls,),
+            {"__call__": call, "__module__": cls.__module__, "__qualname__": cls.__qualname__, **attrs},
+        )
+    return _CLASSES[k]
+
+
+@dataclasses.dataclass(frozen=True)
+class NnxRun:
+    """Blocks of one list whose calls repeat a period: run as one scan.
+
+    Attributes:
+      rels: every block's path in the parent, in call order.
+      period: the blocks in one period.
+      calls: each position's :class:`Call` (its static arguments).
+    """
+
+    rels: tuple[tuple, ...]
+    period: int
+    calls: tuple[Call, ...]
+
+
+@dataclasses.dataclass
+class _CallState:
+    """One call of a parent: ``runs`` by each block's path (``(run, k)``: block ``k`` of it); outputs pending."""
+
+    parent: Any
+    runs: dict
+    pending: dict = dataclasses.field(default_factory=dict)
+
+
+def _parent_class(cls: type) -> type:
+    original = cls.__call__
+
+    def __call__(self, *args, **kwargs):
+        if _RECORD.get() is not None:  # an outer parent's discovery trace: its blocks record themselves
+            return original(self, *args, **kwargs)
+        state = _CallState(self, _schedule(self, original, args, kwargs))
+        token = _CALL.set(state)
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            _CALL.reset(token)
+        for todo in state.pending.values():
+            if todo.next < len(todo.run.rels):
+                raise ValueError(
+                    f"scan=True: {type(self).__name__} called {todo.next} of the {len(todo.run.rels)} blocks "
+                    f"{join(todo.run.rels[0])} .. {join(todo.run.rels[-1])} it was traced calling; a model that "
+                    "skips blocks cannot be scanned unedited (use scan=False)"
+                )
+        return out
+
+    return _subclass("parent", cls, __call__)
+
+
+def _schedule(parent: nnx.Module, original, args: tuple, kwargs: dict) -> dict:
+    """``{block path in parent: (NnxRun, k)}`` for this call: its blocks' calls traced once per call signature.
+
+    Raises:
+      ValueError: no run at all, naming each block with its class and static arguments.
+    """
+    flat, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
+    node_at = [i for i, leaf in enumerate(flat) if nnx.graph.is_graph_node(leaf)]
+    graphdef, state = nnx.split((parent, *[flat[i] for i in node_at]))
+    others = [leaf for i, leaf in enumerate(flat) if i not in node_at]
+    sig = tags.signature((state, others))
+    key = None if sig is None else (graphdef, treedef, tuple(node_at), sig)
+    cached = None if key is None else _SCHEDULES.get(key)
+    if cached is not None:
+        return cached
+    records: list = []
+
+    def probe(state, others):
+        merged = nnx.merge(graphdef, state)
+        nodes, rest = iter(merged[1:]), iter(others)
+        a, k = jax.tree.unflatten(treedef, [next(nodes) if i in node_at else next(rest) for i in range(len(flat))])
+        token = _RECORD.set(records)
+        try:
+            original(merged[0], *a, **k)
+        finally:
+            _RECORD.reset(token)
+
+    trace_only(probe, (state, others), {})
+    mine = [(m, call, arrays) for m, call, arrays in records if m.parent == parent._remat_kit_path]
+    runs = _nnx_runs(mine, type(parent).__name__)
+    if key is not None:
+        _SCHEDULES.put(key, runs)
+    return runs
+
+
+def _nnx_runs(records: list[tuple[_Mark, Call, tuple]], where: str) -> dict:
+    """The runs among one parent call's block calls (``(mark, call, array arguments)`` in call order).
+
+    See :func:`linen_runs`. Every block of a run must get the first one's array arguments but the input
+    (one scan shares them): a block given its own (a per-layer cache) is a ValueError naming the argument.
+    """
+    seen = [m.rel for m, *_ in records]
+    blocks = [r for r in records if seen.count(r[0].rel) == 1]  # a block called twice is not scanned
+    siblings: list[list] = []
+    for r in blocks:
+        m = r[0]
+        prev = siblings[-1][-1][0].rel if siblings else None
+        if prev is not None and prev[:-1] == m.rel[:-1] and m.rel[-1] == prev[-1] + 1:
+            siblings[-1].append(r)
+        else:
+            siblings.append([r])
+    runs: dict = {}
+    for group in siblings:
+        start = 0
+        while start < len(group):
+            covered, period = find_period(group[start:], lambda a, b: a[0].kind == b[0].kind and a[1].same(b[1]))
+            if not covered:
+                start += 1
+                continue
+            part = group[start : start + covered]
+            for m, c, arrays in part[1:]:
+                check_shared(f"{where}'s block {join(m.rel)}", join(part[0][0].rel), c, part[0][2], arrays)
+            run = NnxRun(tuple(m.rel for m, *_ in part), period, tuple(c for _, c, _ in part[:period]))
+            runs.update({m.rel: (run, k) for k, (m, *_) in enumerate(part)})
+            start += covered
+    if not runs:
+        names = "; ".join(f"{join(m.rel)} ({c.describe()})" for m, c, _ in blocks)
+        raise ValueError(
+            f"scan=True: no two consecutive blocks of {where} are identical, nor do they repeat a period of blocks "
+            f"(same class, attributes, parameter shapes and static arguments): {names}; use scan=False"
+        )
+    return runs
+
+
+@dataclasses.dataclass
+class _Pending:
+    run: NnxRun
+    outs: tuple  # per position: [periods, ...] stacked outputs
+    last: Any  # the next block's input in the output handed to the model most recently
+    next: int
+    carry_at: tuple  # per position: where the next block's input is in the output (:func:`carry_index`)
+    arrays: tuple  # the first block's array arguments but its input: (positional ones, keyword ones)
+
+    def at(self, k: int) -> Any:
+        return jax.tree.map(lambda a: a[k // self.run.period], self.outs[k % self.run.period])
+
+
+def _block_class(cls: type, plan: Plan) -> type:
+    original = nnx_plain_call(cls)  # an nnx.jit on it seen through (another transform refused)
+
+    def __call__(self, *args, **kwargs):
+        mark = self._remat_kit_mark
+        records = _RECORD.get()
+        if records is not None:  # the parent's discovery trace: record the call, run it plainly
+            _, dyn_args, dyn_kwargs = split_static(original, args, kwargs, plan.static_argnames, is_static)
+            records.append((mark, template(original, args, kwargs, plan.static_argnames), (dyn_args, dyn_kwargs)))
+            return original(self, *args, **kwargs)
+        state = _CALL.get()
+        if state is None or getattr(state.parent, "_remat_kit_path", None) != mark.parent:
+            raise ValueError("scan=True: the blocks were called outside their parent module's __call__")
+        if mark.rel not in state.runs:  # in no run: on its own, under the policy
+            policy = plan.policy_for(mark.index)
+            if policy is None:
+                return original(self, *args, **kwargs)
+            return run_block(self, original, policy, plan.static_argnames, args, kwargs)
+        run, k = state.runs[mark.rel]
+        call = template(original, args, kwargs, plan.static_argnames)
+        if not call.same(run.calls[k % run.period]):
+            raise ValueError(
+                f"scan=True: block {join(mark.rel)} is called with {call.describe()}, not "
+                f"{run.calls[k % run.period].describe()} as when the model was traced; use scan=False"
+            )
+        _, dyn_args, dyn_kwargs = split_static(original, args, kwargs, plan.static_argnames, is_static)
+        where = f"{cls.__name__} block {join(mark.rel)}"
+        if k == 0:
+            _check_scannable_call(where, args, dyn_args, dyn_kwargs, run.calls)
+            layers = [_get(state.parent, rel) for rel in run.rels]
+            originals = [nnx_plain_call(type(layer).__mro__[1]) for layer in layers[: run.period]]
+            rest = (dyn_args[1:], dyn_kwargs)
+            out, outs, carry_at = _scan(layers, originals, plan, run, args[0], rest)
+            state.pending[mark.rel] = _Pending(run, outs, take_carry(out, carry_at[0]), 1, carry_at, rest)
+            return out
+        pending = state.pending.get(run.rels[0])
+        if pending is None or pending.next != k:
+            raise ValueError(f"scan=True: block {join(mark.rel)} ran out of order; use scan=False")
+        if not args or args[0] is not pending.last:
+            raise ValueError(
+                f"scan=True: block {join(mark.rel)} is not called with block {join(run.rels[k - 1])}'s output (the "
+                "model runs code between its blocks); use scan=False"
+            )
+        check_shared(where, join(run.rels[0]), call, pending.arrays, (dyn_args[1:], dyn_kwargs), skip_input=False)
+        out = pending.at(k)
+        pending.last = take_carry(out, pending.carry_at[k % run.period])
+        pending.next = k + 1
+        return out
+
+    # _remat_kit_policy: compare/auto refuse a model that runs a policy of its own (inspection.refuse_baked_nnx).
+    return _subclass("block", cls, __call__, (plan,), _remat_kit_policy=plan.policy)
+
+
+def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x, rest: tuple):
+    """Run ``layers`` (a run repeating a period) on ``x`` as one scan; write their updated state back.
+
+    ``rest``: the array arguments but the input, ``(positional ones, keyword ones)``, the same for every
+    block (positions, an attention mask, segment ids): closed over by the scan.
+
+    Returns:
+      ``(the first block's output, each position's outputs stacked over the periods, each position's
+      place of the next block's input in its output)`` (:func:`carry_index`).
+    """
+    # Long: split, stack, scan and write back are one transaction over the same layers' state.
+    out_at: dict[int, Any] = {}
+    period = run.period
+    graphdefs = [nnx.graphdef(layer) for layer in layers[:period]]
+    treedefs = [jax.tree.structure(nnx.state(layer)) for layer in layers[:period]]
+    leaves = [jax.tree.leaves(nnx.state(layer)) for layer in layers]
+    # A Variable held by every layer (a shared RNG stream) is carried through the scan, the others stacked.
+    held = [_leaf_variables(layer) for layer in layers]
+    shared_ids = set.intersection(*[{id(v) for v in vs} for vs in held])
+    shared = list(dict.fromkeys(id(v) for vs in held[:period] for v in vs if id(v) in shared_ids))
+    # Per position: each leaf's place in the carry, or None for a stacked leaf.
+    carry_at = [[shared.index(id(v)) if id(v) in shared_ids else None for v in held[j]] for j in range(period)]
+    carry0 = [None] * len(shared)
+    for j in range(period):
+        for leaf, at in zip(leaves[j], carry_at[j], strict=True):
+            if at is not None and carry0[at] is None:
+                carry0[at] = leaf
+    stacked = [
+        [jnp.stack([lv[i] for lv in leaves[j::period]]) for i, at in enumerate(carry_at[j]) if at is None]
+        for j in range(period)
+    ]
+    stack_names = []
+    for j in range(period):
+        paths = jax.tree_util.tree_flatten_with_path(nnx.state(layers[j]))[0]
+        params = [isinstance(v, nnx.Param) for v in held[j]]
+        stack_names.append(
+            [join(state_keys(p)) if params[i] else None for i, (p, _) in enumerate(paths) if carry_at[j][i] is None]
+        )
+
+    carried_paths = [
+        [
+            (tuple(state_keys(p)), at)
+            for (p, _), at in zip(
+                jax.tree_util.tree_flatten_with_path(nnx.state(layers[j]))[0], carry_at[j], strict=True
+            )
+            if at is not None
+        ]
+        for j in range(period)
+    ]
+
+    def layer_call(j, layer_stack, h, carry):
+        it_s = iter(layer_stack)
+        full = [carry[at] if at is not None else next(it_s) for at in carry_at[j]]
+        layer = nnx.merge(graphdefs[j], jax.tree.unflatten(treedefs[j], full))
+        args, kwargs = run.calls[j].fill((_layers.tag_input(h), *rest[0]), rest[1])  # apply owns the layer input
+        y = call_naming_submodules(originals[j], layer, args, kwargs)
+        out_at[j] = carry_index(y, h, f"{type(layers[j]).__name__} block {join(run.rels[j])}")
+        # By path, not position: the call may add variables (a first sow), shifting the leaves after them.
+        new = dict(nnx.to_flat_state(nnx.state(layer)))
+        new_carry = list(carry)
+        for path, at in carried_paths[j]:
+            new_carry[at] = new.pop(path).get_value()
+        return y, new_carry, nnx.from_flat_state(new)
+
+    def names(j, h, carry):
+        return stack_names[j] + [None] * (len(jax.tree.leaves(h)) + len(carry))
+
+    def make_step(j):
+        def step(layer_stack, hc, i):
+            h, carry = hc
+            call = functools.partial(layer_call, j)
+            named, _ = _jax_internals.name_param_matmuls(call, names(j, h, carry), layer_stack, h, carry)
+            y, new_carry, new_stack = named(layer_stack, h, carry)
+            return (take_carry(y, out_at[j]), new_carry), (y, new_stack)
+
+        return step
+
+    def traced(j):
+        first = [a[0] for a in stacked[j]]
+        return _jax_internals.name_param_matmuls(
+            functools.partial(layer_call, j), names(j, x, carry0), first, x, carry0
+        )[1]
+
+    where = [f"{type(layers[j]).__name__} block {join(run.rels[j])}" for j in range(period)]
+    policy, positions = position_policies(plan.policy, len(layers) // period, traced, where)
+    steps = [make_step(j) for j in range(period)]
+    (_, carry), ys = _layers.run_periods(policy, len(layers) // period, steps, stacked, (x, carry0), positions)
+    for k, layer in enumerate(layers):
+        j, u = k % period, k // period
+        nnx.update(layer, jax.tree.map(lambda a, u=u: a[u], ys[j][1]))  # sown values included, each its own
+    for j in range(period):
+        for variable, at in zip(held[j], carry_at[j], strict=True):
+            if at is not None:
+                variable.set_value(carry[at])
+    outs = tuple(y[0] for y in ys)
+    return jax.tree.map(lambda a: a[0], outs[0]), outs, tuple(out_at[j] for j in range(period))
+
+
+def _check_scannable_call(where: str, args: tuple, dyn_args: tuple, dyn_kwargs: dict, calls: tuple) -> None:
+    """The first block of a run can start the scan: an array input first, shared arguments the scan can close over.
+
+    Raises:
+      ValueError: no array input first; positions of the period taking arrays in different places; an NNX
+        object (a call-time ``nnx.Rngs``) among the shared arguments.
+    """
+    if not args or is_static(args[0]) or nnx.graph.is_graph_node(args[0]):
+        raise ValueError(f"scan=True: {where} takes no array input as its first argument; use scan=False")
+    holes = [c.hole_names() for c in calls]
+    for j, h in enumerate(holes[1:], start=1):
+        if h != holes[0]:
+            raise ValueError(
+                f"scan=True: position 0 and {j} of the period take array arguments in different places "
+                f"({', '.join(holes[0])} vs {', '.join(h)}), so one set of arrays cannot reach both; use scan=False"
+            )
+    shared = [*zip(holes[0][1 : len(dyn_args)], dyn_args[1:], strict=True), *dyn_kwargs.items()]
+    for name, value in shared:
+        if any(nnx.graph.is_graph_node(leaf) for leaf in jax.tree.leaves(value, is_leaf=nnx.graph.is_graph_node)):
+            raise ValueError(
+                f"scan=True: {where} takes the NNX object {name}= (a call-time nnx.Rngs?), which one scan cannot "
+                "share between its blocks; pass arrays and Python values only, or use scan=False"
+            )
+
+
+def _leaf_variables(layer: nnx.Module) -> list:
+    """The Variable behind each leaf of ``nnx.state(layer)``, in leaf order."""
+    return [_get(layer, state_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(layer))[0]]

@@ -435,3 +435,61 @@ def test_a_block_output_with_no_one_part_shaped_like_its_input_is_refused_in_one
     variables = TwinModel().init(jax.random.key(0), X)
     with pytest.raises(ValueError, match=r"TwinOut block layer_0 returns \(float32\[2,6,8\], float32\[2,6,8\]\)"):
         remat_kit.apply(TwinModel(), "full", scan=True).apply(variables, X)
+
+
+class Residual(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(8)(x)
+
+
+class CodeBetween(nn.Module):
+    """Scales each block's output before the next block: code between the blocks, which one scan cannot run."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = Residual(name=f"layer_{i}")(x) * 0.5
+        return x
+
+
+class NnxResidual(nnx.Module):
+    def __init__(self, *, rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.lin(x)
+
+
+class NnxCodeBetween(nnx.Module):
+    def __init__(self, *, rngs):
+        self.layers = nnx.List([NnxResidual(rngs=rngs) for _ in range(3)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x) * 0.5
+        return x
+
+
+def _call_linen(applied):
+    return applied.apply(CodeBetween().init(jax.random.key(0), X), X)
+
+
+SEAMS = {
+    "linen": (lambda: remat_kit.apply(CodeBetween(), "full", scan=True), _call_linen, "layer_1", "layer_0"),
+    "nnx": (
+        lambda: remat_kit.apply(NnxCodeBetween(rngs=nnx.Rngs(0)), "full", scan=True),
+        lambda m: m(X),
+        "layers/1",
+        "layers/0",
+    ),
+}
+
+
+@pytest.mark.parametrize("side", list(SEAMS), ids=list(SEAMS))
+def test_code_between_scanned_blocks_is_refused_naming_both_blocks_on_either_side(side):
+    make, call, later, first = SEAMS[side]
+    with pytest.raises(
+        ValueError, match=rf"block {later} is not called with block {first}'s output \(the model runs code"
+    ):
+        call(make())

@@ -46,10 +46,11 @@ from remat_kit.unedited.engine import (
 from remat_kit.unedited.paths import NameTable, Where, join, repeated_block, state_keys
 from remat_kit.unedited.scan import (
     Call,
+    Pending,
     carry_index,
     check_shared,
-    find_period,
     position_policies,
+    runs_in,
     same,
     take_carry,
     template,
@@ -383,12 +384,7 @@ def _parent_class(cls: type) -> type:
         finally:
             _CALL.reset(token)
         for todo in state.pending.values():
-            if todo.next < len(todo.run.rels):
-                raise ValueError(
-                    f"scan=True: {type(self).__name__} called {todo.next} of the {len(todo.run.rels)} blocks "
-                    f"{join(todo.run.rels[0])} .. {join(todo.run.rels[-1])} it was traced calling; a model that "
-                    "skips blocks cannot be scanned unedited (use scan=False)"
-                )
+            todo.check_whole(type(self).__name__)
         return out
 
     return _subclass("parent", cls, __call__)
@@ -447,18 +443,11 @@ def _nnx_runs(records: list[tuple[_Mark, Call, tuple]], where: str) -> dict:
             siblings.append([r])
     runs: dict = {}
     for group in siblings:
-        start = 0
-        while start < len(group):
-            covered, period = find_period(group[start:], lambda a, b: a[0].kind == b[0].kind and a[1].same(b[1]))
-            if not covered:
-                start += 1
-                continue
-            part = group[start : start + covered]
+        for part, period in runs_in(group, lambda a, b: a[0].kind == b[0].kind and a[1].same(b[1])):
             for m, c, arrays in part[1:]:
                 check_shared(f"{where}'s block {join(m.rel)}", join(part[0][0].rel), c, part[0][2], arrays)
             run = NnxRun(tuple(m.rel for m, *_ in part), period, tuple(c for _, c, _ in part[:period]))
             runs.update({m.rel: (run, k) for k, (m, *_) in enumerate(part)})
-            start += covered
     if not runs:
         names = "; ".join(f"{join(m.rel)} ({c.describe()})" for m, c, _ in blocks)
         raise ValueError(
@@ -466,19 +455,6 @@ def _nnx_runs(records: list[tuple[_Mark, Call, tuple]], where: str) -> dict:
             f"(same class, attributes, parameter shapes and static arguments): {names}; use scan=False"
         )
     return runs
-
-
-@dataclasses.dataclass
-class _Pending:
-    run: NnxRun
-    outs: tuple  # per position: [periods, ...] stacked outputs
-    last: Any  # the next block's input in the output handed to the model most recently
-    next: int
-    carry_at: tuple  # per position: where the next block's input is in the output (:func:`carry_index`)
-    arrays: tuple  # the first block's array arguments but its input: (positional ones, keyword ones)
-
-    def at(self, k: int) -> Any:
-        return jax.tree.map(lambda a: a[k // self.run.period], self.outs[k % self.run.period])
 
 
 def _block_class(cls: type, plan: Plan) -> type:
@@ -513,22 +489,13 @@ def _block_class(cls: type, plan: Plan) -> type:
             layers = [_get(state.parent, rel) for rel in run.rels]
             originals = [nnx_plain_call(type(layer).__mro__[1]) for layer in layers[: run.period]]
             rest = (dyn_args[1:], dyn_kwargs)
-            out, outs, carry_at = _scan(layers, originals, plan, run, args[0], rest)
-            state.pending[mark.rel] = _Pending(run, outs, take_carry(out, carry_at[0]), 1, carry_at, rest)
-            return out
+            outs, carry_at = _scan(layers, originals, plan, run, args[0], rest)
+            state.pending[mark.rel] = Pending(run.rels, run.calls, outs, carry_at, rest)
+            return state.pending[mark.rel].first()[0]
         pending = state.pending.get(run.rels[0])
-        if pending is None or pending.next != k:
+        if pending is None:
             raise ValueError(f"scan=True: block {join(mark.rel)} ran out of order; use scan=False")
-        if not args or args[0] is not pending.last:
-            raise ValueError(
-                f"scan=True: block {join(mark.rel)} is not called with block {join(run.rels[k - 1])}'s output (the "
-                "model runs code between its blocks); use scan=False"
-            )
-        check_shared(where, join(run.rels[0]), call, pending.arrays, (dyn_args[1:], dyn_kwargs), skip_input=False)
-        out = pending.at(k)
-        pending.last = take_carry(out, pending.carry_at[k % run.period])
-        pending.next = k + 1
-        return out
+        return pending.follow(k, args, call, (dyn_args[1:], dyn_kwargs), where)[0]
 
     # _remat_kit_policy: compare/auto refuse a model that runs a policy of its own (inspection.refuse_baked_nnx).
     return _subclass("block", cls, __call__, (plan,), _remat_kit_policy=plan.policy)
@@ -541,8 +508,8 @@ def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x,
     block (positions, an attention mask, segment ids): closed over by the scan.
 
     Returns:
-      ``(the first block's output, each position's outputs stacked over the periods, each position's
-      place of the next block's input in its output)`` (:func:`carry_index`).
+      ``(each position's outputs stacked over the periods, each position's place of the next block's
+      input in its output)`` (:func:`carry_index`).
     """
     # Long: split, stack, scan and write back are one transaction over the same layers' state.
     out_at: dict[int, Any] = {}
@@ -629,7 +596,7 @@ def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x,
             if at is not None:
                 variable.set_value(carry[at])
     outs = tuple(y[0] for y in ys)
-    return jax.tree.map(lambda a: a[0], outs[0]), outs, tuple(out_at[j] for j in range(period))
+    return outs, tuple(out_at[j] for j in range(period))
 
 
 def _check_scannable_call(where: str, args: tuple, dyn_args: tuple, dyn_kwargs: dict, calls: tuple) -> None:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect as _inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -259,6 +259,97 @@ def find_period(kinds: list, same) -> tuple[int, int]:
     return best
 
 
+def runs_in(blocks: list, alike: Callable[[Any, Any], bool]) -> Iterator[tuple[list, int]]:
+    """The runs among ``blocks`` (called one after the other): ``(its blocks, its period)``, in order.
+
+    Each run is the period repeating at least twice that covers the most blocks (:func:`find_period`);
+    a block no period covers is skipped (it runs on its own).
+
+    >>> [("".join(run), period) for run, period in runs_in(list("xababaab"), str.__eq__)]
+    [('abab', 2), ('aa', 1)]
+    """
+    start = 0
+    while start < len(blocks):
+        covered, period = find_period(blocks[start:], alike)
+        if not covered:
+            start += 1
+            continue
+        yield blocks[start : start + covered], period
+        start += covered
+
+
+@dataclasses.dataclass
+class Pending:
+    """A run whose first block computed every block's output: the later blocks take theirs in call order.
+
+    Attributes:
+      paths: every block of the run, in call order; calls: each position's :class:`Call`.
+      outs: per position, its outputs stacked over the periods; carry_at: per position, where the next
+        block's input is in its output (:func:`carry_index`).
+      arrays: the first block's array arguments but its input, ``(positional ones, keyword ones)``.
+      mutated: per position, the collections its blocks wrote, stacked (Linen; ``()`` for NNX).
+      next: the block expected next; last: the next block's input in the output handed out last.
+    """
+
+    paths: tuple[tuple, ...]
+    calls: tuple[Call, ...]
+    outs: tuple
+    carry_at: tuple
+    arrays: tuple
+    mutated: tuple = ()
+    next: int = 1
+    last: Any = None
+
+    def first(self) -> tuple[Any, Any]:
+        """Block 0's output, handed to the model (the next block must be called with it), and what it wrote."""
+        out, mutated = self.at(0)
+        self.last = take_carry(out, self.carry_at[0])
+        return out, mutated
+
+    def at(self, k: int) -> tuple[Any, Any]:
+        """Block ``k``'s output and what it wrote (None without ``mutated``)."""
+        j, u = k % len(self.calls), k // len(self.calls)
+        pick = lambda tree: jax.tree.map(lambda a: a[u], tree)
+        return pick(self.outs[j]), (pick(self.mutated[j]) if self.mutated else None)
+
+    def follow(self, k: int, args: tuple, call: Call, arrays: tuple, where: str) -> tuple[Any, Any]:
+        """Block ``k`` (``where`` names it) called with ``args``: its output and what it wrote, after checking
+        that it is the next block, called with the previous one's output, its static arguments and the first
+        block's arrays (``arrays``: its own but its input).
+
+        Raises:
+          ValueError: saying which of those fails (the model cannot be scanned unedited).
+        """
+        path = self.paths[k]
+        if self.next != k:
+            raise ValueError(f"scan=True: block {join(path)} ran out of order; use scan=False")
+        if not args or args[0] is not self.last:
+            raise ValueError(
+                f"scan=True: block {join(path)} is not called with block {join(self.paths[k - 1])}'s output (the "
+                "model runs code between its blocks); use scan=False"
+            )
+        expected = self.calls[k % len(self.calls)]
+        if not call.same(expected):
+            raise ValueError(
+                f"scan=True: block {join(path)} is called with {call.describe()}, not {expected.describe()} as when "
+                "the model was traced; use scan=False"
+            )
+        check_shared(where, join(self.paths[0]), call, self.arrays, arrays, skip_input=False)
+        out, mutated = self.at(k)
+        self.last = take_carry(out, self.carry_at[k % len(self.calls)])
+        self.next = k + 1
+        return out, mutated
+
+    def check_whole(self, caller: str) -> None:
+        """After the model's call: the run ran whole (a model that skips blocks is a ValueError)."""
+        if self.next < len(self.paths):
+            raise ValueError(
+                f"scan=True: {caller} called {self.next} of the {len(self.paths)} blocks {join(self.paths[0])} .. "
+                f"{join(self.paths[-1])} it was traced calling; a model that skips blocks cannot be scanned "
+                "unedited (use scan=False)"
+            )
+
+
 def position_policies(
     policy: Policy | Mix, periods: int, traced: Callable[[int], Any], where: list[str]
 ) -> tuple[Policy | Mix, list[Policy] | None]:
@@ -310,20 +401,13 @@ def linen_runs(found: list[tuple[tuple, type, Any]], calls: list[Call], matcher)
             siblings.append([block])
     runs = {}
     for group in siblings:
-        start = 0
-        while start < len(group):
-            covered, period = find_period(group[start:], alike)
-            if not covered:
-                start += 1
-                continue
-            part = group[start : start + covered]
+        for part, period in runs_in(group, alike):
             runs[part[0][0]] = LinenRun(
                 tuple(p for p, *_ in part),
                 period,
                 tuple(m for _, _, m, _ in part[:period]),
                 tuple(c for *_, c in part[:period]),
             )
-            start += covered
     if not runs:
         names = "; ".join(f"{join(p)} ({c.__name__}: {call.describe()})" for p, c, _, call in blocks)
         raise ValueError(
@@ -331,22 +415,6 @@ def linen_runs(found: list[tuple[tuple, type, Any]], calls: list[Call], matcher)
             f"parent, class, attributes and static arguments): {names}; use scan=False"
         )
     return runs
-
-
-@dataclasses.dataclass
-class _LinenPending:
-    run: LinenRun
-    outs: tuple  # per position: [periods, ...] stacked outputs
-    mutated: tuple  # per position: [periods, ...] stacked collections the blocks wrote
-    last: Any  # the next block's input in the output handed to the model most recently
-    arrays: tuple  # the first block's array arguments but its input, and its array keyword arguments
-    next: int
-    carry_at: tuple = ()  # per position: where the next block's input is in the output (:func:`carry_index`)
-
-    def at(self, k: int) -> tuple[Any, Any]:
-        """Block ``k``'s output and what it wrote."""
-        j, u = k % self.run.period, k // self.run.period
-        return jax.tree.map(lambda a: a[u], self.outs[j]), jax.tree.map(lambda a: a[u], self.mutated[j])
 
 
 class LinenScan:
@@ -360,7 +428,7 @@ class LinenScan:
     def __init__(self, found: list[tuple[tuple, type, Any]], calls: list[Call], matcher):
         self.runs = linen_runs(found, calls, matcher)
         self.first_of = {p: first for first, r in self.runs.items() for p in r.paths}
-        self.pending: dict[tuple, _LinenPending] = {}
+        self.pending: dict[tuple, Pending] = {}
 
     def covers(self, path: tuple) -> bool:
         """Whether the block at ``path`` belongs to a run."""
@@ -377,13 +445,7 @@ class LinenScan:
     def finish(self) -> None:
         """After the model's call: every run of blocks ran whole (a model that skips blocks is an error)."""
         for todo in self.pending.values():
-            paths = todo.run.paths
-            if todo.next < len(paths):
-                raise ValueError(
-                    f"scan=True: the model called {todo.next} of the {len(paths)} blocks {join(paths[0])} .. "
-                    f"{join(paths[-1])} it was traced calling; a model that skips blocks cannot be scanned "
-                    "unedited (use scan=False)"
-                )
+            todo.check_whole("the model")
 
 
 def _write_back(module: nn.Module, mutated: dict) -> None:
@@ -398,29 +460,15 @@ def _arrays(cls: type, args: tuple, kwargs: dict, static_argnames: frozenset[str
     return dyn_args, dyn_kwargs
 
 
-def _linen_follow(run, module, path, spec: LinenRun, todo: _LinenPending | None, args, kwargs):
+def _linen_follow(run, module, path, spec: LinenRun, todo: Pending | None, args, kwargs):
     k = spec.paths.index(path)
-    if todo is None or todo.next != k:
+    if todo is None:
         raise ValueError(f"scan=True: block {join(path)} ran out of order; use scan=False")
-    if not args or args[0] is not todo.last:
-        raise ValueError(
-            f"scan=True: block {join(path)} is not called with block {join(spec.paths[k - 1])}'s output (the model "
-            "runs code between its blocks); use scan=False"
-        )
     statics = run.plan.static_argnames
-    expected = spec.calls[k % spec.period]
     call = template(type(module).__call__, args, kwargs, statics)
-    if not call.same(expected):
-        raise ValueError(
-            f"scan=True: block {join(path)} is called with {call.describe()}, not {expected.describe()} as when the "
-            "model was traced; use scan=False"
-        )
     dyn_args, dyn_kwargs = _arrays(type(module), args, kwargs, statics)
     where = f"{type(module).__name__} block {join(path)}"
-    check_shared(where, join(spec.paths[0]), call, todo.arrays, (dyn_args[1:], dyn_kwargs), skip_input=False)
-    out, mutated = todo.at(k)
-    todo.last = take_carry(out, todo.carry_at[k % spec.period])
-    todo.next = k + 1
+    out, mutated = todo.follow(k, args, call, (dyn_args[1:], dyn_kwargs), where)
     _write_back(module, mutated)
     return out
 
@@ -517,8 +565,9 @@ def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dic
     steps = [make_step(j) for j in range(period)]
     _, ys = _layers.run_periods(policy, len(paths) // period, steps, stacked, x, positions)
     carry_at = tuple(out_at[j] for j in range(period))
-    todo = _LinenPending(spec, tuple(y[0] for y in ys), tuple(y[1] for y in ys), None, (rest, dyn_kwargs), 1, carry_at)
-    out, mutated = todo.at(0)
-    todo.last = take_carry(out, carry_at[0])
+    todo = Pending(
+        spec.paths, spec.calls, tuple(y[0] for y in ys), carry_at, (rest, dyn_kwargs), tuple(y[1] for y in ys)
+    )
+    out, mutated = todo.first()
     _write_back(module, mutated)
     return out, todo

@@ -46,7 +46,6 @@ from flax.core.scope import subtract_filters
 from remat_kit.linen.paths import apply_named
 from remat_kit.policies import Mix, Policy, parse, tags
 from remat_kit.policies import layers as _layers
-from remat_kit.units import check_int
 
 
 class Stack(nn.Module):
@@ -306,14 +305,8 @@ def stack(
         blocks = tuple(block)
         if not blocks or not all(callable(b) for b in blocks):
             raise TypeError(f"a period of blocks must be a non-empty list of Flax module classes, got {block!r}")
-        check_int("num_layers", num_layers)
-        if num_layers % len(blocks):
-            raise ValueError(
-                f"num_layers={num_layers} is not a multiple of the period of {len(blocks)} blocks "
-                f"({', '.join(getattr(b, '__name__', repr(b)) for b in blocks)}); allowed: "
-                f"{len(blocks)}, {2 * len(blocks)}, {3 * len(blocks)}, ..."
-            )
-        policy.validate_depth(num_layers // len(blocks))
+        names = ", ".join(getattr(b, "__name__", repr(b)) for b in blocks)
+        policy.validate_depth(_layers.periods_of(num_layers, len(blocks), names))
         return PeriodStack(blocks=blocks, num_layers=num_layers, policy=policy, **module_kwargs)
     if not callable(block):
         raise TypeError(f"block must be a Flax module class or a partial of one, got {block!r}")

@@ -47,7 +47,6 @@ from remat_kit.nnx.wrap import captured_nnx_modules
 from remat_kit.policies import Mix, Policy, parse
 from remat_kit.policies import layers as _layers
 from remat_kit.policies import tags as _tags
-from remat_kit.units import check_int
 
 
 class Stack(nnx.Module):
@@ -294,14 +293,9 @@ def stack(
         makers = tuple(make_block)
         if not makers or not all(callable(m) and not isinstance(m, nnx.Module) for m in makers):
             raise TypeError(f"a period of blocks is a non-empty list of make_block(rngs) callables, got {make_block!r}")
-        check_int("num_layers", num_layers)
-        if num_layers % len(makers):
-            raise ValueError(
-                f"num_layers={num_layers} is not a multiple of the period of {len(makers)} blocks; allowed: "
-                f"{len(makers)}, {2 * len(makers)}, {3 * len(makers)}, ..."
-            )
+        periods = _layers.periods_of(num_layers, len(makers))
         policy = parse(policy)
-        policy.validate_depth(num_layers // len(makers))
+        policy.validate_depth(periods)
         if not isinstance(rngs, nnx.Rngs):
             raise TypeError(f"rngs must be an nnx.Rngs, e.g. rngs=nnx.Rngs(0), got {rngs!r}")
         return PeriodStack(makers, num_layers, policy, rngs=rngs)

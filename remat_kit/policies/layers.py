@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import names as _names
 from remat_kit.policies import Mix, Policy, keep_activations, none, tags
+from remat_kit.units import check_int
 
 #: ``step(layer_variables, h, i) -> (h, ys)``: one layer; ``h`` keeps its type, ``ys`` is stacked.
 Step = Callable[[Any, Any, jax.Array], tuple[Any, Any]]
@@ -293,6 +294,30 @@ def _run_group(policy: Policy, mode: str, step: Step, variables, size: int, h, s
         h, rest = others(variables, h, start + 1)
         ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), ys, rest)
     return h, ys
+
+
+def periods_of(num_layers: int, period: int, blocks: str = "") -> int:
+    """How many times a period of ``period`` block types repeats over ``num_layers`` layers (a period stack's depth).
+
+    Raises:
+      ValueError/TypeError: ``num_layers`` not a positive integer, or not a multiple of ``period`` (``blocks``,
+        where given, names the period's blocks in the message).
+
+    >>> periods_of(6, 2)
+    3
+    >>> periods_of(5, 2, "Local, Global")
+    Traceback (most recent call last):
+    ...
+    ValueError: num_layers=5 is not a multiple of the period of 2 blocks (Local, Global); allowed: 2, 4, 6, ...
+    """
+    check_int("num_layers", num_layers)
+    if num_layers % period:
+        named = f" ({blocks})" if blocks else ""
+        raise ValueError(
+            f"num_layers={num_layers} is not a multiple of the period of {period} blocks{named}; allowed: "
+            f"{period}, {2 * period}, {3 * period}, ..."
+        )
+    return num_layers // period
 
 
 def period_step(steps: list[Step]) -> Step:

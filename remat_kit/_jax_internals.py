@@ -642,7 +642,7 @@ def _eval_naming(jaxpr, consts, args, names) -> list[Any]:
 #
 # Flax Linen derives a module's key from the root key and its whole path, hashed at once when drawn
 # (``LazyRng.as_jax_rng``: one SHA-1 over the suffix ``(layer_3, Dropout_0, 1)``): no per-layer key
-# can be folded on by the layer. remat_kit's unedited scan (remat_kit.unedited.scan) runs layer i of a
+# can be folded on by the layer. remat_kit's unedited Linen scan (remat_kit.unedited.linen) runs layer i of a
 # run of identical blocks as one functional ``apply`` whose RNG streams carry a marker instead of the
 # layer's name; while :func:`linen_layer_rngs` is active, drawing from such a stream computes every
 # layer's plain key (the suffix with each layer's name) and picks layer i's, so the draws equal the

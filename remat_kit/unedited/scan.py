@@ -22,16 +22,16 @@ argument). A block may return its output alone or in a tuple with values of othe
 tunix's ``(cache, x)``, the cache None in training): the scan carries the one part shaped like the input
 and stacks the rest (:func:`carry_index`).
 
-This module is the conversion both halves share (the call templates, the period, the checks that blocks
-can share one scan, the carry, the per-position names), and the Linen half's scan; the NNX half's scan sits
-with the rest of that half (:func:`remat_kit.unedited.nnx.nnx_scan`), which imports this module, never the
-other way round.
+This module is the conversion both halves share (the call templates, the period, the runs, the checks that
+blocks can share one scan, the pending outputs, the carry, the per-position names). Each half's scan sits
+with the rest of that half (:func:`remat_kit.unedited.nnx.nnx_scan`,
+:class:`remat_kit.unedited.linen.LinenScan`), which imports this module, never the other way round.
 
 NNX (:func:`remat_kit.unedited.nnx.nnx_scan`): the blocks of one ``nnx.List`` at consecutive indices; a
 block's kind is its graph (class, static attributes) and state shapes. State shared by every block (one
 ``nnx.Rngs`` stream held by every Dropout) is carried through the scan, so RNG draws match the loop.
 
-Linen (:class:`LinenScan`, runs by :func:`linen_runs`): blocks under one parent called one after the
+Linen (:class:`remat_kit.unedited.linen.LinenScan`): blocks under one parent called one after the
 other; a block's kind is its class and attributes. The run's first block reads every block's variables
 from the parent (the model's own tree) and scans one functional ``apply`` per position over them.
 RNG streams draw each layer's plain key (derived from its path, as Flax does:
@@ -42,12 +42,10 @@ RNG streams draw each layer's plain key (derived from its path, as Flax does:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect as _inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,7 +55,7 @@ from remat_kit.policies import Mix, Policy
 from remat_kit.policies import layers as _layers
 from remat_kit.policies.static import is_static
 from remat_kit.unedited.engine import split_static
-from remat_kit.unedited.paths import join, state_keys
+from remat_kit.unedited.paths import join
 
 
 def _identical(a: Any, b: Any) -> bool:
@@ -103,11 +101,11 @@ def carry_index(y: Any, h: Any, where: str) -> int | None:
     >>> carry_index(h, h, "b"), carry_index((None, h), h, "b"), carry_index(({"k": jnp.ones(2)}, h, 1), h, "b")
     (None, 1, 1)
     """
-    want = _shapes(h)
-    if _shapes(y) == want:
+    want = shapes(h)
+    if shapes(y) == want:
         return None
     if isinstance(y, (tuple, list)):
-        at = [i for i, part in enumerate(y) if not is_static(part) and _shapes(part) == want]
+        at = [i for i, part in enumerate(y) if not is_static(part) and shapes(part) == want]
         if len(at) == 1:
             return at[0]
     raise ValueError(
@@ -136,16 +134,6 @@ def _describe(tree: Any) -> str:
     return str(jax.tree.map(one, tree))
 
 
-# ---- Linen --------------------------------------------------------------------------------------------
-
-
-def _config(module: nn.Module) -> dict:
-    """A Linen module's attributes (its dataclass fields but ``parent``/``name``)."""
-    return {
-        f.name: getattr(module, f.name, None) for f in dataclasses.fields(module) if f.name not in ("parent", "name")
-    }
-
-
 def same(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
@@ -160,7 +148,7 @@ class _Hole:
         return "<array>"
 
 
-_HOLE = _Hole()
+HOLE = _Hole()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,26 +171,26 @@ class Call:
     def fill(self, arrays: tuple, array_kwargs: dict) -> tuple[tuple, dict]:
         """The call's ``(args, kwargs)`` with the holes filled in order from ``arrays``/``array_kwargs``."""
         it = iter(arrays)
-        args = tuple(next(it) if a is _HOLE else a for a in self.args)
-        return args, {k: array_kwargs[k] if v is _HOLE else v for k, v in self.kwargs}
+        args = tuple(next(it) if a is HOLE else a for a in self.args)
+        return args, {k: array_kwargs[k] if v is HOLE else v for k, v in self.kwargs}
 
     def hole_names(self) -> tuple[str, ...]:
         """The names of the array arguments, in order: positional ones, then keyword ones.
 
-        >>> Call((_HOLE, True, _HOLE), (("mask", _HOLE),), ("x", "is_local", "positions")).hole_names()
+        >>> Call((HOLE, True, HOLE), (("mask", HOLE),), ("x", "is_local", "positions")).hole_names()
         ('x', 'positions', 'mask')
         """
         named = [self.names[i] if i < len(self.names) else f"argument {i}" for i, a in enumerate(self.args)]
-        return tuple(n for n, a in zip(named, self.args, strict=True) if a is _HOLE) + tuple(
-            k for k, v in self.kwargs if v is _HOLE
+        return tuple(n for n, a in zip(named, self.args, strict=True) if a is HOLE) + tuple(
+            k for k, v in self.kwargs if v is HOLE
         )
 
     def describe(self) -> str:
         """The static arguments, named: ``is_local=True, deterministic=False``."""
         named = [f"{self.names[i] if i < len(self.names) else i}={a!r}" for i, a in enumerate(self.args)]
         return ", ".join(
-            [n for n, a in zip(named, self.args, strict=True) if a is not _HOLE]
-            + [f"{k}={v!r}" for k, v in self.kwargs if v is not _HOLE]
+            [n for n, a in zip(named, self.args, strict=True) if a is not HOLE]
+            + [f"{k}={v!r}" for k, v in self.kwargs if v is not HOLE]
         )
 
 
@@ -217,29 +205,12 @@ def template(fn: Any, args: tuple, kwargs: dict, static_argnames: frozenset[str]
     'is_local=True, deterministic=False'
     """
     rebuild, dyn_args, dyn_kwargs = split_static(fn, args, kwargs, static_argnames, is_static)
-    full_args, full_kwargs = rebuild((_HOLE,) * len(dyn_args), dict.fromkeys(dyn_kwargs, _HOLE))
+    full_args, full_kwargs = rebuild((HOLE,) * len(dyn_args), dict.fromkeys(dyn_kwargs, HOLE))
     try:
         names = tuple(_inspect.signature(fn).parameters)[1:]
     except (TypeError, ValueError):
         names = ()
     return Call(full_args, tuple(sorted(full_kwargs.items(), key=lambda kv: kv[0])), names)
-
-
-@dataclasses.dataclass(frozen=True)
-class LinenRun:
-    """Blocks under one parent that repeat a period of ``period`` block calls: run as one scan.
-
-    Attributes:
-      paths: every block of the run, in call order (``len(paths)`` a multiple of ``period``).
-      period: the blocks in one period (1: identical blocks).
-      modules: the discovery trace's module of each position of the period (its class and attributes).
-      calls: each position's :class:`Call` (its static arguments).
-    """
-
-    paths: tuple[tuple, ...]
-    period: int
-    modules: tuple
-    calls: tuple[Call, ...]
 
 
 def find_period(kinds: list, same) -> tuple[int, int]:
@@ -364,210 +335,5 @@ def position_policies(
     return _layers.period_policies(policy, periods, emitted, where)
 
 
-def linen_runs(found: list[tuple[tuple, type, Any]], calls: list[Call], matcher) -> dict[tuple, LinenRun]:
-    """The runs of blocks that repeat a period (one block, or Gemma 3's local/global ones) in one trace.
-
-    Blocks under one parent, called one after the other, form a run where their calls (class,
-    attributes and static arguments) repeat a period at least twice; the period covering the most blocks
-    wins (the shortest among equals). Blocks after it (a remainder that breaks the period) start the next
-    run, or run one by one under the policy.
-
-    Args:
-      found: ``(path, class, module)`` of every module call, in call order (the discovery trace).
-      calls: each of those calls' :class:`Call`.
-      matcher: the blocks (a :class:`remat_kit.unedited.paths.Where`).
-
-    Returns:
-      ``{first block's path: its LinenRun}`` for every run.
-
-    Raises:
-      ValueError: no run at all, naming each block with its class and static arguments.
-    """
-    blocks = []
-    for (path, cls, module), call in zip(found, calls, strict=True):
-        if path and matcher(module, join(path)) and not any(path[: len(p)] == p and p != path for p, *_ in blocks):
-            blocks.append((path, cls, module, call))
-    seen = [p for p, *_ in blocks]
-    blocks = [b for b in blocks if seen.count(b[0]) == 1]  # a block called twice is not scanned
-
-    def alike(a, b) -> bool:
-        return a[1] is b[1] and same(_config(a[2]), _config(b[2])) and a[3].same(b[3])
-
-    siblings: list[list] = []
-    for block in blocks:
-        if siblings and siblings[-1][-1][0][:-1] == block[0][:-1]:
-            siblings[-1].append(block)
-        else:
-            siblings.append([block])
-    runs = {}
-    for group in siblings:
-        for part, period in runs_in(group, alike):
-            runs[part[0][0]] = LinenRun(
-                tuple(p for p, *_ in part),
-                period,
-                tuple(m for _, _, m, _ in part[:period]),
-                tuple(c for *_, c in part[:period]),
-            )
-    if not runs:
-        names = "; ".join(f"{join(p)} ({c.__name__}: {call.describe()})" for p, c, _, call in blocks)
-        raise ValueError(
-            "scan=True: no two consecutive blocks are identical, nor do they repeat a period of blocks (same "
-            f"parent, class, attributes and static arguments): {names}; use scan=False"
-        )
-    return runs
-
-
-class LinenScan:
-    """The runs of blocks one ``init``/``apply`` of a Linen ``Applied`` scans (``scan=True``).
-
-    The interceptor asks :meth:`covers` for every block and hands a covered one to :meth:`block`; the
-    others it rematerializes one by one itself. :meth:`finish` checks, after the call, that every run ran
-    whole.
-    """
-
-    def __init__(self, found: list[tuple[tuple, type, Any]], calls: list[Call], matcher):
-        self.runs = linen_runs(found, calls, matcher)
-        self.first_of = {p: first for first, r in self.runs.items() for p in r.paths}
-        self.pending: dict[tuple, Pending] = {}
-
-    def covers(self, path: tuple) -> bool:
-        """Whether the block at ``path`` belongs to a run."""
-        return path in self.first_of
-
-    def block(self, run, module: nn.Module, path: tuple, args: tuple, kwargs: dict) -> Any:
-        """A covered block's output: the first of a run computes the run, the later ones take their part."""
-        first = self.first_of[path]
-        if path == first:
-            out, self.pending[first] = _linen_scan(run, module, self.runs[first], args, kwargs)
-            return out
-        return _linen_follow(run, module, path, self.runs[first], self.pending.get(first), args, kwargs)
-
-    def finish(self) -> None:
-        """After the model's call: every run of blocks ran whole (a model that skips blocks is an error)."""
-        for todo in self.pending.values():
-            todo.check_whole("the model")
-
-
-def _write_back(module: nn.Module, mutated: dict) -> None:
-    for col, tree in mutated.items():
-        for name, value in tree.items():
-            module.scope.put_variable(col, name, value)
-
-
-def _arrays(cls: type, args: tuple, kwargs: dict, static_argnames: frozenset[str]) -> tuple[tuple, dict]:
-    """A block call's array arguments: ``(positional ones, keyword ones)``."""
-    _, dyn_args, dyn_kwargs = split_static(cls.__call__, args, kwargs, static_argnames, is_static)
-    return dyn_args, dyn_kwargs
-
-
-def _linen_follow(run, module, path, spec: LinenRun, todo: Pending | None, args, kwargs):
-    k = spec.paths.index(path)
-    if todo is None:
-        raise ValueError(f"scan=True: block {join(path)} ran out of order; use scan=False")
-    statics = run.plan.static_argnames
-    call = template(type(module).__call__, args, kwargs, statics)
-    dyn_args, dyn_kwargs = _arrays(type(module), args, kwargs, statics)
-    where = f"{type(module).__name__} block {join(path)}"
-    out, mutated = todo.follow(k, args, call, (dyn_args[1:], dyn_kwargs), where)
-    _write_back(module, mutated)
-    return out
-
-
-def _shapes(tree: Any) -> Any:
+def shapes(tree: Any) -> Any:
     return jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), tree)
-
-
-def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dict):
-    """Run the blocks of ``spec`` (``module`` is the first) as one scan; (its output, what the others return)."""
-    # Long: the checks that the blocks can share one scan read the same call templates the scan then runs.
-    paths, period = spec.paths, spec.period
-    where = f"{type(module).__name__} block {join(paths[0])}"
-    statics = run.plan.static_argnames
-    if not args or is_static(args[0]):
-        raise ValueError(f"scan=True: {where} takes no array input as its first argument; use scan=False")
-    call = template(type(module).__call__, args, kwargs, statics)
-    if not call.same(spec.calls[0]):
-        raise ValueError(
-            f"scan=True: {where} is called with {call.describe()}, not {spec.calls[0].describe()} as when the model "
-            "was traced; use scan=False"
-        )
-    dyn_args, dyn_kwargs = _arrays(type(module), args, kwargs, statics)
-    rest = dyn_args[1:]
-    holes = [(sum(a is _HOLE for a in c.args), tuple(k for k, v in c.kwargs if v is _HOLE)) for c in spec.calls]
-    for j, h in enumerate(holes[1:], start=1):
-        if h != holes[0]:
-            raise ValueError(
-                f"scan=True: blocks {join(paths[0])} and {join(paths[j])} take array arguments in different places, "
-                "so one set of arrays cannot reach both; use scan=False"
-            )
-    x = dyn_args[0]
-    names = [p[-1] for p in paths]
-    variables = module.parent.variables
-    per_layer = [{col: tree[name] for col, tree in variables.items() if name in tree} for name in names]
-    for i, (name, layer) in enumerate(zip(names, per_layer, strict=True)):
-        like = per_layer[i % period]
-        if jax.tree.structure(layer) != jax.tree.structure(like) or _shapes(layer) != _shapes(like):
-            cols = sorted(c for c in {*layer, *like} if _shapes(layer.get(c)) != _shapes(like.get(c)))
-            raise ValueError(
-                f"scan=True: blocks {names[i % period]} and {name} hold differently shaped variables in "
-                f"{', '.join(cols)}, which cannot be stacked; use scan=False"
-            )
-    stacked = [jax.tree.map(lambda *a: jnp.stack(a), *per_layer[j::period]) for j in range(period)]
-    rngs, prefixes = _jax_internals.linen_block_rngs(module.scope, names)
-    mutable = module.scope.mutable
-    blocks = [module.clone(parent=None)] + [m.clone(parent=None) for m in spec.modules[1:]]
-
-    def leaf_names(tree) -> list:
-        return [
-            join(keys[1:]) if keys and keys[0] == "params" else None
-            for keys in (state_keys(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
-        ]
-
-    out_at: dict[int, int | None] = {}
-
-    def layer_call(j, layer_vars, h, i):
-        full_args, full_kwargs = spec.calls[j].fill((_layers.tag_input(h), *rest), dyn_kwargs)  # the layer input
-        outer = run.block
-        run.block, run.entering = (), True  # the layer's submodules are named by their path in it
-        try:
-            with _jax_internals.linen_layer_rngs(prefixes, i):
-                res = blocks[j].apply(dict(layer_vars), *full_args, rngs=rngs, mutable=mutable, **full_kwargs)
-        finally:
-            run.block, run.entering = outer, False
-        y, mutated = res if mutable is not False else (res, {})
-        # Parameters are read, never written, in apply: not returned (no stacked copy of them).
-        mutated = {c: dict(t) for c, t in dict(mutated).items() if c != "params"}
-        out_at[j] = carry_index(y, h, f"{type(blocks[j]).__name__} block {join(paths[j])}")
-        return y, mutated
-
-    param_names = [leaf_names(tree) for tree in stacked]  # the same paths as one layer's
-
-    def names_for(j, h):
-        return param_names[j] + [None] * (len(jax.tree.leaves(h)) + 1)
-
-    def make_step(j):
-        def step(layer_vars, h, i):
-            call = functools.partial(layer_call, j)
-            named, _ = _jax_internals.name_param_matmuls(call, names_for(j, h), layer_vars, h, i)
-            y, mutated = named(layer_vars, h, i)
-            return take_carry(y, out_at[j]), (y, mutated)
-
-        return step
-
-    def traced(j):
-        first = jax.tree.map(lambda a: a[0], stacked[j])
-        return _jax_internals.name_param_matmuls(
-            functools.partial(layer_call, j), names_for(j, x), first, x, jnp.int32(j)
-        )[1]
-
-    wheres = [f"{type(blocks[j]).__name__} block {join(paths[j])}" for j in range(period)]
-    policy, positions = position_policies(run.plan.policy, len(paths) // period, traced, wheres)
-    steps = [make_step(j) for j in range(period)]
-    _, ys = _layers.run_periods(policy, len(paths) // period, steps, stacked, x, positions)
-    carry_at = tuple(out_at[j] for j in range(period))
-    todo = Pending(
-        spec.paths, spec.calls, tuple(y[0] for y in ys), carry_at, (rest, dyn_kwargs), tuple(y[1] for y in ys)
-    )
-    out, mutated = todo.first()
-    _write_back(module, mutated)
-    return out, todo

@@ -293,12 +293,7 @@ def stack(
         makers = tuple(make_block)
         if not makers or not all(callable(m) and not isinstance(m, nnx.Module) for m in makers):
             raise TypeError(f"a period of blocks is a non-empty list of make_block(rngs) callables, got {make_block!r}")
-        periods = _layers.periods_of(num_layers, len(makers))
-        policy = parse(policy)
-        policy.validate_depth(periods)
-        if not isinstance(rngs, nnx.Rngs):
-            raise TypeError(f"rngs must be an nnx.Rngs, e.g. rngs=nnx.Rngs(0), got {rngs!r}")
-        return PeriodStack(makers, num_layers, policy, rngs=rngs)
+        return _checked(PeriodStack, makers, num_layers, _layers.periods_of(num_layers, len(makers)), policy, rngs)
     if isinstance(make_block, nnx.Module):
         name = type(make_block).__name__
         raise TypeError(
@@ -314,8 +309,14 @@ def stack(
             f"make_block closes over the NNX module {name}; stack builds each layer's own inside nnx.vmap: "
             f"pass a factory that builds it, e.g. lambda rngs: {name}(..., rngs=rngs)"
         )
+    return _checked(Stack, make_block, num_layers, num_layers, policy, rngs)
+
+
+def _checked(cls: type, make, num_layers: int, depth: int, policy, rngs):
+    """``cls(make, num_layers, policy, rngs=rngs)`` once the policy fits ``depth`` (layers, or periods) and ``rngs``
+    is an ``nnx.Rngs``."""
     policy = parse(policy)
-    policy.validate_depth(num_layers)
+    policy.validate_depth(depth)
     if not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs, e.g. rngs=nnx.Rngs(0), got {rngs!r}")
-    return Stack(make_block, num_layers, policy, rngs=rngs)
+    return cls(make, num_layers, policy, rngs=rngs)

@@ -551,9 +551,13 @@ def _backward_chain(block: int, q, k, v, out, lse, d_out):
     lse = jnp.swapaxes(_pad_seq(jnp.swapaxes(lse, 1, 3), sp, jnp.inf), 1, 3)
 
     def step(grads, ij):
-        # Head-major float32 accumulators: dq [b, kv, g, sp, d], dk and dv [b, kv, sp, d].
-        dq_all, dk_all, dv_all = grads
+        # Head-major float32 accumulators: dk and dv [b, kv, sp, d], summed over the query blocks. A query block's
+        # dq sums over its pairs alone, which come one after another (i, then j): it is summed in a block-sized
+        # float32 carry reset at j == 0 and written to the full-length dq in q's dtype after each pair (the
+        # write at j == i is final): no full-length float32 dq.
+        dq_blk, dq_all, dk_all, dv_all = grads
         q0, k0 = ij[0] * block, ij[1] * block
+        dq_blk = jnp.where(k0 == 0, 0.0, dq_blk)
         q_blk, do_blk = _at_packed(qh, q0, block, 3, q.dtype), _at_packed(doh, q0, block, 3, d_out.dtype)
         k_blk, v_blk = _at_packed(kh, k0, block, 2, k.dtype), _at_packed(vh, k0, block, 2, v.dtype)
         lse_blk, delta_blk = _at(lse, q0, block, 3)[..., None], _at(delta, q0, block, 3)[..., None]
@@ -563,15 +567,18 @@ def _backward_chain(block: int, q, k, v, out, lse, d_out):
         ds = (p * (dp - delta_blk) * scale).astype(q.dtype)
         dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, k_blk, preferred_element_type=jnp.float32)
         dk = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_blk, preferred_element_type=jnp.float32)
-        return _add_at(dq_all, q0, dq, 3), _add_at(dk_all, k0, dk, 2), _add_at(dv_all, k0, dv, 2)
+        dq_blk = dq_blk + dq
+        dq_all = jax.lax.dynamic_update_slice_in_dim(dq_all, dq_blk.astype(dq_all.dtype), q0, axis=3)
+        return dq_blk, dq_all, _add_at(dk_all, k0, dk, 2), _add_at(dv_all, k0, dv, 2)
 
     init = (
-        jnp.zeros((b, kv, g, sp, d), jnp.float32),
+        jnp.zeros((b, kv, g, block, d), jnp.float32),
+        jnp.zeros((b, kv, g, sp, d), q.dtype),
         jnp.zeros((b, kv, sp, d), jnp.float32),
         jnp.zeros((b, kv, sp, d), jnp.float32),
     )
-    dq, dk, dv = _pair_scan(step, init, n)
-    dq = jnp.transpose(dq[:, :, :, :s], (0, 3, 1, 2, 4)).reshape(b, s, h, d).astype(q.dtype)
+    _, dq, dk, dv = _pair_scan(step, init, n)
+    dq = jnp.transpose(dq[:, :, :, :s], (0, 3, 1, 2, 4)).reshape(b, s, h, d)
     dk, dv = (jnp.transpose(x[:, :, :s], (0, 2, 1, 3)) for x in (dk, dv))
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 

@@ -265,10 +265,8 @@ def test_chunked_reads_16_bit_operands_as_words_bit_for_bit(dtype, monkeypatch):
     packed = (jax.jit(fn)(q, k, v), _grads(fn, q, k, v, w))
     program = jax.make_jaxpr(jax.grad(lambda q: jnp.sum(fn(q, k, v).astype(jnp.float32))))(q)
     scans = [e for e in internals.iter_eqns(program) if internals.primitive_name(e) == "scan"]
-    assert scans and all(
-        not (x.aval.dtype == dtype and x.aval.ndim >= 4) for e in scans for x in e.invars if hasattr(x, "aval")
-    )
-    assert any(x.aval.dtype == jnp.uint16 for e in scans for x in e.invars if hasattr(x, "aval"))
+    words = [x for e in scans for x in e.invars if hasattr(x, "aval") and x.aval.dtype == jnp.uint16]
+    assert len(words) >= 7, words  # q, k, v in the forward's pair scan; q, k, v and dO in the backward's
     monkeypatch.setattr(attention, "_pack", lambda x: x)
     fn = lambda q, k, v: attention.chunked_attention(q, k, v, block=8)  # a new function: no cached trace
     plain = (jax.jit(fn)(q, k, v), _grads(fn, q, k, v, w))

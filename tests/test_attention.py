@@ -256,6 +256,24 @@ def test_chunked_computes_only_the_causal_block_pairs(s):
     assert flops.jaxpr_flops(_grad_jaxpr(s, 16)) == n * (n + 1) // 2 * 7 * per_matmul + 2 * s * 2 * 8
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_chunked_reads_16_bit_operands_as_words_bit_for_bit(dtype, monkeypatch):
+    # The pair scans read q, k, v and the output's gradient as uint16 words (XLA:CPU would widen a bfloat16
+    # operand to float32 whole before the loop): the output and gradients are those of the plain operands exactly.
+    q, k, v, w = _qkv(2, 24, 4, 2, 8, dtype=dtype)
+    fn = lambda q, k, v: attention.chunked_attention(q, k, v, block=8)
+    packed = (jax.jit(fn)(q, k, v), _grads(fn, q, k, v, w))
+    program = jax.make_jaxpr(jax.grad(lambda q: jnp.sum(fn(q, k, v).astype(jnp.float32))))(q)
+    scans = [e for e in internals.iter_eqns(program) if internals.primitive_name(e) == "scan"]
+    words = [x for e in scans for x in e.invars if hasattr(x, "aval") and x.aval.dtype == jnp.uint16]
+    assert len(words) >= 7, words  # q, k, v in the forward's pair scan; q, k, v and dO in the backward's
+    monkeypatch.setattr(attention, "_pack", lambda x: x)
+    fn = lambda q, k, v: attention.chunked_attention(q, k, v, block=8)  # a new function: no cached trace
+    plain = (jax.jit(fn)(q, k, v), _grads(fn, q, k, v, w))
+    for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(plain), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs an NVIDIA GPU")
 def test_cudnn_matches_xla_on_gpu():
     q, k, v, w = _qkv(2, 128, 8, 2, 64, dtype=jnp.bfloat16)

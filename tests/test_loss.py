@@ -118,6 +118,86 @@ def test_chunked_takes_a_vocab_by_d_matrix_in_any_dtype(inputs):
         assert max_rel_err(lc, lp) <= tol and max_rel_err(gc, gp) <= tol
 
 
+def _vocab_wide(jaxpr, vocab: int) -> list:
+    """Shapes of the equations' outputs as wide as the whole vocabulary on a matrix axis (a whole-matrix copy)."""
+    outs = (v.aval for e in _jax_internals.iter_eqns(jaxpr) for v in e.outvars if hasattr(v.aval, "shape"))
+    return [a.shape for a in outs if len(a.shape) == 2 and vocab in a.shape and D in a.shape]
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 5, 25], ids=lambda b: f"blocks{b}")
+@pytest.mark.parametrize("axis", [0, 1], ids=lambda a: f"vocab_axis{a}")
+def test_a_frozen_matrix_in_vocabulary_slices_equals_the_plain_loss(inputs, blocks, axis):
+    # The frozen path casts each vocabulary slice where it is read: the same loss and hidden-state gradient,
+    # the plain loss's matmul FLOPs, and with more than one slice no whole-matrix copy anywhere in the program.
+    hidden, w, targets, masks = inputs
+    m = masks["random"]
+    w_ = w if axis == 1 else w.T
+    plain = lambda h: loss.cross_entropy(jnp.einsum("bsd,dv->bsv", h, w), targets, m)
+    chunked = lambda h: loss.chunked_cross_entropy(h, w_, targets, m, 4, vocab_axis=axis, vocab_blocks=blocks)
+    (lp, gp), (lc, gc) = (jax.jit(jax.value_and_grad(f))(hidden) for f in (plain, chunked))
+    assert max_rel_err(lc, lp) <= RTOL_F32 and max_rel_err(gc, gp) <= RTOL_F32
+    program = jax.make_jaxpr(jax.grad(chunked))(hidden)
+    assert flops.jaxpr_flops(program) == 2 * 2 * B * S * D * V
+    if blocks > 1:
+        assert _vocab_wide(program, V) == [], _vocab_wide(program, V)
+    assert float(jax.jit(chunked)(hidden)) == pytest.approx(float(lc), rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_a_frozen_quantized_table_is_dequantized_by_vocabulary_slice(mode):
+    # A quantized tied embedding ([vocab, d], int8 per row or NF4): read by row slices (lookup), never whole,
+    # with the loss and gradient of the plain loss over the whole dequantized matrix.
+    from remat_kit.model import lora_layer
+
+    vocab, d = 64, 16
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    hidden = jax.random.normal(k1, (B, S, d))
+    table = lora_layer.quantize_matrix(jax.random.normal(k2, (vocab, d)), mode, w_in_axis=1)
+    targets = jax.random.randint(k3, (B, S), 0, vocab)
+    m = loss.shift_targets(targets)[1]
+    dense = lora_layer.dequantize_matrix(table, jnp.float32)
+    plain = lambda h: loss.cross_entropy(jnp.einsum("bsd,vd->bsv", h, dense), targets, m)
+    chunked = lambda h: loss.chunked_cross_entropy(h, table, targets, m, 4, vocab_axis=0, vocab_blocks=4)
+    (lp, gp), (lc, gc) = (jax.jit(jax.value_and_grad(f))(hidden) for f in (plain, chunked))
+    assert max_rel_err(lc, lp) <= RTOL_F32 and max_rel_err(gc, gp) <= RTOL_F32
+    outs = (v.aval for e in _jax_internals.iter_eqns(jax.make_jaxpr(jax.grad(chunked))(hidden)) for v in e.outvars)
+    assert not [a.shape for a in outs if getattr(a, "size", 0) >= vocab * d and a.dtype == jnp.float32]
+
+
+def test_a_differentiated_quantized_table_gets_its_scales_gradient():
+    # Differentiated (not a LoRA base), an NF4 table's float leaves get the gradient of its dequantization.
+    from remat_kit.model import lora_layer
+
+    vocab, d = 64, 16
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    hidden = jax.random.normal(k1, (B, S, d))
+    table = lora_layer.quantize_matrix(jax.random.normal(k2, (vocab, d)), "nf4", w_in_axis=1)
+    targets = jax.random.randint(k3, (B, S), 0, vocab)
+    m = loss.shift_targets(targets)[1]
+    floats = {k: v for k, v in table.items() if jnp.issubdtype(v.dtype, jnp.floating)}
+    ints = {k: v for k, v in table.items() if k not in floats}
+
+    def plain(h, f):
+        dense = lora_layer.dequantize_matrix({**ints, **f}, jnp.float32)
+        return loss.cross_entropy(jnp.einsum("bsd,vd->bsv", h, dense), targets, m)
+
+    chunked = lambda h, f: loss.chunked_cross_entropy(h, {**ints, **f}, targets, m, 3, vocab_axis=0)
+    (lp, gp), (lc, gc) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, floats) for f in (plain, chunked))
+    assert max_rel_err(lc, lp) <= RTOL_F32 and max_rel_err(gc, gp) <= RTOL_F32
+    assert set(gc[1]) == set(floats) and all(np.any(np.asarray(g)) for g in gc[1].values())
+
+
+@pytest.mark.parametrize(
+    ("blocks", "match"),
+    [(3, "vocab_blocks=3 does not divide the vocabulary size 50"), (0, "vocab_blocks"), (2.5, "vocab_blocks")],
+    ids=str,
+)
+def test_bad_vocab_blocks(inputs, blocks, match):
+    hidden, w, targets, masks = inputs
+    with pytest.raises((ValueError, TypeError), match=match):
+        loss.chunked_cross_entropy(hidden, w, targets, masks["random"], 2, vocab_blocks=blocks)
+
+
 @pytest.mark.parametrize("axis", [2, -1, True], ids=str)
 def test_bad_vocab_axis(inputs, axis):
     hidden, w, targets, masks = inputs

@@ -379,6 +379,22 @@ def _at(x, start, size: int, axis: int):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
+def _pack(x):
+    """A 16-bit float array as its uint16 words (other dtypes as they are): what a loop reads by blocks.
+
+    XLA:CPU converts a loop-invariant bfloat16 operand of the pair scan to float32 whole before the loop (its
+    matmuls run in float32), a whole-sequence float32 copy of q, k, v and the output's gradient; integer words
+    cannot be widened, and :func:`_at_packed` turns each block back into the float dtype inside the loop.
+    """
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+
+def _at_packed(x, start, size: int, axis: int, dtype):
+    """The block of a :func:`_pack` ed array at ``start``, in ``dtype`` (bit for bit the unpacked block)."""
+    block = _at(x, start, size, axis)
+    return jax.lax.bitcast_convert_type(block, dtype) if block.dtype != dtype else block
+
+
 def _add_at(buf, start, update, axis: int):
     """``buf`` with ``update`` added to its slice at ``start`` along ``axis`` (in place inside a loop)."""
     return jax.lax.dynamic_update_slice_in_dim(buf, _at(buf, start, update.shape[axis], axis) + update, start, axis)
@@ -426,18 +442,23 @@ def _forward(q, k, v, block: int, chains: int):
     sp = n * block
     scale = 1.0 / float(d) ** 0.5
     parts = _chain_slices(b, chains)
-    heads = [_head_major(q[p], k[p], v[p], sp) for p in parts]  # per chain: qh, kh, vh
+    # per chain: qh, kh, vh, as 16-bit words (_pack)
+    heads = [tuple(map(_pack, _head_major(q[p], k[p], v[p], sp))) for p in parts]
 
     def advance(qh, kh, vh, state, q0, k0):
         # The online softmax state of every query row lives in full-length buffers; each block pair
         # reads and updates its query block's rows. Pairs come in (i, then j) order, as FlashAttention.
         m_all, total_all, acc_all = state  # [rows, kv, g, sp], same, [rows, kv, g, sp, d]
-        scores = _block_scores(_at(qh, q0, block, 3), _at(kh, k0, block, 2), q0, k0, scale)
+        q_blk, k_blk = _at_packed(qh, q0, block, 3, q.dtype), _at_packed(kh, k0, block, 2, k.dtype)
+        scores = _block_scores(q_blk, k_blk, q0, k0, scale)
         m, total, acc = _at(m_all, q0, block, 3), _at(total_all, q0, block, 3), _at(acc_all, q0, block, 3)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[..., None])
         pv = jnp.einsum(
-            "bkgqs,bksd->bkgqd", p.astype(v.dtype), _at(vh, k0, block, 2), preferred_element_type=jnp.float32
+            "bkgqs,bksd->bkgqd",
+            p.astype(v.dtype),
+            _at_packed(vh, k0, block, 2, v.dtype),
+            preferred_element_type=jnp.float32,
         )
         corr = jnp.exp(m - m_new)  # 0 on a row's first block: its state starts at (_MASKED, 0, 0)
         total = total * corr + jnp.sum(p, axis=-1)
@@ -517,8 +538,8 @@ def _backward_chain(block: int, q, k, v, out, lse, d_out):
     n = -(-s // block)
     sp = n * block
     scale = 1.0 / float(d) ** 0.5
-    qh, kh, vh = _head_major(q, k, v, sp)
-    doh = jnp.transpose(_pad_seq(d_out.reshape(b, s, kv, g, d), sp), (0, 2, 3, 1, 4))  # [b, kv, g, sp, d]
+    qh, kh, vh = map(_pack, _head_major(q, k, v, sp))  # as 16-bit words, see _pack
+    doh = _pack(jnp.transpose(_pad_seq(d_out.reshape(b, s, kv, g, d), sp), (0, 2, 3, 1, 4)))  # [b, kv, g, sp, d]
     # D_i = rowsum(dO ∘ O): the softmax backward's correction term, [b, kv, g, sp].
     delta = jnp.einsum(
         "bqkgd,bqkgd->bkgq",
@@ -530,11 +551,15 @@ def _backward_chain(block: int, q, k, v, out, lse, d_out):
     lse = jnp.swapaxes(_pad_seq(jnp.swapaxes(lse, 1, 3), sp, jnp.inf), 1, 3)
 
     def step(grads, ij):
-        # Head-major float32 accumulators: dq [b, kv, g, sp, d], dk and dv [b, kv, sp, d].
-        dq_all, dk_all, dv_all = grads
+        # Head-major float32 accumulators: dk and dv [b, kv, sp, d], summed over the query blocks. A query block's
+        # dq sums over its pairs alone, which come one after another (i, then j): it is summed in a block-sized
+        # float32 carry reset at j == 0 and written to the full-length dq in q's dtype after each pair (the
+        # write at j == i is final): no full-length float32 dq.
+        dq_blk, dq_all, dk_all, dv_all = grads
         q0, k0 = ij[0] * block, ij[1] * block
-        q_blk, do_blk = _at(qh, q0, block, 3), _at(doh, q0, block, 3)
-        k_blk, v_blk = _at(kh, k0, block, 2), _at(vh, k0, block, 2)
+        dq_blk = jnp.where(k0 == 0, 0.0, dq_blk)
+        q_blk, do_blk = _at_packed(qh, q0, block, 3, q.dtype), _at_packed(doh, q0, block, 3, d_out.dtype)
+        k_blk, v_blk = _at_packed(kh, k0, block, 2, k.dtype), _at_packed(vh, k0, block, 2, v.dtype)
         lse_blk, delta_blk = _at(lse, q0, block, 3)[..., None], _at(delta, q0, block, 3)[..., None]
         p = jnp.exp(_block_scores(q_blk, k_blk, q0, k0, scale) - lse_blk)  # [b, kv, g, bq, bk]
         dv = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(v.dtype), do_blk, preferred_element_type=jnp.float32)
@@ -542,15 +567,18 @@ def _backward_chain(block: int, q, k, v, out, lse, d_out):
         ds = (p * (dp - delta_blk) * scale).astype(q.dtype)
         dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, k_blk, preferred_element_type=jnp.float32)
         dk = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_blk, preferred_element_type=jnp.float32)
-        return _add_at(dq_all, q0, dq, 3), _add_at(dk_all, k0, dk, 2), _add_at(dv_all, k0, dv, 2)
+        dq_blk = dq_blk + dq
+        dq_all = jax.lax.dynamic_update_slice_in_dim(dq_all, dq_blk.astype(dq_all.dtype), q0, axis=3)
+        return dq_blk, dq_all, _add_at(dk_all, k0, dk, 2), _add_at(dv_all, k0, dv, 2)
 
     init = (
-        jnp.zeros((b, kv, g, sp, d), jnp.float32),
+        jnp.zeros((b, kv, g, block, d), jnp.float32),
+        jnp.zeros((b, kv, g, sp, d), q.dtype),
         jnp.zeros((b, kv, sp, d), jnp.float32),
         jnp.zeros((b, kv, sp, d), jnp.float32),
     )
-    dq, dk, dv = _pair_scan(step, init, n)
-    dq = jnp.transpose(dq[:, :, :, :s], (0, 3, 1, 2, 4)).reshape(b, s, h, d).astype(q.dtype)
+    _, dq, dk, dv = _pair_scan(step, init, n)
+    dq = jnp.transpose(dq[:, :, :, :s], (0, 3, 1, 2, 4)).reshape(b, s, h, d)
     dk, dv = (jnp.transpose(x[:, :, :s], (0, 2, 1, 3)) for x in (dk, dv))
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 

@@ -111,7 +111,9 @@ def cross_entropy(logits, targets, mask):
     return jnp.sum((lse - picked) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def chunked_cross_entropy(hidden, w_out, targets, mask, chunks: int, *, vocab_axis: int = 1):
+def chunked_cross_entropy(
+    hidden, w_out, targets, mask, chunks: int, *, vocab_axis: int = 1, vocab_blocks: int | None = None
+):
     """:func:`cross_entropy` of ``hidden @ w_out`` computed ``chunks`` token-slices at a time, fused.
 
     Equal to the plain loss (and its gradients) up to float rounding; peak logits memory falls to
@@ -120,97 +122,188 @@ def chunked_cross_entropy(hidden, w_out, targets, mask, chunks: int, *, vocab_ax
     gradients of ``hidden`` and ``w_out``. ``w_out`` is cast to ``hidden``'s dtype inside each chunk
     (:func:`remat_kit.model.ops.project`), so no cast of it is kept. Not differentiable twice.
 
+    A frozen ``w_out`` (not differentiated: a LoRA base) is cast, or dequantized, ``vocab_blocks`` slices of
+    its vocabulary at a time inside each chunk, so no whole-matrix copy of it is ever made (on the 2B
+    preset: its bfloat16 dequantization, 1 GB, and the float32 copy XLA:CPU makes of it for a bfloat16
+    matmul, 2 GB); the matmul FLOPs stay the plain loss's, and each chunk dequantizes the matrix anew.
+
     Args:
       hidden: ``[b, s, d]`` final hidden states (the logits are computed in their dtype, accumulated
         in float32).
       w_out: the output projection in any dtype: ``[d, vocab]``, or ``[vocab, d]`` with ``vocab_axis=0``
         (a tied embedding, used without a transpose); or a quantized one (int8 or NF4, a frozen
-        LoRA base's), dequantized once in ``hidden``'s dtype inside the loss
-        (:func:`remat_kit.model.lora_layer.dequantize_matrix`): no dequantized copy is kept for
-        the backward pass.
+        LoRA base's), dequantized inside the loss (:func:`remat_kit.model.lora_layer.lookup` by vocabulary
+        slice when ``vocab_axis=0``, :func:`remat_kit.model.lora_layer.dequantize_matrix` whole otherwise):
+        no dequantized copy is kept for the backward pass.
       targets, mask: as for :func:`cross_entropy`.
       chunks: how many slices (a positive integer; the token count is padded up to a multiple).
       vocab_axis: which axis of ``w_out`` is the vocabulary, 1 or 0.
+      vocab_blocks: the vocabulary slices of a frozen ``w_out``, a divisor of the vocabulary size; None
+        (default): :func:`auto_vocab_blocks` of its shape (one slice for a small matrix).
 
     >>> h = jnp.ones((2, 6, 4)); w = jnp.eye(4, 10); t = jnp.zeros((2, 6), jnp.int32); m = jnp.ones((2, 6))
     >>> bool(jnp.allclose(chunked_cross_entropy(h, w, t, m, 5), cross_entropy(h @ w, t, m)))
     True
     >>> bool(jnp.allclose(chunked_cross_entropy(h, w.T, t, m, 5, vocab_axis=0), cross_entropy(h @ w, t, m)))
     True
+    >>> bool(jnp.allclose(chunked_cross_entropy(h, w, t, m, 5, vocab_blocks=5), cross_entropy(h @ w, t, m)))
+    True
     """
     check_int("loss chunks", chunks)
     if vocab_axis not in (0, 1) or isinstance(vocab_axis, bool):
         raise ValueError(f"vocab_axis must be 0 ([vocab, d]) or 1 ([d, vocab]), got {vocab_axis!r}")
-    if lora_layer.is_quantized(w_out):
+    if lora_layer.is_quantized(w_out) and not _rows_of(w_out, vocab_axis):
         w_out = lora_layer.dequantize_matrix(w_out, hidden.dtype)
     b, s, d = hidden.shape
+    vocab = _vocab_size(w_out, vocab_axis)
+    if vocab_blocks is None:
+        vocab_blocks = auto_vocab_blocks(vocab, d)
+    check_int("vocab_blocks", vocab_blocks)
+    if vocab % vocab_blocks:
+        raise ValueError(f"vocab_blocks={vocab_blocks} does not divide the vocabulary size {vocab}")
     n = b * s
     size = -(-n // chunks)
     pad = size * chunks - n
     h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(chunks, size, d)
     t = jnp.pad(targets.reshape(n), (0, pad)).reshape(chunks, size)
     m = jnp.pad(mask.reshape(n).astype(jnp.float32), (0, pad)).reshape(chunks, size)
-    return _fused_mean(h, w_out, t, m, vocab_axis)
+    return _fused_mean(h, w_out, t, m, vocab_axis, vocab_blocks)
 
 
-def _chunk_loss(h_c, w, t_c, m_c, vocab_axis: int, w_grad: bool):
+#: A frozen output matrix is cast (or dequantized) in vocabulary slices of about this many float32 bytes.
+VOCAB_BLOCK_BYTES = 64 * 2**20
+
+
+def auto_vocab_blocks(vocab: int, d: int) -> int:
+    """The vocabulary slices :func:`chunked_cross_entropy` casts a frozen ``[vocab, d]`` output matrix in.
+
+    The fewest that divide ``vocab`` and bring a slice's float32 copy to at most :data:`VOCAB_BLOCK_BYTES`;
+    1 (the whole matrix at once) when it is that small already, or when no divisor up to four times the
+    fewest would do (a prime vocabulary: slices of a row or two would cost more than they save).
+
+    >>> auto_vocab_blocks(248_000, 2048), auto_vocab_blocks(32_000, 2048), auto_vocab_blocks(4096, 256)
+    (31, 4, 1)
+    """
+    check_int("vocab", vocab)
+    check_int("d", d)
+    need = -(-vocab * d * 4 // VOCAB_BLOCK_BYTES)
+    if need <= 1:
+        return 1
+    return next((k for k in range(need, min(vocab, 4 * need) + 1) if vocab % k == 0), 1)
+
+
+def _vocab_size(w, vocab_axis: int) -> int:
+    if lora_layer.is_quantized(w):
+        leaf = w["codes"] if "codes" in w else w["qvalue"]
+        return leaf.shape[0]  # a quantized matrix reaches the loss whole only by rows (_rows_of)
+    return w.shape[vocab_axis]
+
+
+def _rows_of(w, vocab_axis: int) -> bool:
+    """Whether a quantized ``w`` can be dequantized by vocabulary rows (:func:`lora_layer.lookup`): ``[vocab, d]``
+    NF4, or int8 with one scale per row."""
+    if vocab_axis != 0:
+        return False
+    if "codes" in w:
+        return w["codes"].ndim == 2
+    return w["qvalue"].ndim == 2 and w["scale"].shape == (w["qvalue"].shape[0], 1)
+
+
+def _w_block(w, vocab_axis: int, blocks: int, dtype):
+    """``j -> `` the ``j``-th vocabulary slice of the frozen ``w`` in ``dtype`` (``[rows, d]`` or ``[d, cols]``)."""
+    if blocks == 1 and not lora_layer.is_quantized(w):
+        return lambda j: w.astype(dtype)
+    size = _vocab_size(w, vocab_axis) // blocks
+    if lora_layer.is_quantized(w):
+        return lambda j: lora_layer.lookup(w, j * size + jnp.arange(size, dtype=jnp.int32), dtype)
+    return lambda j: jax.lax.dynamic_slice_in_dim(w, j * size, size, axis=vocab_axis).astype(dtype)
+
+
+def _frozen_forward(h, w, t, m, vocab_axis: int, blocks: int, grad: bool):
+    """``(mean loss, dh or None)`` with ``w`` frozen: per chunk, the logits and their gradient by vocabulary slice.
+
+    The slices' logits ``[blocks, size, vocab / blocks]`` are one chunk's logits (as many bytes); each slice
+    of ``w`` is cast/dequantized where a matmul reads it, once for the logits and once for ``dh``.
+    """
+    count = jnp.maximum(jnp.sum(m), 1.0)
+    w_block = _w_block(w, vocab_axis, blocks, h.dtype)
+    width = _vocab_size(w, vocab_axis) // blocks
+    index = jnp.arange(blocks, dtype=jnp.int32)
+
+    def body(total, xs):
+        h_c, t_c, m_c = xs
+        z = jax.lax.scan(lambda _, j: (None, matmul(h_c, w_block(j), 1 - vocab_axis, jnp.float32)), None, index)[1]
+        lse = jax.nn.logsumexp(z, axis=(0, 2))  # [size]
+        rows = jnp.arange(h_c.shape[0])
+        picked = z[t_c // width, rows, t_c % width]
+        total = total + jnp.sum((lse - picked) * m_c) / count
+        if not grad:
+            return total, None
+        # d(lse - picked)/dz = softmax - onehot, per token weighted by its mask over the count.
+        hot = (index[:, None, None] * width + jnp.arange(width)[None, None, :]) == t_c[None, :, None]
+        dz = (jnp.exp(z - lse[None, :, None]) - hot) * (m_c / count)[None, :, None]
+
+        def back(acc, xs):
+            j, dz_j = xs
+            return acc + matmul(dz_j, w_block(j), vocab_axis, jnp.float32), None
+
+        dh = jax.lax.scan(back, jnp.zeros(h_c.shape, jnp.float32), (index, dz))[0]
+        return total, dh.astype(h_c.dtype)
+
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (h, t, m))
+
+
+def _chunk_loss(h_c, w, t_c, m_c, vocab_axis: int):
     """The summed cross-entropy of one chunk ``h_c [size, d]`` (its logits in float32)."""
-    if w_grad:
-        logits = project(h_c, w, 1 - vocab_axis, h_c.dtype, jnp.float32)  # [size, vocab]
-    else:  # a plain matmul: project's backward would compute the unused weight gradient too
-        logits = matmul(h_c, jax.lax.stop_gradient(w).astype(h_c.dtype), 1 - vocab_axis, jnp.float32)
+    logits = project(h_c, w, 1 - vocab_axis, h_c.dtype, jnp.float32)  # [size, vocab]
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]
     return jnp.sum((lse - picked) * m_c)
 
 
-def _fused_forward(h, w, t, m, vocab_axis: int, w_grad: bool):
-    """``(mean loss, (dh, dw))``: the loss over every chunk and its gradients, one chunk at a time.
-
-    ``dw`` is None when ``w_grad`` is False (the output matrix is not differentiated).
-    """
+def _fused_forward(h, w, t, m, vocab_axis: int):
+    """``(mean loss, (dh, dw))``: the loss over every chunk and its gradients, one chunk at a time, ``w`` whole."""
     count = jnp.maximum(jnp.sum(m), 1.0)
-    argnums = (0, 1) if w_grad else (0,)
 
     def body(carry, xs):
         h_c, t_c, m_c = xs
         # The chunk's loss already divided by the token count, so the backward pass's usual
         # cotangent of 1 hands these gradients on unchanged (no second rounding).
-        chunk = lambda h_, w_: _chunk_loss(h_, w_, t_c, m_c, vocab_axis, w_grad) / count
-        value, grads = jax.value_and_grad(chunk, argnums)(h_c, w)
+        chunk = lambda h_, w_: _chunk_loss(h_, w_, t_c, m_c, vocab_axis) / count
+        value, (dh, dw_c) = jax.value_and_grad(chunk, (0, 1))(h_c, w)
         total, dw = carry
-        if w_grad:
-            dw = dw + grads[1].astype(jnp.float32)
-        return (total + value, dw), grads[0]
+        return (total + value, dw + dw_c.astype(jnp.float32)), dh
 
-    dw0 = jnp.zeros(w.shape, jnp.float32) if w_grad else None
+    dw0 = jnp.zeros(w.shape, jnp.float32)
     (total, dw), dh = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dw0), (h, t, m))
-    return total, (dh, None if dw is None else dw.astype(w.dtype))
+    return total, (dh, dw.astype(w.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused_mean(h, w, t, m, vocab_axis: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_mean(h, w, t, m, vocab_axis: int, blocks: int):
     # Not differentiated (an evaluation): the losses alone, no gradient matmuls.
-    count = jnp.maximum(jnp.sum(m), 1.0)
-
-    def body(total, xs):
-        h_c, t_c, m_c = xs
-        return total + _chunk_loss(h_c, w, t_c, m_c, vocab_axis, False) / count, None
-
-    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (h, t, m))[0]
+    return _frozen_forward(h, w, t, m, vocab_axis, blocks, False)[0]
 
 
-def _fused_mean_fwd(h, w, t, m, vocab_axis):
+def _fused_mean_fwd(h, w, t, m, vocab_axis, blocks):
     # symbolic_zeros: a primal comes with whether it is differentiated; a frozen output matrix (LoRA's
-    # base) gets no weight gradient computed at all.
-    total, (dh, dw) = _fused_forward(h.value, w.value, t.value, m.value, vocab_axis, w.perturbed)
+    # base) gets no weight gradient computed at all, and is read by vocabulary slices.
+    wv = jax.tree.map(lambda p: p.value, w)
+    if not any(p.perturbed for p in jax.tree.leaves(w)):
+        total, dh = _frozen_forward(h.value, wv, t.value, m.value, vocab_axis, blocks, True)
+        return total, (dh, None)
+    if lora_layer.is_quantized(wv):  # a differentiated quantized matrix: its float leaves' gradient, through
+        dense, back = jax.vjp(lambda q: lora_layer.dequantize_matrix(q, h.value.dtype), wv)
+        total, (dh, dw) = _fused_forward(h.value, dense, t.value, m.value, vocab_axis)
+        return total, (dh, back(dw)[0])
+    total, (dh, dw) = _fused_forward(h.value, wv, t.value, m.value, vocab_axis)
     return total, (dh, dw)
 
 
-def _fused_mean_bwd(vocab_axis, residuals, g):
+def _fused_mean_bwd(vocab_axis, blocks, residuals, g):
     dh, dw = residuals
-    scale = lambda x: None if x is None else (x * g).astype(x.dtype)
-    return scale(dh), scale(dw), None, None
+    scale = lambda x: None if x is None or not jnp.issubdtype(x.dtype, jnp.floating) else (x * g).astype(x.dtype)
+    return scale(dh), jax.tree.map(scale, dw), None, None
 
 
 _fused_mean.defvjp(_fused_mean_fwd, _fused_mean_bwd, symbolic_zeros=True)

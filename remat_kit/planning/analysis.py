@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import math
 import time
@@ -42,6 +41,7 @@ from remat_kit.model import lora
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params, resolve_tiles
 from remat_kit.planning import estimates as estimates_lib
+from remat_kit.planning.planner import cancel_on_error
 from remat_kit.train import mesh as mesh_lib
 from remat_kit.train import step as step_lib
 from remat_kit.units import check_int
@@ -631,22 +631,6 @@ def analyze_policies(
             futures = [pool.submit(one, i, p) for i, p in enumerate(specs)]
             results = {str(p): f.result() for p, f in zip(specs, futures, strict=True)}
     return with_noop_warnings(results)
-
-
-@contextlib.contextmanager
-def cancel_on_error(pool: concurrent.futures.Executor):
-    """On any exception (a Ctrl-C, a failed compile), drop the queued jobs: leaving the pool's ``with`` block
-    otherwise runs every one of them first, and a Ctrl-C waited for all the policies' compiles, not one.
-
-    >>> with concurrent.futures.ThreadPoolExecutor(1) as pool, cancel_on_error(pool):
-    ...     pool.submit(int, "3").result()
-    3
-    """
-    try:
-        yield pool
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
 
 
 def with_noop_warnings(results: dict[str, Analysis]) -> dict[str, Analysis]:

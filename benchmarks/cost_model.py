@@ -83,7 +83,7 @@ def interleaved(cfg, batch, seq, specs, rounds, seed=0):
     import jax
 
     from remat_kit.planning import analysis
-    from remat_kit.train import step as step_lib
+    from remat_kit.step import update as step_lib
 
     steps = {s: analysis.analyze_compiled(cfg, s, batch, seq)[1] for s in specs}
     model = Transformer(config=cfg, policy=P.none())

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
     from remat_kit.planning import analysis, builtin
     from remat_kit.planning import budget as auto
-    from remat_kit.train import mesh as M
+    from remat_kit.step import mesh as M
     from remat_kit.units import fmt_bytes
 
     cfg = TransformerConfig.preset(args.preset)

@@ -1,13 +1,14 @@
 """Layering of remat_kit, read from the source with ``ast`` (nothing imported, no JAX).
 
-The package is a core and five wings above it, ``cli > bench > planning > train > model > core``. The
-core has floors of its own, lowest first: the root modules (``_jax_internals``, ``units``, ``names``, ...),
-``policies`` (pure JAX), the frontends ``linen`` and ``nnx``, then ``unedited``, ``analysis`` and the
-dispatcher ``wrap``. A module imports only its own room (wing or core folder) or the floors below it,
-never a neighbour on its own floor; there is no import cycle (``TYPE_CHECKING`` imports included), and
-an import of a public name through the lazy face (``from remat_kit import apply``) counts as an import of
-the module behind it. No function-level import of remat_kit (the usual dodge of a cycle) outside the
-CLI, whose commands import the library late on purpose (``--help`` imports no jax).
+The package is a core and five wings above it, ``cli > bench > planning > train > model > core``. The core
+has floors of its own, lowest first: the root modules (``_jax_internals``, ``units``, ``names``, ...),
+``policies`` (pure JAX) and ``step`` (the one training step and its mesh), the frontends ``linen`` and
+``nnx``, then ``unedited``, ``analysis`` and the dispatcher ``wrap``. A module imports only its own room
+(wing or core folder) or the floors below it, never a neighbour on its own floor; there is no import cycle
+(``TYPE_CHECKING`` imports included), and an import of a public name through the lazy face (``from remat_kit
+import apply``) counts as an import of the module behind it. No function-level import of remat_kit (the
+usual dodge of a cycle) outside the CLI, whose commands import the library late on purpose (``--help``
+imports no jax).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "remat_kit"
 #: (module, imported module) -> why the import sits in a function. Each must be deliberate, never a cycle dodge.
 LATE_ALLOWED: dict[tuple[str, str], str] = {
     ("remat_kit.policies.policy", "remat_kit.wrap"): "policy(target) is remat_kit.remat; a policy must not import Flax",
-    ("remat_kit.planning.budget", "remat_kit.planning.builtin"): "auto of a user's loss must not load the built-in model",
+    (
+        "remat_kit.planning.budget",
+        "remat_kit.planning.builtin",
+    ): "auto of a user's loss must not load the built-in model",
     ("remat_kit.planning.fit", "remat_kit.planning.tensors"): "fit of a user's model must not load the built-in model",
 }
 
@@ -72,7 +76,7 @@ WINGS = ("core", "model", "train", "planning", "bench", "cli")
 
 #: The floors of the core, lowest first; each holds rooms (a folder, or ``root`` for the modules at the
 #: package root, or ``wrap``, the dispatcher that sits above the frontends it dispatches to).
-CORE_FLOORS = (("root",), ("policies",), ("linen", "nnx"), ("unedited", "analysis", "wrap"))
+CORE_FLOORS = (("root",), ("policies", "step"), ("linen", "nnx"), ("unedited", "analysis", "wrap"))
 
 
 def wing_of(module: str) -> str:

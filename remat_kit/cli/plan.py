@@ -148,7 +148,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         plan_record,
     )
     from remat_kit.planning.analysis import analyze_policies
-    from remat_kit.train import mesh as mesh_lib
+    from remat_kit.step import mesh as mesh_lib
 
     check_jobs(args.jobs)
     if args.seq_step is not None and args.max_seq is None:

@@ -42,8 +42,8 @@ from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params, resolve_tiles
 from remat_kit.planning import estimates as estimates_lib
 from remat_kit.planning.planner import cancel_on_error
-from remat_kit.train import mesh as mesh_lib
-from remat_kit.train import step as step_lib
+from remat_kit.step import mesh as mesh_lib
+from remat_kit.step import update as step_lib
 from remat_kit.units import check_int
 
 #: Regions of the step a residual belongs to.
@@ -231,12 +231,12 @@ def check_shape(config: TransformerConfig, batch: int, seq: int, loss_chunks: in
 
 
 def optimizer(learning_rate: float = 1e-3, grad_accum: int = 1) -> optax.GradientTransformation:
-    """The optimizer every measured step uses: ``train``'s clipped AdamW (:func:`..train.step.make_optimizer`)."""
+    """The optimizer every measured step uses: ``train``'s clipped AdamW (:func:`..step.update.make_optimizer`)."""
     return step_lib.make_optimizer(learning_rate, grad_accum=grad_accum)
 
 
 def train_step(model: Transformer, opt: optax.GradientTransformation, loss_chunks: int = 0):
-    """The shared training step (:func:`remat_kit.train.step.make_step`) of the language-model loss (not jitted):
+    """The shared training step (:func:`remat_kit.step.update.make_step`) of the language-model loss (not jitted):
     ``(params, opt_state, tokens) -> (params, opt_state, loss, grad_norm, params_finite)``."""
     return step_lib.make_step(lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=loss_chunks), opt)
 
@@ -269,7 +269,7 @@ def compile_step(
 ):
     """Lower and compile the donated, jitted training step for abstract inputs.
 
-    With a ``mesh`` (:mod:`remat_kit.train.mesh`) the step is compiled sharded (FSDP state, batch over
+    With a ``mesh`` (:mod:`remat_kit.step.mesh`) the step is compiled sharded (FSDP state, batch over
     ``data`` × ``fsdp``) and XLA's memory figures are per device.
 
     Returns:

@@ -284,7 +284,7 @@ def auto(
     * ``auto(config, batch=..., seq=..., budget_bytes=...)``: the built-in Transformer (a
       convenience over the first form; ``loss_chunks`` selects the chunked loss).
 
-    The step planned is the one ``train`` runs (:mod:`remat_kit.train.step`): gradient, clipping and the
+    The step planned is the one ``train`` runs (:mod:`remat_kit.step.update`): gradient, clipping and the
     optimizer update, parameters and optimizer state donated. A candidate's need is the compiled
     step's peak (arguments + outputs − aliased + temp), never its saved bytes alone.
 

@@ -23,8 +23,8 @@ from remat_kit.planning import analysis, cost
 from remat_kit.planning.budget import AutoResult, search
 from remat_kit.planning.fit import _boundary
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
-from remat_kit.train import mesh as mesh_lib
-from remat_kit.train import step as step_lib
+from remat_kit.step import mesh as mesh_lib
+from remat_kit.step import update as step_lib
 
 
 class Planner(StepPlanner):

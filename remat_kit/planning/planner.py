@@ -1,6 +1,6 @@
 """The compile-only step planner: one model's training step traced and compiled per policy and shape, memoized.
 
-:class:`StepPlanner` compiles the shared step (:mod:`remat_kit.train.step`) of any model
+:class:`StepPlanner` compiles the shared step (:mod:`remat_kit.step.update`) of any model
 (:class:`remat_kit.planning.builtin.Planner` is the one of the built-in Transformer); :class:`Budget` is the
 one rule of what fits.
 """
@@ -23,8 +23,8 @@ from remat_kit.analysis import _xla_dump, explain, flops
 from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.constants import DEFAULT_MARGIN
 from remat_kit.planning import cost
-from remat_kit.train import mesh as mesh_lib
-from remat_kit.train import step as step_lib
+from remat_kit.step import mesh as mesh_lib
+from remat_kit.step import update as step_lib
 from remat_kit.units import check_int
 
 #: Optimizers by name (their state is part of what must fit).
@@ -128,7 +128,7 @@ def cancel_on_error(pool: concurrent.futures.Executor):
 
 
 class StepPlanner:
-    """Traces and compiles the shared training step (:mod:`remat_kit.train.step`) of one model, memoized.
+    """Traces and compiles the shared training step (:mod:`remat_kit.step.update`) of one model, memoized.
 
     Each shape is traced, lowered and compiled once; ``compiles`` counts the XLA compiles done, the
     planner's cost (on CPU they run at LLVM -O0: see :data:`CPU_PLAN_COMPILER_OPTIONS`).

@@ -27,7 +27,7 @@ import concurrent.futures
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -77,11 +77,12 @@ class SavedResidual:
 
 
 @dataclasses.dataclass(frozen=True)
-class Analysis:
-    """The compile-only measurement of one training step under one policy.
+class Analysis(inspection.StepRecord):
+    """The compile-only measurement of one training step under one policy: the generic record of a step
+    (:class:`remat_kit.analysis.inspection.StepRecord`: ``policy``, ``notes``, ``warnings`` and, with
+    ``explain=True``, what is live at the peak) plus the built-in model's figures.
 
     Attributes:
-      policy: the policy spec.
       config: the model configuration.
       batch, seq: the token shape; loss_chunks: 0 for the plain loss, k for the chunked one.
       residuals: every non-argument tensor the backward pass keeps, largest first.
@@ -97,19 +98,8 @@ class Analysis:
       compile_s: seconds to lower and compile the step.
       mesh: the mesh spec the step was compiled for (None: one device); ``memory`` is then per device.
       batch_devices: devices the batch is split over (``data`` × ``fsdp``).
-      notes: caveats, e.g. that offloaded bytes stay on the device on CPU
-        (:func:`remat_kit.analysis.memory.host_offload`).
-      at_peak, largest_at_peak, timeline: with ``explain=True``, what is live at the compiled peak (group ->
-        device bytes, summing to ``peak_bytes``), the ten largest buffers there and the memory timeline
-        (:mod:`remat_kit.analysis.explain`); empty otherwise.
-        kept: the saved set as compiled; peak_at: where the peak is;
-        host_at_peak: bytes in host memory live there, apart (no part of the device peak).
-      warnings: one-line guardrails (:mod:`remat_kit.analysis.explain`): offload that moves nothing, a peak no policy
-        touches (read from XLA's dump with ``explain=True``, else estimated from the state's size), a policy
-        that did nothing (set by :func:`analyze_policies` beside ``none``).
     """
 
-    policy: str
     config: TransformerConfig
     batch: int
     seq: int
@@ -128,14 +118,8 @@ class Analysis:
     compile_s: float
     mesh: str | None = None
     batch_devices: int = 1
-    notes: tuple[str, ...] = ()
-    at_peak: dict[str, int] = dataclasses.field(default_factory=dict)
-    largest_at_peak: tuple[explain_lib.PeakBuffer, ...] = ()
-    warnings: tuple[str, ...] = ()
-    timeline: explain_lib.Timeline | None = dataclasses.field(default=None, repr=False, compare=False)
-    kept: tuple = dataclasses.field(default=(), repr=False)
-    peak_at: str = ""
-    host_at_peak: int = 0
+
+    made_by: ClassVar[tuple[str, str]] = ("analysis", "analyze")
 
     @property
     def peak_bytes(self) -> int:
@@ -199,12 +183,6 @@ class Analysis:
             "warnings": list(self.warnings),
             "residuals": [dataclasses.asdict(r) for r in residuals],
         }
-
-    def plot_timeline(self, path: str) -> str:
-        """Write this step's memory timeline as a PNG (needs ``explain=True``; a scan body drawn once per trip)."""
-        if self.timeline is None:
-            raise ValueError("this analysis has no timeline: analyze(..., explain=True) records one")
-        return explain_lib.plot_timelines({self.policy: self.timeline}, path)
 
 
 # ---- validation ------------------------------------------------------------------------------------
@@ -551,13 +529,8 @@ def analyze_compiled(
         mesh=None if mesh is None else f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
         batch_devices=1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"],
         notes=tuple(notes),
-        at_peak=found.at_peak if found else {},
-        largest_at_peak=found.largest_at_peak if found else (),
         warnings=tuple(warnings),
-        timeline=found.timeline if found else None,
-        kept=found.kept if found else (),
-        peak_at=found.peak_at if found else "",
-        host_at_peak=found.host_bytes if found else 0,
+        **inspection.StepRecord.explained(found),
     )
     return analysis, compiled
 

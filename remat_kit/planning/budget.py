@@ -322,20 +322,27 @@ def auto(
     if is_built_in(model, "TransformerConfig"):
         from remat_kit.planning import builtin  # late: the built-in model is loaded only when it is planned
 
-        return builtin.auto_config(
+        planner, pool = builtin.config_pool(
             model,
-            *args,
-            budget=budget,
+            args,
             candidates=wanted,
             optimizer=optimizer,
-            exhaustive=exhaustive,
             planner=planner,
-            jobs=jobs,
             batch=batch,
             seq=seq,
             loss_chunks=loss_chunks,
-            mixes=mixes,
+        )
+        return search(
+            planner,
+            pool,
+            budget,
+            exhaustive=exhaustive,
+            batch=batch,
+            seq=seq,
+            loss_chunks=loss_chunks,
+            jobs=jobs,
             hardware=hardware,
+            num_layers=model.num_layers if mixes else None,
         )
     if not callable(model):
         raise TypeError(f"auto's first argument must be a TransformerConfig or make_loss(policy), got {model!r}")

@@ -19,8 +19,7 @@ from remat_kit import policies
 from remat_kit.analysis import memory
 from remat_kit.model.loss import lm_loss, resolve_chunks
 from remat_kit.model.transformer import Transformer, TransformerConfig
-from remat_kit.planning import analysis, cost
-from remat_kit.planning.budget import AutoResult, search
+from remat_kit.planning import analysis
 from remat_kit.planning.fit import _boundary
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
 from remat_kit.step import mesh as mesh_lib
@@ -118,42 +117,27 @@ def candidates_for(config: TransformerConfig, *, offload: bool | None = None) ->
     return tuple(dict.fromkeys(out))
 
 
-def auto_config(
+def config_pool(
     config: TransformerConfig,
-    *args,
-    budget: Budget,
+    args: tuple,
+    *,
     candidates=None,
     optimizer: str | optax.GradientTransformation = "adamw",
-    exhaustive: bool = False,
     planner: StepPlanner | None = None,
-    jobs: int = 1,
     batch: int | None = None,
     seq: int | None = None,
     loss_chunks: int = 0,
-    mixes: bool = True,
-    hardware: cost.Hardware | None = None,
-) -> AutoResult:
-    """:func:`remat_kit.planning.budget.auto` of the built-in Transformer (``auto(config, batch=, seq=, ...)``):
-    its checked arguments, the pool of :func:`candidates_for` (or ``candidates``) and mixes over its layers."""
+) -> tuple[StepPlanner, list[policies.Policy]]:
+    """What :func:`remat_kit.planning.budget.auto` searches for the built-in Transformer (``auto(config, batch=,
+    seq=, ...)``), its arguments checked: ``(planner or a Planner of config, the pool of candidates_for or
+    candidates)``."""
     if args:
         raise TypeError("auto(config, ...) takes batch= and seq= keywords, not positional inputs")
     if batch is None or seq is None:
         raise TypeError("auto(config, ...) needs batch= and seq=")
     analysis.check_shape(config, batch, seq, loss_chunks)
     planner = planner or Planner(config, optimizer, loss_chunks)
-    pool = [policies.parse(p, num_layers=config.num_layers) for p in (candidates or candidates_for(config))]
-    return search(
-        planner,
-        pool,
-        budget,
-        exhaustive=exhaustive,
-        batch=batch,
-        seq=seq,
-        loss_chunks=loss_chunks,
-        jobs=jobs,
-        hardware=hardware,
-        num_layers=config.num_layers if mixes else None,
-    )
+    return planner, [policies.parse(p, num_layers=config.num_layers) for p in (candidates or candidates_for(config))]
 
 
 def max_fit(

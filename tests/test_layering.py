@@ -252,6 +252,48 @@ def test_the_floor_checker_sees_core_violations(tmp_path, files, violation):
     assert (found == []) if violation is None else (len(found) == 1 and found[0].startswith(violation)), found
 
 
+#: The planning modules of any model (``remat_kit.auto`` and ``remat_kit.fit`` on a user's loss): neither they nor
+#: what they import loads the built-in model or its training (its helpers, planning/builtin.py, tensors.py and
+#: analysis.py, are loaded late and only for it: :data:`LATE_ALLOWED`).
+GENERIC_PLANNING = tuple(
+    f"remat_kit.planning.{m}" for m in ("planner", "budget", "fit", "cost", "pareto", "user_model")
+)
+
+
+def loaded_by(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module ``module`` loads at import: its module-level imports, theirs, and so on, packages included."""
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        parts = m.split(".")
+        for name in [".".join(parts[:i]) for i in range(1, len(parts) + 1)]:  # importing a.b.c runs a and a.b too
+            if name not in seen:
+                seen.add(name)
+                todo += sorted(graph.get(name, ()))
+    return seen
+
+
+@pytest.mark.parametrize("module", GENERIC_PLANNING, ids=lambda m: m.rsplit(".", 1)[-1])
+def test_the_generic_planner_loads_no_built_in_model(module):
+    graph, _ = import_graph(PACKAGE)
+    assert module in graph  # the module is real
+    found = sorted(m for m in loaded_by(graph, module) if wing_of(m) in ("model", "train"))
+    assert found == [], f"{module} loads {found}"
+
+
+def test_the_load_checker_sees_a_built_in_model_two_imports_away(tmp_path):
+    root = _package(tmp_path, {"__init__.py": "", "a.py": "from remat_kit import b\n", "b.py": "import remat_kit.c\n"})
+    (root / "model").mkdir()
+    (root / "model" / "__init__.py").write_text("")
+    (root / "c.py").write_text("from remat_kit.model import m\n")
+    (root / "model" / "m.py").write_text("")
+    graph, _ = import_graph(root)
+    assert {m for m in loaded_by(graph, "remat_kit.a") if wing_of(m) == "model"} == {
+        "remat_kit.model",
+        "remat_kit.model.m",
+    }
+
+
 def test_no_late_imports_of_remat_kit_outside_the_cli():
     _, late = import_graph(PACKAGE)
     found = {(m, t) for m, _, t in late if not m.startswith("remat_kit.cli")}

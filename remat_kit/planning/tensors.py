@@ -43,6 +43,10 @@ The answer is an ordinary :class:`remat_kit.policies.Policy` or :class:`remat_ki
 round-tripping through :func:`remat_kit.policies.parse`. ``maxtext=True`` keeps to what MaxText's
 ``custom`` remat can name (:func:`remat_kit.policies.to_maxtext`), part by part for a mix.
 
+:func:`config_choice` is the engine of :func:`remat_kit.fit` (:func:`remat_kit.planning.fit.choose`) on the
+built-in Transformer: its presets, its tags as groups, mixes over its layers; ``plan --budget``, ``train --budget``
+and ``fit`` of a ``Transformer`` (:func:`fit_transformer`) run it.
+
 >>> from remat_kit.model.transformer import TransformerConfig
 >>> cfg = TransformerConfig.preset("tiny", num_layers=2)
 >>> r = per_tensor(cfg, batch=2, seq=32, budget_bytes=10**10, groups=[("q_proj", "k_proj", "v_proj")])

@@ -1,6 +1,6 @@
 """Interleaved A/B timing of the training step: variants compiled in one process, run ABAB…, medians.
 
-Each variant is the project's own step (:func:`remat_kit.train.step.make_step`, clipped AdamW, donated
+Each variant is the project's own step (:func:`remat_kit.step.update.make_step`, clipped AdamW, donated
 state) with one thing changed: chunked attention's implementation (``attention.py`` as of a git
 revision against the working tree's), its block size, or XLA_FLAGS. Runs alternate between the
 variants so that a shared machine's load falls on all of them alike; the median of ``--repeats``
@@ -31,7 +31,7 @@ import jax
 from remat_kit.model import attention
 from remat_kit.model import loss as loss_lib
 from remat_kit.model.transformer import PRESET_SHAPES, Transformer, TransformerConfig
-from remat_kit.train import step as step_lib
+from remat_kit.step import update as step_lib
 
 #: ``small``: the preset at its default shape; ``peer1k``: benchmarks/peer_hf.py's model (vocabulary
 #: 32,000, hidden 512) at batch 1 × 1,024, where the logits are the largest tensor of the step;

@@ -1,6 +1,6 @@
 """remat_kit.auto on the 2b preset under 24, 40 and 80 GB against an exhaustive search: same answer, fewer compiles.
 
-For each budget a fresh :class:`remat_kit.planning.planner.Planner` runs the search (trace every candidate, compile
+For each budget a fresh :class:`remat_kit.planning.builtin.Planner` runs the search (trace every candidate, compile
 in order of recompute until the cheapest fitting group), timed; the exhaustive search compiles every
 candidate once (needs do not depend on the budget) and picks the least-recompute fitting one. The two
 answers must agree. Usage::
@@ -16,6 +16,7 @@ import time
 
 from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
 from remat_kit.planning import budget as auto
+from remat_kit.planning import builtin
 from remat_kit.planning import planner as planner_lib
 from remat_kit.units import fmt_bytes
 
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     budgets = [auto.parse_bytes(b) for b in args.budgets.split(",")]
 
     start = time.perf_counter()
-    every = planner_lib.Planner(cfg, loss_chunks=args.loss_chunks)
+    every = builtin.Planner(cfg, loss_chunks=args.loss_chunks)
     reference = [auto.auto(cfg, batch=batch, seq=seq, budget_bytes=b, planner=every, exhaustive=True) for b in budgets]
     exhaustive_s = time.perf_counter() - start
     print(

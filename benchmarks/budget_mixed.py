@@ -1,6 +1,6 @@
 """auto's answer for budgets between two presets' needs: the mix it picks against the best single preset.
 
-For each preset the candidate policies are compiled once (one shared :class:`remat_kit.planning.planner.Planner`);
+For each preset the candidate policies are compiled once (one shared :class:`remat_kit.planning.builtin.Planner`);
 the budgets are the midpoints between neighbours on their Pareto front (need × (1 + margin)), where a
 single preset wastes the difference. At each budget ``auto`` (mixes on) answers; the table sets its
 choice and measured recompute against the best single preset that fits (``auto(..., mixes=False)``,
@@ -21,7 +21,7 @@ import time
 
 from remat_kit import policies as P
 from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
-from remat_kit.planning import analysis
+from remat_kit.planning import analysis, builtin
 from remat_kit.planning import budget as A
 from remat_kit.planning import planner as planner_lib
 from remat_kit.planning.pareto import pareto_front
@@ -47,8 +47,8 @@ def _gflop(flops: int) -> str:
 def run_preset(name: str, out) -> None:
     cfg = TransformerConfig.preset(name)
     batch, seq = PRESET_SHAPES[name]
-    pool = [P.parse(s) for s in POOL_2B] if name == "2b" else list(A.candidates_for(cfg, offload=False))
-    planner = planner_lib.Planner(cfg)
+    pool = [P.parse(s) for s in POOL_2B] if name == "2b" else list(builtin.candidates_for(cfg, offload=False))
+    planner = builtin.Planner(cfg)
     start = time.perf_counter()
     planner.precompile([(p, batch, seq) for p in pool])
     rows = {str(p): (planner.memory(p, batch, seq)[0], planner.flops(p, batch, seq)) for p in pool}

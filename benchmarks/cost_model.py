@@ -32,7 +32,7 @@ import time
 from remat_kit import policies as P
 from remat_kit.model.transformer import PRESET_SHAPES, Transformer, TransformerConfig
 from remat_kit.planning import budget as A
-from remat_kit.planning import cost, tensors
+from remat_kit.planning import builtin, cost, tensors
 from remat_kit.planning import planner as planner_lib
 from remat_kit.units import fmt_bytes
 
@@ -83,7 +83,7 @@ def interleaved(cfg, batch, seq, specs, rounds, seed=0):
     import jax
 
     from remat_kit.planning import analysis
-    from remat_kit.train import step as step_lib
+    from remat_kit.step import update as step_lib
 
     steps = {s: analysis.analyze_compiled(cfg, s, batch, seq)[1] for s in specs}
     model = Transformer(config=cfg, policy=P.none())
@@ -106,8 +106,8 @@ def interleaved(cfg, batch, seq, specs, rounds, seed=0):
 def rank_part(out, hw, rounds, preset="small", shape=None, short_pool=False):
     cfg = TransformerConfig.preset(preset)
     batch, seq = shape or PRESET_SHAPES[preset]
-    planner = planner_lib.Planner(cfg)
-    pool = [P.parse(s) for s in POOL_2B] if short_pool else list(A.candidates_for(cfg, offload=False))
+    planner = builtin.Planner(cfg)
+    pool = [P.parse(s) for s in POOL_2B] if short_pool else list(builtin.candidates_for(cfg, offload=False))
     price = A.Pricer(planner, hw, batch, seq)
     est = {str(p): price.estimate(p) for p in pool}
     base_step = planner.work(P.none(), batch, seq).seconds(hw)
@@ -146,8 +146,8 @@ def rank_part(out, hw, rounds, preset="small", shape=None, short_pool=False):
 def budgets_part(name, out, hw, rounds, max_compiles, short_pool):
     cfg = TransformerConfig.preset(name)
     batch, seq = PRESET_SHAPES[name]
-    planner = planner_lib.Planner(cfg)
-    pool = [P.parse(s) for s in POOL_2B] if short_pool else list(A.candidates_for(cfg, offload=False))
+    planner = builtin.Planner(cfg)
+    pool = [P.parse(s) for s in POOL_2B] if short_pool else list(builtin.candidates_for(cfg, offload=False))
     t = time.perf_counter()
     full = planner.memory(P.full(), batch, seq)[0]
     none = planner.memory(P.none(), batch, seq)[0]

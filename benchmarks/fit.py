@@ -28,7 +28,7 @@ from remat_kit import policies
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import PRESET_SHAPES, Transformer, TransformerConfig
 from remat_kit.planning.planner import DEFAULT_MARGIN, StepPlanner, get_optimizer
-from remat_kit.train import step as step_lib
+from remat_kit.step import update as step_lib
 from remat_kit.units import fmt_bytes
 from tests.unedited_models import NnxModel
 

@@ -20,7 +20,7 @@ import tempfile
 
 from remat_kit.bench.run import run_bench
 from remat_kit.model.transformer import TransformerConfig
-from remat_kit.planning.planner import Planner
+from remat_kit.planning.builtin import Planner
 from remat_kit.units import fmt_bytes
 
 

@@ -29,7 +29,7 @@ from flax import traverse_util
 from remat_kit import policies
 from remat_kit.model import lora
 from remat_kit.model.transformer import TransformerConfig, abstract_params
-from remat_kit.planning import budget
+from remat_kit.planning import budget, builtin
 from remat_kit.planning import planner as planner_lib
 from remat_kit.units import fmt_bytes
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     matrix_bytes = stored("embedding") + stored("lm_head")
     norm_bytes = pb.frozen - kernel_bytes - matrix_bytes  # the norm scales, unquantized
     margin = planner_lib.DEFAULT_MARGIN
-    planner = planner_lib.Planner(cfg, loss_chunks=args.loss_chunks)
+    planner = builtin.Planner(cfg, loss_chunks=args.loss_chunks)
     b = args.batch
     t0 = time.perf_counter()
     print(

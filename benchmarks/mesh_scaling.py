@@ -27,10 +27,9 @@ def main(argv=None) -> int:
     jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
     from remat_kit import policies
     from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
-    from remat_kit.planning import analysis
+    from remat_kit.planning import analysis, builtin
     from remat_kit.planning import budget as auto
-    from remat_kit.planning import planner as planner_lib
-    from remat_kit.train import mesh as M
+    from remat_kit.step import mesh as M
     from remat_kit.units import fmt_bytes
 
     cfg = TransformerConfig.preset(args.preset)
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
             continue
         devices = jax.devices()[: ms.size]
         mesh = M.make_mesh(ms, devices)
-        mem = planner_lib.Planner(cfg, mesh=mesh).compiled_memory(policy, batch, seq)
+        mem = builtin.Planner(cfg, mesh=mesh).compiled_memory(policy, batch, seq)
         row = (saved / ms.size, mem.temp, state_bytes(mesh))
         base = base or row
         ratios = [b / r if r else float("nan") for b, r in zip(base, row, strict=True)]

@@ -1,6 +1,6 @@
 """Where one training step's time goes: a ``jax.profiler`` trace of the project's own step, per policy.
 
-Compiles :func:`remat_kit.train.step.make_step` (clipped AdamW, donated state, as ``bench`` and ``train``)
+Compiles :func:`remat_kit.step.update.make_step` (clipped AdamW, donated state, as ``bench`` and ``train``)
 for the ``small`` preset at its default shape (or ``--shape peer1k``: benchmarks/peer_hf.py's model at
 batch 1 × 1,024) under each policy, runs it a few times, traces
 ``--steps`` steps and sums the XLA:CPU thunk events of the trace (each carries its HLO op name).
@@ -232,7 +232,7 @@ def profile_policy(policy: str, steps: int, warmup: int, preset: str = "small"):
 
     from remat_kit.model.loss import lm_loss
     from remat_kit.model.transformer import Transformer
-    from remat_kit.train import step as step_lib
+    from remat_kit.step import update as step_lib
 
     cfg, (b, s) = _shape(preset)
     model = Transformer(config=cfg, policy=policy)

@@ -8,7 +8,7 @@ from remat_kit.analysis import memory
 from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import budget as A
-from remat_kit.planning import fit, pareto
+from remat_kit.planning import builtin, fit, pareto
 from remat_kit.planning import planner as planner_lib
 from remat_kit.planning.planner import Budget
 from remat_kit.units import fmt_bytes
@@ -20,7 +20,7 @@ BATCH, SEQ = 2, 32
 
 @pytest.fixture(scope="module")
 def planner():
-    return planner_lib.Planner(CFG)
+    return builtin.Planner(CFG)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_search_agrees_with_exhaustive(planner, needs):
 
 
 def test_search_stops_at_the_cheapest_fitting_group():
-    fast = _auto(planner_lib.Planner(CFG), 10**10)  # ample: the zero-recompute group fits at once
+    fast = _auto(builtin.Planner(CFG), 10**10)  # ample: the zero-recompute group fits at once
     assert fast.compiled < len(POOL)
     assert [c.fits for c in fast.candidates if c.need_bytes is None] == [None] * (len(POOL) - fast.compiled)
 
@@ -92,7 +92,7 @@ def test_max_fit_is_exact(planner, dim):
         else int(planner.memory(policy, 6, SEQ)[0] * 1.1)
     )
     before = planner.compiles
-    n = fit.max_fit(CFG, policy, dim=dim, batch=BATCH, seq=SEQ, budget_bytes=budget, planner=planner)
+    n = builtin.max_fit(CFG, policy, dim=dim, batch=BATCH, seq=SEQ, budget_bytes=budget, planner=planner)
     # The speed of plan --budget, guarded by a count: the line (or the limit and a parabola) names the
     # answer, and the answer and one more are compiled to confirm it.
     assert planner.compiles - before <= (3 if dim == "batch" else 5)
@@ -104,22 +104,22 @@ def test_max_fit_is_exact(planner, dim):
 
 
 def test_max_fit_returns_zero_when_even_one_does_not_fit(planner):
-    assert fit.max_fit(CFG, "full", dim="batch", batch=BATCH, seq=SEQ, budget_bytes=1000, planner=planner) == 0
+    assert builtin.max_fit(CFG, "full", dim="batch", batch=BATCH, seq=SEQ, budget_bytes=1000, planner=planner) == 0
 
 
 def test_max_fit_stops_at_the_models_maximum(planner):
-    n = fit.max_fit(CFG, "full", dim="seq", batch=1, seq=64, budget_bytes=10**10, planner=planner)
+    n = builtin.max_fit(CFG, "full", dim="seq", batch=1, seq=64, budget_bytes=10**10, planner=planner)
     assert n == CFG.max_seq_len
 
 
 def test_candidates_cover_the_policy_families():
     cfg = TransformerConfig.preset("tiny", num_layers=9)
-    specs = [str(p) for p in A.candidates_for(cfg, offload=True)]
+    specs = [str(p) for p in builtin.candidates_for(cfg, offload=True)]
     assert len(specs) == len(set(specs))
     kinds = {P.parse(s).kind for s in specs}
     assert kinds == {"none", "selective", "dots", "every_n", "segments", "sqrt_n", "full", "offload"}
-    assert not any(P.parse(s).kind == "offload" for s in A.candidates_for(cfg, offload=False))
-    assert all(p.period <= 4 for p in A.candidates_for(CFG) if p.kind == "every_n")  # never deeper than the model
+    assert not any(P.parse(s).kind == "offload" for s in builtin.candidates_for(cfg, offload=False))
+    assert all(p.period <= 4 for p in builtin.candidates_for(CFG) if p.kind == "every_n")  # never deeper than the model
 
 
 def test_offload_candidates_follow_what_jax_can_offload(monkeypatch):
@@ -127,7 +127,7 @@ def test_offload_candidates_follow_what_jax_can_offload(monkeypatch):
     cfg = TransformerConfig.preset("tiny")
     monkeypatch.setattr(_jax_internals, "offload_supported", lambda: False)
     assert not memory.host_offload().available
-    assert not any(p.kind == "offload" for p in A.candidates_for(cfg))
+    assert not any(p.kind == "offload" for p in builtin.candidates_for(cfg))
 
 
 @pytest.mark.parametrize(
@@ -149,7 +149,11 @@ def test_parse_bytes(text, expected):
         (lambda: A.auto(CFG, batch=2, seq=32, budget_bytes=10, margin=1.5), ValueError, r"margin must be in \[0, 1\)"),
         (lambda: A.auto(CFG, batch=0, seq=32, budget_bytes=10), ValueError, r"batch must be a positive integer"),
         (lambda: A.auto(CFG, batch=2, seq=999, budget_bytes=10), ValueError, r"seq=999 exceeds"),
-        (lambda: fit.max_fit(CFG, "full", dim="depth", batch=2, seq=32, budget_bytes=10), ValueError, r"dim must be"),
+        (
+            lambda: builtin.max_fit(CFG, "full", dim="depth", batch=2, seq=32, budget_bytes=10),
+            ValueError,
+            r"dim must be",
+        ),
     ],
     ids=["unit", "zero", "bool", "optimizer", "budget", "margin", "batch", "seq", "dim"],
 )
@@ -159,12 +163,12 @@ def test_bad_input(call, error, match):
 
 
 def test_mesh_bytes_are_per_device():
-    single = planner_lib.Planner(CFG).memory(P.full(), 8, SEQ)[0]
-    data = planner_lib.Planner(CFG, mesh="data=4").memory(P.full(), 8, SEQ)[0]
-    fsdp = planner_lib.Planner(CFG, mesh="fsdp=4").memory(P.full(), 8, SEQ)[0]
+    single = builtin.Planner(CFG).memory(P.full(), 8, SEQ)[0]
+    data = builtin.Planner(CFG, mesh="data=4").memory(P.full(), 8, SEQ)[0]
+    fsdp = builtin.Planner(CFG, mesh="fsdp=4").memory(P.full(), 8, SEQ)[0]
     assert data < single and fsdp < data  # activations split 4 ways; with fsdp the state too
     with pytest.raises(ValueError, match=r"batch 6 is not divisible by the data-parallel device count 4"):
-        planner_lib.Planner(CFG, mesh="data=4").memory(P.full(), 6, SEQ)
+        builtin.Planner(CFG, mesh="data=4").memory(P.full(), 6, SEQ)
 
 
 def test_pareto_front():

@@ -140,3 +140,43 @@ def test_plan_budget_and_fit_agree_on_the_built_in_model(tmp_path, capsys):
     tokens = jax.ShapeDtypeStruct((2, 32), jnp.int32)
     r = remat_kit.fit(model, lambda m, p, t: lm_loss(m, p, t), params, tokens, budget="5.2MB")
     assert r.policy == chosen != "none"
+
+
+# ---- the generic path loads no built-in model ------------------------------------------------------------------
+
+#: auto and fit on a user's own loss and model, in a fresh interpreter; prints the remat_kit wings then loaded.
+_USER_ONLY = """
+import sys
+import flax.linen as nn
+import jax, jax.numpy as jnp
+import remat_kit
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(8, name="up")(jnp.tanh(x))
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = Block(name=f"layer_{i}")(x)
+        return x
+
+x = jnp.ones((2, 8))
+v = Net().init(jax.random.key(0), x)
+w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+make_loss = lambda p: remat_kit.remat(lambda w, x: jnp.sum(jnp.sin(x @ w)), p)
+assert remat_kit.auto(make_loss, w, x, budget_bytes=10**9).chosen is not None
+assert remat_kit.fit(Net(), lambda m, v, x: jnp.sum(m.apply(v, x) ** 2), v, x, budget="1GB").policy
+print(" ".join(sorted(m for m in sys.modules if m.split(".")[:2] in (["remat_kit", "model"], ["remat_kit", "train"]))))
+"""
+
+
+def test_auto_and_fit_of_a_user_loss_load_no_built_in_model_or_training():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _USER_ONLY], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [], f"the generic path loaded {out.stdout.strip()}"

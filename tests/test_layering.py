@@ -1,13 +1,14 @@
 """Layering of remat_kit, read from the source with ``ast`` (nothing imported, no JAX).
 
-The package is a core and five wings above it, ``cli > bench > planning > train > model > core``. The
-core has floors of its own, lowest first: the root modules (``_jax_internals``, ``units``, ``names``, ...),
-``policies`` (pure JAX), the frontends ``linen`` and ``nnx``, then ``unedited``, ``analysis`` and the
-dispatcher ``wrap``. A module imports only its own room (wing or core folder) or the floors below it,
-never a neighbour on its own floor; there is no import cycle (``TYPE_CHECKING`` imports included), and
-an import of a public name through the lazy face (``from remat_kit import apply``) counts as an import of
-the module behind it. No function-level import of remat_kit (the usual dodge of a cycle) outside the
-CLI, whose commands import the library late on purpose (``--help`` imports no jax).
+The package is a core and five wings above it, ``cli > bench > planning > train > model > core``. The core
+has floors of its own, lowest first: the root modules (``_jax_internals``, ``units``, ``names``, ...),
+``policies`` (pure JAX) and ``step`` (the one training step and its mesh), the frontends ``linen`` and
+``nnx``, then ``unedited``, ``analysis`` and the dispatcher ``wrap``. A module imports only its own room
+(wing or core folder) or the floors below it, never a neighbour on its own floor; there is no import cycle
+(``TYPE_CHECKING`` imports included), and an import of a public name through the lazy face (``from remat_kit
+import apply``) counts as an import of the module behind it. No function-level import of remat_kit (the
+usual dodge of a cycle) outside the CLI, whose commands import the library late on purpose (``--help``
+imports no jax).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "remat_kit"
 #: (module, imported module) -> why the import sits in a function. Each must be deliberate, never a cycle dodge.
 LATE_ALLOWED: dict[tuple[str, str], str] = {
     ("remat_kit.policies.policy", "remat_kit.wrap"): "policy(target) is remat_kit.remat; a policy must not import Flax",
+    (
+        "remat_kit.planning.budget",
+        "remat_kit.planning.builtin",
+    ): "auto of a user's loss must not load the built-in model",
+    ("remat_kit.planning.fit", "remat_kit.planning.tensors"): "fit of a user's model must not load the built-in model",
 }
 
 
@@ -70,7 +76,7 @@ WINGS = ("core", "model", "train", "planning", "bench", "cli")
 
 #: The floors of the core, lowest first; each holds rooms (a folder, or ``root`` for the modules at the
 #: package root, or ``wrap``, the dispatcher that sits above the frontends it dispatches to).
-CORE_FLOORS = (("root",), ("policies",), ("linen", "nnx"), ("unedited", "analysis", "wrap"))
+CORE_FLOORS = (("root",), ("policies", "step"), ("linen", "nnx"), ("unedited", "analysis", "wrap"))
 
 
 def wing_of(module: str) -> str:
@@ -244,6 +250,48 @@ def test_the_floor_checker_sees_core_violations(tmp_path, files, violation):
     graph, late = import_graph(root)
     found = wing_violations(graph, late)
     assert (found == []) if violation is None else (len(found) == 1 and found[0].startswith(violation)), found
+
+
+#: The planning modules of any model (``remat_kit.auto`` and ``remat_kit.fit`` on a user's loss): neither they nor
+#: what they import loads the built-in model or its training (its helpers, planning/builtin.py, tensors.py and
+#: analysis.py, are loaded late and only for it: :data:`LATE_ALLOWED`).
+GENERIC_PLANNING = tuple(
+    f"remat_kit.planning.{m}" for m in ("planner", "budget", "fit", "cost", "pareto", "user_model")
+)
+
+
+def loaded_by(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module ``module`` loads at import: its module-level imports, theirs, and so on, packages included."""
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        parts = m.split(".")
+        for name in [".".join(parts[:i]) for i in range(1, len(parts) + 1)]:  # importing a.b.c runs a and a.b too
+            if name not in seen:
+                seen.add(name)
+                todo += sorted(graph.get(name, ()))
+    return seen
+
+
+@pytest.mark.parametrize("module", GENERIC_PLANNING, ids=lambda m: m.rsplit(".", 1)[-1])
+def test_the_generic_planner_loads_no_built_in_model(module):
+    graph, _ = import_graph(PACKAGE)
+    assert module in graph  # the module is real
+    found = sorted(m for m in loaded_by(graph, module) if wing_of(m) in ("model", "train"))
+    assert found == [], f"{module} loads {found}"
+
+
+def test_the_load_checker_sees_a_built_in_model_two_imports_away(tmp_path):
+    root = _package(tmp_path, {"__init__.py": "", "a.py": "from remat_kit import b\n", "b.py": "import remat_kit.c\n"})
+    (root / "model").mkdir()
+    (root / "model" / "__init__.py").write_text("")
+    (root / "c.py").write_text("from remat_kit.model import m\n")
+    (root / "model" / "m.py").write_text("")
+    graph, _ = import_graph(root)
+    assert {m for m in loaded_by(graph, "remat_kit.a") if wing_of(m) == "model"} == {
+        "remat_kit.model",
+        "remat_kit.model.m",
+    }
 
 
 def test_no_late_imports_of_remat_kit_outside_the_cli():

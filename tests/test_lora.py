@@ -15,8 +15,8 @@ from remat_kit import _jax_internals, train
 from remat_kit.model import lora, nf4
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig, init_params
+from remat_kit.step import update as step_lib
 from remat_kit.train import data
-from remat_kit.train import step as step_lib
 from remat_kit.train.checkpoint import Checkpoints
 
 LORA = TransformerConfig.preset("tiny", lora_rank=4, lora_targets=("q_proj", "v_proj", "mlp_out"))
@@ -120,7 +120,7 @@ def test_no_dequantized_kernel_is_saved_under_remat(tokens_m, spec):
 def test_frozen_base_gets_no_update_and_no_optimizer_state(tokens_m):
     params = init_params(QLORA, jax.random.key(0))
     trainable, frozen = lora.partition(params)
-    # The one step that plan, auto, bench and train compile (remat_kit.train.step).
+    # The one step that plan, auto, bench and train compile (remat_kit.step.update).
     opt = step_lib.make_optimizer(1e-2)
     state = step_lib.init_optimizer(opt, params)
     # Adam's moments cover exactly the adapters: no entry (not even zeros) for the base, also in

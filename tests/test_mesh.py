@@ -9,8 +9,8 @@ from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig, init_params
+from remat_kit.step import mesh as M
 from remat_kit.train import distributed as D
-from remat_kit.train import mesh as M
 
 
 def test_four_simulated_devices():

@@ -13,7 +13,7 @@ from remat_kit import _jax_internals as internals
 from remat_kit import policies as P
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.names import tag
-from remat_kit.planning import analysis
+from remat_kit.planning import analysis, builtin
 from remat_kit.planning import budget as A
 from remat_kit.planning import planner as planner_lib
 
@@ -205,7 +205,7 @@ BATCH, SEQ = 8, 256  # activations dominate the step, so a mix's need falls betw
 
 @functools.cache
 def _planner_and_needs():
-    planner = planner_lib.Planner(CFG)
+    planner = builtin.Planner(CFG)
     return planner, {s: planner.memory(P.parse(s), BATCH, SEQ)[0] for s in ("none", "full")}
 
 

@@ -80,8 +80,8 @@ def _child(scenario: str, port: int, pid: int, work: Path) -> None:
     from remat_kit import cli
     from remat_kit.model.transformer import TransformerConfig
     from remat_kit.planning import analysis
+    from remat_kit.step import mesh as mesh_lib
     from remat_kit.train import loop as train_loop
-    from remat_kit.train import mesh as mesh_lib
 
     dist = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)]
     corpus = work / "corpus.txt"
@@ -318,7 +318,7 @@ def test_process_0_alone_writes_metrics_and_other_logs_say_their_process(runs):
 def test_plan_is_the_same_in_two_processes(runs):
     from remat_kit.model.transformer import TransformerConfig
     from remat_kit.planning import analysis
-    from remat_kit.train import mesh
+    from remat_kit.step import mesh
 
     here = analysis.analyze(TransformerConfig.preset("tiny"), "full", 4, 32, mesh=mesh.make_mesh(MESH)).to_dict()
     for pid in (0, 1):

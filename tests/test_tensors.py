@@ -6,7 +6,7 @@ from remat_kit import policies as P
 from remat_kit.analysis import memory
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import budget as A
-from remat_kit.planning import cost, tensors
+from remat_kit.planning import builtin, cost, tensors
 from remat_kit.planning import planner as planner_lib
 
 CFG = TransformerConfig.preset("tiny", num_layers=4)
@@ -20,7 +20,7 @@ HW = cost.DEFAULT_HARDWARE["cpu"]
 
 @pytest.fixture(scope="module")
 def planner():
-    return planner_lib.Planner(CFG)
+    return builtin.Planner(CFG)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_groups_cover_the_emitted_tags():
     ids=["unknown-tag", "maxtext-unnamed", "maxtext-type", "max-compiles", "pool"],
 )
 def test_bad_input_is_refused_before_compiling(kw, match):
-    planner = planner_lib.Planner(CFG)
+    planner = builtin.Planner(CFG)
     with pytest.raises((ValueError, TypeError), match=match):
         tensors.per_tensor(CFG, batch=BATCH, seq=SEQ, budget_bytes=10**9, planner=planner, **kw)
     assert planner.compiles == 0

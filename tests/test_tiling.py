@@ -17,7 +17,8 @@ from remat_kit import cli, policies
 from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig, auto_tiles, init_params, resolve_tiles
-from remat_kit.planning.planner import Budget, Planner
+from remat_kit.planning.builtin import Planner
+from remat_kit.planning.planner import Budget
 from remat_kit.policies import tiling
 from remat_kit.train.config import TrainConfig
 

@@ -19,8 +19,8 @@ from remat_kit import cli, train
 from remat_kit.cli.train import config_from_args
 from remat_kit.model import loss
 from remat_kit.model.transformer import TransformerConfig
+from remat_kit.step import mesh as mesh_lib
 from remat_kit.train import data, interrupt
-from remat_kit.train import mesh as mesh_lib
 from remat_kit.train import progress as train_progress
 from remat_kit.train import trainer as trainer_lib
 from remat_kit.train.checkpoint import Checkpoints

@@ -31,7 +31,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -111,10 +111,72 @@ class Residual:
 
 
 @dataclasses.dataclass(frozen=True)
-class Inspection:
-    """The compile-only measurement of ``jax.value_and_grad(loss_fn)`` at one set of input shapes.
+class StepRecord:
+    """What every compile-only report of a step carries, defined once: its policy, its caveats and guardrails, and
+    (with ``explain=True``) what is live at its peak. :class:`Inspection` (any loss) and
+    :class:`remat_kit.planning.analysis.Analysis` (the built-in model, with its textbook figures) extend it.
 
     Attributes:
+      notes: caveats a reader needs (e.g. that no memory moves on CPU).
+      policy: the policy spec (None for an :func:`inspect` not made by :func:`compare`).
+      at_peak: with ``explain=True``, group -> device bytes live at the compiled peak
+        (:mod:`remat_kit.analysis.explain`; sums to ``peak_bytes``); empty otherwise.
+      largest_at_peak: with ``explain=True``, the ten largest buffers live there.
+      warnings: one-line guardrails: offload that moves nothing, a peak no policy touches (read from XLA's dump
+        with ``explain=True``, else estimated from the state's size), and (beside ``none``) a policy that did
+        nothing.
+      timeline: with ``explain=True``, live bytes over the step (:meth:`plot_timeline`).
+      kept: with ``explain=True``, the saved set as compiled (:attr:`remat_kit.analysis.explain.Explanation.kept`).
+      peak_at: with ``explain=True``, the phase and op at the peak
+        (:attr:`remat_kit.analysis.explain.Explanation.peak_at`).
+      host_at_peak: with ``explain=True``, bytes XLA placed in host memory live at the peak (apart from
+        ``at_peak``: no part of the device peak).
+    """
+
+    _: dataclasses.KW_ONLY
+    notes: tuple[str, ...] = ()
+    policy: str | None = None
+    at_peak: dict[str, int] = dataclasses.field(default_factory=dict)
+    largest_at_peak: tuple[explain_lib.PeakBuffer, ...] = ()
+    warnings: tuple[str, ...] = ()
+    timeline: explain_lib.Timeline | None = dataclasses.field(default=None, repr=False, compare=False)
+    kept: tuple = dataclasses.field(default=(), repr=False)
+    peak_at: str = ""
+    host_at_peak: int = 0
+
+    #: What a report is called and the call that records its timeline, for :meth:`plot_timeline`'s refusal.
+    made_by: ClassVar[tuple[str, str]] = ("report", "inspect")
+
+    @staticmethod
+    def explained(found: explain_lib.Explanation | None) -> dict[str, Any]:
+        """The at-peak fields read from XLA's dump (:func:`remat_kit.analysis.explain.explain`); none without one."""
+        if found is None:
+            return {}
+        return {
+            "at_peak": found.at_peak,
+            "largest_at_peak": found.largest_at_peak,
+            "timeline": found.timeline,
+            "kept": found.kept,
+            "peak_at": found.peak_at,
+            "host_at_peak": found.host_bytes,
+        }
+
+    def plot_timeline(self, path: str) -> str:
+        """Write this step's memory timeline (live bytes over the instruction sequence, peak marked) as a PNG.
+
+        A scan body is drawn once per trip (see :class:`remat_kit.analysis.explain.Timeline`). Needs ``explain=True``.
+        """
+        if self.timeline is None:
+            what, call = self.made_by
+            raise ValueError(f"this {what} has no timeline: {call}(..., explain=True) records one")
+        return explain_lib.plot_timelines({self.policy or "step": self.timeline}, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inspection(StepRecord):
+    """The compile-only measurement of ``jax.value_and_grad(loss_fn)`` at one set of input shapes.
+
+    Attributes (and :class:`StepRecord`'s: ``policy``, ``notes``, ``warnings`` and the at-peak fields):
       residuals: every non-argument value the backward pass keeps, largest first.
       saved_bytes: their device bytes (offloaded ones included where host offload is not enforced).
       saved_host_bytes: bytes really offloaded to host memory (0 where offload is not enforced).
@@ -125,21 +187,6 @@ class Inspection:
       xla_flops: XLA's raw ``cost_analysis()["flops"]`` (counts a scan body once).
       compile_s: seconds to trace, lower and compile.
       platform: the backend compiled for; host_offload_enforced: the host rule there.
-      notes: caveats a reader needs (e.g. that no memory moves on CPU).
-      policy: the policy spec, for reports made by :func:`compare` (None otherwise).
-      at_peak: with ``explain=True``, group -> device bytes live at the compiled peak
-        (:mod:`remat_kit.analysis.explain`;
-        sums to ``peak_bytes``); empty otherwise.
-      host_at_peak: with ``explain=True``, bytes XLA placed in host memory live at the peak (apart from
-        ``at_peak``: no part of the device peak).
-      largest_at_peak: with ``explain=True``, the ten largest buffers live there.
-      warnings: one-line guardrails: offload that moves nothing, a peak no policy touches (read from XLA's dump
-        with ``explain=True``, else estimated from the state's size), and (from :func:`compare`) a policy that
-        did nothing.
-      timeline: with ``explain=True``, live bytes over the step (:meth:`plot_timeline`).
-      kept: with ``explain=True``, the saved set as compiled (:attr:`remat_kit.analysis.explain.Explanation.kept`).
-      peak_at: with ``explain=True``, the phase and op at the peak
-        (:attr:`remat_kit.analysis.explain.Explanation.peak_at`).
     """
 
     residuals: tuple[Residual, ...]
@@ -156,24 +203,6 @@ class Inspection:
     compile_s: float
     platform: str
     host_offload_enforced: bool
-    notes: tuple[str, ...] = ()
-    policy: str | None = None
-    at_peak: dict[str, int] = dataclasses.field(default_factory=dict)
-    largest_at_peak: tuple[explain_lib.PeakBuffer, ...] = ()
-    warnings: tuple[str, ...] = ()
-    timeline: explain_lib.Timeline | None = dataclasses.field(default=None, repr=False, compare=False)
-    kept: tuple = dataclasses.field(default=(), repr=False)
-    peak_at: str = ""
-    host_at_peak: int = 0
-
-    def plot_timeline(self, path: str) -> str:
-        """Write this step's memory timeline (live bytes over the instruction sequence, peak marked) as a PNG.
-
-        A scan body is drawn once per trip (see :class:`remat_kit.analysis.explain.Timeline`). Needs ``explain=True``.
-        """
-        if self.timeline is None:
-            raise ValueError("this report has no timeline: inspect(..., explain=True) records one")
-        return explain_lib.plot_timelines({self.policy or "step": self.timeline}, path)
 
     def largest(self, n: int = 5) -> tuple[Residual, ...]:
         """The ``n`` largest residuals: what to target next."""
@@ -182,6 +211,9 @@ class Inspection:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready record."""
         out = dataclasses.asdict(self)
+        # StepRecord's fields after the inspection's own, where the record has always had them.
+        shared = [f.name for f in dataclasses.fields(StepRecord)]
+        out = {**{k: v for k, v in out.items() if k not in shared}, **{k: out[k] for k in shared}}
         out["residuals"] = [dataclasses.asdict(r) for r in self.residuals]
         out["notes"] = list(self.notes)
         out["xla_flops"] = None if math.isnan(self.xla_flops) else self.xla_flops
@@ -501,13 +533,8 @@ def _measure(
         host_offload_enforced=enforced,
         notes=tuple(notes),
         policy=policy,
-        at_peak=found.at_peak if found else {},
-        largest_at_peak=found.largest_at_peak if found else (),
         warnings=tuple(warnings),
-        timeline=found.timeline if found else None,
-        kept=found.kept if found else (),
-        peak_at=found.peak_at if found else "",
-        host_at_peak=found.host_bytes if found else 0,
+        **StepRecord.explained(found),
     )
     return report, _jax_internals.remat_outside_loops(traced.jaxpr)
 

@@ -21,8 +21,8 @@ from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis
 from remat_kit.planning.user_model import load_factory, model_from_factory
-from remat_kit.train import mesh as mesh_lib
-from remat_kit.train import step as step_lib
+from remat_kit.step import mesh as mesh_lib
+from remat_kit.step import update as step_lib
 
 
 def _proc_status(field: str) -> int | None:
@@ -176,7 +176,7 @@ def measure_model(
     grads_path: str | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
-    """:func:`measure` for ``--model MODULE:FACTORY``: the shared step (:mod:`remat_kit.train.step`) of
+    """:func:`measure` for ``--model MODULE:FACTORY``: the shared step (:mod:`remat_kit.step.update`) of
     ``FACTORY(policy)``'s loss on its example inputs (ShapeDtypeStructs are drawn from ``seed``:
     floats normal × 0.02, integers zero), timed, its peak measured, its gradients written."""
     import jax

@@ -39,7 +39,7 @@ def _bench_command(args: argparse.Namespace) -> int:
             return _bench_model_command(args)
     from remat_kit.bench.run import DEFAULT_POLICIES, run_bench
     from remat_kit.cli.plan_report import parse_policies
-    from remat_kit.train import mesh as mesh_lib
+    from remat_kit.step import mesh as mesh_lib
     from remat_kit.train.config import check_setting
 
     check_plot(args.plot)

@@ -262,7 +262,7 @@ def config_from_args(args: argparse.Namespace):
     seq = default_seq if args.seq_len is None else args.seq_len
     if args.loss_chunks == "auto":  # the count goes into headers and JSON, as an explicit one would
         from remat_kit.model.loss import auto_chunks
-        from remat_kit.train.mesh import MeshSpec
+        from remat_kit.step.mesh import MeshSpec
 
         devices = MeshSpec.parse(getattr(args, "mesh", None)).size
         args.loss_chunks = auto_chunks(batch * seq, config.vocab_size, devices)

@@ -148,7 +148,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         plan_record,
     )
     from remat_kit.planning.analysis import analyze_policies
-    from remat_kit.train import mesh as mesh_lib
+    from remat_kit.step import mesh as mesh_lib
 
     check_jobs(args.jobs)
     if args.seq_step is not None and args.max_seq is None:
@@ -376,9 +376,9 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     from remat_kit import policies
     from remat_kit.cli.plan_report import compile_progress, format_per_tensor, maxtext_settings, parse_policies
     from remat_kit.model import lora
-    from remat_kit.planning import budget, cost, tensors
-    from remat_kit.planning import fit as fit_lib
-    from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner
+    from remat_kit.planning import budget, builtin, cost, tensors
+    from remat_kit.planning.builtin import Planner
+    from remat_kit.planning.planner import DEFAULT_MARGIN, Budget
 
     budget_bytes = budget.parse_bytes(args.budget)
     margin = DEFAULT_MARGIN if args.margin is None else args.margin
@@ -393,7 +393,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     check_writable(args.json, "--json")
     check_plot(args.plot)
     if args.policies is None:
-        pool = list(budget.candidates_for(config))
+        pool = list(builtin.candidates_for(config))
     else:
         pool = parse_policies(args.policies, config.num_layers)
     planner = Planner(
@@ -428,7 +428,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     )
     # The choice is the engine's (remat_kit.fit's): the table above is every preset compiled; the engine adds the
     # block's tags kept per tensor (without --policies) and mixes, and says which plan fits at least cost.
-    choice = fit_lib.config_choice(
+    choice = tensors.config_choice(
         config,
         Budget(budget_bytes, margin),
         batch=batch,
@@ -477,7 +477,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         planner.precompile(shapes, jobs=args.jobs)
     for spec in wanted:
         kw = {"batch": batch, "seq": seq, "budget_bytes": budget_bytes, "margin": margin, "planner": planner}
-        fit[spec] = (fit_lib.max_fit(config, spec, dim="batch", **kw), fit_lib.max_fit(config, spec, dim="seq", **kw))
+        fit[spec] = (builtin.max_fit(config, spec, dim="batch", **kw), builtin.max_fit(config, spec, dim="seq", **kw))
 
     where = f", mesh {args.mesh} (bytes per device)" if mesh is not None else ""
     print(

@@ -190,7 +190,7 @@ def run_preset(args: argparse.Namespace) -> int:
     from remat_kit.cli.plan_report import compile_progress, parse_policies
     from remat_kit.model.transformer import TransformerConfig
     from remat_kit.planning import analysis
-    from remat_kit.planning.planner import Planner
+    from remat_kit.planning.builtin import Planner
 
     budgets, margin, step, limit = check_args(args)
     overrides: dict[str, Any] = {"max_seq_len": limit}

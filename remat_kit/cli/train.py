@@ -255,7 +255,9 @@ def plan_budget(args: argparse.Namespace, config) -> str:
     recorded in --checkpoint-dir; on --resume the recorded one, and a different budget refused in one line."""
     from remat_kit.model import loss as loss_lib
     from remat_kit.planning import fit as fit_lib
-    from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner
+    from remat_kit.planning import tensors
+    from remat_kit.planning.builtin import Planner
+    from remat_kit.planning.planner import DEFAULT_MARGIN, Budget
     from remat_kit.train import distributed
     from remat_kit.units import fmt_bytes
 
@@ -278,7 +280,7 @@ def plan_budget(args: argparse.Namespace, config) -> str:
         return recorded["policy"]
     chunks = loss_lib.resolve_chunks(config.loss_chunks, config.batch_size * config.seq_len, config.model.vocab_size, 1)
     planner = Planner(config.model, loss_chunks=chunks, grad_accum=config.grad_accum)
-    choice = fit_lib.config_choice(
+    choice = tensors.config_choice(
         config.model, budget, batch=config.batch_size, seq=config.seq_len, planner=planner, loss_chunks=chunks
     )
     if choice.chosen is None:

@@ -45,13 +45,18 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
-from flax import traverse_util
-from flax.core import FrozenDict
 
 from remat_kit import constants
 from remat_kit.model import nf4
 from remat_kit.model.ops import matmul, project, weight_grad
+
+# The trainable part (adapters) is the shared step's (it trains any model the same way); re-exported here.
+from remat_kit.step.update import ADAPTER_NAMES as ADAPTER_NAMES
+from remat_kit.step.update import combine as combine
+from remat_kit.step.update import init_optimizer as init_optimizer
+from remat_kit.step.update import is_adapter as is_adapter
+from remat_kit.step.update import partition as partition
+from remat_kit.step.update import update as update
 
 #: The Dense layers of :class:`remat_kit.model.transformer.Block` an adapter may target.
 TARGETS: tuple[str, ...] = constants.LORA_TARGETS
@@ -64,10 +69,6 @@ QUANTIZE_MODES: tuple[str, ...] = constants.QUANTIZE_MODES
 #: the real output) before the scale, which float16's range (65504) cannot hold at d_model in the
 #: thousands; nf4 keeps the same list (one rule for a quantized base; float16 is untested there).
 QUANTIZE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-
-
-#: Parameter names of the adapters: a leaf whose path ends in one of them is trainable.
-ADAPTER_NAMES: tuple[str, ...] = ("lora_a", "lora_b")
 
 
 def check_config(config: Any) -> None:
@@ -493,58 +494,3 @@ def dense(features: int, config: Any, name: str) -> LoRADense:
 def enabled(config: Any) -> bool:
     """Whether ``config`` asks for adapters or a quantized base (i.e. Block uses :class:`LoRADense`)."""
     return bool(config.lora_rank) or config.quantize != "none"
-
-
-# ---- trainable / frozen -------------------------------------------------------------------------------
-
-
-def is_adapter(path: tuple) -> bool:
-    """Whether a flattened parameter path names an adapter leaf (it ends in one of :data:`ADAPTER_NAMES`)."""
-    return bool(path) and path[-1] in ADAPTER_NAMES
-
-
-def partition(params: Mapping) -> tuple[dict, dict]:
-    """Split a parameter tree into ``(trainable, frozen)`` nested dicts.
-
-    With adapters present, ``trainable`` holds exactly the adapter leaves and ``frozen`` the rest
-    (base kernels, quantized or not, embeddings, norms). Without adapters, everything is trainable
-    and ``frozen`` is ``{}`` (plain full fine-tuning, unchanged). :func:`combine` inverts it.
-    """
-    if not isinstance(params, (dict, FrozenDict)):  # any other pytree (an array, an NNX state...): all trainable
-        return params, {}
-    flat = traverse_util.flatten_dict(params)
-    if not any(is_adapter(k) for k in flat):
-        return params, {}
-    trainable = {k: v for k, v in flat.items() if is_adapter(k)}
-    frozen = {k: v for k, v in flat.items() if not is_adapter(k)}
-    return traverse_util.unflatten_dict(trainable), traverse_util.unflatten_dict(frozen)
-
-
-def combine(trainable: Mapping, frozen: Mapping) -> dict:
-    """The full parameter tree from :func:`partition`'s two parts."""
-    if not frozen:
-        return trainable
-    return traverse_util.unflatten_dict({**traverse_util.flatten_dict(frozen), **traverse_util.flatten_dict(trainable)})
-
-
-def init_optimizer(optimizer: optax.GradientTransformation, params: Mapping):
-    """The optimizer state for the trainable part of ``params`` only (none for the frozen base)."""
-    return optimizer.init(partition(params)[0])
-
-
-def update(loss_fn: Callable[[Any], jax.Array], optimizer: optax.GradientTransformation, params, opt_state):
-    """One optimizer update of the trainable part: the frozen part gets no gradient and no state.
-
-    Args:
-      loss_fn: ``params -> scalar loss`` over the full tree.
-      optimizer: applied to the trainable part (state from :func:`init_optimizer`).
-      params: the full tree.
-      opt_state: the optimizer state.
-
-    Returns:
-      ``(loss, grads of the trainable part, new full params, new opt_state)``.
-    """
-    trainable, frozen = partition(params)
-    loss, grads = jax.value_and_grad(lambda t: loss_fn(combine(t, frozen)))(trainable)
-    updates, opt_state = optimizer.update(grads, opt_state, trainable)
-    return loss, grads, combine(optax.apply_updates(trainable, updates), frozen), opt_state

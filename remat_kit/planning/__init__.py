@@ -10,7 +10,7 @@ _LAZY = {
     "AutoResult": ("remat_kit.planning.budget", "AutoResult"),
     "analyze": ("remat_kit.planning.analysis", "analyze"),
     "Analysis": ("remat_kit.planning.analysis", "Analysis"),
-    "max_fit": ("remat_kit.planning.fit", "max_fit"),
+    "max_fit": ("remat_kit.planning.builtin", "max_fit"),
 }
 
 __getattr__, __dir__ = face(__name__, _LAZY, globals())

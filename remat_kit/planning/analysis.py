@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +41,9 @@ from remat_kit.model import lora
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params, resolve_tiles
 from remat_kit.planning import estimates as estimates_lib
-from remat_kit.train import mesh as mesh_lib
-from remat_kit.train import step as step_lib
+from remat_kit.planning.planner import cancel_on_error
+from remat_kit.step import mesh as mesh_lib
+from remat_kit.step import update as step_lib
 from remat_kit.units import check_int
 
 #: Regions of the step a residual belongs to.
@@ -77,11 +77,12 @@ class SavedResidual:
 
 
 @dataclasses.dataclass(frozen=True)
-class Analysis:
-    """The compile-only measurement of one training step under one policy.
+class Analysis(inspection.StepRecord):
+    """The compile-only measurement of one training step under one policy: the generic record of a step
+    (:class:`remat_kit.analysis.inspection.StepRecord`: ``policy``, ``notes``, ``warnings`` and, with
+    ``explain=True``, what is live at the peak) plus the built-in model's figures.
 
     Attributes:
-      policy: the policy spec.
       config: the model configuration.
       batch, seq: the token shape; loss_chunks: 0 for the plain loss, k for the chunked one.
       residuals: every non-argument tensor the backward pass keeps, largest first.
@@ -97,19 +98,8 @@ class Analysis:
       compile_s: seconds to lower and compile the step.
       mesh: the mesh spec the step was compiled for (None: one device); ``memory`` is then per device.
       batch_devices: devices the batch is split over (``data`` × ``fsdp``).
-      notes: caveats, e.g. that offloaded bytes stay on the device on CPU
-        (:func:`remat_kit.analysis.memory.host_offload`).
-      at_peak, largest_at_peak, timeline: with ``explain=True``, what is live at the compiled peak (group ->
-        device bytes, summing to ``peak_bytes``), the ten largest buffers there and the memory timeline
-        (:mod:`remat_kit.analysis.explain`); empty otherwise.
-        kept: the saved set as compiled; peak_at: where the peak is;
-        host_at_peak: bytes in host memory live there, apart (no part of the device peak).
-      warnings: one-line guardrails (:mod:`remat_kit.analysis.explain`): offload that moves nothing, a peak no policy
-        touches (read from XLA's dump with ``explain=True``, else estimated from the state's size), a policy
-        that did nothing (set by :func:`analyze_policies` beside ``none``).
     """
 
-    policy: str
     config: TransformerConfig
     batch: int
     seq: int
@@ -128,14 +118,8 @@ class Analysis:
     compile_s: float
     mesh: str | None = None
     batch_devices: int = 1
-    notes: tuple[str, ...] = ()
-    at_peak: dict[str, int] = dataclasses.field(default_factory=dict)
-    largest_at_peak: tuple[explain_lib.PeakBuffer, ...] = ()
-    warnings: tuple[str, ...] = ()
-    timeline: explain_lib.Timeline | None = dataclasses.field(default=None, repr=False, compare=False)
-    kept: tuple = dataclasses.field(default=(), repr=False)
-    peak_at: str = ""
-    host_at_peak: int = 0
+
+    made_by: ClassVar[tuple[str, str]] = ("analysis", "analyze")
 
     @property
     def peak_bytes(self) -> int:
@@ -200,12 +184,6 @@ class Analysis:
             "residuals": [dataclasses.asdict(r) for r in residuals],
         }
 
-    def plot_timeline(self, path: str) -> str:
-        """Write this step's memory timeline as a PNG (needs ``explain=True``; a scan body drawn once per trip)."""
-        if self.timeline is None:
-            raise ValueError("this analysis has no timeline: analyze(..., explain=True) records one")
-        return explain_lib.plot_timelines({self.policy: self.timeline}, path)
-
 
 # ---- validation ------------------------------------------------------------------------------------
 
@@ -231,12 +209,12 @@ def check_shape(config: TransformerConfig, batch: int, seq: int, loss_chunks: in
 
 
 def optimizer(learning_rate: float = 1e-3, grad_accum: int = 1) -> optax.GradientTransformation:
-    """The optimizer every measured step uses: ``train``'s clipped AdamW (:func:`..train.step.make_optimizer`)."""
+    """The optimizer every measured step uses: ``train``'s clipped AdamW (:func:`..step.update.make_optimizer`)."""
     return step_lib.make_optimizer(learning_rate, grad_accum=grad_accum)
 
 
 def train_step(model: Transformer, opt: optax.GradientTransformation, loss_chunks: int = 0):
-    """The shared training step (:func:`remat_kit.train.step.make_step`) of the language-model loss (not jitted):
+    """The shared training step (:func:`remat_kit.step.update.make_step`) of the language-model loss (not jitted):
     ``(params, opt_state, tokens) -> (params, opt_state, loss, grad_norm, params_finite)``."""
     return step_lib.make_step(lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=loss_chunks), opt)
 
@@ -269,7 +247,7 @@ def compile_step(
 ):
     """Lower and compile the donated, jitted training step for abstract inputs.
 
-    With a ``mesh`` (:mod:`remat_kit.train.mesh`) the step is compiled sharded (FSDP state, batch over
+    With a ``mesh`` (:mod:`remat_kit.step.mesh`) the step is compiled sharded (FSDP state, batch over
     ``data`` × ``fsdp``) and XLA's memory figures are per device.
 
     Returns:
@@ -551,13 +529,8 @@ def analyze_compiled(
         mesh=None if mesh is None else f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
         batch_devices=1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"],
         notes=tuple(notes),
-        at_peak=found.at_peak if found else {},
-        largest_at_peak=found.largest_at_peak if found else (),
         warnings=tuple(warnings),
-        timeline=found.timeline if found else None,
-        kept=found.kept if found else (),
-        peak_at=found.peak_at if found else "",
-        host_at_peak=found.host_bytes if found else 0,
+        **inspection.StepRecord.explained(found),
     )
     return analysis, compiled
 
@@ -631,22 +604,6 @@ def analyze_policies(
             futures = [pool.submit(one, i, p) for i, p in enumerate(specs)]
             results = {str(p): f.result() for p, f in zip(specs, futures, strict=True)}
     return with_noop_warnings(results)
-
-
-@contextlib.contextmanager
-def cancel_on_error(pool: concurrent.futures.Executor):
-    """On any exception (a Ctrl-C, a failed compile), drop the queued jobs: leaving the pool's ``with`` block
-    otherwise runs every one of them first, and a Ctrl-C waited for all the policies' compiles, not one.
-
-    >>> with concurrent.futures.ThreadPoolExecutor(1) as pool, cancel_on_error(pool):
-    ...     pool.submit(int, "3").result()
-    3
-    """
-    try:
-        yield pool
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
 
 
 def with_noop_warnings(results: dict[str, Analysis]) -> dict[str, Analysis]:

@@ -10,7 +10,7 @@ compiled step's device bytes — weights, gradients, optimizer state and activat
 winner is the fitting candidate with the least estimated cost, ties going to less recompute of any kind
 (FLOPs, then bytes, then offloaded bytes) and then to less memory. On a backend where offload moves
 nothing (XLA:CPU) an offload candidate saves no memory and is never chosen.
-:func:`remat_kit.planning.fit.max_fit` finds the largest batch or the longest sequence a policy fits;
+:func:`remat_kit.planning.builtin.max_fit` finds the largest batch or the longest sequence a policy fits;
 :meth:`AutoResult.table` and :meth:`AutoResult.plot` show the candidates. The compiles are
 :class:`remat_kit.planning.planner.StepPlanner`'s.
 
@@ -33,42 +33,11 @@ import optax
 
 from remat_kit import constants, policies
 from remat_kit.analysis import explain, inspection, memory
-from remat_kit.model.transformer import TransformerConfig
-from remat_kit.planning import analysis, cost
+from remat_kit.planning import cost
 from remat_kit.planning.pareto import pareto_front
-from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner
+from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner, is_built_in
 from remat_kit.units import check_int, fmt_bytes, fmt_flops
 from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.planning.budget.parse_bytes
-
-
-def candidates_for(config: TransformerConfig, *, offload: bool | None = None) -> tuple[policies.Policy, ...]:
-    """The policies :func:`auto` considers for ``config``, without duplicates.
-
-    ``none``; the selective presets and subsets of the matmul outputs; ``dots``; ``every_n(n)`` for
-    n in 2, 3, 4, 8 (at most the depth); ``segments(k)`` for k in 2, 4 and ``sqrt_n``; ``full``; and,
-    where the backend has a host memory kind (or ``offload=True``), the offload variants.
-    """
-    L = config.num_layers
-    out = [
-        policies.none(),
-        policies.selective(),
-        policies.parse("minimal"),
-        policies.parse("save_dot_except_mlp"),
-        policies.parse("save_dot_with_context_except_mlp"),
-        policies.parse("save_dot_except_mlpwi"),
-        policies.selective(["q_proj", "k_proj", "v_proj", "context"]),
-        policies.parse("save_qkv_proj"),
-        policies.selective(["mlp_gate", "mlp_up"]),
-        policies.dots(),
-        *(policies.every_n(n) for n in (2, 3, 4, 8) if n <= L),
-        *(policies.segments(k) for k in (2, 4) if k < L and k != policies.sqrt_n_group_size(L)),
-        policies.sqrt_n(),
-        policies.full(),
-    ]
-    if memory.host_offload().available if offload is None else offload:
-        out += [policies.offload(), policies.parse("qkv_proj_offloaded"), policies.parse("minimal_offloaded")]
-    return tuple(dict.fromkeys(out))
-
 
 #: What the columns of :meth:`AutoResult.table` mean.
 BUDGET_LEGEND = (
@@ -291,7 +260,7 @@ GENERIC_CANDIDATES: tuple[str, ...] = constants.GENERIC_CANDIDATES
 
 
 def auto(
-    model: TransformerConfig | Callable,
+    model: Any,
     *args,
     budget_bytes: int,
     optimizer: str | optax.GradientTransformation = "adamw",
@@ -315,14 +284,14 @@ def auto(
     * ``auto(config, batch=..., seq=..., budget_bytes=...)``: the built-in Transformer (a
       convenience over the first form; ``loss_chunks`` selects the chunked loss).
 
-    The step planned is the one ``train`` runs (:mod:`remat_kit.train.step`): gradient, clipping and the
+    The step planned is the one ``train`` runs (:mod:`remat_kit.step.update`): gradient, clipping and the
     optimizer update, parameters and optimizer state donated. A candidate's need is the compiled
     step's peak (arguments + outputs − aliased + temp), never its saved bytes alone.
 
     Args:
       budget_bytes: device memory available, in bytes (see :func:`parse_bytes`).
       optimizer: its state counts toward the budget; a name in :data:`OPTIMIZERS` or an optax one.
-      candidates: what to consider (default: :func:`candidates` for a config,
+      candidates: what to consider (default: :func:`remat_kit.planning.builtin.candidates_for` for a config,
         :data:`GENERIC_CANDIDATES` otherwise).
       margin: safety margin: a candidate fits when ``need · (1 + margin) <= budget``.
       exhaustive: compile every candidate instead of stopping at the cheapest fitting group
@@ -350,14 +319,19 @@ def auto(
         # Not "the default candidates": an empty list would be read as None, and `none` chosen unasked.
         raise ValueError("candidates=[] names no policy; give at least one, or None for the default candidates")
     wanted = candidates
-    if isinstance(model, TransformerConfig):
-        if args:
-            raise TypeError("auto(config, ...) takes batch= and seq= keywords, not positional inputs")
-        if batch is None or seq is None:
-            raise TypeError("auto(config, ...) needs batch= and seq=")
-        analysis.check_shape(model, batch, seq, loss_chunks)
-        planner = planner or Planner(model, optimizer, loss_chunks)
-        pool = [policies.parse(p, num_layers=model.num_layers) for p in (wanted or candidates_for(model))]
+    if is_built_in(model, "TransformerConfig"):
+        from remat_kit.planning import builtin  # late: the built-in model is loaded only when it is planned
+
+        planner, pool = builtin.config_pool(
+            model,
+            args,
+            candidates=wanted,
+            optimizer=optimizer,
+            planner=planner,
+            batch=batch,
+            seq=seq,
+            loss_chunks=loss_chunks,
+        )
         return search(
             planner,
             pool,

@@ -1,9 +1,10 @@
-"""How far a policy stretches: the largest batch or longest sequence that fits a budget, exactly.
+"""How far a policy stretches, and which plan fits: the longest sequence that fits a budget, exactly, and ``fit``.
 
-:func:`max_fit` compiles the step (compile-only, from shapes) at a few sizes with the planner of
-:mod:`remat_kit.planning.budget`: the step's bytes are affine in the batch and at most quadratic in the
-sequence, so a line (or parabola) through the measured points names the answer and two compiles
-confirm it (:func:`_boundary`).
+:func:`longest_seq` (and :func:`remat_kit.planning.builtin.max_fit`, its built-in model's twin) compiles the step
+(compile-only, from shapes) at a few sizes with a :class:`remat_kit.planning.planner.StepPlanner`: the step's
+bytes are affine in the batch and at most quadratic in the sequence, so a line (or parabola) through the measured
+points names the answer and two compiles confirm it (:func:`_boundary`). :func:`fit` and its engine
+:func:`choose` pick the fitting plan per tensor from a model's own names.
 """
 
 from __future__ import annotations
@@ -21,58 +22,12 @@ from flax import nnx
 
 from remat_kit import _jax_internals, policies
 from remat_kit.analysis import inspection
-from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import budget as budget_lib
-from remat_kit.planning import cost, tensors
-from remat_kit.planning.budget import GENERIC_CANDIDATES, Candidate, Pricer, candidates_for
-from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner, get_optimizer
+from remat_kit.planning import cost
+from remat_kit.planning.budget import GENERIC_CANDIDATES, Candidate, Pricer
+from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner, get_optimizer, is_built_in
 from remat_kit.unedited import entry as unedited_lib
 from remat_kit.units import check_int, fmt_bytes, parse_bytes
-
-
-def max_fit(
-    config: TransformerConfig,
-    policy: policies.Policy | str,
-    *,
-    dim: str,
-    batch: int,
-    seq: int,
-    budget_bytes: int,
-    margin: float = DEFAULT_MARGIN,
-    planner: Planner | None = None,
-    optimizer: str | optax.GradientTransformation = "adamw",
-    loss_chunks: int = 0,
-    limit: int | None = None,
-) -> int:
-    """The largest batch (``dim="batch"``, at fixed ``seq``) or the longest sequence (``dim="seq"``,
-    at fixed ``batch``) whose step fits the budget under ``policy``; 0 if even 1 does not fit.
-
-    Exact: the answer fits and the answer + 1 does not, both by real compile (or the answer is the
-    limit: the model's ``max_seq_len`` for ``seq``, ``limit`` or 2**20 for ``batch``). Compile-only,
-    and few compiles: the step's bytes are affine in the batch (a quadratic at most in the sequence,
-    through attention), so two compiles give the line, the line names the answer and two more confirm
-    it (:func:`_boundary`); a sequence limit that fits is checked first (one compile).
-    """
-    if dim not in ("batch", "seq"):
-        raise ValueError(f"dim must be 'batch' or 'seq', got {dim!r}")
-    budget = Budget(budget_bytes, margin)
-    policy = policies.parse(policy)
-    planner = planner or Planner(config, optimizer, loss_chunks)
-    cap = limit or (config.max_seq_len if dim == "seq" else 2**20)
-    need = lambda n: planner.memory(policy, *((n, seq) if dim == "batch" else (batch, n)))[0]
-    target = budget.target
-    first = 1
-    if isinstance(planner.loss_chunks, int) and planner.loss_chunks:  # chunks may not exceed the token count
-        first = -(-planner.loss_chunks // (seq if dim == "batch" else batch))
-    start = max(first, min(batch if dim == "batch" else seq, cap))
-    if dim == "seq":
-        if need(cap) <= target:
-            return cap
-        # The parabola through the given length, twice it and the limit names the answer.
-        return _boundary(need, target, first, cap, probes=(start, 2 * start), degree=2, known={cap: need(cap)})
-    # Bytes at batch 1 may not lie on the line (XLA's layout differs there): the line starts at 2 or more.
-    p0 = max(start, 2 * first, 2) if cap >= 2 else start
-    return _boundary(need, target, first, cap, probes=(p0, 2 * p0), degree=1)
 
 
 def _boundary(need, target: float, first: int, cap: int, probes=(), degree: int = 1, known=None) -> int:
@@ -238,6 +193,17 @@ class Choice:
 
 def _seconds(s: float) -> str:
     return "0" if s == 0 else f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def emitted_bytes(body) -> dict[str, int]:
+    """Bytes of each name a block's jaxpr (``body``) marks with ``checkpoint_name``, in the order it computes them:
+    the block's own tags, and on a :func:`remat_kit.apply`-ed model the module-path names it gives."""
+    out: dict[str, int] = {}
+    for eqn in _jax_internals.iter_eqns(body):
+        tag = _jax_internals.checkpoint_name_of(eqn)
+        if tag is not None:
+            out[tag] = out.get(tag, 0) + sum(_jax_internals.aval_nbytes(v) for v in eqn.outvars)
+    return out
 
 
 def group_names(emitted: dict[str, int]) -> tuple[tuple[tuple[str, ...], int], ...]:
@@ -471,45 +437,6 @@ def budget_bytes_of(budget: int | str) -> int:
     return parse_bytes(budget)
 
 
-def config_choice(
-    config: TransformerConfig,
-    budget: Budget,
-    *,
-    batch: int,
-    seq: int,
-    planner: StepPlanner | None = None,
-    loss_chunks: int = 0,
-    presets: Sequence[policies.Policy] | None = None,
-    hardware: cost.Hardware | None = None,
-    max_compiles: int = MAX_COMPILES,
-) -> Choice:
-    """:func:`choose` for the built-in Transformer at one shape: the presets of
-    :func:`remat_kit.planning.budget.candidates_for` (or ``presets``, then without per-tensor candidates), the block's
-    tags as groups (:func:`remat_kit.planning.tensors.default_groups`), mixes over its layers. What ``plan --budget``,
-    ``train --budget`` and :func:`fit` of the built-in model run."""
-    planner = planner or Planner(config, loss_chunks=loss_chunks)
-    groups: tuple = ()
-    if presets is None:
-        sizes = tensors.tag_bytes(config, batch, seq, loss_chunks)
-        groups = tuple((g, sum(sizes[t] for t in g)) for g in tensors.default_groups(list(sizes)))
-        presets = candidates_for(config)
-    return choose(
-        planner,
-        budget,
-        presets=presets,
-        groups=groups,
-        keep=(),
-        num_layers=config.num_layers,
-        depth=config.num_layers,
-        batch=batch,
-        seq=seq,
-        hardware=hardware,
-        max_compiles=max_compiles,
-        levers="train LoRA adapters over a quantized base (--lora-rank R --quantize nf4), chunk the loss "
-        "(--loss-chunks 8), shard over a mesh (--mesh fsdp=N) or take a smaller batch",
-    )
-
-
 def fit(
     model: Any,
     loss_fn: Callable,
@@ -580,22 +507,12 @@ def fit(
     inputs = inspection.abstract(example_args)
     start = time.perf_counter()
 
-    if isinstance(model, Transformer):  # the built-in model: its own policy field, its own stack and tags
-        variables, batch_args = inputs[0], inputs[1:]
-        tokens = next((a for a in batch_args if getattr(a, "ndim", len(getattr(a, "shape", ()))) == 2), None)
-        if tokens is None:
-            raise ValueError("fit of the built-in Transformer needs a [batch, seq] token array among the batch")
-        batch, seq = tokens.shape
+    if is_built_in(model, "Transformer"):  # the built-in model: its own policy field, its own stack and tags
+        from remat_kit.planning import tensors  # late: the built-in model is loaded only when it is planned
 
-        def build(policy, _b, _s):
-            m = dataclasses.replace(model, policy=policy)
-            return (lambda v, *a: loss_fn(m, v, *a)), variables, batch_args
-
-        planner = StepPlanner(build, optimizer)
-        choice = config_choice(
-            model.config, B, batch=batch, seq=seq, planner=planner, hardware=hardware, max_compiles=max_compiles
+        choice, applied = tensors.fit_transformer(
+            model, loss_fn, inputs, budget=B, optimizer=optimizer, hardware=hardware, max_compiles=max_compiles
         )
-        applied = lambda p: dataclasses.replace(model, policy=p)
     else:
         kwargs = {"where": where, "static_argnames": static_argnames}
         params = nnx.state(model, nnx.Param) if is_nnx else inputs[0]
@@ -612,7 +529,7 @@ def fit(
         make_loss = unedited_lib.apply_factory(model, loss_fn, scan=scan, **kwargs)
         jaxpr = jax.make_jaxpr(make_loss("full"))(params, *batch_args)
         body = _jax_internals.first_remat_body(jaxpr)
-        emitted = {} if body is None else tensors.emitted_bytes(body)
+        emitted = {} if body is None else emitted_bytes(body)
         if not emitted:
             raise ValueError(f"fit found no block to rematerialize in {type(model).__name__}; give where=")
         first = next(iter(emitted))

@@ -1,31 +1,30 @@
 """The compile-only step planner: one model's training step traced and compiled per policy and shape, memoized.
 
-:class:`StepPlanner` compiles the shared step (:mod:`remat_kit.train.step`) of any model;
-:class:`Planner` is the one of the built-in Transformer; :class:`Budget` is the one rule of what fits.
+:class:`StepPlanner` compiles the shared step (:mod:`remat_kit.step.update`) of any model
+(:class:`remat_kit.planning.builtin.Planner` is the one of the built-in Transformer); :class:`Budget` is the
+one rule of what fits.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
-import math
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from remat_kit import _jax_internals, policies
 from remat_kit.analysis import _xla_dump, explain, flops
 from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.constants import DEFAULT_MARGIN
-from remat_kit.model.loss import lm_loss, resolve_chunks
-from remat_kit.model.transformer import Transformer, TransformerConfig
-from remat_kit.planning import analysis, cost
-from remat_kit.train import mesh as mesh_lib
-from remat_kit.train import step as step_lib
+from remat_kit.planning import cost
+from remat_kit.step import mesh as mesh_lib
+from remat_kit.step import update as step_lib
 from remat_kit.units import check_int
 
 #: Optimizers by name (their state is part of what must fit).
@@ -88,6 +87,21 @@ class Budget:
         return self.with_margin(need) <= self.bytes
 
 
+#: The module of the built-in model: named here, never imported (:func:`is_built_in`).
+BUILT_IN_MODEL = "remat_kit.model.transformer"
+
+
+def is_built_in(obj: Any, name: str) -> bool:
+    """Whether ``obj`` is an instance of the built-in model's class ``name`` (``"TransformerConfig"``,
+    ``"Transformer"``), without importing the model: no such object exists unless its module was imported.
+
+    >>> is_built_in(object(), "TransformerConfig")
+    False
+    """
+    module = sys.modules.get(BUILT_IN_MODEL)
+    return module is not None and isinstance(obj, getattr(module, name))
+
+
 #: XLA options for the planner's CPU compiles. The planner only reads the buffer assignment
 #: (``memory_analysis()``) and never runs the executable; buffer assignment is done on the optimized HLO,
 #: before LLVM, so LLVM's optimization level changes the machine code but not one byte of the figures
@@ -97,8 +111,24 @@ class Budget:
 CPU_PLAN_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
 
 
+@contextlib.contextmanager
+def cancel_on_error(pool: concurrent.futures.Executor):
+    """On any exception (a Ctrl-C, a failed compile), drop the queued jobs: leaving the pool's ``with`` block
+    otherwise runs every one of them first, and a Ctrl-C waited for all the policies' compiles, not one.
+
+    >>> with concurrent.futures.ThreadPoolExecutor(1) as pool, cancel_on_error(pool):
+    ...     pool.submit(int, "3").result()
+    3
+    """
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+
+
 class StepPlanner:
-    """Traces and compiles the shared training step (:mod:`remat_kit.train.step`) of one model, memoized.
+    """Traces and compiles the shared training step (:mod:`remat_kit.step.update`) of one model, memoized.
 
     Each shape is traced, lowered and compiled once; ``compiles`` counts the XLA compiles done, the
     planner's cost (on CPU they run at LLVM -O0: see :data:`CPU_PLAN_COMPILER_OPTIONS`).
@@ -242,7 +272,7 @@ class StepPlanner:
             for s in todo:
                 run(s)
             return
-        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool, analysis.cancel_on_error(pool):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool, cancel_on_error(pool):
             futures = []
             for s in todo:
                 self._lower(todo_policies[s[0]], s[1], s[2])
@@ -264,65 +294,3 @@ class StepPlanner:
     def fits(self, policy, batch, seq, budget: Budget) -> bool:
         """Whether the step's device bytes at this shape fit ``budget`` (with its margin)."""
         return budget.fits(self.memory(policy, batch, seq)[0])
-
-
-class Planner(StepPlanner):
-    """A :class:`StepPlanner` for :class:`remat_kit.model.transformer.Transformer` steps of one config.
-
-    Args:
-      config: the model.
-      optimizer: a name in :data:`OPTIMIZERS` or an optax transformation.
-      loss_chunks: 0 for the plain loss, k for the chunked loss, ``"auto"`` for the count ``train`` picks at
-        each shape (:func:`remat_kit.model.loss.auto_chunks`: it grows with the sequence).
-      mesh: a ``jax.sharding.Mesh`` or a mesh spec such as ``"data=2,fsdp=2"``; bytes are then per device.
-      grad_accum: micro-batches per update: ``optax.MultiSteps`` adds its gradient buffer, as in ``train``.
-      progress: see :class:`StepPlanner`.
-    """
-
-    def __init__(
-        self,
-        config: TransformerConfig,
-        optimizer: str | optax.GradientTransformation = "adamw",
-        loss_chunks: int = 0,
-        mesh=None,
-        grad_accum: int = 1,
-        progress: Callable | None = None,
-    ):
-        self.config = config
-        self.loss_chunks = loss_chunks
-        params = analysis.abstract_params(config)
-
-        def build(policy, batch, seq):
-            chunks = self.chunks_at(batch, seq)
-            analysis.check_shape(config, batch, seq, chunks)
-            if self.mesh is not None:
-                mesh_lib.check_batch(batch, self.mesh)
-            model = Transformer(config=config, policy=policy)
-            loss = lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=chunks)
-            return loss, params, (jax.ShapeDtypeStruct((batch, seq), jnp.int32),)
-
-        super().__init__(build, optimizer, mesh, progress)
-        self._params = params
-        if grad_accum > 1:
-            self.opt = optax.MultiSteps(self.opt, every_k_schedule=grad_accum)
-
-    def chunks_at(self, batch: int, seq: int) -> int:
-        """The loss's chunk count at a shape: ``loss_chunks`` itself, or (``"auto"``) what ``train`` picks there."""
-        if self.loss_chunks == "auto":
-            devices = 1 if self.mesh is None else self.mesh.size
-            return resolve_chunks("auto", batch * seq, self.config.vocab_size, devices)
-        return self.loss_chunks
-
-    def state_bytes(self) -> int:
-        """Bytes of the parameters and optimizer state on each device, from shapes alone (nothing compiled).
-
-        Every policy's step holds at least these, so a budget below them fits none.
-        """
-        state = step_lib.abstract_state(self._params, self.opt)
-        leaves = jax.tree.leaves(state)
-        if self.mesh is None:
-            shapes = [leaf.shape for leaf in leaves]
-        else:
-            shardings = jax.tree.leaves(mesh_lib.tree_shardings(state, self.mesh))
-            shapes = [s.shard_shape(leaf.shape) for leaf, s in zip(leaves, shardings, strict=True)]
-        return sum(math.prod(shape) * leaf.dtype.itemsize for shape, leaf in zip(shapes, leaves, strict=True))

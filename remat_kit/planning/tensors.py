@@ -43,6 +43,10 @@ The answer is an ordinary :class:`remat_kit.policies.Policy` or :class:`remat_ki
 round-tripping through :func:`remat_kit.policies.parse`. ``maxtext=True`` keeps to what MaxText's
 ``custom`` remat can name (:func:`remat_kit.policies.to_maxtext`), part by part for a mix.
 
+:func:`config_choice` is the engine of :func:`remat_kit.fit` (:func:`remat_kit.planning.fit.choose`) on the
+built-in Transformer: its presets, its tags as groups, mixes over its layers; ``plan --budget``, ``train --budget``
+and ``fit`` of a ``Transformer`` (:func:`fit_transformer`) run it.
+
 >>> from remat_kit.model.transformer import TransformerConfig
 >>> cfg = TransformerConfig.preset("tiny", num_layers=2)
 >>> r = per_tensor(cfg, batch=2, seq=32, budget_bytes=10**10, groups=[("q_proj", "k_proj", "v_proj")])
@@ -56,18 +60,21 @@ import dataclasses
 import functools
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
+import optax
 
 from remat_kit import _jax_internals, policies
 from remat_kit import names as _names
 from remat_kit.analysis import memory
-from remat_kit.model.transformer import TransformerConfig
+from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis, cost
-from remat_kit.planning.budget import Pricer, candidates_for, planner_platform, search
+from remat_kit.planning.budget import Pricer, planner_platform, search
+from remat_kit.planning.builtin import Planner, candidates_for
+from remat_kit.planning.fit import MAX_COMPILES, Choice, choose, emitted_bytes
 from remat_kit.planning.pareto import pareto_front
-from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner
+from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
 
 #: Tags decided together: computed side by side and read by the same backward ops.
 TAG_GROUPS: tuple[tuple[str, ...], ...] = (
@@ -148,17 +155,6 @@ def tag_bytes(config: TransformerConfig, batch: int, seq: int, loss_chunks: int 
     body = body if body is not None else block_body(config, batch, seq, loss_chunks)
     out = emitted_bytes(body)
     return {t: out[t] for t in (*_names.VOCABULARY, *sorted(set(out) - set(_names.VOCABULARY))) if t in out}
-
-
-def emitted_bytes(body) -> dict[str, int]:
-    """Bytes of each name a block's jaxpr (``body``) marks with ``checkpoint_name``, in the order it computes them:
-    the block's own tags, and on a :func:`remat_kit.apply`-ed model the module-path names it gives."""
-    out: dict[str, int] = {}
-    for eqn in _jax_internals.iter_eqns(body):
-        tag = _jax_internals.checkpoint_name_of(eqn)
-        if tag is not None:
-            out[tag] = out.get(tag, 0) + sum(_jax_internals.aval_nbytes(v) for v in eqn.outvars)
-    return out
 
 
 def default_groups(emitted: Sequence[str], *, maxtext: bool = False) -> tuple[tuple[str, ...], ...]:
@@ -271,7 +267,7 @@ def per_tensor(
       groups: the tag groups to decide (default: :func:`default_groups` of the tags the block emits);
         a tag not in any group is recomputed.
       pool: the presets auto's seed search considers (default:
-        :func:`remat_kit.planning.budget.candidates_for`); ``()`` for the per-tensor search alone.
+        :func:`remat_kit.planning.builtin.candidates_for`); ``()`` for the per-tensor search alone.
       max_compiles: compiles at most by the search itself, besides ``none``, ``full`` and the seeds: uniform
         options (which teach the memory model) and answers.
       maxtext: keep to what MaxText's ``custom`` remat can name: groups of :data:`remat_kit.policies.MAXTEXT_TAGS`
@@ -516,3 +512,75 @@ def _plan_policy(parts: tuple, num_layers: int) -> str:
 def offload_note() -> str | None:
     """Why offload options are left out here, or None where offload moves memory."""
     return None if memory.host_offload().enforced else "offload moves nothing on this backend: not considered"
+
+
+def config_choice(
+    config: TransformerConfig,
+    budget: Budget,
+    *,
+    batch: int,
+    seq: int,
+    planner: StepPlanner | None = None,
+    loss_chunks: int = 0,
+    presets: Sequence[policies.Policy] | None = None,
+    hardware: cost.Hardware | None = None,
+    max_compiles: int = MAX_COMPILES,
+) -> Choice:
+    """:func:`choose` for the built-in Transformer at one shape: the presets of
+    :func:`remat_kit.planning.builtin.candidates_for` (or ``presets``, then without per-tensor candidates), the block's
+    tags as groups (:func:`remat_kit.planning.default_groups`), mixes over its layers. What ``plan --budget``,
+    ``train --budget`` and :func:`fit` of the built-in model run."""
+    planner = planner or Planner(config, loss_chunks=loss_chunks)
+    groups: tuple = ()
+    if presets is None:
+        sizes = tag_bytes(config, batch, seq, loss_chunks)
+        groups = tuple((g, sum(sizes[t] for t in g)) for g in default_groups(list(sizes)))
+        presets = candidates_for(config)
+    return choose(
+        planner,
+        budget,
+        presets=presets,
+        groups=groups,
+        keep=(),
+        num_layers=config.num_layers,
+        depth=config.num_layers,
+        batch=batch,
+        seq=seq,
+        hardware=hardware,
+        max_compiles=max_compiles,
+        levers="train LoRA adapters over a quantized base (--lora-rank R --quantize nf4), chunk the loss "
+        "(--loss-chunks 8), shard over a mesh (--mesh fsdp=N) or take a smaller batch",
+    )
+
+
+def fit_transformer(
+    model: Transformer,
+    loss_fn: Callable,
+    inputs: tuple,
+    *,
+    budget: Budget,
+    optimizer: str | optax.GradientTransformation = "adamw",
+    hardware: cost.Hardware | None = None,
+    max_compiles: int = MAX_COMPILES,
+) -> tuple[Choice, Callable]:
+    """:func:`remat_kit.planning.fit.fit` of the built-in model: its own policy field, its own stack and tags.
+
+    Returns:
+      ``(choice, applied)``: :func:`config_choice`'s answer and ``applied(policy)``, the model under a policy.
+    """
+    variables, batch_args = inputs[0], inputs[1:]
+    tokens = next((a for a in batch_args if getattr(a, "ndim", len(getattr(a, "shape", ()))) == 2), None)
+    if tokens is None:
+        raise ValueError("fit of the built-in Transformer needs a [batch, seq] token array among the batch")
+    batch, seq = tokens.shape
+
+    def build(policy, _b, _s):
+        m = dataclasses.replace(model, policy=policy)
+        return (lambda v, *a: loss_fn(m, v, *a)), variables, batch_args
+
+    planner = StepPlanner(build, optimizer)
+    choice = config_choice(
+        model.config, budget, batch=batch, seq=seq, planner=planner, hardware=hardware, max_compiles=max_compiles
+    )
+    applied = lambda p: dataclasses.replace(model, policy=p)
+    return choice, applied

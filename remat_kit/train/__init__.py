@@ -1,4 +1,4 @@
-"""Training the built-in model: the step, meshes, config, the trainer, the loop, checkpoints and data.
+"""Training the built-in model: config, the trainer, the loop, checkpoints and data (the step: ``remat_kit.step``).
 
 ``from remat_kit import train`` then ``train.train(train.TrainConfig(...), corpus)``; each name loads
 its module on first use.

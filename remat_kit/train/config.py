@@ -16,8 +16,8 @@ import optax
 from remat_kit import constants, policies
 from remat_kit.model import loss
 from remat_kit.model.transformer import PRESETS, TransformerConfig, resolve_tiles
+from remat_kit.step import update as step_lib
 from remat_kit.train import data
-from remat_kit.train import step as step_lib
 from remat_kit.units import check_int
 
 #: Training settings a resumed run must share with its checkpoint: they decide the data order and

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from remat_kit import constants
-from remat_kit.train.mesh import MeshSpec, ensure_cpu_devices
+from remat_kit.step.mesh import MeshSpec, ensure_cpu_devices
 
 #: JAX's defaults, used unless ``--distributed-timeout`` / ``REMAT_KIT_DISTRIBUTED_TIMEOUT`` sets both:
 #: seconds to wait for all processes to join, and for a process that stopped sending heartbeats.

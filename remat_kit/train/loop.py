@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from remat_kit import __version__
+from remat_kit.step import mesh as mesh_lib
 from remat_kit.train import data, distributed, interrupt, outputs
-from remat_kit.train import mesh as mesh_lib
 from remat_kit.train.checkpoint import Checkpoints, prepare_directory
 from remat_kit.train.config import (
     DivergedError,

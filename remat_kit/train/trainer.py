@@ -14,8 +14,8 @@ from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.model import loss as loss_lib
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, init_params
-from remat_kit.train import mesh as mesh_lib
-from remat_kit.train import step as step_lib
+from remat_kit.step import mesh as mesh_lib
+from remat_kit.step import update as step_lib
 from remat_kit.train.config import RetraceError, TrainConfig, TrainState, optimizer_for
 
 # Compiled once per model config for the whole process (the policy does not change parameters),
@@ -28,7 +28,7 @@ class Trainer:
 
     Args:
       config: the run's configuration.
-      mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``, see :mod:`remat_kit.train.mesh`):
+      mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``, see :mod:`remat_kit.step.mesh`):
         batches split over ``data`` × ``fsdp``, parameters and optimizer state sharded over
         ``fsdp``. None: one device. Like the policy, it may change on resume.
     """
@@ -66,7 +66,7 @@ class Trainer:
             config.model.vocab_size,
             1 if self.mesh is None else self.mesh.size,
         )
-        # The step plan, auto and bench compile (remat_kit.train.step); parameters and optimizer state donated.
+        # The step plan, auto and bench compile (remat_kit.step.update); parameters and optimizer state donated.
         micro_step = step_lib.make_step(self._loss, self.optimizer, on_trace=lambda: self._count_trace("step"))
         self._micro_step = jax.jit(micro_step, **step_kw)
         self._compiled_step = None  # set by compile_step: the executable later steps run

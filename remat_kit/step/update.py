@@ -6,9 +6,10 @@ every planned figure); :func:`make_step` the update ``(params, opt_state, *batch
 opt_state, loss, grad_norm, params_finite)``; :func:`init_optimizer` its optimizer state; :func:`jit_kwargs`
 its donation and mesh shardings.
 
-With LoRA adapters in the parameters (:mod:`remat_kit.model.lora`), the step differentiates and updates only
-the adapters, and the optimizer state covers only them: the frozen base gets neither a gradient nor
-optimizer state, in every caller (plan, auto, bench, train) alike. Without adapters nothing changes.
+With LoRA adapters in the parameters (leaves named :data:`ADAPTER_NAMES`, as :mod:`remat_kit.model.lora` makes
+them), the step differentiates and updates only the adapters, and the optimizer state covers only them: the frozen
+base gets neither a gradient nor optimizer state, in every caller (plan, auto, fit, bench, train) alike. Without
+adapters nothing changes.
 
 >>> import jax, jax.numpy as jnp
 >>> opt = make_optimizer(0.1)
@@ -21,16 +22,21 @@ optimizer state, in every caller (plan, auto, bench, train) alike. Without adapt
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
+from flax.core import FrozenDict
 
-from remat_kit.model import lora_layer as lora
-from remat_kit.train import mesh as mesh_lib
+from remat_kit.step import mesh as mesh_lib
 from remat_kit.units import check_int
+
+#: Parameter names of the adapters: a leaf whose path ends in one of them is trainable.
+ADAPTER_NAMES: tuple[str, ...] = ("lora_a", "lora_b")
+
 
 #: What :func:`make_optimizer` clips the global gradient norm to unless told otherwise (``train``'s default).
 DEFAULT_CLIP_NORM = 1.0
@@ -78,10 +84,10 @@ def make_step(
             on_trace()
         # LoRA: only the trainable part is differentiated and updated; the frozen base has no gradient
         # at all (not zeros). Without adapters the whole tree is trainable: a plain update.
-        loss, grads, params, opt_state = lora.update(lambda p: loss_fn(p, *batch), optimizer, params, opt_state)
+        loss, grads, params, opt_state = update(lambda p: loss_fn(p, *batch), optimizer, params, opt_state)
         # A finite loss does not prove finite new parameters; check them so none is ever saved (the
         # frozen part is passed through unchanged).
-        trainable = lora.partition(params)[0]
+        trainable = partition(params)[0]
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(trainable)]))
         return params, opt_state, loss, optax.tree.norm(grads), finite
 
@@ -104,11 +110,61 @@ def jit_kwargs(params, opt_state, mesh=None, *, batch_args: int = 1) -> dict[str
 
 def init_optimizer(optimizer: optax.GradientTransformation, params):
     """The optimizer state :func:`make_step` expects: of the trainable part of ``params`` only
-    (the LoRA adapters when there are any, see :func:`remat_kit.model.lora_layer.partition`; else all of it)."""
-    return lora.init_optimizer(optimizer, params)
+    (the LoRA adapters when there are any, see :func:`partition`; else all of it)."""
+    return optimizer.init(partition(params)[0])
 
 
 def abstract_state(params, optimizer: optax.GradientTransformation):
     """``(params, opt_state)`` as ShapeDtypeStructs (opt_state as :func:`init_optimizer`'s): nothing is allocated."""
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     return params, jax.eval_shape(lambda p: init_optimizer(optimizer, p), params)
+
+
+# ---- the trainable part: adapters, when there are any -------------------------------------------------
+
+
+def is_adapter(path: tuple) -> bool:
+    """Whether a flattened parameter path names an adapter leaf (it ends in one of :data:`ADAPTER_NAMES`)."""
+    return bool(path) and path[-1] in ADAPTER_NAMES
+
+
+def partition(params: Mapping) -> tuple[dict, dict]:
+    """Split a parameter tree into ``(trainable, frozen)`` nested dicts.
+
+    With adapters present, ``trainable`` holds exactly the adapter leaves and ``frozen`` the rest
+    (base kernels, quantized or not, embeddings, norms). Without adapters, everything is trainable
+    and ``frozen`` is ``{}`` (plain full fine-tuning, unchanged). :func:`combine` inverts it.
+    """
+    if not isinstance(params, (dict, FrozenDict)):  # any other pytree (an array, an NNX state...): all trainable
+        return params, {}
+    flat = traverse_util.flatten_dict(params)
+    if not any(is_adapter(k) for k in flat):
+        return params, {}
+    trainable = {k: v for k, v in flat.items() if is_adapter(k)}
+    frozen = {k: v for k, v in flat.items() if not is_adapter(k)}
+    return traverse_util.unflatten_dict(trainable), traverse_util.unflatten_dict(frozen)
+
+
+def combine(trainable: Mapping, frozen: Mapping) -> dict:
+    """The full parameter tree from :func:`partition`'s two parts."""
+    if not frozen:
+        return trainable
+    return traverse_util.unflatten_dict({**traverse_util.flatten_dict(frozen), **traverse_util.flatten_dict(trainable)})
+
+
+def update(loss_fn: Callable[[Any], jax.Array], optimizer: optax.GradientTransformation, params, opt_state):
+    """One optimizer update of the trainable part: the frozen part gets no gradient and no state.
+
+    Args:
+      loss_fn: ``params -> scalar loss`` over the full tree.
+      optimizer: applied to the trainable part (state from :func:`init_optimizer`).
+      params: the full tree.
+      opt_state: the optimizer state.
+
+    Returns:
+      ``(loss, grads of the trainable part, new full params, new opt_state)``.
+    """
+    trainable, frozen = partition(params)
+    loss, grads = jax.value_and_grad(lambda t: loss_fn(combine(t, frozen)))(trainable)
+    updates, opt_state = optimizer.update(grads, opt_state, trainable)
+    return loss, grads, combine(optax.apply_updates(trainable, updates), frozen), opt_state

@@ -1,0 +1,185 @@
+"""Planning the built-in Transformer: its planner, its candidates, and auto and max_fit of a config.
+
+The generic engine (:mod:`remat_kit.planning.planner`, :mod:`remat_kit.planning.budget`,
+:mod:`remat_kit.planning.fit`) plans any loss and imports no model; this module is the built-in model's side of it,
+loaded only when a :class:`remat_kit.model.transformer.TransformerConfig` is planned (its per-tensor choice, and
+``fit`` of a ``Transformer``, are :mod:`remat_kit.planning.tensors`').
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from remat_kit import policies
+from remat_kit.analysis import memory
+from remat_kit.model.loss import lm_loss, resolve_chunks
+from remat_kit.model.transformer import Transformer, TransformerConfig
+from remat_kit.planning import analysis
+from remat_kit.planning.fit import _boundary
+from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
+from remat_kit.step import mesh as mesh_lib
+from remat_kit.step import update as step_lib
+
+
+class Planner(StepPlanner):
+    """A :class:`StepPlanner` for :class:`remat_kit.model.transformer.Transformer` steps of one config.
+
+    Args:
+      config: the model.
+      optimizer: a name in :data:`OPTIMIZERS` or an optax transformation.
+      loss_chunks: 0 for the plain loss, k for the chunked loss, ``"auto"`` for the count ``train`` picks at
+        each shape (:func:`remat_kit.model.loss.auto_chunks`: it grows with the sequence).
+      mesh: a ``jax.sharding.Mesh`` or a mesh spec such as ``"data=2,fsdp=2"``; bytes are then per device.
+      grad_accum: micro-batches per update: ``optax.MultiSteps`` adds its gradient buffer, as in ``train``.
+      progress: see :class:`StepPlanner`.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        optimizer: str | optax.GradientTransformation = "adamw",
+        loss_chunks: int = 0,
+        mesh=None,
+        grad_accum: int = 1,
+        progress: Callable | None = None,
+    ):
+        self.config = config
+        self.loss_chunks = loss_chunks
+        params = analysis.abstract_params(config)
+
+        def build(policy, batch, seq):
+            chunks = self.chunks_at(batch, seq)
+            analysis.check_shape(config, batch, seq, chunks)
+            if self.mesh is not None:
+                mesh_lib.check_batch(batch, self.mesh)
+            model = Transformer(config=config, policy=policy)
+            loss = lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=chunks)
+            return loss, params, (jax.ShapeDtypeStruct((batch, seq), jnp.int32),)
+
+        super().__init__(build, optimizer, mesh, progress)
+        self._params = params
+        if grad_accum > 1:
+            self.opt = optax.MultiSteps(self.opt, every_k_schedule=grad_accum)
+
+    def chunks_at(self, batch: int, seq: int) -> int:
+        """The loss's chunk count at a shape: ``loss_chunks`` itself, or (``"auto"``) what ``train`` picks there."""
+        if self.loss_chunks == "auto":
+            devices = 1 if self.mesh is None else self.mesh.size
+            return resolve_chunks("auto", batch * seq, self.config.vocab_size, devices)
+        return self.loss_chunks
+
+    def state_bytes(self) -> int:
+        """Bytes of the parameters and optimizer state on each device, from shapes alone (nothing compiled).
+
+        Every policy's step holds at least these, so a budget below them fits none.
+        """
+        state = step_lib.abstract_state(self._params, self.opt)
+        leaves = jax.tree.leaves(state)
+        if self.mesh is None:
+            shapes = [leaf.shape for leaf in leaves]
+        else:
+            shardings = jax.tree.leaves(mesh_lib.tree_shardings(state, self.mesh))
+            shapes = [s.shard_shape(leaf.shape) for leaf, s in zip(leaves, shardings, strict=True)]
+        return sum(math.prod(shape) * leaf.dtype.itemsize for shape, leaf in zip(shapes, leaves, strict=True))
+
+
+def candidates_for(config: TransformerConfig, *, offload: bool | None = None) -> tuple[policies.Policy, ...]:
+    """The policies :func:`auto` considers for ``config``, without duplicates.
+
+    ``none``; the selective presets and subsets of the matmul outputs; ``dots``; ``every_n(n)`` for
+    n in 2, 3, 4, 8 (at most the depth); ``segments(k)`` for k in 2, 4 and ``sqrt_n``; ``full``; and,
+    where the backend has a host memory kind (or ``offload=True``), the offload variants.
+    """
+    L = config.num_layers
+    out = [
+        policies.none(),
+        policies.selective(),
+        policies.parse("minimal"),
+        policies.parse("save_dot_except_mlp"),
+        policies.parse("save_dot_with_context_except_mlp"),
+        policies.parse("save_dot_except_mlpwi"),
+        policies.selective(["q_proj", "k_proj", "v_proj", "context"]),
+        policies.parse("save_qkv_proj"),
+        policies.selective(["mlp_gate", "mlp_up"]),
+        policies.dots(),
+        *(policies.every_n(n) for n in (2, 3, 4, 8) if n <= L),
+        *(policies.segments(k) for k in (2, 4) if k < L and k != policies.sqrt_n_group_size(L)),
+        policies.sqrt_n(),
+        policies.full(),
+    ]
+    if memory.host_offload().available if offload is None else offload:
+        out += [policies.offload(), policies.parse("qkv_proj_offloaded"), policies.parse("minimal_offloaded")]
+    return tuple(dict.fromkeys(out))
+
+
+def config_pool(
+    config: TransformerConfig,
+    args: tuple,
+    *,
+    candidates=None,
+    optimizer: str | optax.GradientTransformation = "adamw",
+    planner: StepPlanner | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+    loss_chunks: int = 0,
+) -> tuple[StepPlanner, list[policies.Policy]]:
+    """What :func:`remat_kit.planning.budget.auto` searches for the built-in Transformer (``auto(config, batch=,
+    seq=, ...)``), its arguments checked: ``(planner or a Planner of config, the pool of candidates_for or
+    candidates)``."""
+    if args:
+        raise TypeError("auto(config, ...) takes batch= and seq= keywords, not positional inputs")
+    if batch is None or seq is None:
+        raise TypeError("auto(config, ...) needs batch= and seq=")
+    analysis.check_shape(config, batch, seq, loss_chunks)
+    planner = planner or Planner(config, optimizer, loss_chunks)
+    return planner, [policies.parse(p, num_layers=config.num_layers) for p in (candidates or candidates_for(config))]
+
+
+def max_fit(
+    config: TransformerConfig,
+    policy: policies.Policy | str,
+    *,
+    dim: str,
+    batch: int,
+    seq: int,
+    budget_bytes: int,
+    margin: float = DEFAULT_MARGIN,
+    planner: Planner | None = None,
+    optimizer: str | optax.GradientTransformation = "adamw",
+    loss_chunks: int = 0,
+    limit: int | None = None,
+) -> int:
+    """The largest batch (``dim="batch"``, at fixed ``seq``) or the longest sequence (``dim="seq"``,
+    at fixed ``batch``) whose step fits the budget under ``policy``; 0 if even 1 does not fit.
+
+    Exact: the answer fits and the answer + 1 does not, both by real compile (or the answer is the
+    limit: the model's ``max_seq_len`` for ``seq``, ``limit`` or 2**20 for ``batch``). Compile-only,
+    and few compiles: the step's bytes are affine in the batch (a quadratic at most in the sequence,
+    through attention), so two compiles give the line, the line names the answer and two more confirm
+    it (:func:`_boundary`); a sequence limit that fits is checked first (one compile).
+    """
+    if dim not in ("batch", "seq"):
+        raise ValueError(f"dim must be 'batch' or 'seq', got {dim!r}")
+    budget = Budget(budget_bytes, margin)
+    policy = policies.parse(policy)
+    planner = planner or Planner(config, optimizer, loss_chunks)
+    cap = limit or (config.max_seq_len if dim == "seq" else 2**20)
+    need = lambda n: planner.memory(policy, *((n, seq) if dim == "batch" else (batch, n)))[0]
+    target = budget.target
+    first = 1
+    if isinstance(planner.loss_chunks, int) and planner.loss_chunks:  # chunks may not exceed the token count
+        first = -(-planner.loss_chunks // (seq if dim == "batch" else batch))
+    start = max(first, min(batch if dim == "batch" else seq, cap))
+    if dim == "seq":
+        if need(cap) <= target:
+            return cap
+        # The parabola through the given length, twice it and the limit names the answer.
+        return _boundary(need, target, first, cap, probes=(start, 2 * start), degree=2, known={cap: need(cap)})
+    # Bytes at batch 1 may not lie on the line (XLA's layout differs there): the line starts at 2 or more.
+    p0 = max(start, 2 * first, 2) if cap >= 2 else start
+    return _boundary(need, target, first, cap, probes=(p0, 2 * p0), degree=1)

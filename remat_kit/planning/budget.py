@@ -94,6 +94,11 @@ class Candidate:
       offload_s: its exposed seconds of host transfers (0 where offload moves nothing).
       recompute_bytes: bytes the recomputed ops read and write.
       rank: the sort key (:attr:`remat_kit.planning.cost.Estimate.rank`).
+      trips_s: its dispatch seconds of the loop trips it runs beyond ``none``'s.
+      seq_tiles: the sequence tiles the step runs its blocks in (1: untiled; see
+        :attr:`remat_kit.model.transformer.TransformerConfig.seq_tiles`).
+      tiles_s: what running in ``seq_tiles`` tiles costs over the untiled step (the tiled ``none``'s extra ops and
+        loop trips over the untiled ``none``'s); 0 untiled.
     """
 
     policy: str
@@ -106,11 +111,20 @@ class Candidate:
     offload_s: float = 0.0
     recompute_bytes: int = 0
     rank: tuple = ()
+    trips_s: float = 0.0
+    seq_tiles: int = 1
+    tiles_s: float = 0.0
 
     @property
     def cost_s(self) -> float:
-        """The estimated step-time cost over ``none``: recompute plus exposed offload."""
-        return self.recompute_s + self.offload_s
+        """The estimated step-time cost over the untiled ``none``: recompute, exposed offload, extra loop trips and
+        (tiled) the tiles' own cost."""
+        return self.recompute_s + self.offload_s + self.trips_s + self.tiles_s
+
+    @property
+    def label(self) -> str:
+        """The policy's spec, with its tile count when tiled (``full @4 tiles``): what a table shows."""
+        return self.policy if self.seq_tiles == 1 else f"{self.policy} @{self.seq_tiles} tiles"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +160,12 @@ class AutoResult:
     hardware: cost.Hardware | None = None
     #: Caveats a reader needs: where XLA removed a candidate's recompute (:func:`cse_notes`).
     notes: tuple[str, ...] = ()
+    #: The sequence tiles the chosen step runs its blocks in (1: untiled); a table's rows carry their own.
+    seq_tiles: int = 1
+
+    def is_chosen(self, c: Candidate) -> bool:
+        """Whether ``c`` is the chosen row: its policy and its tile count."""
+        return self.chosen is not None and c.policy == str(self.chosen) and c.seq_tiles == self.seq_tiles
 
     @property
     def budget(self) -> Budget:
@@ -158,7 +178,7 @@ class AutoResult:
         ``*``; then the notes."""
         fit = fit or {}
         budget = self.budget
-        width = max(len(c.policy) for c in self.candidates) + 1
+        width = max(len(c.label) for c in self.candidates) + 1
         head = (
             f"{'policy':{width + 1}} {'recompute':>10} {'est.':>10} {'peak':>10} {'+margin':>10} {'host':>10} "
             f"{'fits':>5}"
@@ -167,17 +187,18 @@ class AutoResult:
             head += f" {'max batch @seq ' + str(self.seq):>18} {'max seq @batch ' + str(self.batch):>18}"
         rows = [head, "-" * len(head)]
         for c in self.candidates:
-            mark = "*" if self.chosen is not None and c.policy == str(self.chosen) else " "
+            mark = "*" if self.is_chosen(c) else " "
             compiled = c.need_bytes is not None
             fits = "-" if c.fits is None else "yes" if c.fits else "no"
             row = (
-                f"{mark}{c.policy:{width}} {fmt_flops(c.recompute_flops):>10} {_fmt_seconds(c.cost_s):>10} "
+                f"{mark}{c.label:{width}} {fmt_flops(c.recompute_flops):>10} {_fmt_seconds(c.cost_s):>10} "
                 f"{fmt_bytes(c.need_bytes) if compiled else '-':>10} "
                 f"{fmt_bytes(budget.with_margin(c.need_bytes)) if compiled else '-':>10} "
                 f"{fmt_bytes(c.host_bytes) if compiled else '-':>10} {fits:>5}"
             )
-            if fit:
-                row += "".join(f" {fit[c.policy][k] if c.policy in fit else '-':>18}" for k in (0, 1))
+            if fit:  # the limits are the untiled step's
+                known = c.policy in fit and c.seq_tiles == 1
+                row += "".join(f" {fit[c.policy][k] if known else '-':>18}" for k in (0, 1))
             rows.append(row)
         if self.mixed_front:
             pairs = ", ".join(f"{a} → {b}" for a, b, *_ in self.mixed_front)
@@ -238,7 +259,7 @@ class AutoResult:
             )
         ax.axhline(self.budget.target / scale, color="tab:orange", label=f"budget / (1 + {self.margin:.0%} margin)")
         if self.chosen is not None:
-            win = next(i for i, c in enumerate(rows) if c.policy == str(self.chosen))
+            win = next(i for i, c in enumerate(rows) if self.is_chosen(c))
             ax.scatter(
                 [xs[win]],
                 [ys[win]],
@@ -246,7 +267,7 @@ class AutoResult:
                 facecolors="none",
                 edgecolors="black",
                 linewidths=2,
-                label=f"chosen: {_short(str(self.chosen))}",
+                label=f"chosen: {_short(rows[win].label)}",
                 zorder=4,
             )
         ax.set_xlabel("estimated recompute cost per step (ms over `none`, cost model)")
@@ -258,7 +279,7 @@ class AutoResult:
         )
         ax.grid(alpha=0.3)
         _number_points(fig, ax, xs, ys, ringed=[] if self.chosen is None else [win])
-        key = "\n".join(f"{i + 1:>2}  {_short(c.policy)}" for i, c in enumerate(rows))
+        key = "\n".join(f"{i + 1:>2}  {_short(c.label)}" for i, c in enumerate(rows))
         fig.text(0.65, 0.88, key, va="top", ha="left", fontsize=7, family="monospace")
         fig.legend(*ax.get_legend_handles_labels(), loc="lower left", bbox_to_anchor=(0.645, 0.1), fontsize=8)
         fig.savefig(path, dpi=110)
@@ -269,6 +290,7 @@ class AutoResult:
         """A JSON-ready record; ``chosen`` is the winner's spec string (or None)."""
         return {
             "chosen": None if self.chosen is None else str(self.chosen),
+            "seq_tiles": self.seq_tiles,
             "budget_bytes": self.budget_bytes,
             "margin": self.margin,
             "batch": self.batch,
@@ -582,6 +604,7 @@ class Pricer:
             "offload_s": e.offload_s,
             "recompute_bytes": e.recompute_bytes,
             "rank": e.rank,
+            "trips_s": e.trips_s,
         }
         if budget is None:
             return Candidate(str(policy), f, f - self._base_flops, **extra)

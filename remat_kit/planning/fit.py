@@ -21,11 +21,12 @@ from flax import nnx
 
 from remat_kit import _jax_internals, policies
 from remat_kit.analysis import inspection
-from remat_kit.model.transformer import Transformer, TransformerConfig
+from remat_kit.model.transformer import Transformer, TransformerConfig, auto_tiles
 from remat_kit.planning import budget as budget_lib
 from remat_kit.planning import cost, tensors
 from remat_kit.planning.budget import GENERIC_CANDIDATES, Candidate, Pricer, candidates_for
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner, get_optimizer
+from remat_kit.policies import tiling
 from remat_kit.unedited import entry as unedited_lib
 from remat_kit.units import check_int, fmt_bytes, parse_bytes
 
@@ -205,6 +206,8 @@ class Choice:
       budget: the :class:`Budget`; compiles: XLA compiles this choice spent; seconds: its wall time.
       reason: one paragraph: why the winner won, or (nothing fits) the one-line refusal.
       groups: the per-tensor groups (names decided together) the pool was built from.
+      seq_tiles: the sequence tiles the chosen step runs its blocks in (1: untiled); tiled candidates carry theirs
+        (:attr:`remat_kit.planning.budget.Candidate.seq_tiles`).
     """
 
     chosen: policies.Policy | policies.Mix | None
@@ -216,19 +219,21 @@ class Choice:
     seconds: float
     reason: str
     groups: tuple[tuple[str, ...], ...] = ()
+    seq_tiles: int = 1
 
     def table(self) -> str:
         """The candidates, cheapest first: estimated cost over ``none``, compiled need (``-``: predicted not to fit,
         not compiled), whether it fits; the chosen one marked ``*``."""
         rows = sorted(self.candidates, key=lambda c: c.rank)
-        width = max([len(c.policy) for c in rows] + [6]) + 1
+        width = max([len(c.label) for c in rows] + [6]) + 1
         head = f" {'policy':{width}} {'est. cost':>10} {'need':>10} {'+margin':>10} {'fits':>5}"
         out = [head, "-" * len(head)]
         for c in rows:
-            mark = "*" if self.chosen is not None and c.policy == str(self.chosen) else " "
+            chosen = self.chosen is not None and c.policy == str(self.chosen) and c.seq_tiles == self.seq_tiles
+            mark = "*" if chosen else " "
             compiled = c.need_bytes is not None
             out.append(
-                f"{mark}{c.policy:{width}} {_seconds(c.cost_s):>10} {fmt_bytes(c.need_bytes) if compiled else '-':>10} "
+                f"{mark}{c.label:{width}} {_seconds(c.cost_s):>10} {fmt_bytes(c.need_bytes) if compiled else '-':>10} "
                 f"{fmt_bytes(self.budget.with_margin(c.need_bytes)) if compiled else '-':>10} "
                 f"{'-' if c.fits is None else 'yes' if c.fits else 'no':>5}"
             )
@@ -446,6 +451,9 @@ class FitResult:
       est_step_time_s: the cost model's estimate of the whole step under it.
       candidates: every candidate priced (:class:`remat_kit.planning.budget.Candidate`).
       choice: the engine's whole answer (:class:`Choice`).
+      seq_tiles: the sequence tiles the built-in model's blocks run in under the plan (1: untiled); ``model``'s
+        config carries them. Always 1 for a user's model: fit inserts no tiles there (:func:`remat_kit.tiled` is the
+        user's to place).
     """
 
     model: Any
@@ -454,6 +462,7 @@ class FitResult:
     est_step_time_s: float
     candidates: tuple
     choice: Choice
+    seq_tiles: int = 1
 
     def table(self) -> str:
         """The candidates priced, their compiled needs and the choice (:meth:`Choice.table`)."""
@@ -471,6 +480,33 @@ def budget_bytes_of(budget: int | str) -> int:
     return parse_bytes(budget)
 
 
+#: Tiles shorter than this many positions are never tried by the planner: the loop trips would cost more than the
+#: working set they save.
+MIN_TILE_POSITIONS = 8
+
+
+def tile_counts(batch: int, seq: int) -> tuple[int, ...]:
+    """The sequence-tile counts :func:`config_choice` tries when no plan fits untiled, most tiles first: 2, 4, 8 and
+    ``seq_tiles="auto"``'s count at this shape (:func:`remat_kit.model.transformer.auto_tiles`), those that divide
+    ``seq`` into tiles of at least :data:`MIN_TILE_POSITIONS` positions.
+
+    >>> tile_counts(2, 64), tile_counts(2, 50_000), tile_counts(2, 12)
+    ((8, 4, 2), (25, 8, 4, 2), ())
+    """
+    counts = {2, 4, 8, auto_tiles(batch, seq)}
+    return tuple(sorted((k for k in counts if k > 1 and seq % k == 0 and seq // k >= MIN_TILE_POSITIONS), reverse=True))
+
+
+def retiled(planner: StepPlanner, config: TransformerConfig) -> Planner:
+    """A :class:`~remat_kit.planning.planner.Planner` of ``config`` that plans what ``planner`` (a Planner of the
+    same model untiled) plans: its optimizer (gradient accumulation included), loss chunks, mesh and progress."""
+    if not isinstance(planner, Planner):
+        raise TypeError(f"retiled needs a Planner of the built-in model, got {type(planner).__name__}; give retile=")
+    new = Planner(config, loss_chunks=planner.loss_chunks, mesh=planner.mesh, progress=planner.progress)
+    new.opt, new.optimizer_name = planner.opt, planner.optimizer_name
+    return new
+
+
 def config_choice(
     config: TransformerConfig,
     budget: Budget,
@@ -482,12 +518,94 @@ def config_choice(
     presets: Sequence[policies.Policy] | None = None,
     hardware: cost.Hardware | None = None,
     max_compiles: int = MAX_COMPILES,
+    tiles: Sequence[int] | None = None,
+    retile: Callable[[int], StepPlanner] | None = None,
 ) -> Choice:
     """:func:`choose` for the built-in Transformer at one shape: the presets of
     :func:`remat_kit.planning.budget.candidates_for` (or ``presets``, then without per-tensor candidates), the block's
     tags as groups (:func:`remat_kit.planning.tensors.default_groups`), mixes over its layers. What ``plan --budget``,
-    ``train --budget`` and :func:`fit` of the built-in model run."""
+    ``train --budget`` and :func:`fit` of the built-in model run.
+
+    Sequence tiles are a lever like the others: when no plan fits untiled and ``config.seq_tiles`` is 1 (a tile
+    count or ``"auto"`` given is kept as given), :func:`choose` runs again with the blocks in each of ``tiles``
+    sequence tiles (default :func:`tile_counts`; ``()`` tries none), most tiles first, until a count where nothing
+    fits (fewer tiles hold more). Every tiled candidate is priced over the untiled ``none``: its own cost plus the
+    tiles' (:attr:`remat_kit.planning.budget.Candidate.tiles_s`: the extra loop trips and slicing of the tiled
+    step), so the answer is the fitting (tile count, plan) with the least estimated step time, and
+    :attr:`Choice.seq_tiles` says how many tiles it runs in. A step that fits untiled is never tiled: tiles only
+    add time there (each count tried would also cost a search's compiles). Each tile count's search may spend
+    ``max_compiles`` compiles.
+
+    Args:
+      tiles: the tile counts to try when nothing fits untiled (each must divide ``seq``).
+      retile: ``retile(k) -> StepPlanner`` of the same step with the blocks in ``k`` tiles (default: a
+        :class:`~remat_kit.planning.planner.Planner` of ``config`` with ``seq_tiles=k``, see :func:`retiled`).
+    """
+    counts = tile_counts(batch, seq) if tiles is None else tuple(tiles)
+    for k in counts:  # before anything is compiled
+        check_int("tiles", k, 2)
+        tiling.check_tiles(k, seq, what="tiles")
     planner = planner or Planner(config, loss_chunks=loss_chunks)
+
+    def run(cfg: TransformerConfig, pl: StepPlanner) -> Choice:
+        kw = {"loss_chunks": loss_chunks, "presets": presets, "hardware": hardware, "max_compiles": max_compiles}
+        return _config_choice_at(cfg, budget, batch=batch, seq=seq, planner=pl, **kw)
+
+    choice = run(config, planner)
+    if choice.chosen is not None or config.seq_tiles != 1 or not counts:
+        return choice
+    start = time.perf_counter()
+    hardware = hardware or cost.default_hardware(budget_lib.planner_platform(planner))
+    untiled = planner.work(policies.none(), batch, seq)
+    tried, best = [choice], None
+    for k in sorted(set(counts), reverse=True):
+        tiled_planner = retile(k) if retile is not None else retiled(planner, dataclasses.replace(config, seq_tiles=k))
+        at_k = run(dataclasses.replace(config, seq_tiles=k), tiled_planner)
+        base = tiled_planner.work(policies.none(), batch, seq)
+        # What the tiles cost over the untiled step: the tiled none's extra ops (slicing, stitching) and loop trips.
+        over = base.seconds(hardware) - untiled.seconds(hardware) + (base.trips - untiled.trips) * hardware.trip_s
+        rows = tuple(
+            dataclasses.replace(c, seq_tiles=k, tiles_s=over, rank=(round(c.cost_s + over, 15), *c.rank[1:]))
+            for c in at_k.candidates
+        )
+        won = next((c for c in rows if at_k.chosen is not None and c.policy == str(at_k.chosen)), None)
+        est = None if won is None else untiled.seconds(hardware) + won.cost_s
+        at_k = dataclasses.replace(at_k, candidates=rows, seq_tiles=k, est_step_time_s=est)
+        tried.append(at_k)
+        if at_k.chosen is None:
+            break  # fewer tiles hold more: nothing fits below this count either
+        if best is None or (at_k.est_step_time_s, at_k.need_bytes) < (best.est_step_time_s, best.need_bytes):
+            best = at_k
+    table = tuple(c for t in tried for c in t.candidates)
+    compiles = sum(t.compiles for t in tried)
+    seconds = choice.seconds + time.perf_counter() - start
+    shown = ", ".join(str(t.seq_tiles) for t in tried[1:])
+    if best is None:
+        reason = f"{choice.reason}; nor in {shown} sequence tiles (--seq-tiles)"
+        return dataclasses.replace(choice, candidates=table, compiles=compiles, seconds=seconds, reason=reason)
+    won = next(c for c in best.candidates if c.policy == str(best.chosen))
+    reason = (
+        f"nothing fits untiled; in {best.seq_tiles} sequence tiles (the cheapest that fits of {shown} tried), "
+        f"{won.policy} needs {fmt_bytes(won.need_bytes)} (+{budget.margin:.0%} margin: "
+        f"{fmt_bytes(budget.with_margin(won.need_bytes))}) of {fmt_bytes(budget.bytes)} at an estimated "
+        f"{_seconds(won.cost_s)} per step over the untiled none, {_seconds(won.tiles_s)} of it the tiles' own "
+        "(extra loop trips and slicing)."
+    )
+    return dataclasses.replace(best, candidates=table, compiles=compiles, seconds=seconds, reason=reason)
+
+
+def _config_choice_at(
+    config: TransformerConfig,
+    budget: Budget,
+    *,
+    batch: int,
+    seq: int,
+    planner: StepPlanner,
+    loss_chunks: int,
+    presets: Sequence[policies.Policy] | None,
+    hardware: cost.Hardware | None,
+    max_compiles: int,
+) -> Choice:
     groups: tuple = ()
     if presets is None:
         sizes = tensors.tag_bytes(config, batch, seq, loss_chunks)
@@ -532,6 +650,11 @@ def fit(
     parameters and state donated. The candidates come from the model itself: the names its blocks emit (its own
     tags, the module paths :func:`remat_kit.names_of` lists), kept or recomputed per tensor, plus the presets and
     mixes of two (:func:`choose`); nothing is listed by hand.
+
+    Sequence tiles: for the built-in Transformer (``seq_tiles=1``) tiles are a lever like the others: when no plan fits
+    untiled, the blocks' per-token parts are tried in sequence tiles (:func:`config_choice`) and ``.model`` carries
+    the tile count chosen (``.seq_tiles``). For any other model fit inserts no tiles: they change the model's code,
+    which is the user's (wrap a block's per-token part in :func:`remat_kit.tiled` and fit plans the model as given).
 
     Args:
       budget: device bytes (an int) or a size string (``"16GB"``, ``"512MiB"``).
@@ -587,15 +710,27 @@ def fit(
             raise ValueError("fit of the built-in Transformer needs a [batch, seq] token array among the batch")
         batch, seq = tokens.shape
 
-        def build(policy, _b, _s):
-            m = dataclasses.replace(model, policy=policy)
-            return (lambda v, *a: loss_fn(m, v, *a)), variables, batch_args
+        def planner_at(tiles: int) -> StepPlanner:
+            config = model.config if tiles == 1 else dataclasses.replace(model.config, seq_tiles=tiles)
 
-        planner = StepPlanner(build, optimizer)
+            def build(policy, _b, _s):
+                m = dataclasses.replace(model, config=config, policy=policy)
+                return (lambda v, *a: loss_fn(m, v, *a)), variables, batch_args
+
+            return StepPlanner(build, optimizer)
+
         choice = config_choice(
-            model.config, B, batch=batch, seq=seq, planner=planner, hardware=hardware, max_compiles=max_compiles
+            model.config,
+            B,
+            batch=batch,
+            seq=seq,
+            planner=planner_at(1),
+            hardware=hardware,
+            max_compiles=max_compiles,
+            retile=planner_at,
         )
-        applied = lambda p: dataclasses.replace(model, policy=p)
+        tiled = lambda c: c if choice.seq_tiles == 1 else dataclasses.replace(c, seq_tiles=choice.seq_tiles)
+        applied = lambda p: dataclasses.replace(model, config=tiled(model.config), policy=p)
     else:
         kwargs = {"where": where, "static_argnames": static_argnames}
         params = nnx.state(model, nnx.Param) if is_nnx else inputs[0]
@@ -651,6 +786,7 @@ def fit(
         est_step_time_s=choice.est_step_time_s,
         candidates=choice.candidates,
         choice=choice,
+        seq_tiles=choice.seq_tiles,
     )
 
 

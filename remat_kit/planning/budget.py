@@ -35,6 +35,7 @@ from remat_kit import constants, policies
 from remat_kit.analysis import explain, inspection, memory
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import analysis, cost
+from remat_kit.planning import tiles as tiles_lib
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner
 from remat_kit.units import check_int, fmt_bytes, fmt_flops
@@ -327,6 +328,7 @@ def auto(
     loss_chunks: int = 0,
     mixes: bool = True,
     hardware: cost.Hardware | None = None,
+    tiles: Sequence[int] | None = None,
 ) -> AutoResult:
     """Choose the policy with the least estimated recompute time whose training step fits ``budget_bytes``.
 
@@ -356,6 +358,10 @@ def auto(
         answer is then the mix with the least recompute that fits, measured by one more compile or a few.
       hardware: what recompute is priced against (default: :func:`remat_kit.planning.cost.default_hardware`
         of the backend; :func:`remat_kit.planning.cost.calibrate` measures this machine).
+      tiles: for a config whose ``seq_tiles`` is 1, the sequence-tile counts tried when nothing fits untiled
+        (default :func:`remat_kit.planning.tiles.tile_counts`; ``()`` tries none): the search runs again with the
+        blocks in each, most tiles first, every tiled candidate priced over the untiled ``none``, and
+        :attr:`AutoResult.seq_tiles` says the count chosen. A budget that fits untiled tries no tiles (they add time).
 
     Returns:
       An :class:`AutoResult`; ``chosen`` (a Policy or a Mix) is None when nothing fits, and ``reason`` then says what is
@@ -378,20 +384,14 @@ def auto(
         if batch is None or seq is None:
             raise TypeError("auto(config, ...) needs batch= and seq=")
         analysis.check_shape(model, batch, seq, loss_chunks)
+        counts = tiles_lib.check_counts(tiles, batch, seq) if model.seq_tiles == 1 else ()
         planner = planner or Planner(model, optimizer, loss_chunks)
         pool = [policies.parse(p, num_layers=model.num_layers) for p in (wanted or candidates_for(model))]
-        return search(
-            planner,
-            pool,
-            budget,
-            exhaustive=exhaustive,
-            batch=batch,
-            seq=seq,
-            loss_chunks=loss_chunks,
-            jobs=jobs,
-            hardware=hardware,
-            num_layers=model.num_layers if mixes else None,
-        )
+        kw = {"exhaustive": exhaustive, "batch": batch, "seq": seq, "loss_chunks": loss_chunks, "jobs": jobs}
+        result = search(planner, pool, budget, hardware=hardware, num_layers=model.num_layers if mixes else None, **kw)
+        if result.chosen is None and counts:
+            result = _search_tiled(result, model, planner, pool, budget, counts, mixes=mixes, **kw)
+        return result
     if not callable(model):
         raise TypeError(f"auto's first argument must be a TransformerConfig or make_loss(policy), got {model!r}")
     if batch is not None or seq is not None or loss_chunks:
@@ -404,6 +404,54 @@ def auto(
     inspection.check_loss(make_loss_checked(model, pool[0]), inputs)
     planner = planner or StepPlanner(lambda p, b, s: (model(p), inputs[0], inputs[1:]), optimizer)
     return search(planner, pool, budget, exhaustive=exhaustive, jobs=jobs, hardware=hardware)
+
+
+def _search_tiled(
+    untiled: AutoResult,
+    config: TransformerConfig,
+    planner: Planner,
+    pool: Sequence[policies.Policy],
+    budget: Budget,
+    counts: Sequence[int],
+    *,
+    mixes: bool,
+    batch: int,
+    seq: int,
+    loss_chunks: int,
+    **kw,
+) -> AutoResult:
+    """:func:`auto`'s tile lever, when nothing fits untiled: :func:`search` again with the blocks in each of
+    ``counts`` sequence tiles (most first, until a count where nothing fits: fewer tiles hold more), every tiled
+    candidate priced over the untiled ``none`` (:func:`remat_kit.planning.tiles.tiles_cost_s`); the fitting (tiles,
+    policy) with the least estimated cost wins."""
+    start = time.perf_counter()
+    tried, best = [untiled], None
+    for k in counts:
+        tiled = tiles_lib.retiled(planner, dataclasses.replace(config, seq_tiles=k))
+        layers = config.num_layers if mixes else None
+        r = search(tiled, pool, budget, hardware=untiled.hardware, num_layers=layers, batch=batch, seq=seq, **kw)
+        over = tiles_lib.tiles_cost_s(planner, tiled, batch, seq, untiled.hardware)
+        r = dataclasses.replace(r, candidates=tiles_lib.priced_tiled(r.candidates, k, over), seq_tiles=k)
+        tried.append(r)
+        if r.chosen is None:
+            break
+        key = lambda res: min((c.rank, c.need_bytes) for c in res.candidates if res.is_chosen(c))
+        if best is None or key(r) < key(best):
+            best = r
+    shown = ", ".join(str(t.seq_tiles) for t in tried[1:])
+    combined = {
+        "candidates": tuple(c for t in tried for c in t.candidates),
+        "compiled": sum(t.compiled for t in tried),
+        "seconds": untiled.seconds + time.perf_counter() - start,
+        "notes": tuple(dict.fromkeys(n for t in tried for n in t.notes)),
+    }
+    if best is None:
+        return dataclasses.replace(untiled, reason=f"{untiled.reason} Nor in {shown} sequence tiles.", **combined)
+    why = _reason(best.chosen, best.candidates, budget, loss_chunks)
+    reason = (
+        f"Nothing fits untiled; in {best.seq_tiles} sequence tiles (the cheapest that fits of {shown} tried): {why}"
+    )
+    return dataclasses.replace(best, reason=reason, **combined)
 
 
 def _kind(spec: str) -> str:

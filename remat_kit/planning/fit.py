@@ -21,12 +21,12 @@ from flax import nnx
 
 from remat_kit import _jax_internals, policies
 from remat_kit.analysis import inspection
-from remat_kit.model.transformer import Transformer, TransformerConfig, auto_tiles
+from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import budget as budget_lib
 from remat_kit.planning import cost, tensors
+from remat_kit.planning import tiles as tiles_lib
 from remat_kit.planning.budget import GENERIC_CANDIDATES, Candidate, Pricer, candidates_for
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, Planner, StepPlanner, get_optimizer
-from remat_kit.policies import tiling
 from remat_kit.unedited import entry as unedited_lib
 from remat_kit.units import check_int, fmt_bytes, parse_bytes
 
@@ -480,33 +480,6 @@ def budget_bytes_of(budget: int | str) -> int:
     return parse_bytes(budget)
 
 
-#: Tiles shorter than this many positions are never tried by the planner: the loop trips would cost more than the
-#: working set they save.
-MIN_TILE_POSITIONS = 8
-
-
-def tile_counts(batch: int, seq: int) -> tuple[int, ...]:
-    """The sequence-tile counts :func:`config_choice` tries when no plan fits untiled, most tiles first: 2, 4, 8 and
-    ``seq_tiles="auto"``'s count at this shape (:func:`remat_kit.model.transformer.auto_tiles`), those that divide
-    ``seq`` into tiles of at least :data:`MIN_TILE_POSITIONS` positions.
-
-    >>> tile_counts(2, 64), tile_counts(2, 50_000), tile_counts(2, 12)
-    ((8, 4, 2), (25, 8, 4, 2), ())
-    """
-    counts = {2, 4, 8, auto_tiles(batch, seq)}
-    return tuple(sorted((k for k in counts if k > 1 and seq % k == 0 and seq // k >= MIN_TILE_POSITIONS), reverse=True))
-
-
-def retiled(planner: StepPlanner, config: TransformerConfig) -> Planner:
-    """A :class:`~remat_kit.planning.planner.Planner` of ``config`` that plans what ``planner`` (a Planner of the
-    same model untiled) plans: its optimizer (gradient accumulation included), loss chunks, mesh and progress."""
-    if not isinstance(planner, Planner):
-        raise TypeError(f"retiled needs a Planner of the built-in model, got {type(planner).__name__}; give retile=")
-    new = Planner(config, loss_chunks=planner.loss_chunks, mesh=planner.mesh, progress=planner.progress)
-    new.opt, new.optimizer_name = planner.opt, planner.optimizer_name
-    return new
-
-
 def config_choice(
     config: TransformerConfig,
     budget: Budget,
@@ -528,23 +501,21 @@ def config_choice(
 
     Sequence tiles are a lever like the others: when no plan fits untiled and ``config.seq_tiles`` is 1 (a tile
     count or ``"auto"`` given is kept as given), :func:`choose` runs again with the blocks in each of ``tiles``
-    sequence tiles (default :func:`tile_counts`; ``()`` tries none), most tiles first, until a count where nothing
-    fits (fewer tiles hold more). Every tiled candidate is priced over the untiled ``none``: its own cost plus the
-    tiles' (:attr:`remat_kit.planning.budget.Candidate.tiles_s`: the extra loop trips and slicing of the tiled
-    step), so the answer is the fitting (tile count, plan) with the least estimated step time, and
-    :attr:`Choice.seq_tiles` says how many tiles it runs in. A step that fits untiled is never tiled: tiles only
-    add time there (each count tried would also cost a search's compiles). Each tile count's search may spend
-    ``max_compiles`` compiles.
+    sequence tiles (default :func:`remat_kit.planning.tiles.tile_counts`; ``()`` tries none), most tiles first,
+    until a count where nothing fits (fewer tiles hold more). Every tiled candidate is priced over the untiled
+    ``none``: its own cost plus the tiles' (:attr:`remat_kit.planning.budget.Candidate.tiles_s`: the extra loop
+    trips and slicing of the tiled step), so the answer is the fitting (tile count, plan) with the least estimated
+    step time, and :attr:`Choice.seq_tiles` says how many tiles it runs in. A step that fits untiled is never
+    tiled: tiles only add time there (each count tried would also cost a search's compiles). Each tile count's
+    search may spend ``max_compiles`` compiles.
 
     Args:
       tiles: the tile counts to try when nothing fits untiled (each must divide ``seq``).
       retile: ``retile(k) -> StepPlanner`` of the same step with the blocks in ``k`` tiles (default: a
-        :class:`~remat_kit.planning.planner.Planner` of ``config`` with ``seq_tiles=k``, see :func:`retiled`).
+        :class:`~remat_kit.planning.planner.Planner` of ``config`` with ``seq_tiles=k``, see
+        :func:`remat_kit.planning.tiles.retiled`).
     """
-    counts = tile_counts(batch, seq) if tiles is None else tuple(tiles)
-    for k in counts:  # before anything is compiled
-        check_int("tiles", k, 2)
-        tiling.check_tiles(k, seq, what="tiles")
+    counts = tiles_lib.check_counts(tiles, batch, seq)  # before anything is compiled
     planner = planner or Planner(config, loss_chunks=loss_chunks)
 
     def run(cfg: TransformerConfig, pl: StepPlanner) -> Choice:
@@ -558,16 +529,12 @@ def config_choice(
     hardware = hardware or cost.default_hardware(budget_lib.planner_platform(planner))
     untiled = planner.work(policies.none(), batch, seq)
     tried, best = [choice], None
-    for k in sorted(set(counts), reverse=True):
-        tiled_planner = retile(k) if retile is not None else retiled(planner, dataclasses.replace(config, seq_tiles=k))
-        at_k = run(dataclasses.replace(config, seq_tiles=k), tiled_planner)
-        base = tiled_planner.work(policies.none(), batch, seq)
-        # What the tiles cost over the untiled step: the tiled none's extra ops (slicing, stitching) and loop trips.
-        over = base.seconds(hardware) - untiled.seconds(hardware) + (base.trips - untiled.trips) * hardware.trip_s
-        rows = tuple(
-            dataclasses.replace(c, seq_tiles=k, tiles_s=over, rank=(round(c.cost_s + over, 15), *c.rank[1:]))
-            for c in at_k.candidates
-        )
+    for k in counts:  # most tiles first
+        config_k = dataclasses.replace(config, seq_tiles=k)
+        tiled_planner = retile(k) if retile is not None else tiles_lib.retiled(planner, config_k)
+        at_k = run(config_k, tiled_planner)
+        over = tiles_lib.tiles_cost_s(planner, tiled_planner, batch, seq, hardware)
+        rows = tiles_lib.priced_tiled(at_k.candidates, k, over)
         won = next((c for c in rows if at_k.chosen is not None and c.policy == str(at_k.chosen)), None)
         est = None if won is None else untiled.seconds(hardware) + won.cost_s
         at_k = dataclasses.replace(at_k, candidates=rows, seq_tiles=k, est_step_time_s=est)

@@ -425,6 +425,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         planner=planner,
         jobs=args.jobs,
         hardware=hardware,
+        tiles=(),  # the table is every preset compiled untiled; the engine below tries tiles when nothing fits
     )
     # The choice is the engine's (remat_kit.fit's): the table above is every preset compiled; the engine adds the
     # block's tags kept per tensor (without --policies) and mixes, and says which plan fits at least cost.

@@ -31,6 +31,8 @@ def needs(planner):
 
 
 def _auto(planner, budget, **kw):
+    # Untiled: these tests are about the policies; sequence tiles, tried when nothing fits, are tested on their own.
+    kw = {"tiles": (), **kw}
     return A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=int(budget), candidates=POOL, planner=planner, **kw)
 
 

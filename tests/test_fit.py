@@ -122,6 +122,9 @@ def test_an_impossible_budget_is_a_one_line_refusal_with_the_least_need_and_the_
         remat_kit.fit(model, loss, *args, budget=ends["full"] // 2)
     text = str(err.value)
     assert "\n" not in text and text.startswith("nothing fits") and "LoRA" in text and "mesh" in text
+    # The built-in model tries sequence tiles too (4 at 2 x 32: nothing fits there, so 2 is not tried); fit inserts
+    # none into a user's model.
+    assert ("nor in 4 sequence tiles" in text) == isinstance(model, Transformer)
     assert err.value.need_bytes <= ends["full"]
 
 

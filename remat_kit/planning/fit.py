@@ -532,7 +532,9 @@ def config_choice(
     for k in counts:  # most tiles first
         config_k = dataclasses.replace(config, seq_tiles=k)
         tiled_planner = retile(k) if retile is not None else tiles_lib.retiled(planner, config_k)
-        at_k = run(config_k, tiled_planner)
+        lean = _leanest_fit(tiled_planner, budget, config_k, presets, batch, seq, hardware, max_compiles)
+        # Nothing lean fits in k tiles: the search there would price every candidate to find nothing (as untiled).
+        at_k = run(config_k, tiled_planner) if lean is None else lean
         over = tiles_lib.tiles_cost_s(planner, tiled_planner, batch, seq, hardware)
         rows = tiles_lib.priced_tiled(at_k.candidates, k, over)
         won = next((c for c in rows if at_k.chosen is not None and c.policy == str(at_k.chosen)), None)
@@ -559,6 +561,31 @@ def config_choice(
         "(extra loop trips and slicing)."
     )
     return dataclasses.replace(best, candidates=table, compiles=compiles, seconds=seconds, reason=reason)
+
+
+def _leanest_fit(
+    planner: StepPlanner,
+    budget: Budget,
+    config: TransformerConfig,
+    presets: Sequence[policies.Policy] | None,
+    batch: int,
+    seq: int,
+    hardware: cost.Hardware | None,
+    max_compiles: int,
+) -> Choice | None:
+    """None when ``full`` or a preset leaner than it fits (the whole search is then worth running); else the
+    no-fit :class:`Choice` of those lean candidates, compiled (at most ``max_compiles``)."""
+    before, start = planner.compiles, time.perf_counter()
+    hardware = hardware or cost.default_hardware(budget_lib.planner_platform(planner))
+    price = Pricer(planner, hardware, batch, seq)
+    pool = [p for p in (presets or candidates_for(config)) if not isinstance(p, policies.Mix)]
+    lean = [policies.full(), *(p for p in pool if p.kind in ("segments", "sqrt_n", "offload") and price.choosable(p))]
+    rows = []
+    for p in list(dict.fromkeys(lean))[:max_compiles]:
+        rows.append(price.candidate(p, budget))
+        if rows[-1].fits:
+            return None
+    return Choice(None, None, None, tuple(rows), budget, planner.compiles - before, time.perf_counter() - start, "")
 
 
 def _config_choice_at(

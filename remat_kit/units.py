@@ -81,6 +81,15 @@ def fmt_flops(n: float) -> str:
     return f"{int(n)}"
 
 
+def fmt_seconds(s: float) -> str:
+    """An estimated time: milliseconds below a second, three significant digits; exactly 0 as ``0``.
+
+    >>> fmt_seconds(0), fmt_seconds(0.01234), fmt_seconds(2.5)
+    ('0', '12.3 ms', '2.5 s')
+    """
+    return "0" if s == 0 else f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
 def fmt_count(n: float) -> str:
     """A count (parameters, tokens) with k, M, B (billions) or T, three significant digits.
 

@@ -1,5 +1,7 @@
 """auto(): the least-recompute policy that fits, checked against an exhaustive search on tiny."""
 
+import dataclasses
+
 import pytest
 
 from remat_kit import _jax_internals
@@ -29,6 +31,8 @@ def needs(planner):
 
 
 def _auto(planner, budget, **kw):
+    # Untiled: these tests are about the policies; sequence tiles, tried when nothing fits, are tested on their own.
+    kw = {"tiles": (), **kw}
     return A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=int(budget), candidates=POOL, planner=planner, **kw)
 
 
@@ -283,3 +287,18 @@ def test_pareto_plot_labels_stay_apart_and_inside_the_figure(tmp_path, monkeypat
     for i, (a, box_a) in enumerate(labels):
         for b, box_b in labels[i + 1 :]:
             assert not box_a.overlaps(box_b), (a, b)
+
+
+def test_auto_plans_sequence_tiles_when_nothing_fits_untiled():
+    cfg = TransformerConfig.preset("tiny", max_seq_len=64)
+    untiled, tiled = builtin.Planner(cfg), builtin.Planner(dataclasses.replace(cfg, seq_tiles=4))
+    full = {k: p.memory(P.full(), 2, 64)[0] for k, p in ((1, untiled), (4, tiled))}
+    assert full[4] < full[1]  # 4 tiles shrink full's recompute working set at 2 x 64
+    budget = int((full[1] + full[4]) / 2 * (1 + planner_lib.DEFAULT_MARGIN))
+    kw = {"batch": 2, "seq": 64, "budget_bytes": budget, "candidates": ("none", "full"), "mixes": False}
+    r = A.auto(cfg, planner=untiled, tiles=(4,), **kw)
+    assert (str(r.chosen), r.seq_tiles) == ("full", 4) and r.reason.startswith("Nothing fits untiled; in 4 sequence")
+    won = next(c for c in r.candidates if r.is_chosen(c))
+    assert won.need_bytes == full[4] and won.fits and won.tiles_s > 0
+    assert r.to_dict()["seq_tiles"] == 4 and "*full @4 tiles" in "\n".join(r.table())
+    assert A.auto(cfg, planner=untiled, tiles=(), **kw).chosen is None  # the lever is the tiles, nothing else

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -15,8 +16,10 @@ import remat_kit
 from remat_kit import cli, policies
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig
+from remat_kit.planning import analysis, tensors
 from remat_kit.planning import fit as fit_lib
-from remat_kit.planning.planner import DEFAULT_MARGIN, StepPlanner
+from remat_kit.planning.builtin import Planner
+from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
 from tests import unedited_models as um
 
 RTOL = 1e-5  # float32 gradients
@@ -120,6 +123,9 @@ def test_an_impossible_budget_is_a_one_line_refusal_with_the_least_need_and_the_
         remat_kit.fit(model, loss, *args, budget=ends["full"] // 2)
     text = str(err.value)
     assert "\n" not in text and text.startswith("nothing fits") and "LoRA" in text and "mesh" in text
+    # The built-in model tries sequence tiles too (4 at 2 x 32: nothing fits there, so 2 is not tried); fit inserts
+    # none into a user's model.
+    assert ("nor in 4 sequence tiles" in text) == isinstance(model, Transformer)
     assert err.value.need_bytes <= ends["full"]
 
 
@@ -180,3 +186,77 @@ def test_auto_and_fit_of_a_user_loss_load_no_built_in_model_or_training():
     out = subprocess.run([sys.executable, "-c", _USER_ONLY], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [], f"the generic path loaded {out.stdout.strip()}"
+
+
+# ---- sequence tiles, a lever when nothing fits untiled -----------------------------------------------------------
+
+TILE_CFG = TransformerConfig.preset("tiny", max_seq_len=64)
+TILE_SHAPE = {"batch": 2, "seq": 64}  # 128 tokens: the smallest shape where 4 tiles shrink full's step
+
+
+@pytest.fixture(scope="module")
+def tile_planners():
+    untiled, tiled = Planner(TILE_CFG), Planner(dataclasses.replace(TILE_CFG, seq_tiles=4))
+    full = policies.full()
+    needs = {k: p.memory(full, **TILE_SHAPE)[0] for k, p in ((1, untiled), (4, tiled))}
+    return untiled, tiled, needs
+
+
+def _tile_choice(tile_planners, budget):
+    untiled, tiled, _ = tile_planners
+    return tensors.config_choice(
+        TILE_CFG,
+        Budget(budget),
+        **TILE_SHAPE,
+        planner=untiled,
+        presets=[policies.full()],
+        tiles=(4,),
+        retile=lambda k: tiled,
+    )
+
+
+def test_a_budget_only_tiles_fit_plans_tiles_and_the_compiled_tiled_step_fits(tile_planners):
+    _, _, needs = tile_planners
+    assert needs[4] < needs[1]  # 4 tiles shrink full's recompute working set
+    budget = int((needs[4] + needs[1]) / 2 * (1 + DEFAULT_MARGIN))
+    choice = _tile_choice(tile_planners, budget)
+    assert (str(choice.chosen), choice.seq_tiles, choice.need_bytes) == ("full", 4, needs[4])
+    rows = {(c.policy, c.seq_tiles): c for c in choice.candidates}
+    assert not rows[("full", 1)].fits and rows[("full", 4)].fits
+    assert rows[("full", 4)].tiles_s > 0 and rows[("full", 4)].cost_s > rows[("full", 1)].cost_s  # tiles cost time
+    assert "in 4 sequence tiles" in choice.reason and "*full @4 tiles" in choice.table()
+    # The step train compiles at that plan (its own compile, LLVM's usual optimization) fits the budget too.
+    compiled, _ = analysis.analyze_compiled(dataclasses.replace(TILE_CFG, seq_tiles=4), "full", **TILE_SHAPE)
+    assert compiled.peak_bytes * (1 + DEFAULT_MARGIN) <= budget
+
+
+def test_a_budget_that_fits_untiled_tries_no_tiles(tile_planners):
+    _, _, needs = tile_planners
+    choice = _tile_choice(tile_planners, int(needs[1] * (1 + DEFAULT_MARGIN)) + 1)
+    assert (str(choice.chosen), choice.seq_tiles) == ("full", 1)
+    assert all(c.seq_tiles == 1 for c in choice.candidates)  # tiles only cost time here: none were compiled
+
+
+def test_tiles_that_do_not_divide_the_sequence_are_one_line_before_any_compile():
+    with pytest.raises(ValueError, match="tiles=3 does not divide the sequence length 64") as err:
+        tensors.config_choice(TILE_CFG, Budget(10**6), **TILE_SHAPE, tiles=(3,), planner=StepPlanner(_never))
+    assert "\n" not in str(err.value)
+
+
+def test_of_the_tile_counts_that_fit_the_one_with_fewest_trips_wins(tile_planners):
+    untiled, tiled, needs = tile_planners
+    tiled8 = Planner(dataclasses.replace(TILE_CFG, seq_tiles=8))
+    budget = int(needs[4] * 1.01 * (1 + DEFAULT_MARGIN))  # nothing untiled fits; full in 4 or 8 tiles does
+    choice = tensors.config_choice(
+        TILE_CFG,
+        Budget(budget),
+        **TILE_SHAPE,
+        planner=untiled,
+        presets=[policies.full()],
+        tiles=(4, 8),
+        retile=lambda k: {4: tiled, 8: tiled8}[k],
+    )
+    rows = {(c.policy, c.seq_tiles): c for c in choice.candidates}
+    assert rows[("full", 8)].fits and rows[("full", 4)].fits
+    assert rows[("full", 8)].cost_s > rows[("full", 4)].cost_s  # twice the tiles, more loop trips
+    assert (str(choice.chosen), choice.seq_tiles) == ("full", 4)

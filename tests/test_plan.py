@@ -259,3 +259,18 @@ def test_limits_pareto_takes_the_front_by_estimated_cost():
     assert plan_cli.limit_policies(rows, "pareto", None) == ["none", "selective", "full"]
     assert plan_cli.limit_policies(rows, "chosen", policies.full()) == ["full"]
     assert plan_cli.limit_policies(rows, "all", None) == ["none", "selective", "every_n:2", "full"]
+
+
+def test_a_tiled_choice_is_marked_alone_in_the_table_and_carried_in_the_json():
+    # The same policy untiled (over the budget) and in 4 tiles (fits): only the tiled row is the chosen one.
+    rows = (
+        A.Candidate("none", 0, 0, need_bytes=300, host_bytes=0, fits=False),
+        A.Candidate("full", 0, 20, need_bytes=200, host_bytes=0, fits=False, recompute_s=3e-3),
+        A.Candidate("full", 0, 20, 150, 0, True, recompute_s=3e-3, seq_tiles=4, tiles_s=1e-3),
+    )
+    r = A.AutoResult(policies.full(), 180, 0.1, 2, 64, 0, "adamw", rows, "", 0, 0.0, seq_tiles=4)
+    table = r.table({"full": (3, 96)})
+    marked = [line for line in table if line.startswith("*")]
+    assert len(marked) == 1 and marked[0].startswith("*full @4 tiles") and " 4 ms " in marked[0]  # 3 + 1 ms
+    assert [line.split()[-1] for line in table if line.startswith(" full ")] == ["96"]  # limits: the untiled row's
+    assert r.to_dict()["seq_tiles"] == 4 and r.to_dict()["candidates"][2]["seq_tiles"] == 4

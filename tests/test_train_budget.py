@@ -46,6 +46,7 @@ def test_train_budget_plans_records_resumes_and_refuses_a_changed_budget(tmp_pat
     assert plan["budget_bytes"] == 5 * 10**6 and plan["policy"] != "none"
     assert plan["need_bytes"] * (1 + plan["margin"]) <= plan["budget_bytes"]
     assert str(policies.parse(plan["policy"])) == plan["policy"]
+    assert plan["seq_tiles"] == 1  # it fits untiled: no tiles (they only cost time)
     assert f"policy {plan['policy']}" in out  # printed before the first step
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["policy"] == plan["policy"] and summary["step"] == 2
@@ -61,3 +62,18 @@ def test_train_budget_plans_records_resumes_and_refuses_a_changed_budget(tmp_pat
     code, _, err = _run([*base, "--steps", "5", "--budget", "6MB", "--resume"], capsys)
     assert code == 2 and err.count("\n") == 0
     assert "this run was planned for --budget 5.0 MB" in err and plan["policy"] in err
+
+
+def test_resume_keeps_the_recorded_plans_sequence_tiles(tmp_path, capsys):
+    data = str(Path(train.__file__).parent)
+    ckpt = tmp_path / "ckpt"
+    base = ["train", *TINY, "--data", data, "--checkpoint-dir", str(ckpt), "--json"]
+    # A run planned in 4 sequence tiles (as --budget records it when nothing fits untiled), then resumed without the
+    # flag: the checkpoint's model has seq_tiles=4; a resume that dropped the tiles would be refused as another model.
+    code, _, _ = _run([*base, "--steps", "1", "--policy", "full", "--seq-tiles", "4"], capsys)
+    assert code == 0
+    record = {"budget_bytes": 5 * 10**6, "margin": 0.1, "policy": "full", "seq_tiles": 4, "need_bytes": 4 * 10**6}
+    (ckpt / "remat_plan.json").write_text(json.dumps(record))
+    code, out, _ = _run([*base, "--steps", "2", "--budget", "5MB", "--resume"], capsys)
+    assert code == 0 and "resuming under the recorded plan full in 4 sequence tiles" in out
+    assert json.loads(out.strip().splitlines()[-1])["step"] == 2

@@ -425,6 +425,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         planner=planner,
         jobs=args.jobs,
         hardware=hardware,
+        tiles=(),  # the table is every preset compiled untiled; the engine below tries tiles when nothing fits
     )
     # The choice is the engine's (remat_kit.fit's): the table above is every preset compiled; the engine adds the
     # block's tags kept per tensor (without --policies) and mixes, and says which plan fits at least cost.
@@ -438,11 +439,16 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         presets=None if args.policies is None else pool,
         hardware=result.hardware,
     )
-    if str(choice.chosen) != str(result.chosen):
-        shown = {c.policy for c in result.candidates}
-        extra = tuple(c for c in choice.candidates if c.need_bytes is not None and c.policy not in shown)
+    if (str(choice.chosen), choice.seq_tiles) != (str(result.chosen), result.seq_tiles):
+        # The engine's extra rows: per-tensor plans, mixes and (when nothing fits untiled) the tiled steps compiled.
+        shown = {(c.policy, c.seq_tiles) for c in result.candidates}
+        extra = tuple(c for c in choice.candidates if c.need_bytes is not None and (c.policy, c.seq_tiles) not in shown)
         result = dataclasses.replace(
-            result, chosen=choice.chosen, candidates=result.candidates + extra, reason=choice.reason
+            result,
+            chosen=choice.chosen,
+            seq_tiles=choice.seq_tiles,
+            candidates=result.candidates + extra,
+            reason=choice.reason,
         )
     per = None
     if args.per_tensor:
@@ -460,7 +466,9 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
             pool=pool,
             maxtext=args.maxtext,
         )
-    wanted = limit_policies(result.candidates, limits, result.chosen)
+    # The limits are the untiled step's (max_fit grows the shape, and a tile count must divide every length tried).
+    untiled = [c for c in result.candidates if c.seq_tiles == 1]
+    wanted = limit_policies(untiled, limits, result.chosen if result.seq_tiles == 1 else None)
     fit = {}
     if wanted and mesh is None:
         # The searches' first compiles are known in advance (the batch line's two points, the sequence
@@ -497,7 +505,8 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     print("\n".join(result.table(shown)))
     if any(s == config.max_seq_len for _, s in fit.values()):
         print(f"(cap): the preset's max_seq_len ({config.max_seq_len}); memory would allow more")
-    print(f"\nchosen: {result.chosen}" if result.chosen is not None else "")
+    tiles = f" in {result.seq_tiles} sequence tiles (--seq-tiles {result.seq_tiles})" if result.seq_tiles > 1 else ""
+    print(f"\nchosen: {result.chosen}{tiles}" if result.chosen is not None else "")
     print(result.reason)  # when nothing fits, it says so (once)
     if per is not None:
         for line in format_per_tensor(per):

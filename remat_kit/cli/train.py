@@ -250,9 +250,10 @@ def read_plan(checkpoint_dir: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def plan_budget(args: argparse.Namespace, config) -> str:
-    """``--budget``: the policy the engine chooses (remat_kit.fit's, plan --budget's), printed in a few lines and
-    recorded in --checkpoint-dir; on --resume the recorded one, and a different budget refused in one line."""
+def plan_budget(args: argparse.Namespace, config) -> tuple[str, int]:
+    """``--budget``: the policy and sequence tiles the engine chooses (remat_kit.fit's, plan --budget's), printed in
+    a few lines and recorded in --checkpoint-dir; on --resume the recorded ones, and a different budget refused in
+    one line. Returns ``(policy spec, seq_tiles)``: the tiles are the config's own unless nothing fit untiled."""
     from remat_kit.model import loss as loss_lib
     from remat_kit.planning import fit as fit_lib
     from remat_kit.planning import tensors
@@ -276,8 +277,8 @@ def plan_budget(args: argparse.Namespace, config) -> str:
                 f"(policy {recorded['policy']}), not {fmt_bytes(budget.bytes)}; resume with that budget or start a "
                 "new --checkpoint-dir"
             )
-        print(f"[train] --budget {fmt_bytes(budget.bytes)}: resuming under the recorded plan {recorded['policy']}")
-        return recorded["policy"]
+        print(f"[train] --budget {fmt_bytes(budget.bytes)}: resuming under the recorded plan {_plan_text(recorded)}")
+        return recorded["policy"], recorded.get("seq_tiles", config.model.seq_tiles)
     chunks = loss_lib.resolve_chunks(config.loss_chunks, config.batch_size * config.seq_len, config.model.vocab_size, 1)
     planner = Planner(config.model, loss_chunks=chunks, grad_accum=config.grad_accum)
     choice = tensors.config_choice(
@@ -285,8 +286,9 @@ def plan_budget(args: argparse.Namespace, config) -> str:
     )
     if choice.chosen is None:
         raise ValueError(choice.reason)
+    tiles = f" in {choice.seq_tiles} sequence tiles (nothing fits untiled)" if choice.seq_tiles > 1 else ""
     print(
-        f"[train] --budget {fmt_bytes(budget.bytes)} (margin {budget.margin:.0%}): policy {choice.chosen}\n"
+        f"[train] --budget {fmt_bytes(budget.bytes)} (margin {budget.margin:.0%}): policy {choice.chosen}{tiles}\n"
         f"[train]   compiled need {fmt_bytes(choice.need_bytes)}, estimated step "
         f"{choice.est_step_time_s * 1e3:.3g} ms; {choice.compiles} compiles, {choice.seconds:.1f} s"
     )
@@ -296,11 +298,25 @@ def plan_budget(args: argparse.Namespace, config) -> str:
             "budget_bytes": budget.bytes,
             "margin": budget.margin,
             "policy": str(choice.chosen),
+            "seq_tiles": choice.seq_tiles if choice.seq_tiles > 1 else config.model.seq_tiles,
             "need_bytes": choice.need_bytes,
             "est_step_time_s": choice.est_step_time_s,
         }
         (Path(args.checkpoint_dir) / PLAN_FILE).write_text(json.dumps(record, indent=1) + "\n")
-    return str(choice.chosen)
+    return str(choice.chosen), choice.seq_tiles if choice.seq_tiles > 1 else config.model.seq_tiles
+
+
+def _plan_text(recorded: dict) -> str:
+    """A recorded plan in words: its policy, and its sequence tiles when it runs tiled."""
+    tiles = recorded.get("seq_tiles", 1)
+    return recorded["policy"] + ("" if tiles == 1 else f" in {tiles} sequence tiles")
+
+
+def _with_plan(config, policy: str, seq_tiles):
+    """``config`` under a plan: its policy, and the model's sequence tiles."""
+    if seq_tiles != config.model.seq_tiles:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, seq_tiles=seq_tiles))
+    return dataclasses.replace(config, policy=policy)
 
 
 def _train_command(args: argparse.Namespace) -> int:
@@ -311,12 +327,12 @@ def _train_command(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     if args.budget is not None or args.policy == "auto":
-        config = dataclasses.replace(config, policy=plan_budget(args, config))
+        config = _with_plan(config, *plan_budget(args, config))
     elif args.resume and args.checkpoint_dir and args.policy == "none":
         recorded = read_plan(args.checkpoint_dir)
-        if recorded is not None:  # a budgeted run resumes under its plan, never silently under `none`
-            print(f"[train] resuming under the recorded plan {recorded['policy']}", file=sys.stderr)
-            config = dataclasses.replace(config, policy=recorded["policy"])
+        if recorded is not None:  # a budgeted run resumes under its plan (tiles too), never silently under `none`
+            print(f"[train] resuming under the recorded plan {_plan_text(recorded)}", file=sys.stderr)
+            config = _with_plan(config, recorded["policy"], recorded.get("seq_tiles", config.model.seq_tiles))
     result = train(
         config,
         data_paths=args.data,

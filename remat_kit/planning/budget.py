@@ -36,7 +36,7 @@ from remat_kit.analysis import explain, inspection, memory
 from remat_kit.planning import cost
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner, is_built_in
-from remat_kit.units import check_int, fmt_bytes, fmt_flops
+from remat_kit.units import check_int, fmt_bytes, fmt_flops, fmt_seconds
 from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.planning.budget.parse_bytes
 
 #: What the columns of :meth:`AutoResult.table` mean.
@@ -63,6 +63,11 @@ class Candidate:
       offload_s: its exposed seconds of host transfers (0 where offload moves nothing).
       recompute_bytes: bytes the recomputed ops read and write.
       rank: the sort key (:attr:`remat_kit.planning.cost.Estimate.rank`).
+      trips_s: its dispatch seconds of the loop trips it runs beyond ``none``'s.
+      seq_tiles: the sequence tiles the step runs its blocks in (1: untiled; see
+        :attr:`remat_kit.model.transformer.TransformerConfig.seq_tiles`).
+      tiles_s: what running in ``seq_tiles`` tiles costs over the untiled step (the tiled ``none``'s extra ops and
+        loop trips over the untiled ``none``'s); 0 untiled.
     """
 
     policy: str
@@ -75,11 +80,20 @@ class Candidate:
     offload_s: float = 0.0
     recompute_bytes: int = 0
     rank: tuple = ()
+    trips_s: float = 0.0
+    seq_tiles: int = 1
+    tiles_s: float = 0.0
 
     @property
     def cost_s(self) -> float:
-        """The estimated step-time cost over ``none``: recompute plus exposed offload."""
-        return self.recompute_s + self.offload_s
+        """The estimated step-time cost over the untiled ``none``: recompute, exposed offload, extra loop trips and
+        (tiled) the tiles' own cost."""
+        return self.recompute_s + self.offload_s + self.trips_s + self.tiles_s
+
+    @property
+    def label(self) -> str:
+        """The policy's spec, with its tile count when tiled (``full @4 tiles``): what a table shows."""
+        return self.policy if self.seq_tiles == 1 else f"{self.policy} @{self.seq_tiles} tiles"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +129,12 @@ class AutoResult:
     hardware: cost.Hardware | None = None
     #: Caveats a reader needs: where XLA removed a candidate's recompute (:func:`cse_notes`).
     notes: tuple[str, ...] = ()
+    #: The sequence tiles the chosen step runs its blocks in (1: untiled); a table's rows carry their own.
+    seq_tiles: int = 1
+
+    def is_chosen(self, c: Candidate) -> bool:
+        """Whether ``c`` is the chosen row: its policy and its tile count."""
+        return self.chosen is not None and c.policy == str(self.chosen) and c.seq_tiles == self.seq_tiles
 
     @property
     def budget(self) -> Budget:
@@ -127,7 +147,7 @@ class AutoResult:
         ``*``; then the notes."""
         fit = fit or {}
         budget = self.budget
-        width = max(len(c.policy) for c in self.candidates) + 1
+        width = max(len(c.label) for c in self.candidates) + 1
         head = (
             f"{'policy':{width + 1}} {'recompute':>10} {'est.':>10} {'peak':>10} {'+margin':>10} {'host':>10} "
             f"{'fits':>5}"
@@ -136,17 +156,18 @@ class AutoResult:
             head += f" {'max batch @seq ' + str(self.seq):>18} {'max seq @batch ' + str(self.batch):>18}"
         rows = [head, "-" * len(head)]
         for c in self.candidates:
-            mark = "*" if self.chosen is not None and c.policy == str(self.chosen) else " "
+            mark = "*" if self.is_chosen(c) else " "
             compiled = c.need_bytes is not None
             fits = "-" if c.fits is None else "yes" if c.fits else "no"
             row = (
-                f"{mark}{c.policy:{width}} {fmt_flops(c.recompute_flops):>10} {_fmt_seconds(c.cost_s):>10} "
+                f"{mark}{c.label:{width}} {fmt_flops(c.recompute_flops):>10} {fmt_seconds(c.cost_s):>10} "
                 f"{fmt_bytes(c.need_bytes) if compiled else '-':>10} "
                 f"{fmt_bytes(budget.with_margin(c.need_bytes)) if compiled else '-':>10} "
                 f"{fmt_bytes(c.host_bytes) if compiled else '-':>10} {fits:>5}"
             )
-            if fit:
-                row += "".join(f" {fit[c.policy][k] if c.policy in fit else '-':>18}" for k in (0, 1))
+            if fit:  # the limits are the untiled step's
+                known = c.policy in fit and c.seq_tiles == 1
+                row += "".join(f" {fit[c.policy][k] if known else '-':>18}" for k in (0, 1))
             rows.append(row)
         if self.mixed_front:
             pairs = ", ".join(f"{a} → {b}" for a, b, *_ in self.mixed_front)
@@ -207,7 +228,7 @@ class AutoResult:
             )
         ax.axhline(self.budget.target / scale, color="tab:orange", label=f"budget / (1 + {self.margin:.0%} margin)")
         if self.chosen is not None:
-            win = next(i for i, c in enumerate(rows) if c.policy == str(self.chosen))
+            win = next(i for i, c in enumerate(rows) if self.is_chosen(c))
             ax.scatter(
                 [xs[win]],
                 [ys[win]],
@@ -215,7 +236,7 @@ class AutoResult:
                 facecolors="none",
                 edgecolors="black",
                 linewidths=2,
-                label=f"chosen: {_short(str(self.chosen))}",
+                label=f"chosen: {_short(rows[win].label)}",
                 zorder=4,
             )
         ax.set_xlabel("estimated recompute cost per step (ms over `none`, cost model)")
@@ -227,7 +248,7 @@ class AutoResult:
         )
         ax.grid(alpha=0.3)
         _number_points(fig, ax, xs, ys, ringed=[] if self.chosen is None else [win])
-        key = "\n".join(f"{i + 1:>2}  {_short(c.policy)}" for i, c in enumerate(rows))
+        key = "\n".join(f"{i + 1:>2}  {_short(c.label)}" for i, c in enumerate(rows))
         fig.text(0.65, 0.88, key, va="top", ha="left", fontsize=7, family="monospace")
         fig.legend(*ax.get_legend_handles_labels(), loc="lower left", bbox_to_anchor=(0.645, 0.1), fontsize=8)
         fig.savefig(path, dpi=110)
@@ -238,6 +259,7 @@ class AutoResult:
         """A JSON-ready record; ``chosen`` is the winner's spec string (or None)."""
         return {
             "chosen": None if self.chosen is None else str(self.chosen),
+            "seq_tiles": self.seq_tiles,
             "budget_bytes": self.budget_bytes,
             "margin": self.margin,
             "batch": self.batch,
@@ -274,6 +296,7 @@ def auto(
     loss_chunks: int = 0,
     mixes: bool = True,
     hardware: cost.Hardware | None = None,
+    tiles: Sequence[int] | None = None,
 ) -> AutoResult:
     """Choose the policy with the least estimated recompute time whose training step fits ``budget_bytes``.
 
@@ -303,6 +326,10 @@ def auto(
         answer is then the mix with the least recompute that fits, measured by one more compile or a few.
       hardware: what recompute is priced against (default: :func:`remat_kit.planning.cost.default_hardware`
         of the backend; :func:`remat_kit.planning.cost.calibrate` measures this machine).
+      tiles: for a config whose ``seq_tiles`` is 1, the sequence-tile counts tried when nothing fits untiled
+        (default :func:`remat_kit.planning.tiles.tile_counts`; ``()`` tries none): the search runs again with the
+        blocks in each, most tiles first, every tiled candidate priced over the untiled ``none``, and
+        :attr:`AutoResult.seq_tiles` says the count chosen. A budget that fits untiled tries no tiles (they add time).
 
     Returns:
       An :class:`AutoResult`; ``chosen`` (a Policy or a Mix) is None when nothing fits, and ``reason`` then says what is
@@ -322,27 +349,21 @@ def auto(
     if is_built_in(model, "TransformerConfig"):
         from remat_kit.planning import builtin  # late: the built-in model is loaded only when it is planned
 
-        planner, pool = builtin.config_pool(
+        return builtin.auto_config(
             model,
             args,
+            budget,
             candidates=wanted,
             optimizer=optimizer,
             planner=planner,
             batch=batch,
             seq=seq,
             loss_chunks=loss_chunks,
-        )
-        return search(
-            planner,
-            pool,
-            budget,
             exhaustive=exhaustive,
-            batch=batch,
-            seq=seq,
-            loss_chunks=loss_chunks,
             jobs=jobs,
             hardware=hardware,
-            num_layers=model.num_layers if mixes else None,
+            mixes=mixes,
+            tiles=tiles,
         )
     if not callable(model):
         raise TypeError(f"auto's first argument must be a TransformerConfig or make_loss(policy), got {model!r}")
@@ -435,7 +456,7 @@ def search(
         loss_chunks=loss_chunks,
         optimizer=planner.optimizer_name,
         candidates=table,
-        reason=_reason(chosen, table, budget, loss_chunks, transformer=batch is not None),
+        reason=why_chosen(chosen, table, budget, loss_chunks, transformer=batch is not None),
         compiled=planner.compiles - compiles_before,
         seconds=time.perf_counter() - start,
         mixed_front=front,
@@ -507,12 +528,6 @@ def _has_offload(policy: policies.Policy | policies.Mix) -> bool:
     return any(p.kind == "offload" for p in parts)
 
 
-def _fmt_seconds(s: float) -> str:
-    if s == 0:
-        return "0"
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
-
-
 class Pricer:
     """Prices policies on one planner at one shape: the cost model's estimate over ``none`` and the compiled need.
 
@@ -556,6 +571,7 @@ class Pricer:
             "offload_s": e.offload_s,
             "recompute_bytes": e.recompute_bytes,
             "rank": e.rank,
+            "trips_s": e.trips_s,
         }
         if budget is None:
             return Candidate(str(policy), f, f - self._base_flops, **extra)
@@ -666,7 +682,10 @@ def best_mix(
     return policies.mix([(pa, winner), (pb, num_layers - winner)]), tried, lines
 
 
-def _reason(chosen, table: Sequence[Candidate], budget: Budget, loss_chunks: int, transformer: bool = True) -> str:
+def why_chosen(chosen, table: Sequence[Candidate], budget: Budget, loss_chunks: int, transformer: bool = True) -> str:
+    """:attr:`AutoResult.reason`: what ``chosen`` needs of the budget and costs, and what blocked cheaper rows of
+    ``table``; or, nothing chosen, what is needed and which levers remain (the built-in model's when
+    ``transformer``)."""
     margin = budget.margin
     if chosen is not None:
         win = next(c for c in table if c.policy == str(chosen))
@@ -674,7 +693,7 @@ def _reason(chosen, table: Sequence[Candidate], budget: Budget, loss_chunks: int
         text = (
             f"{win.policy} needs {fmt_bytes(win.need_bytes)} (+{margin:.0%} margin: "
             f"{fmt_bytes(budget.with_margin(win.need_bytes))}) of the {fmt_bytes(budget.bytes)} budget and costs an "
-            f"estimated {_fmt_seconds(win.cost_s)} per step over `none` ({win.recompute_flops / 1e9:.3g} GFLOP "
+            f"estimated {fmt_seconds(win.cost_s)} per step over `none` ({win.recompute_flops / 1e9:.3g} GFLOP "
             f"of matmuls recomputed)"
         )
         if cheaper:
@@ -691,7 +710,7 @@ def _reason(chosen, table: Sequence[Candidate], budget: Budget, loss_chunks: int
                 alone = min(single, key=lambda c: (c.rank, c.need_bytes))
                 text += (
                     f"; as a mix of {' and '.join(str(p) for p in chosen.policies)} it costs less than "
-                    f"{alone.policy}, the best single policy that fits ({_fmt_seconds(alone.cost_s)})"
+                    f"{alone.policy}, the best single policy that fits ({fmt_seconds(alone.cost_s)})"
                 )
             return text + "."
         ties = [c for c in table if c.rank == win.rank and c.policy != win.policy and c.fits]

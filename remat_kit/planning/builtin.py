@@ -8,8 +8,10 @@ loaded only when a :class:`remat_kit.model.transformer.TransformerConfig` is pla
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,9 @@ from remat_kit import policies
 from remat_kit.analysis import memory
 from remat_kit.model.loss import lm_loss, resolve_chunks
 from remat_kit.model.transformer import Transformer, TransformerConfig
-from remat_kit.planning import analysis
+from remat_kit.planning import analysis, cost
+from remat_kit.planning import tiles as tiles_lib
+from remat_kit.planning.budget import AutoResult, search, why_chosen
 from remat_kit.planning.fit import _boundary
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
 from remat_kit.step import mesh as mesh_lib
@@ -117,9 +121,10 @@ def candidates_for(config: TransformerConfig, *, offload: bool | None = None) ->
     return tuple(dict.fromkeys(out))
 
 
-def config_pool(
+def auto_config(
     config: TransformerConfig,
     args: tuple,
+    budget: Budget,
     *,
     candidates=None,
     optimizer: str | optax.GradientTransformation = "adamw",
@@ -127,17 +132,87 @@ def config_pool(
     batch: int | None = None,
     seq: int | None = None,
     loss_chunks: int = 0,
-) -> tuple[StepPlanner, list[policies.Policy]]:
-    """What :func:`remat_kit.planning.budget.auto` searches for the built-in Transformer (``auto(config, batch=,
-    seq=, ...)``), its arguments checked: ``(planner or a Planner of config, the pool of candidates_for or
-    candidates)``."""
+    exhaustive: bool = False,
+    jobs: int = 1,
+    hardware: cost.Hardware | None = None,
+    mixes: bool = True,
+    tiles: Sequence[int] | None = None,
+) -> AutoResult:
+    """:func:`remat_kit.planning.budget.auto` of the built-in Transformer (``auto(config, batch=, seq=, ...)``), its
+    arguments checked before anything is compiled: the candidates of :func:`candidates_for` (or ``candidates``)
+    searched untiled, then, when nothing fits and ``config.seq_tiles`` is 1, in sequence tiles
+    (:func:`search_tiled`)."""
     if args:
         raise TypeError("auto(config, ...) takes batch= and seq= keywords, not positional inputs")
     if batch is None or seq is None:
         raise TypeError("auto(config, ...) needs batch= and seq=")
     analysis.check_shape(config, batch, seq, loss_chunks)
+    counts = tiles_lib.check_counts(tiles, batch, seq) if config.seq_tiles == 1 else ()
     planner = planner or Planner(config, optimizer, loss_chunks)
-    return planner, [policies.parse(p, num_layers=config.num_layers) for p in (candidates or candidates_for(config))]
+    pool = [policies.parse(p, num_layers=config.num_layers) for p in (candidates or candidates_for(config))]
+    kw = {"exhaustive": exhaustive, "batch": batch, "seq": seq, "loss_chunks": loss_chunks, "jobs": jobs}
+    result = search(planner, pool, budget, hardware=hardware, num_layers=config.num_layers if mixes else None, **kw)
+    if result.chosen is None and counts:
+        result = search_tiled(result, config, planner, pool, budget, counts, mixes=mixes, **kw)
+    return result
+
+
+def search_tiled(
+    untiled: AutoResult,
+    config: TransformerConfig,
+    planner: Planner,
+    pool: Sequence[policies.Policy],
+    budget: Budget,
+    counts: Sequence[int],
+    *,
+    mixes: bool,
+    batch: int,
+    seq: int,
+    loss_chunks: int,
+    **kw,
+) -> AutoResult:
+    """:func:`remat_kit.planning.budget.auto`'s tile lever, when nothing fits untiled: :func:`search` again with
+    the blocks in each of ``counts`` sequence tiles (most first, until a count where nothing fits: fewer tiles hold
+    more), every tiled candidate priced over the untiled ``none`` (:func:`remat_kit.planning.tiles.tiles_cost_s`);
+    the fitting (tiles, policy) with the least estimated cost wins."""
+    start = time.perf_counter()
+    tried, best = [untiled], None
+    for k in counts:
+        tiled = retiled(planner, dataclasses.replace(config, seq_tiles=k))
+        layers = config.num_layers if mixes else None
+        r = search(tiled, pool, budget, hardware=untiled.hardware, num_layers=layers, batch=batch, seq=seq, **kw)
+        over = tiles_lib.tiles_cost_s(planner, tiled, batch, seq, untiled.hardware)
+        r = dataclasses.replace(r, candidates=tiles_lib.priced_tiled(r.candidates, k, over), seq_tiles=k)
+        tried.append(r)
+        if r.chosen is None:
+            break
+        key = lambda res: min((c.rank, c.need_bytes) for c in res.candidates if res.is_chosen(c))
+        if best is None or key(r) < key(best):
+            best = r
+    shown = ", ".join(str(t.seq_tiles) for t in tried[1:])
+    combined = {
+        "candidates": tuple(c for t in tried for c in t.candidates),
+        "compiled": sum(t.compiled for t in tried),
+        "seconds": untiled.seconds + time.perf_counter() - start,
+        "notes": tuple(dict.fromkeys(n for t in tried for n in t.notes)),
+    }
+    if best is None:
+        return dataclasses.replace(untiled, reason=f"{untiled.reason} Nor in {shown} sequence tiles.", **combined)
+    why = why_chosen(best.chosen, best.candidates, budget, loss_chunks)
+    reason = (
+        f"Nothing fits untiled; in {best.seq_tiles} sequence tiles (the cheapest that fits of {shown} tried): {why}"
+    )
+    return dataclasses.replace(best, reason=reason, **combined)
+
+
+def retiled(planner: StepPlanner, config: TransformerConfig) -> Planner:
+    """A :class:`Planner` of ``config`` that plans what ``planner`` (a Planner of the
+    same model untiled) plans: its optimizer (gradient accumulation included), loss chunks, mesh and progress."""
+    if not isinstance(planner, Planner):
+        raise TypeError(f"retiled needs a Planner of the built-in model, got {type(planner).__name__}; give retile=")
+    new = Planner(config, loss_chunks=planner.loss_chunks, mesh=planner.mesh, progress=planner.progress)
+    new.opt, new.optimizer_name = planner.opt, planner.optimizer_name
+    return new
 
 
 def max_fit(

@@ -27,7 +27,7 @@ from remat_kit.planning import cost
 from remat_kit.planning.budget import GENERIC_CANDIDATES, Candidate, Pricer
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner, get_optimizer, is_built_in
 from remat_kit.unedited import entry as unedited_lib
-from remat_kit.units import check_int, fmt_bytes, parse_bytes
+from remat_kit.units import check_int, fmt_bytes, fmt_seconds, parse_bytes
 
 
 def _boundary(need, target: float, first: int, cap: int, probes=(), degree: int = 1, known=None) -> int:
@@ -160,6 +160,8 @@ class Choice:
       budget: the :class:`Budget`; compiles: XLA compiles this choice spent; seconds: its wall time.
       reason: one paragraph: why the winner won, or (nothing fits) the one-line refusal.
       groups: the per-tensor groups (names decided together) the pool was built from.
+      seq_tiles: the sequence tiles the chosen step runs its blocks in (1: untiled); tiled candidates carry theirs
+        (:attr:`remat_kit.planning.budget.Candidate.seq_tiles`).
     """
 
     chosen: policies.Policy | policies.Mix | None
@@ -171,28 +173,27 @@ class Choice:
     seconds: float
     reason: str
     groups: tuple[tuple[str, ...], ...] = ()
+    seq_tiles: int = 1
 
     def table(self) -> str:
         """The candidates, cheapest first: estimated cost over ``none``, compiled need (``-``: predicted not to fit,
         not compiled), whether it fits; the chosen one marked ``*``."""
         rows = sorted(self.candidates, key=lambda c: c.rank)
-        width = max([len(c.policy) for c in rows] + [6]) + 1
+        width = max([len(c.label) for c in rows] + [6]) + 1
         head = f" {'policy':{width}} {'est. cost':>10} {'need':>10} {'+margin':>10} {'fits':>5}"
         out = [head, "-" * len(head)]
         for c in rows:
-            mark = "*" if self.chosen is not None and c.policy == str(self.chosen) else " "
+            chosen = self.chosen is not None and c.policy == str(self.chosen) and c.seq_tiles == self.seq_tiles
+            mark = "*" if chosen else " "
             compiled = c.need_bytes is not None
             out.append(
-                f"{mark}{c.policy:{width}} {_seconds(c.cost_s):>10} {fmt_bytes(c.need_bytes) if compiled else '-':>10} "
+                f"{mark}{c.label:{width}} {fmt_seconds(c.cost_s):>10} "
+                f"{fmt_bytes(c.need_bytes) if compiled else '-':>10} "
                 f"{fmt_bytes(self.budget.with_margin(c.need_bytes)) if compiled else '-':>10} "
                 f"{'-' if c.fits is None else 'yes' if c.fits else 'no':>5}"
             )
         out.append(f"{self.compiles} compiles, {self.seconds:.1f} s. {self.reason}")
         return "\n".join(out)
-
-
-def _seconds(s: float) -> str:
-    return "0" if s == 0 else f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
 def emitted_bytes(body) -> dict[str, int]:
@@ -384,7 +385,7 @@ def choose(
         reason = (
             f"{chosen.policy} needs {fmt_bytes(chosen.need_bytes)} (+{budget.margin:.0%} margin: "
             f"{fmt_bytes(budget.with_margin(chosen.need_bytes))}) of {fmt_bytes(budget.bytes)} at an estimated "
-            f"{_seconds(chosen.cost_s)} per step over none"
+            f"{fmt_seconds(chosen.cost_s)} per step over none"
             + (f"; the {len(why)} cheaper ones compiled need more" if why else "")
             + "."
         )
@@ -412,6 +413,9 @@ class FitResult:
       est_step_time_s: the cost model's estimate of the whole step under it.
       candidates: every candidate priced (:class:`remat_kit.planning.budget.Candidate`).
       choice: the engine's whole answer (:class:`Choice`).
+      seq_tiles: the sequence tiles the built-in model's blocks run in under the plan (1: untiled); ``model``'s
+        config carries them. Always 1 for a user's model: fit inserts no tiles there (:func:`remat_kit.tiled` is the
+        user's to place).
     """
 
     model: Any
@@ -420,6 +424,7 @@ class FitResult:
     est_step_time_s: float
     candidates: tuple
     choice: Choice
+    seq_tiles: int = 1
 
     def table(self) -> str:
         """The candidates priced, their compiled needs and the choice (:meth:`Choice.table`)."""
@@ -459,6 +464,12 @@ def fit(
     parameters and state donated. The candidates come from the model itself: the names its blocks emit (its own
     tags, the module paths :func:`remat_kit.names_of` lists), kept or recomputed per tensor, plus the presets and
     mixes of two (:func:`choose`); nothing is listed by hand.
+
+    Sequence tiles: for the built-in Transformer (``seq_tiles=1``) tiles are a lever like the others: when no plan fits
+    untiled, the blocks' per-token parts are tried in sequence tiles
+    (:func:`remat_kit.planning.tensors.config_choice`) and ``.model`` carries the tile count chosen
+    (``.seq_tiles``). For any other model fit inserts no tiles: they change the model's code, which is the user's
+    (wrap a block's per-token part in :func:`remat_kit.tiled` and fit plans the model as given).
 
     Args:
       budget: device bytes (an int) or a size string (``"16GB"``, ``"512MiB"``).
@@ -568,6 +579,7 @@ def fit(
         est_step_time_s=choice.est_step_time_s,
         candidates=choice.candidates,
         choice=choice,
+        seq_tiles=choice.seq_tiles,
     )
 
 

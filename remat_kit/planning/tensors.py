@@ -70,11 +70,13 @@ from remat_kit import names as _names
 from remat_kit.analysis import memory
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis, cost
+from remat_kit.planning import tiles as tiles_lib
 from remat_kit.planning.budget import Pricer, planner_platform, search
-from remat_kit.planning.builtin import Planner, candidates_for
+from remat_kit.planning.builtin import Planner, candidates_for, retiled
 from remat_kit.planning.fit import MAX_COMPILES, Choice, choose, emitted_bytes
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
+from remat_kit.units import fmt_bytes, fmt_seconds
 
 #: Tags decided together: computed side by side and read by the same backward ops.
 TAG_GROUPS: tuple[tuple[str, ...], ...] = (
@@ -509,11 +511,6 @@ def _plan_policy(parts: tuple, num_layers: int) -> str:
     return str(policies.mix([(a.policy, k), (b.policy, num_layers - k)]))
 
 
-def offload_note() -> str | None:
-    """Why offload options are left out here, or None where offload moves memory."""
-    return None if memory.host_offload().enforced else "offload moves nothing on this backend: not considered"
-
-
 def config_choice(
     config: TransformerConfig,
     budget: Budget,
@@ -525,12 +522,116 @@ def config_choice(
     presets: Sequence[policies.Policy] | None = None,
     hardware: cost.Hardware | None = None,
     max_compiles: int = MAX_COMPILES,
+    tiles: Sequence[int] | None = None,
+    retile: Callable[[int], StepPlanner] | None = None,
 ) -> Choice:
     """:func:`choose` for the built-in Transformer at one shape: the presets of
     :func:`remat_kit.planning.builtin.candidates_for` (or ``presets``, then without per-tensor candidates), the block's
-    tags as groups (:func:`remat_kit.planning.default_groups`), mixes over its layers. What ``plan --budget``,
-    ``train --budget`` and :func:`fit` of the built-in model run."""
+    tags as groups (:func:`default_groups`), mixes over its layers. What ``plan --budget``, ``train --budget`` and
+    :func:`remat_kit.fit` of the built-in model run.
+
+    Sequence tiles are a lever like the others: when no plan fits untiled and ``config.seq_tiles`` is 1 (a tile
+    count or ``"auto"`` given is kept as given), :func:`choose` runs again with the blocks in each of ``tiles``
+    sequence tiles (default :func:`remat_kit.planning.tiles.tile_counts`; ``()`` tries none), most tiles first,
+    until a count where nothing fits (fewer tiles hold more). Every tiled candidate is priced over the untiled
+    ``none``: its own cost plus the tiles' (:attr:`remat_kit.planning.budget.Candidate.tiles_s`: the extra loop
+    trips and slicing of the tiled step), so the answer is the fitting (tile count, plan) with the least estimated
+    step time, and :attr:`Choice.seq_tiles` says how many tiles it runs in. A step that fits untiled is never
+    tiled: tiles only add time there (each count tried would also cost a search's compiles). Each tile count's
+    search may spend ``max_compiles`` compiles.
+
+    Args:
+      tiles: the tile counts to try when nothing fits untiled (each must divide ``seq``).
+      retile: ``retile(k) -> StepPlanner`` of the same step with the blocks in ``k`` tiles (default: a
+        :class:`~remat_kit.planning.builtin.Planner` of ``config`` with ``seq_tiles=k``, see
+        :func:`remat_kit.planning.builtin.retiled`).
+    """
+    counts = tiles_lib.check_counts(tiles, batch, seq)  # before anything is compiled
     planner = planner or Planner(config, loss_chunks=loss_chunks)
+
+    def run(cfg: TransformerConfig, pl: StepPlanner) -> Choice:
+        kw = {"loss_chunks": loss_chunks, "presets": presets, "hardware": hardware, "max_compiles": max_compiles}
+        return _config_choice_at(cfg, budget, batch=batch, seq=seq, planner=pl, **kw)
+
+    choice = run(config, planner)
+    if choice.chosen is not None or config.seq_tiles != 1 or not counts:
+        return choice
+    start = time.perf_counter()
+    hardware = hardware or cost.default_hardware(planner_platform(planner))
+    untiled = planner.work(policies.none(), batch, seq)
+    tried, best = [choice], None
+    for k in counts:  # most tiles first
+        config_k = dataclasses.replace(config, seq_tiles=k)
+        tiled_planner = retile(k) if retile is not None else retiled(planner, config_k)
+        lean = _leanest_fit(tiled_planner, budget, config_k, presets, batch, seq, hardware, max_compiles)
+        # Nothing lean fits in k tiles: the search there would price every candidate to find nothing (as untiled).
+        at_k = run(config_k, tiled_planner) if lean is None else lean
+        over = tiles_lib.tiles_cost_s(planner, tiled_planner, batch, seq, hardware)
+        rows = tiles_lib.priced_tiled(at_k.candidates, k, over)
+        won = next((c for c in rows if at_k.chosen is not None and c.policy == str(at_k.chosen)), None)
+        est = None if won is None else untiled.seconds(hardware) + won.cost_s
+        at_k = dataclasses.replace(at_k, candidates=rows, seq_tiles=k, est_step_time_s=est)
+        tried.append(at_k)
+        if at_k.chosen is None:
+            break  # fewer tiles hold more: nothing fits below this count either
+        if best is None or (at_k.est_step_time_s, at_k.need_bytes) < (best.est_step_time_s, best.need_bytes):
+            best = at_k
+    table = tuple(c for t in tried for c in t.candidates)
+    compiles = sum(t.compiles for t in tried)
+    seconds = choice.seconds + time.perf_counter() - start
+    shown = ", ".join(str(t.seq_tiles) for t in tried[1:])
+    if best is None:
+        reason = f"{choice.reason}; nor in {shown} sequence tiles (--seq-tiles)"
+        return dataclasses.replace(choice, candidates=table, compiles=compiles, seconds=seconds, reason=reason)
+    won = next(c for c in best.candidates if c.policy == str(best.chosen))
+    reason = (
+        f"nothing fits untiled; in {best.seq_tiles} sequence tiles (the cheapest that fits of {shown} tried), "
+        f"{won.policy} needs {fmt_bytes(won.need_bytes)} (+{budget.margin:.0%} margin: "
+        f"{fmt_bytes(budget.with_margin(won.need_bytes))}) of {fmt_bytes(budget.bytes)} at an estimated "
+        f"{fmt_seconds(won.cost_s)} per step over the untiled none, {fmt_seconds(won.tiles_s)} of it the tiles' own "
+        "(extra loop trips and slicing)."
+    )
+    return dataclasses.replace(best, candidates=table, compiles=compiles, seconds=seconds, reason=reason)
+
+
+def _leanest_fit(
+    planner: StepPlanner,
+    budget: Budget,
+    config: TransformerConfig,
+    presets: Sequence[policies.Policy] | None,
+    batch: int,
+    seq: int,
+    hardware: cost.Hardware | None,
+    max_compiles: int,
+) -> Choice | None:
+    """None when ``full`` or a preset leaner than it fits (the whole search is then worth running); else the
+    no-fit :class:`Choice` of those lean candidates, compiled (at most ``max_compiles``)."""
+    before, start = planner.compiles, time.perf_counter()
+    hardware = hardware or cost.default_hardware(planner_platform(planner))
+    price = Pricer(planner, hardware, batch, seq)
+    pool = [p for p in (presets or candidates_for(config)) if not isinstance(p, policies.Mix)]
+    lean = [policies.full(), *(p for p in pool if p.kind in ("segments", "sqrt_n", "offload") and price.choosable(p))]
+    rows = []
+    for p in list(dict.fromkeys(lean))[:max_compiles]:
+        rows.append(price.candidate(p, budget))
+        if rows[-1].fits:
+            return None
+    return Choice(None, None, None, tuple(rows), budget, planner.compiles - before, time.perf_counter() - start, "")
+
+
+def _config_choice_at(
+    config: TransformerConfig,
+    budget: Budget,
+    *,
+    batch: int,
+    seq: int,
+    planner: StepPlanner,
+    loss_chunks: int,
+    presets: Sequence[policies.Policy] | None,
+    hardware: cost.Hardware | None,
+    max_compiles: int,
+) -> Choice:
+    """:func:`config_choice` at one tile count."""
     groups: tuple = ()
     if presets is None:
         sizes = tag_bytes(config, batch, seq, loss_chunks)
@@ -574,13 +675,25 @@ def fit_transformer(
         raise ValueError("fit of the built-in Transformer needs a [batch, seq] token array among the batch")
     batch, seq = tokens.shape
 
-    def build(policy, _b, _s):
-        m = dataclasses.replace(model, policy=policy)
-        return (lambda v, *a: loss_fn(m, v, *a)), variables, batch_args
+    def planner_at(tiles: int) -> StepPlanner:
+        config = model.config if tiles == 1 else dataclasses.replace(model.config, seq_tiles=tiles)
 
-    planner = StepPlanner(build, optimizer)
+        def build(policy, _b, _s):
+            m = dataclasses.replace(model, config=config, policy=policy)
+            return (lambda v, *a: loss_fn(m, v, *a)), variables, batch_args
+
+        return StepPlanner(build, optimizer)
+
     choice = config_choice(
-        model.config, budget, batch=batch, seq=seq, planner=planner, hardware=hardware, max_compiles=max_compiles
+        model.config,
+        budget,
+        batch=batch,
+        seq=seq,
+        planner=planner_at(1),
+        hardware=hardware,
+        max_compiles=max_compiles,
+        retile=planner_at,
     )
-    applied = lambda p: dataclasses.replace(model, policy=p)
+    tiled = lambda c: c if choice.seq_tiles == 1 else dataclasses.replace(c, seq_tiles=choice.seq_tiles)
+    applied = lambda p: dataclasses.replace(model, config=tiled(model.config), policy=p)
     return choice, applied

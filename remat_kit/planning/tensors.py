@@ -67,7 +67,6 @@ import optax
 
 from remat_kit import _jax_internals, policies
 from remat_kit import names as _names
-from remat_kit.analysis import memory
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis, cost
 from remat_kit.planning import tiles as tiles_lib

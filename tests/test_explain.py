@@ -479,6 +479,40 @@ def test_the_state_warning_needs_no_dump(sizes, total, fires):
         assert out[0].startswith("the peak is about 66% parameters") and "--lora-rank" in out[0], out
 
 
+_STATE = "the peak is about {}% parameters: no remat policy changes them; --lora-rank does"
+
+
+@pytest.mark.parametrize(
+    "rows, lines",
+    [
+        (
+            [("full", [_STATE.format(74)]), ("none", []), ("selective", [_STATE.format(51)])],
+            [
+                "warning (full, selective): the peak is about 74/51% parameters: no remat policy changes them; "
+                "--lora-rank does"
+            ],
+        ),
+        (
+            [("full", [_STATE.format(74)]), ("offload", [_STATE.format(74), "offload moves 8.4 MB nowhere"])],
+            [f"warning (full, offload): {_STATE.format(74)}", "warning (offload): offload moves 8.4 MB nowhere"],
+        ),
+        ([("full", [_STATE.format(74)])], [f"warning (full): {_STATE.format(74)}"]),
+        ([("none", []), ("full", [])], []),
+    ],
+    ids=["figures-differ", "same-text-and-a-lone-one", "one-row", "none"],
+)
+def test_a_warning_is_said_once_for_the_rows_it_applies_to(rows, lines):
+    assert explain.warning_lines(rows) == lines
+
+
+def test_a_comparison_says_a_shared_warning_once():
+    _, args = M.make(policies.none(), batch=1, seq=1, d=64)
+    make = lambda p: M.make(p, batch=1, seq=1, d=64)[0]
+    table = remat_kit.compare(make, ["none", "full"], *args).table()
+    shared = [line for line in table.splitlines() if "the peak is about" in line]
+    assert len(shared) == 1 and shared[0].startswith("warning (none, full): "), table
+
+
 @pytest.fixture(scope="module")
 def tiny_none():
     """The tiny preset's step under none, without XLA's dump (as bench measures it)."""

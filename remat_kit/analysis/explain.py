@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -788,6 +789,39 @@ def dominance_warnings(
             f"the peak is {100 * logits / total:.0f}% logits and loss buffers: no remat policy changes them; "
             f"{levers.logits} does"
         )
+    return out
+
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def warning_lines(rows: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
+    """``warning (policy): text`` lines of a table's rows, a warning said once for every row it applies to: rows
+    whose texts differ only in their figures share one line, the figures joined in the rows' order.
+
+    Args:
+      rows: ``(policy, its warnings)`` per row, in the table's order.
+
+    Returns:
+      One line per distinct warning, in the order first met.
+
+    >>> warning_lines([("full", ["the peak is 74% state"]), ("none", []), ("dots", ["the peak is 51% state"])])
+    ['warning (full, dots): the peak is 74/51% state']
+    """
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for name, texts in rows:
+        for text in texts:
+            groups.setdefault(_NUMBER.sub("#", text), []).append((name, text))
+    out = []
+    for shape, members in groups.items():
+        names = ", ".join(dict.fromkeys(n for n, _ in members))
+        figures = list(zip(*(_NUMBER.findall(t) for _, t in members), strict=True))
+        parts = shape.split("#")
+        joined = "/".join if len(members) > 1 else "".join
+        text = parts[0] + "".join(
+            (f[0] if len(set(f)) == 1 else joined(f)) + rest for f, rest in zip(figures, parts[1:], strict=True)
+        )
+        out.append(f"warning ({names}): {text}")
     return out
 
 

@@ -671,7 +671,9 @@ class Comparison:
                 )
             )
         notes = dict.fromkeys(n for r in self.reports for n in r.notes)
-        warnings = [f"warning ({p}): {w}" for p, r in zip(self.policies, self.reports, strict=True) for w in r.warnings]
+        warnings = explain_lib.warning_lines(
+            [(p, r.warnings) for p, r in zip(self.policies, self.reports, strict=True)]
+        )
         return "\n".join(rows + [f"note: {n}" for n in notes] + warnings)
 
     def __str__(self) -> str:

@@ -85,6 +85,7 @@ def _bench_command(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, command: str, setting: str, records: list, title: str) -> int:
     """Print the table and write the ``--json``/``--markdown``/``--plot`` files both bench forms offer."""
+    from remat_kit.analysis import explain
     from remat_kit.bench.report import (
         format_markdown,
         format_table,
@@ -100,9 +101,8 @@ def _report(args: argparse.Namespace, command: str, setting: str, records: list,
     print(f"Pareto front (time vs measured memory, over the min–max spread): {', '.join(pareto_front(records))}")
     for line in noise_warnings(records):
         print(f"warning: {line}")
-    for r in records:
-        for line in r.warnings:
-            print(f"warning ({r.policy}): {line}")
+    for line in explain.warning_lines([(r.policy, r.warnings) for r in records]):
+        print(line)
     note = grad_note(records)
     if note:
         print(f"note: {note}")

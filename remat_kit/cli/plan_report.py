@@ -188,8 +188,9 @@ def format_explain(results: dict[str, Any]) -> list[str]:
 
 
 def format_warnings(results: dict[str, Any]) -> list[str]:
-    """One ``warning:`` line per policy's guardrail (:mod:`remat_kit.analysis.explain`), policy named."""
-    return [f"warning ({name}): {w}" for name, a in results.items() for w in a.warnings]
+    """The policies' guardrails (:mod:`remat_kit.analysis.explain`), each said once for the policies it names
+    (:func:`remat_kit.analysis.explain.warning_lines`)."""
+    return explain.warning_lines([(name, a.warnings) for name, a in results.items()])
 
 
 # ---- --model MODULE:FACTORY: any model -------------------------------------------------------------------

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from remat_kit.bench.worker import _reset_peak_rss
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis
-from remat_kit.train import step as step_lib
+from remat_kit.step import update as step_lib
 
 
 def _status() -> dict[str, int]:

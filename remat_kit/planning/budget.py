@@ -90,6 +90,10 @@ class Candidate:
         (tiled) the tiles' own cost."""
         return self.recompute_s + self.offload_s + self.trips_s + self.tiles_s
 
+    def is_plan(self, chosen, seq_tiles: int) -> bool:
+        """Whether this row is the plan ``chosen`` (a Policy, a Mix or None) run in ``seq_tiles`` tiles."""
+        return chosen is not None and self.policy == str(chosen) and self.seq_tiles == seq_tiles
+
     @property
     def label(self) -> str:
         """The policy's spec, with its tile count when tiled (``full @4 tiles``): what a table shows."""
@@ -134,7 +138,7 @@ class AutoResult:
 
     def is_chosen(self, c: Candidate) -> bool:
         """Whether ``c`` is the chosen row: its policy and its tile count."""
-        return self.chosen is not None and c.policy == str(self.chosen) and c.seq_tiles == self.seq_tiles
+        return c.is_plan(self.chosen, self.seq_tiles)
 
     @property
     def budget(self) -> Budget:

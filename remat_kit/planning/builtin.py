@@ -176,19 +176,17 @@ def search_tiled(
     more), every tiled candidate priced over the untiled ``none`` (:func:`remat_kit.planning.tiles.tiles_cost_s`);
     the fitting (tiles, policy) with the least estimated cost wins."""
     start = time.perf_counter()
-    tried, best = [untiled], None
-    for k in counts:
+    layers = config.num_layers if mixes else None
+
+    def at(k: int) -> AutoResult:
         tiled = retiled(planner, dataclasses.replace(config, seq_tiles=k))
-        layers = config.num_layers if mixes else None
         r = search(tiled, pool, budget, hardware=untiled.hardware, num_layers=layers, batch=batch, seq=seq, **kw)
         over = tiles_lib.tiles_cost_s(planner, tiled, batch, seq, untiled.hardware)
-        r = dataclasses.replace(r, candidates=tiles_lib.priced_tiled(r.candidates, k, over), seq_tiles=k)
-        tried.append(r)
-        if r.chosen is None:
-            break
-        key = lambda res: min((c.rank, c.need_bytes) for c in res.candidates if res.is_chosen(c))
-        if best is None or key(r) < key(best):
-            best = r
+        return dataclasses.replace(r, candidates=tiles_lib.priced_tiled(r.candidates, k, over), seq_tiles=k)
+
+    key = lambda r: min((c.rank, c.need_bytes) for c in r.candidates if r.is_chosen(c))
+    swept, best = tiles_lib.sweep(counts, at, key)
+    tried = [untiled, *swept]
     shown = ", ".join(str(t.seq_tiles) for t in tried[1:])
     combined = {
         "candidates": tuple(c for t in tried for c in t.candidates),
@@ -209,7 +207,10 @@ def retiled(planner: StepPlanner, config: TransformerConfig) -> Planner:
     """A :class:`Planner` of ``config`` that plans what ``planner`` (a Planner of the
     same model untiled) plans: its optimizer (gradient accumulation included), loss chunks, mesh and progress."""
     if not isinstance(planner, Planner):
-        raise TypeError(f"retiled needs a Planner of the built-in model, got {type(planner).__name__}; give retile=")
+        raise TypeError(
+            f"sequence tiles re-plan the step with a Planner of the built-in model, got a {type(planner).__name__}; "
+            "pass tiles=() to plan untiled"
+        )
     new = Planner(config, loss_chunks=planner.loss_chunks, mesh=planner.mesh, progress=planner.progress)
     new.opt, new.optimizer_name = planner.opt, planner.optimizer_name
     return new

@@ -175,6 +175,10 @@ class Choice:
     groups: tuple[tuple[str, ...], ...] = ()
     seq_tiles: int = 1
 
+    def is_chosen(self, c: Candidate) -> bool:
+        """Whether ``c`` is the chosen row: its policy and its tile count."""
+        return c.is_plan(self.chosen, self.seq_tiles)
+
     def table(self) -> str:
         """The candidates, cheapest first: estimated cost over ``none``, compiled need (``-``: predicted not to fit,
         not compiled), whether it fits; the chosen one marked ``*``."""
@@ -183,8 +187,7 @@ class Choice:
         head = f" {'policy':{width}} {'est. cost':>10} {'need':>10} {'+margin':>10} {'fits':>5}"
         out = [head, "-" * len(head)]
         for c in rows:
-            chosen = self.chosen is not None and c.policy == str(self.chosen) and c.seq_tiles == self.seq_tiles
-            mark = "*" if chosen else " "
+            mark = "*" if self.is_chosen(c) else " "
             compiled = c.need_bytes is not None
             out.append(
                 f"{mark}{c.label:{width}} {fmt_seconds(c.cost_s):>10} "

@@ -558,8 +558,8 @@ def config_choice(
     start = time.perf_counter()
     hardware = hardware or cost.default_hardware(planner_platform(planner))
     untiled = planner.work(policies.none(), batch, seq)
-    tried, best = [choice], None
-    for k in counts:  # most tiles first
+
+    def at(k: int) -> Choice:
         config_k = dataclasses.replace(config, seq_tiles=k)
         tiled_planner = retile(k) if retile is not None else retiled(planner, config_k)
         lean = _leanest_fit(tiled_planner, budget, config_k, presets, batch, seq, hardware, max_compiles)
@@ -567,14 +567,12 @@ def config_choice(
         at_k = run(config_k, tiled_planner) if lean is None else lean
         over = tiles_lib.tiles_cost_s(planner, tiled_planner, batch, seq, hardware)
         rows = tiles_lib.priced_tiled(at_k.candidates, k, over)
-        won = next((c for c in rows if at_k.chosen is not None and c.policy == str(at_k.chosen)), None)
+        won = next((c for c in rows if c.is_plan(at_k.chosen, k)), None)
         est = None if won is None else untiled.seconds(hardware) + won.cost_s
-        at_k = dataclasses.replace(at_k, candidates=rows, seq_tiles=k, est_step_time_s=est)
-        tried.append(at_k)
-        if at_k.chosen is None:
-            break  # fewer tiles hold more: nothing fits below this count either
-        if best is None or (at_k.est_step_time_s, at_k.need_bytes) < (best.est_step_time_s, best.need_bytes):
-            best = at_k
+        return dataclasses.replace(at_k, candidates=rows, seq_tiles=k, est_step_time_s=est)
+
+    swept, best = tiles_lib.sweep(counts, at, key=lambda c: (c.est_step_time_s, c.need_bytes))
+    tried = [choice, *swept]
     table = tuple(c for t in tried for c in t.candidates)
     compiles = sum(t.compiles for t in tried)
     seconds = choice.seconds + time.perf_counter() - start
@@ -582,7 +580,7 @@ def config_choice(
     if best is None:
         reason = f"{choice.reason}; nor in {shown} sequence tiles (--seq-tiles)"
         return dataclasses.replace(choice, candidates=table, compiles=compiles, seconds=seconds, reason=reason)
-    won = next(c for c in best.candidates if c.policy == str(best.chosen))
+    won = next(c for c in best.candidates if best.is_chosen(c))
     reason = (
         f"nothing fits untiled; in {best.seq_tiles} sequence tiles (the cheapest that fits of {shown} tried), "
         f"{won.policy} needs {fmt_bytes(won.need_bytes)} (+{budget.margin:.0%} margin: "

@@ -14,7 +14,8 @@ again with the built-in model's blocks in sequence tiles
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from remat_kit import policies
 from remat_kit.model.transformer import auto_tiles
@@ -22,6 +23,8 @@ from remat_kit.planning import cost
 from remat_kit.planning.planner import StepPlanner
 from remat_kit.policies import tiling
 from remat_kit.units import check_int
+
+R = TypeVar("R")
 
 #: Tiles shorter than this many positions are never tried by the planners: the loop trips would cost more than the
 #: working set they save.
@@ -48,6 +51,26 @@ def check_counts(tiles: Sequence[int] | None, batch: int, seq: int) -> tuple[int
         check_int("tiles", k, 2)
         tiling.check_tiles(k, seq, what="tiles")
     return tuple(sorted(set(counts), reverse=True))
+
+
+def sweep(counts: Sequence[int], at: Callable[[int], R], key: Callable[[R], Any]) -> tuple[list[R], R | None]:
+    """``at(k)`` for each of ``counts``, most tiles first, until an answer where nothing fits (fewer tiles hold more:
+    nothing fits below it either). Returns ``(every answer, the fitting one least by key, or None)``; an answer has
+    ``.chosen`` (None when nothing fits).
+
+    >>> from types import SimpleNamespace as A
+    >>> sweep((8, 4, 2), lambda k: A(k=k, chosen=None if k == 2 else "full"), key=lambda a: a.k)[1].k
+    4
+    """
+    tried, best = [], None
+    for k in counts:
+        r = at(k)
+        tried.append(r)
+        if r.chosen is None:
+            break
+        if best is None or key(r) < key(best):
+            best = r
+    return tried, best
 
 
 def tiles_cost_s(

@@ -349,7 +349,7 @@ EXAMPLES = PACKAGE.parent / "examples"
 
 
 def example_imports(path: Path) -> list[str]:
-    """Every module an example imports (``from a import b`` gives ``a.b``)."""
+    """Every module or name a script imports (``from a import b`` gives ``a.b``)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -367,32 +367,24 @@ def test_examples_import_public_names_only(path):
     assert bad == [] and "sys.path" not in text, f"{path.name}: a user who copies it cannot run {bad or 'sys.path'}"
 
 
-def missing_names(path: Path) -> list[str]:
-    """The ``remat_kit`` names a script imports that do not exist (a module moved by a re-house)."""
+def _exists(name: str) -> bool:
+    """Whether ``name`` is an importable module, or an attribute of one."""
     import importlib
 
-    missing = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "remat_kit":
-            try:
-                module = importlib.import_module(node.module)
-            except ImportError:
-                missing.append(node.module)
-                continue
-            for a in node.names:
-                if not hasattr(module, a.name):
-                    try:
-                        importlib.import_module(f"{node.module}.{a.name}")
-                    except ImportError:
-                        missing.append(f"{node.module}.{a.name}")
-        elif isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name.split(".")[0] == "remat_kit":
-                    try:
-                        importlib.import_module(a.name)
-                    except ImportError:
-                        missing.append(a.name)
-    return missing
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        parent, _, attr = name.rpartition(".")
+        try:
+            return hasattr(importlib.import_module(parent), attr)
+        except ImportError:
+            return False
+
+
+def missing_names(path: Path) -> list[str]:
+    """The ``remat_kit`` names a script imports that do not exist (a module moved by a re-house)."""
+    return [m for m in example_imports(path) if m.split(".")[0] == "remat_kit" and not _exists(m)]
 
 
 SCRIPTS = sorted([*EXAMPLES.glob("*.py"), *(PACKAGE.parent / "benchmarks").glob("*.py")])

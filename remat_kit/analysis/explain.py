@@ -817,9 +817,8 @@ def warning_lines(rows: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
         names = ", ".join(dict.fromkeys(n for n, _ in members))
         figures = list(zip(*(_NUMBER.findall(t) for _, t in members), strict=True))
         parts = shape.split("#")
-        joined = "/".join if len(members) > 1 else "".join
         text = parts[0] + "".join(
-            (f[0] if len(set(f)) == 1 else joined(f)) + rest for f, rest in zip(figures, parts[1:], strict=True)
+            (f[0] if len(set(f)) == 1 else "/".join(f)) + rest for f, rest in zip(figures, parts[1:], strict=True)
         )
         out.append(f"warning ({names}): {text}")
     return out

@@ -10,10 +10,12 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import ALL_SPECS, RTOL_F32, max_rel_err
 
 from remat_kit import cli, policies
+from remat_kit._jax_internals import iter_eqns
 from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig, auto_tiles, init_params, resolve_tiles
@@ -50,6 +52,31 @@ def test_tiled_axis0_and_pytree_outputs():
     assert max_rel_err(got, want) <= RTOL_F32
     g = jax.grad(lambda x: jnp.sum(tiling.tiled(fn, 3, axis=0)(x)["a"] ** 2))(x)
     assert max_rel_err(g, jax.grad(lambda x: jnp.sum(fn(x)["a"] ** 2))(x)) <= RTOL_F32
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_tiled_reads_16_bit_inputs_as_words_bit_for_bit(dtype, monkeypatch):
+    # A tile's 16-bit inputs are cut from their uint16 words (XLA:CPU would widen the whole input to float32
+    # before the loop): values and gradients are those of the plain cut exactly, float32 inputs are cut plainly.
+    x = jax.random.normal(jax.random.key(4), (2, 16, 8)).astype(dtype)
+    w1, w2 = W1.astype(dtype), W2.astype(dtype)
+    loss = lambda f: lambda x, w1, w2: jnp.sum(f(x, w1, w2).astype(jnp.float32) ** 2)
+
+    def run():
+        f = tiling.tiled(mlp, 4, in_axes=(1, None, None))
+        program = jax.make_jaxpr(jax.grad(loss(f)))(x, w1, w2)
+        cuts = [e for e in iter_eqns(program) if e.primitive.name == "bitcast_convert_type"]
+        return jax.jit(f)(x, w1, w2), jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(x, w1, w2), len(cuts)
+
+    *words, count = run()
+    assert count >= 2  # the input to words and each tile back, in the forward and in the recompute
+    monkeypatch.setattr(tiling.words, "pack", lambda a: a)
+    *plain, plain_count = run()
+    assert plain_count == 0
+    for a, b in zip(jax.tree.leaves(words), jax.tree.leaves(plain), strict=True):
+        assert a.dtype == b.dtype == dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    f32 = jax.make_jaxpr(jax.grad(loss(tiling.tiled(mlp, 4, in_axes=(1, None, None)))))(x.astype(jnp.float32), W1, W2)
+    assert not [e for e in iter_eqns(f32) if e.primitive.name == "bitcast_convert_type"]
 
 
 def _scanned_temp(tiles: int) -> int:

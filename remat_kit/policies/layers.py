@@ -33,7 +33,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import names as _names
-from remat_kit.policies import Mix, Policy, keep_activations, none, tags
+from remat_kit.policies import Mix, Policy, keep_activations, none, tags, words
 from remat_kit.units import check_int
 
 #: ``step(layer_variables, h, i) -> (h, ys)``: one layer; ``h`` keeps its type, ``ys`` is stacked.
@@ -383,19 +383,10 @@ def run_periods(
     return run(none() if each else policy, periods, period_step(steps), tuple(variables), x)
 
 
-#: Floating dtypes :func:`run_packed` stores as 16-bit words.
-PACKED_DTYPES = ("bfloat16", "float16")
-
-
 def packable(policy: Policy | Mix, x: Any) -> bool:
     """Whether :func:`run_packed` applies: ``full`` (one layer per step, keeping only its input) over one
-    16-bit floating array."""
-    return (
-        isinstance(policy, Policy)
-        and policy.kind == "full"
-        and hasattr(x, "dtype")
-        and jnp.dtype(x.dtype).name in PACKED_DTYPES
-    )
+    16-bit floating array (:func:`remat_kit.policies.words.packable`)."""
+    return isinstance(policy, Policy) and policy.kind == "full" and words.packable(x)
 
 
 def run_packed(num_layers: int, step: Step, variables: Any, x: jax.Array) -> jax.Array:
@@ -421,7 +412,7 @@ def run_packed(num_layers: int, step: Step, variables: Any, x: jax.Array) -> jax
 def _scan_layers(fn, num_layers, variables, x, consts, keep: bool):
     def body(h, xs):
         v, i = xs
-        return fn(v, h, i, *consts), (jax.lax.bitcast_convert_type(h, jnp.uint16) if keep else None)
+        return fn(v, h, i, *consts), (words.pack(h) if keep else None)
 
     return jax.lax.scan(body, x, (variables, jnp.arange(num_layers, dtype=jnp.int32)))
 

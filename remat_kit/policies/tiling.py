@@ -28,12 +28,14 @@ True
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from remat_kit.policies import words
 from remat_kit.units import check_int
 
 
@@ -131,7 +133,7 @@ def tiled(
 
         def one(whole, i):
             # The slice is cut inside the checkpoint: what it keeps is the whole input, not a copy of the slice.
-            cut = lambda a: jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
+            cut = lambda a: _cut(a, i, axis, tiles)
             tile = [jax.tree.map(cut, a) if ax is not None else a for a, ax in zip(whole, axes, strict=True)]
             return fn(*tile)
 
@@ -155,6 +157,32 @@ def tiled(
         return jax.tree.map(merge, out)
 
     return run
+
+
+def _cut(a, i, axis: int, tiles: int):
+    """Tile ``i`` of ``a`` (split as ``[..., tiles, size, ...]`` on ``axis``); a 16-bit float array is read
+    through its words (:mod:`remat_kit.policies.words`), so XLA:CPU makes no whole float32 copy of it."""
+    if words.packable(a):
+        return _cut_words(a, i, axis, tiles)
+    return jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cut_words(a, i, axis: int, tiles: int):
+    # The words are integers, so the cut is differentiated here: its gradient is the plain slice's.
+    return words.at(words.pack(a), i, 1, axis, a.dtype).squeeze(axis)
+
+
+def _cut_words_fwd(a, i, axis, tiles):
+    return _cut_words(a, i, axis, tiles), i
+
+
+def _cut_words_bwd(axis, tiles, i, g):
+    whole = jnp.zeros((*g.shape[:axis], tiles, *g.shape[axis:]), g.dtype)
+    return jax.lax.dynamic_update_index_in_dim(whole, g, i, axis), None
+
+
+_cut_words.defvjp(_cut_words_fwd, _cut_words_bwd)
 
 
 def _leaves(tree) -> list:

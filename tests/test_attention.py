@@ -250,15 +250,17 @@ def test_chunked_traces_the_same_program_at_any_length():
 @pytest.mark.parametrize("s", [64, 50], ids=["whole-blocks", "ragged"])
 def test_chunked_computes_only_the_causal_block_pairs(s):
     # n blocks: n(n+1)/2 pairs, each with two [16, 16] x 8 matmuls forward and five backward (the
-    # scores again, dv, dp, dq, dk); plus the backward's rowsum(dO ∘ O) over the (unpadded) sequence.
+    # scores again, dv, dp, dq, dk), and the backward's rowsum(dO ∘ O) over the pair's query block (summed
+    # per pair, so no whole-sequence float32 copy of O and dO exists).
     n = -(-s // 16)
     per_matmul = 2 * 2 * 16 * 16 * 8  # 2 FLOPs × heads × bq × bk × d
-    assert flops.jaxpr_flops(_grad_jaxpr(s, 16)) == n * (n + 1) // 2 * 7 * per_matmul + 2 * s * 2 * 8
+    per_rowsum = 2 * 2 * 16 * 8  # 2 FLOPs × heads × bq × d
+    assert flops.jaxpr_flops(_grad_jaxpr(s, 16)) == n * (n + 1) // 2 * (7 * per_matmul + per_rowsum)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 def test_chunked_reads_16_bit_operands_as_words_bit_for_bit(dtype, monkeypatch):
-    # The pair scans read q, k, v and the output's gradient as uint16 words (XLA:CPU would widen a bfloat16
+    # The pair scans read q, k, v, the output and its gradient as uint16 words (XLA:CPU would widen a bfloat16
     # operand to float32 whole before the loop): the output and gradients are those of the plain operands exactly.
     q, k, v, w = _qkv(2, 24, 4, 2, 8, dtype=dtype)
     fn = lambda q, k, v: attention.chunked_attention(q, k, v, block=8)
@@ -266,8 +268,8 @@ def test_chunked_reads_16_bit_operands_as_words_bit_for_bit(dtype, monkeypatch):
     program = jax.make_jaxpr(jax.grad(lambda q: jnp.sum(fn(q, k, v).astype(jnp.float32))))(q)
     scans = [e for e in internals.iter_eqns(program) if internals.primitive_name(e) == "scan"]
     words = [x for e in scans for x in e.invars if hasattr(x, "aval") and x.aval.dtype == jnp.uint16]
-    assert len(words) >= 7, words  # q, k, v in the forward's pair scan; q, k, v and dO in the backward's
-    monkeypatch.setattr(attention, "_pack", lambda x: x)
+    assert len(words) >= 8, words  # q, k, v in the forward's pair scan; q, k, v, O and dO in the backward's
+    monkeypatch.setattr(attention.words, "pack", lambda x: x)
     fn = lambda q, k, v: attention.chunked_attention(q, k, v, block=8)  # a new function: no cached trace
     plain = (jax.jit(fn)(q, k, v), _grads(fn, q, k, v, w))
     for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(plain), strict=True):

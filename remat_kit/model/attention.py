@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from remat_kit import names
 from remat_kit.constants import ATTENTION_KINDS
+from remat_kit.policies import words
 from remat_kit.units import check_int
 
 #: Block size (positions) of ``chunked`` attention per backend when the config leaves it unset.
@@ -56,11 +57,12 @@ CUDNN_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
 _MASKED = 0.5 * float(jnp.finfo(jnp.float32).min)
 
 
-def _rotate(x, base: float, sign: float):
+def _rotate(x, base: float, sign: float, positions=None):
     seq, head_dim = x.shape[1], x.shape[-1]
     half = head_dim // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [half]
-    angle = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq[None, :]  # [seq, half]
+    pos = jnp.arange(seq, dtype=jnp.float32) if positions is None else positions.reshape(seq).astype(jnp.float32)
+    angle = pos[:, None] * freq[None, :]  # [seq, half]
     # The angles in float32, the rotation in x's dtype (as Transformers does): the last op is then a
     # multiply-add, not a cast, so a layer run under a keep-everything checkpoint (every_n's plain layers)
     # keeps the rotated q and k in the compute dtype rather than their float32 pre-cast values.
@@ -71,28 +73,37 @@ def _rotate(x, base: float, sign: float):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def rope(x, base: float = 10_000.0):
+def rope(x, base: float = 10_000.0, positions=None):
     """Rotary position embedding over the sequence axis.
 
     A rotation is orthogonal, so its backward pass is the rotation by the opposite angle: it keeps
-    no residual at all (autodiff would keep the float32 sines and cosines of every layer).
+    no residual at all (autodiff would keep the float32 sines and cosines of every layer). With
+    ``positions``, ``x`` may be a slice of the sequence (a sequence tile): the transformer rotates q and k
+    inside its q/k/v tiles, so no whole-sequence rotation (whose elementwise halves XLA:CPU computes and
+    keeps in float32) ever exists.
 
     Args:
       x: ``[batch, seq, heads, head_dim]`` with an even ``head_dim``.
       base: the RoPE frequency base.
+      positions: the integer position of each of ``x``'s ``seq`` rows (``[seq]`` or ``[1, seq]``); None:
+        ``0 .. seq - 1``.
 
     Returns:
       ``x`` rotated by position, same shape and dtype.
+
+    >>> x = jnp.ones((1, 4, 1, 2))
+    >>> bool(jnp.array_equal(rope(x)[:, 2:], rope(x[:, 2:], positions=jnp.arange(2, 4))))
+    True
     """
-    return _rotate(x, base, 1.0)
+    return _rotate(x, base, 1.0, positions)
 
 
-def _rope_fwd(x, base):
-    return _rotate(x, base, 1.0), None
+def _rope_fwd(x, base, positions):
+    return _rotate(x, base, 1.0, positions), positions
 
 
-def _rope_bwd(base, _, g):
-    return (_rotate(g, base, -1.0),)
+def _rope_bwd(base, positions, g):
+    return _rotate(g, base, -1.0, positions), None
 
 
 rope.defvjp(_rope_fwd, _rope_bwd)
@@ -379,22 +390,6 @@ def _at(x, start, size: int, axis: int):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _pack(x):
-    """A 16-bit float array as its uint16 words (other dtypes as they are): what a loop reads by blocks.
-
-    XLA:CPU converts a loop-invariant bfloat16 operand of the pair scan to float32 whole before the loop (its
-    matmuls run in float32), a whole-sequence float32 copy of q, k, v and the output's gradient; integer words
-    cannot be widened, and :func:`_at_packed` turns each block back into the float dtype inside the loop.
-    """
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
-
-
-def _at_packed(x, start, size: int, axis: int, dtype):
-    """The block of a :func:`_pack` ed array at ``start``, in ``dtype`` (bit for bit the unpacked block)."""
-    block = _at(x, start, size, axis)
-    return jax.lax.bitcast_convert_type(block, dtype) if block.dtype != dtype else block
-
-
 def _add_at(buf, start, update, axis: int):
     """``buf`` with ``update`` added to its slice at ``start`` along ``axis`` (in place inside a loop)."""
     return jax.lax.dynamic_update_slice_in_dim(buf, _at(buf, start, update.shape[axis], axis) + update, start, axis)
@@ -442,29 +437,35 @@ def _forward(q, k, v, block: int, chains: int):
     sp = n * block
     scale = 1.0 / float(d) ** 0.5
     parts = _chain_slices(b, chains)
-    # per chain: qh, kh, vh, as 16-bit words (_pack)
-    heads = [tuple(map(_pack, _head_major(q[p], k[p], v[p], sp))) for p in parts]
+    # per chain: qh, kh, vh, as 16-bit words (remat_kit.policies.words)
+    heads = [tuple(map(words.pack, _head_major(q[p], k[p], v[p], sp))) for p in parts]
 
     def advance(qh, kh, vh, state, q0, k0):
-        # The online softmax state of every query row lives in full-length buffers; each block pair
-        # reads and updates its query block's rows. Pairs come in (i, then j) order, as FlashAttention.
-        m_all, total_all, acc_all = state  # [rows, kv, g, sp], same, [rows, kv, g, sp, d]
-        q_blk, k_blk = _at_packed(qh, q0, block, 3, q.dtype), _at_packed(kh, k0, block, 2, k.dtype)
+        # A query block's pairs come one after another (i, then j, as FlashAttention): its online softmax
+        # state (m, total, acc) is a block-sized float32 carry reset at j == 0, and after each pair the block's
+        # normalized output (in q's dtype) and logsumexp are written to the full-length buffers; the write at
+        # j == i is final. No full-length float32 accumulator.
+        m, total, acc, out_all, lse_all = state  # [rows, kv, g, block], same, [.., block, d]; [.., sp, d], [.., sp]
+        first = k0 == 0
+        m = jnp.where(first, _MASKED, m)
+        total, acc = jnp.where(first, 0.0, total), jnp.where(first, 0.0, acc)
+        q_blk, k_blk = words.at(qh, q0, block, 3, q.dtype), words.at(kh, k0, block, 2, k.dtype)
         scores = _block_scores(q_blk, k_blk, q0, k0, scale)
-        m, total, acc = _at(m_all, q0, block, 3), _at(total_all, q0, block, 3), _at(acc_all, q0, block, 3)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[..., None])
         pv = jnp.einsum(
             "bkgqs,bksd->bkgqd",
             p.astype(v.dtype),
-            _at_packed(vh, k0, block, 2, v.dtype),
+            words.at(vh, k0, block, 2, v.dtype),
             preferred_element_type=jnp.float32,
         )
         corr = jnp.exp(m - m_new)  # 0 on a row's first block: its state starts at (_MASKED, 0, 0)
         total = total * corr + jnp.sum(p, axis=-1)
         acc = acc * corr[..., None] + pv
         put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, q0, axis=3)
-        return put(m_all, m_new), put(total_all, total), put(acc_all, acc)
+        out_all = put(out_all, (acc / total[..., None]).astype(out_all.dtype))
+        lse_all = put(lse_all, m_new + jnp.log(total))
+        return m_new, total, acc, out_all, lse_all
 
     def step(states, ij):
         q0, k0 = ij[0] * block, ij[1] * block
@@ -472,18 +473,20 @@ def _forward(q, k, v, block: int, chains: int):
 
     init = tuple(
         (
-            jnp.full((p.stop - p.start, kv, g, sp), _MASKED, jnp.float32),
+            jnp.full((p.stop - p.start, kv, g, block), _MASKED, jnp.float32),
+            jnp.zeros((p.stop - p.start, kv, g, block), jnp.float32),
+            jnp.zeros((p.stop - p.start, kv, g, block, d), jnp.float32),
+            jnp.zeros((p.stop - p.start, kv, g, sp, d), q.dtype),
             jnp.zeros((p.stop - p.start, kv, g, sp), jnp.float32),
-            jnp.zeros((p.stop - p.start, kv, g, sp, d), jnp.float32),
         )
         for p in parts
     )
     outs, lses = [], []
-    for (m, total, acc), p in zip(_pair_scan(step, init, n), parts, strict=True):
-        out = (acc / total[..., None])[:, :, :, :s]  # [rows, kv, g, s, d]
+    for (*_, out, lse), p in zip(_pair_scan(step, init, n), parts, strict=True):
+        out = out[:, :, :, :s]  # [rows, kv, g, s, d]
         # Flat (see chunked_attention): [rows, s, h * d].
-        outs.append(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(p.stop - p.start, s, h * d).astype(q.dtype))
-        lses.append((m + jnp.log(total))[..., :s])
+        outs.append(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(p.stop - p.start, s, h * d))
+        lses.append(lse[..., :s])
     return jnp.concatenate(outs), jnp.concatenate(lses)
 
 
@@ -538,15 +541,11 @@ def _backward_chain(block: int, q, k, v, out, lse, d_out):
     n = -(-s // block)
     sp = n * block
     scale = 1.0 / float(d) ** 0.5
-    qh, kh, vh = map(_pack, _head_major(q, k, v, sp))  # as 16-bit words, see _pack
-    doh = _pack(jnp.transpose(_pad_seq(d_out.reshape(b, s, kv, g, d), sp), (0, 2, 3, 1, 4)))  # [b, kv, g, sp, d]
-    # D_i = rowsum(dO ∘ O): the softmax backward's correction term, [b, kv, g, sp].
-    delta = jnp.einsum(
-        "bqkgd,bqkgd->bkgq",
-        d_out.reshape(b, s, kv, g, d).astype(jnp.float32),
-        out.reshape(b, s, kv, g, d).astype(jnp.float32),
-    )
-    delta = _pad_seq(jnp.swapaxes(delta, 1, 3), sp).swapaxes(1, 3)
+    qh, kh, vh = map(words.pack, _head_major(q, k, v, sp))  # as 16-bit words (remat_kit.policies.words)
+    doh = words.pack(jnp.transpose(_pad_seq(d_out.reshape(b, s, kv, g, d), sp), (0, 2, 3, 1, 4)))  # [b, kv, g, sp, d]
+    # The output head-major too: D_i = rowsum(dO ∘ O), the softmax backward's correction term, is summed per query
+    # block inside the loop (a whole-sequence D would need float32 copies of O and dO).
+    oh = words.pack(jnp.transpose(_pad_seq(out.reshape(b, s, kv, g, d), sp), (0, 2, 3, 1, 4)))
     # Padded query rows get an infinite logsumexp, so their probabilities are exactly 0.
     lse = jnp.swapaxes(_pad_seq(jnp.swapaxes(lse, 1, 3), sp, jnp.inf), 1, 3)
 
@@ -558,9 +557,11 @@ def _backward_chain(block: int, q, k, v, out, lse, d_out):
         dq_blk, dq_all, dk_all, dv_all = grads
         q0, k0 = ij[0] * block, ij[1] * block
         dq_blk = jnp.where(k0 == 0, 0.0, dq_blk)
-        q_blk, do_blk = _at_packed(qh, q0, block, 3, q.dtype), _at_packed(doh, q0, block, 3, d_out.dtype)
-        k_blk, v_blk = _at_packed(kh, k0, block, 2, k.dtype), _at_packed(vh, k0, block, 2, v.dtype)
-        lse_blk, delta_blk = _at(lse, q0, block, 3)[..., None], _at(delta, q0, block, 3)[..., None]
+        q_blk, do_blk = words.at(qh, q0, block, 3, q.dtype), words.at(doh, q0, block, 3, d_out.dtype)
+        k_blk, v_blk = words.at(kh, k0, block, 2, k.dtype), words.at(vh, k0, block, 2, v.dtype)
+        o_blk = words.at(oh, q0, block, 3, out.dtype)
+        delta_blk = jnp.einsum("bkgqd,bkgqd->bkgq", do_blk, o_blk, preferred_element_type=jnp.float32)[..., None]
+        lse_blk = _at(lse, q0, block, 3)[..., None]
         p = jnp.exp(_block_scores(q_blk, k_blk, q0, k0, scale) - lse_blk)  # [b, kv, g, bq, bk]
         dv = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(v.dtype), do_blk, preferred_element_type=jnp.float32)
         dp = jnp.einsum("bkgqd,bksd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)

@@ -298,13 +298,18 @@ class Block(nn.Module):
         drop = cfg.dropout > 0 and not deterministic
         keys = (self.make_rng("dropout"), self.make_rng("dropout")) if drop else (None, None)
 
-        def qkv(x):  # per token: the attention norm and the q/k/v projections
+        tiles = resolve_tiles(cfg.seq_tiles, b, s)
+
+        def qkv(x, pos):  # per token: the attention norm, the q/k/v projections and q and k's rotation
             y = names.tag(attn_norm(x), names.ATTN_NORM)
             n = x.shape[1]
             q = names.tag(q_proj(y).reshape(b, n, h, hd), names.Q_PROJ)
             k = names.tag(k_proj(y).reshape(b, n, kv, hd), names.K_PROJ)
             v = names.tag(v_proj(y).reshape(b, n, kv, hd), names.V_PROJ)
-            return q, k, v
+            # A tile rotates by its own positions (kept by a policy that keeps everything); untiled, rope's
+            # own 0 .. s - 1, so nothing more is kept.
+            pos = pos if tiles > 1 else None
+            return attention.rope(q, cfg.rope_base, pos), attention.rope(k, cfg.rope_base, pos), v
 
         def rest(x, context, pos):  # per token: attention's output projection, the MLP, both residual adds
             attn = names.tag(attn_out(context), names.ATTN_OUT)
@@ -316,17 +321,16 @@ class Block(nn.Module):
             out = names.tag(out_proj(act), names.MLP_OUT)
             return x + _dropout(out, cfg.dropout, keys[1], pos)
 
-        tiles = resolve_tiles(cfg.seq_tiles, b, s)
         if tiles > 1 and not self.is_initializing():  # init creates the same parameters untiled
             qkv = tiling.tiled(qkv, tiles, policy=self.tile_policy)
             rest = tiling.tiled(rest, tiles, policy=self.tile_policy)
-        q, k, v = qkv(x)
-        q, k = attention.rope(q, cfg.rope_base), attention.rope(k, cfg.rope_base)
+        # The positions ride along as a tiled input: a tile rotates q and k by its own positions, and its
+        # dropout key is folded with its first position.
+        pos = jnp.arange(s, dtype=jnp.int32)[None, :]
+        q, k, v = qkv(x, pos)
         # attend() tags the context itself (inside chunked attention's custom_vjp); flat, so the out
         # projection's input is the very array attention's backward keeps, not a second copy.
         context = attention.attend(q, k, v, kind=cfg.attention, block=cfg.attention_block, flat=True)
-        # The positions ride along as a tiled input: a tile's dropout key is folded with its first position.
-        pos = jnp.arange(s, dtype=jnp.int32)[None, :]
         return rest(x, context, pos)
 
 

@@ -441,16 +441,12 @@ def _forward(q, k, v, block: int, chains: int):
     heads = [tuple(map(words.pack, _head_major(q[p], k[p], v[p], sp))) for p in parts]
 
     def advance(qh, kh, vh, state, q0, k0):
-        # A query block's pairs come one after another (i, then j, as FlashAttention): its online softmax
-        # state (m, total, acc) is a block-sized float32 carry reset at j == 0, and after each pair the block's
-        # normalized output (in q's dtype) and logsumexp are written to the full-length buffers; the write at
-        # j == i is final. No full-length float32 accumulator.
-        m, total, acc, out_all, lse_all = state  # [rows, kv, g, block], same, [.., block, d]; [.., sp, d], [.., sp]
-        first = k0 == 0
-        m = jnp.where(first, _MASKED, m)
-        total, acc = jnp.where(first, 0.0, total), jnp.where(first, 0.0, acc)
+        # The online softmax state of every query row lives in full-length buffers; each block pair
+        # reads and updates its query block's rows. Pairs come in (i, then j) order, as FlashAttention.
+        m_all, total_all, acc_all = state  # [rows, kv, g, sp], same, [rows, kv, g, sp, d]
         q_blk, k_blk = words.at(qh, q0, block, 3, q.dtype), words.at(kh, k0, block, 2, k.dtype)
         scores = _block_scores(q_blk, k_blk, q0, k0, scale)
+        m, total, acc = _at(m_all, q0, block, 3), _at(total_all, q0, block, 3), _at(acc_all, q0, block, 3)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[..., None])
         pv = jnp.einsum(
@@ -463,9 +459,7 @@ def _forward(q, k, v, block: int, chains: int):
         total = total * corr + jnp.sum(p, axis=-1)
         acc = acc * corr[..., None] + pv
         put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, q0, axis=3)
-        out_all = put(out_all, (acc / total[..., None]).astype(out_all.dtype))
-        lse_all = put(lse_all, m_new + jnp.log(total))
-        return m_new, total, acc, out_all, lse_all
+        return put(m_all, m_new), put(total_all, total), put(acc_all, acc)
 
     def step(states, ij):
         q0, k0 = ij[0] * block, ij[1] * block
@@ -473,20 +467,18 @@ def _forward(q, k, v, block: int, chains: int):
 
     init = tuple(
         (
-            jnp.full((p.stop - p.start, kv, g, block), _MASKED, jnp.float32),
-            jnp.zeros((p.stop - p.start, kv, g, block), jnp.float32),
-            jnp.zeros((p.stop - p.start, kv, g, block, d), jnp.float32),
-            jnp.zeros((p.stop - p.start, kv, g, sp, d), q.dtype),
+            jnp.full((p.stop - p.start, kv, g, sp), _MASKED, jnp.float32),
             jnp.zeros((p.stop - p.start, kv, g, sp), jnp.float32),
+            jnp.zeros((p.stop - p.start, kv, g, sp, d), jnp.float32),
         )
         for p in parts
     )
     outs, lses = [], []
-    for (*_, out, lse), p in zip(_pair_scan(step, init, n), parts, strict=True):
-        out = out[:, :, :, :s]  # [rows, kv, g, s, d]
+    for (m, total, acc), p in zip(_pair_scan(step, init, n), parts, strict=True):
+        out = (acc / total[..., None])[:, :, :, :s]  # [rows, kv, g, s, d]
         # Flat (see chunked_attention): [rows, s, h * d].
-        outs.append(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(p.stop - p.start, s, h * d))
-        lses.append(lse[..., :s])
+        outs.append(jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(p.stop - p.start, s, h * d).astype(q.dtype))
+        lses.append((m + jnp.log(total))[..., :s])
     return jnp.concatenate(outs), jnp.concatenate(lses)
 
 

@@ -55,7 +55,7 @@ def test_compare_policies(tmp_path, policies):
 
 
 def test_lora_finetune(tmp_path):
-    args = ["--preset", "tiny", "--base-steps", "2", "--steps", "6", "--batch-size", "2", "--seq-len", "32"]
+    args = ["--preset", "tiny", "--base-steps", "2", "--steps", "12", "--batch-size", "4", "--seq-len", "32"]
     out = run_example("lora_finetune.py", *args, "--out", "run", cwd=tmp_path)
     assert "base: tiny trained 2 steps" in out and "base int8" in out
     before, after = (float(x) for x in out.split("validation ")[1].split()[0:3:2])

@@ -113,6 +113,14 @@ def test_a_retrace_is_an_error(corpus):
         trainer.step(state, [np.zeros((2, 16), np.int32)])
 
 
+def test_a_trainer_on_cpu_returns_freed_buffers(monkeypatch):
+    # Training on CPU fixes the C allocator's mmap threshold (remat_kit.step.allocator) before its first step.
+    calls = []
+    monkeypatch.setattr(trainer_lib.allocator, "return_freed_buffers", lambda: calls.append(1) or True)
+    train.Trainer(train.TrainConfig(**BASE))
+    assert calls == [1]
+
+
 def test_resume_under_another_policy_continues_the_run(corpus, reference, tmp_path):
     def crash_after_4(step, record):
         if step == 4:

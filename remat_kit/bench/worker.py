@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from remat_kit import policies
 from remat_kit.analysis import inspection
 from remat_kit.analysis.memory import CompiledMemory
@@ -21,6 +23,7 @@ from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis
 from remat_kit.planning.user_model import load_factory, model_from_factory
+from remat_kit.step import allocator
 from remat_kit.step import mesh as mesh_lib
 from remat_kit.step import update as step_lib
 
@@ -247,11 +250,14 @@ def measure_model(
 def _worker_main(job_text: str) -> int:
     job = json.loads(job_text)
     log = lambda m: print("progress: " + m, file=sys.stderr, flush=True)
+    if "model" not in job:
+        mesh_lib.ensure_cpu_devices(job.get("mesh"))  # a fresh process: simulate the mesh's CPU devices
+    if jax.default_backend() == "cpu":  # measured as train runs: freed buffers leave the process
+        allocator.return_freed_buffers()
     if "model" in job:
         record = measure_model(job.pop("model"), log=log, **job)
         print(json.dumps(record))
         return 0
-    mesh_lib.ensure_cpu_devices(job.get("mesh"))  # a fresh process: simulate the mesh's CPU devices
     config = TransformerConfig(**job.pop("config"))
     record = measure(config, log=log, **job)
     print(json.dumps(record))

@@ -14,6 +14,7 @@ from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.model import loss as loss_lib
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, init_params
+from remat_kit.step import allocator
 from remat_kit.step import mesh as mesh_lib
 from remat_kit.step import update as step_lib
 from remat_kit.train.config import RetraceError, TrainConfig, TrainState, optimizer_for
@@ -34,6 +35,8 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, mesh=None):
+        if jax.default_backend() == "cpu":  # what a step frees leaves the process: its RSS follows the plan
+            allocator.return_freed_buffers()
         self.config = config
         self.model = Transformer(config=config.model, policy=config.policy)
         self.optimizer, self.schedule = optimizer_for(config)

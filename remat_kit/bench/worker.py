@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from remat_kit import policies
 from remat_kit.analysis import inspection
 from remat_kit.analysis.memory import CompiledMemory
@@ -251,9 +249,9 @@ def _worker_main(job_text: str) -> int:
     job = json.loads(job_text)
     log = lambda m: print("progress: " + m, file=sys.stderr, flush=True)
     if "model" not in job:
-        mesh_lib.ensure_cpu_devices(job.get("mesh"))  # a fresh process: simulate the mesh's CPU devices
-    if jax.default_backend() == "cpu":  # measured as train runs: freed buffers leave the process
-        allocator.return_freed_buffers()
+        # A fresh process: simulate the mesh's CPU devices, before anything (the allocator's check) starts JAX.
+        mesh_lib.ensure_cpu_devices(job.get("mesh"))
+    allocator.return_freed_buffers()  # measured as train runs: on CPU, freed buffers leave the process
     if "model" in job:
         record = measure_model(job.pop("model"), log=log, **job)
         print(json.dumps(record))

@@ -35,8 +35,7 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, mesh=None):
-        if jax.default_backend() == "cpu":  # what a step frees leaves the process: its RSS follows the plan
-            allocator.return_freed_buffers()
+        allocator.return_freed_buffers()  # on CPU, what a step frees leaves the process: its RSS follows the plan
         self.config = config
         self.model = Transformer(config=config.model, policy=config.policy)
         self.optimizer, self.schedule = optimizer_for(config)

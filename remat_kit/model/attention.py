@@ -401,11 +401,15 @@ def _head_major(q, k, v, sp: int):
     Transposed once here rather than in every block pair: on CPU the per-pair transposes of the
     sequence-major blocks cost as much as a block's matmul (``benchmarks/results/profile_notes.md``).
     """
-    b, _, h, d = q.shape
     kv = k.shape[2]
-    qh = jnp.transpose(_pad_seq(q, sp).reshape(b, sp, kv, h // kv, d), (0, 2, 3, 1, 4))
     kh, vh = (jnp.transpose(_pad_seq(x, sp), (0, 2, 1, 3)) for x in (k, v))
-    return qh, kh, vh
+    return _query_major(q, kv, q.shape[-1], sp), kh, vh
+
+
+def _query_major(x, kv: int, d: int, sp: int):
+    """A query-shaped ``[b, s, h, d]`` (or flat ``[b, s, h * d]``) array as ``[b, kv, g, sp, d]``, padded to ``sp``."""
+    b, s = x.shape[:2]
+    return jnp.transpose(_pad_seq(x.reshape(b, s, kv, -1, d), sp), (0, 2, 3, 1, 4))
 
 
 def _chain_slices(batch: int, chains: int) -> list[slice]:
@@ -534,10 +538,9 @@ def _backward_chain(block: int, q, k, v, out, lse, d_out):
     sp = n * block
     scale = 1.0 / float(d) ** 0.5
     qh, kh, vh = map(words.pack, _head_major(q, k, v, sp))  # as 16-bit words (remat_kit.policies.words)
-    doh = words.pack(jnp.transpose(_pad_seq(d_out.reshape(b, s, kv, g, d), sp), (0, 2, 3, 1, 4)))  # [b, kv, g, sp, d]
-    # The output head-major too: D_i = rowsum(dO ∘ O), the softmax backward's correction term, is summed per query
-    # block inside the loop (a whole-sequence D would need float32 copies of O and dO).
-    oh = words.pack(jnp.transpose(_pad_seq(out.reshape(b, s, kv, g, d), sp), (0, 2, 3, 1, 4)))
+    # dO and the output head-major too ([b, kv, g, sp, d]): D_i = rowsum(dO ∘ O), the softmax backward's correction
+    # term, is summed per query block inside the loop (a whole-sequence D would need float32 copies of O and dO).
+    doh, oh = (words.pack(_query_major(x, kv, d, sp)) for x in (d_out, out))
     # Padded query rows get an infinite logsumexp, so their probabilities are exactly 0.
     lse = jnp.swapaxes(_pad_seq(jnp.swapaxes(lse, 1, 3), sp, jnp.inf), 1, 3)
 

@@ -439,7 +439,7 @@ def _packed_bwd(fn, num_layers, residuals, g):
     def body(carry, xs):
         gh, gc = carry
         v, packed, i = xs
-        h = jax.lax.bitcast_convert_type(packed, g.dtype)
+        h = words.unpack(packed, g.dtype)
         leaves = jax.tree.leaves(v)
 
         def f(dv, dc, h):

@@ -53,5 +53,14 @@ def at(words, start, size: int, axis: int, dtype):
     >>> bool(jnp.array_equal(at(pack(x), 2, 2, 0, x.dtype), x[2:]))
     True
     """
-    block = jax.lax.dynamic_slice_in_dim(words, start, size, axis=axis)
-    return jax.lax.bitcast_convert_type(block, dtype) if block.dtype != dtype else block
+    return unpack(jax.lax.dynamic_slice_in_dim(words, start, size, axis=axis), dtype)
+
+
+def unpack(words, dtype):
+    """A :func:`pack` ed array (or slice) back in ``dtype``, bit for bit; an unpacked one as it is.
+
+    >>> x = jnp.ones(2, jnp.bfloat16)
+    >>> bool(jnp.array_equal(unpack(pack(x), x.dtype), x))
+    True
+    """
+    return jax.lax.bitcast_convert_type(words, dtype) if words.dtype != dtype else words

@@ -19,8 +19,10 @@ scan's ``length``): :mod:`remat_kit.analysis.flops` sees only :func:`eqns`, :fun
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -227,6 +229,23 @@ def dot_shapes(eqn) -> DotShapes | None:
     return DotShapes(lhs, rhs, tuple(int(d) for d in rhs_contract), tuple(int(d) for d in rhs_batch))
 
 
+def matmul_flops(eqn) -> int:
+    """FLOPs of one ``dot_general`` equation (2 · M · N · K, batch dimensions included); 0 for any other.
+
+    >>> import jax, jax.numpy as jnp
+    >>> matmul_flops(eqns(jax.make_jaxpr(jnp.matmul)(jnp.ones((2, 3)), jnp.ones((3, 4))))[0])
+    48
+    """
+    dot = dot_shapes(eqn)
+    if dot is None:
+        return 0
+    rhs_free = [d for i, d in enumerate(dot.rhs) if i not in dot.rhs_contracting and i not in dot.rhs_batch]
+    size = 1
+    for d in (*dot.lhs, *rhs_free):
+        size *= d
+    return 2 * size
+
+
 def scan_length(eqn) -> int | None:
     """The trip count of a ``scan`` equation (its ``length`` param); None for other equations."""
     if eqn.primitive.name != "scan":
@@ -383,8 +402,10 @@ def without_remat(fn: Callable) -> Callable:
     return stripped
 
 
-def _eval_inline_remat(jaxpr, consts, args) -> list[Any]:
+def _eval_inline_remat(jaxpr, consts, args, *, keep_own: bool = False) -> list[Any]:
     from jax.extend import core as jex_core
+
+    outside_loops = _foreign_outside_loops if keep_own else remat_outside_loops
 
     env: dict[Any, Any] = {}
 
@@ -397,16 +418,204 @@ def _eval_inline_remat(jaxpr, consts, args) -> list[Any]:
         invals = [read(v) for v in eqn.invars]
         body = _remat_body(eqn)
         inner = eqn.params.get("jaxpr")
-        if body is not None:
-            outs = _eval_inline_remat(body.jaxpr, body.consts, invals)
-        elif eqn.primitive.name in _INLINE_CALLS and hasattr(inner, "consts") and remat_outside_loops(inner):
-            outs = _eval_inline_remat(inner.jaxpr, inner.consts, invals)
+        if body is not None and not (keep_own and is_own_remat(eqn)):
+            outs = _eval_inline_remat(body.jaxpr, body.consts, invals, keep_own=keep_own)
+        elif eqn.primitive.name in _INLINE_CALLS and hasattr(inner, "consts") and outside_loops(inner):
+            outs = _eval_inline_remat(inner.jaxpr, inner.consts, invals, keep_own=keep_own)
         else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            outs = _rebind(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _rebind(eqn, invals: list[Any]) -> list[Any]:
+    """Bind ``eqn``'s primitive again on ``invals`` (remat_kit's own remat keeps its mark)."""
+    with eqn.ctx.manager, jax.named_scope(OWN_SCOPE) if is_own_remat(eqn) else contextlib.nullcontext():
+        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+# ---- remat_kit's own checkpoints beside the model's (issue 45: a model's own remat seen through) ---------
+#
+# A rematerialized call remat_kit makes is bound inside a named scope of this name, so its equation's name stack
+# ends with it (either representation; the policy object stays JAX's): every other rematerialized call in a
+# model's jaxpr is the model's own, which would keep or override remat_kit's policy where the two nest.
+OWN_SCOPE = "remat_kit_policy"
+
+
+def own_checkpoint(fn: Callable, policy: Callable | None, *, prevent_cse: bool = True) -> Callable:
+    """``jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)`` with its equation marked as remat_kit's.
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = own_checkpoint(jnp.sin, None)
+    >>> [is_own_remat(e) for e in iter_eqns(jax.make_jaxpr(f)(1.0)) if _remat_body(e) is not None]
+    [True]
+    """
+    checkpointed = jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
+
+    @functools.wraps(fn)
+    def run(*args):
+        with jax.named_scope(OWN_SCOPE):
+            return checkpointed(*args)
+
+    return run
+
+
+def is_own_remat(eqn) -> bool:
+    """Whether a rematerialized-call equation is one :func:`own_checkpoint` made."""
+    return str(eqn.source_info.name_stack).rsplit("/", 1)[-1] == OWN_SCOPE
+
+
+@dataclasses.dataclass(frozen=True)
+class RematNesting:
+    """Where a model's own rematerialized calls sit beside remat_kit's, in one traced forward pass.
+
+    Attributes:
+      own: remat_kit's rematerialized calls (:func:`own_checkpoint`), per run (scan bodies once).
+      own_flops: matmul FLOPs inside them, scan trips counted.
+      total_flops: matmul FLOPs of the whole forward pass, scan trips counted.
+      foreign: the model's own rematerialized calls (``jax.checkpoint``, ``nn.remat``, ``nnx.remat``).
+      nested: of those, the ones that enclose one of remat_kit's or sit inside one (they decide what is kept).
+      nested_in_loops: of ``nested``, those inside a loop body (a scan's), which cannot be seen through.
+    """
+
+    own: int
+    own_flops: int
+    total_flops: int
+    foreign: int
+    nested: int
+    nested_in_loops: int
+
+
+def remat_nesting(jaxpr) -> RematNesting:
+    """Count remat_kit's and the model's own rematerialized calls in a (closed) jaxpr, and how they nest.
+
+    >>> import jax, jax.numpy as jnp
+    >>> inner = own_checkpoint(lambda x: x @ x, None)
+    >>> n = remat_nesting(jax.make_jaxpr(jax.checkpoint(inner))(jnp.ones((2, 2))))
+    >>> n.own, n.foreign, n.nested, n.own_flops
+    (1, 1, 1, 16)
+    """
+    counts = dict.fromkeys(("own", "own_flops", "total_flops", "foreign", "nested", "nested_in_loops"), 0)
+
+    def walk(jx, times: int, in_own: bool, in_loop: bool) -> bool:
+        contains_own = False
+        for eqn in getattr(jx, "jaxpr", jx).eqns:
+            flops = matmul_flops(eqn) * times
+            counts["total_flops"] += flops
+            counts["own_flops"] += flops if in_own else 0
+            body = _remat_body(eqn)
+            if body is not None:
+                if is_own_remat(eqn):
+                    counts["own"] += 1
+                    walk(body, times, True, in_loop)
+                    contains_own = True
+                else:
+                    counts["foreign"] += 1
+                    inner_own = walk(body, times, in_own, in_loop)
+                    if inner_own or in_own:
+                        counts["nested"] += 1
+                        counts["nested_in_loops"] += int(in_loop)
+                    contains_own |= inner_own
+                continue
+            loop = eqn.primitive.name in _LOOPS
+            inner_times = times * int(eqn.params["length"]) if eqn.primitive.name == "scan" else times
+            for sub in subjaxprs(eqn):
+                contains_own |= walk(sub, inner_times, in_own, in_loop or loop)
+        return contains_own
+
+    walk(jaxpr, 1, False, False)
+    return RematNesting(**counts)
+
+
+def scoped_flops(jaxpr, prefix: str) -> dict[int, int]:
+    """Matmul FLOPs (scan trips counted) under each named scope ``f"{prefix}{i}"`` of a (closed) jaxpr: ``{i: FLOPs}``.
+
+    A matmul counts for every such scope it sits in (a module's and its submodules'). Nested jaxprs carry their
+    name stacks relative to the equation that holds them, so the walk joins them.
+
+    >>> import jax, jax.numpy as jnp
+    >>> def f(x):
+    ...     with jax.named_scope("m0"):
+    ...         with jax.named_scope("m1"):
+    ...             x = x @ x
+    ...         return jax.jit(lambda y: y @ y)(x)
+    >>> scoped_flops(jax.make_jaxpr(f)(jnp.ones((2, 2))), "m")
+    {0: 32, 1: 16}
+    """
+    out: dict[int, int] = {}
+
+    def scopes(stack: str) -> set[int]:
+        found = set()
+        for part in stack.split("/"):
+            for piece in re.findall(re.escape(prefix) + r"(\d+)", part):
+                found.add(int(piece))
+        return found
+
+    def walk(jx, outer: str, times: int) -> None:
+        for eqn in getattr(jx, "jaxpr", jx).eqns:
+            stack = f"{outer}/{eqn.source_info.name_stack}"
+            flops = matmul_flops(eqn) * times
+            if flops:
+                for i in scopes(stack):
+                    out[i] = out.get(i, 0) + flops
+            inner = times * int(eqn.params["length"]) if eqn.primitive.name == "scan" else times
+            for sub in subjaxprs(eqn):
+                walk(sub, stack, inner)
+
+    walk(jaxpr, "", 1)
+    return dict(sorted(out.items()))
+
+
+def own_remat_bodies(jaxpr, times: int = 1, scan: int | None = None) -> Iterator[tuple[Any, int, int | None]]:
+    """remat_kit's rematerialized calls in a (closed) jaxpr: ``(body, runs, scan)`` each, outermost only.
+
+    ``runs``: how many times one run of the jaxpr executes the call (scan trips multiplied out); ``scan``: the
+    length of the innermost scan holding it (None outside scans).
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = lambda x: jax.lax.scan(lambda c, _: (own_checkpoint(jnp.sin, None)(c), None), x, None, 3)[0]
+    >>> [(runs, scan) for _, runs, scan in own_remat_bodies(jax.make_jaxpr(f)(1.0))]
+    [(3, 3)]
+    """
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        body = _remat_body(eqn)
+        if body is not None and is_own_remat(eqn):
+            yield body, times, scan
+            continue
+        length = scan_length(eqn)
+        for sub in subjaxprs(eqn):
+            yield from own_remat_bodies(sub, times * (length or 1), length or scan)
+
+
+def _foreign_outside_loops(jaxpr) -> bool:
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if _remat_body(eqn) is not None and not is_own_remat(eqn):
+            return True
+        if eqn.primitive.name not in _LOOPS and any(_foreign_outside_loops(sub) for sub in subjaxprs(eqn)):
+            return True
+    return False
+
+
+def without_foreign_remat(fn: Callable) -> Callable:
+    """``fn`` with the code's own rematerialized calls outside loops evaluated inline, remat_kit's kept.
+
+    The values and gradients are ``fn``'s; only what the backward pass keeps changes: remat_kit's policy
+    replaces the model's own ``jax.checkpoint`` where the two nest. ``fn`` takes and returns pytrees of arrays.
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = jax.checkpoint(own_checkpoint(jnp.sin, None))
+    >>> n = remat_nesting(jax.make_jaxpr(without_foreign_remat(f))(1.0))
+    >>> n.own, n.foreign
+    (1, 0)
+    """
+
+    def stripped(*args):
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        outs = _eval_inline_remat(closed.jaxpr, closed.consts, jax.tree.leaves(args), keep_own=True)
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return stripped
 
 
 def vjp_jaxpr(body, policy: Callable | None):
@@ -565,7 +774,9 @@ def name_param_matmuls(fn: Callable, leaf_names: list[str | None], *args: Any) -
 
     Returns:
       ``(run, jaxpr)``: ``run(*args)`` computes ``fn(*args)`` with the names (it evaluates ``jaxpr``,
-      touching nothing of ``fn``'s); ``jaxpr`` is the named closed jaxpr (for :func:`jaxpr_tags`).
+      touching nothing of ``fn``'s); ``jaxpr`` is the named closed jaxpr (for :func:`jaxpr_tags`). The code's
+      own rematerialized calls (outside loops) are evaluated inline, so a policy around ``fn`` decides what
+      its backward pass keeps; ``run.seen_through`` counts them.
     """
     leaves, treedef = jax.tree.flatten(args)
     at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
@@ -590,7 +801,20 @@ def name_param_matmuls(fn: Callable, leaf_names: list[str | None], *args: Any) -
         rebuilt = [next(outs) if isinstance(o, jax.Array) else o for o in statics["leaves"]]
         return jax.tree.unflatten(statics["tree"], rebuilt)
 
+    run.seen_through = _count_inlined(closed)  # the code's own remats the naming evaluated inline
     return run, named
+
+
+def _count_inlined(jaxpr) -> int:
+    """How many of the code's own rematerialized calls :func:`_eval_naming` evaluates inline (outside loops)."""
+    total = 0
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        body = _remat_body(eqn)
+        if body is not None and not is_own_remat(eqn):
+            total += 1 + _count_inlined(body)
+        elif eqn.primitive.name in _INLINE_CALLS and hasattr(eqn.params.get("jaxpr"), "consts"):
+            total += _count_inlined(eqn.params["jaxpr"])
+    return total
 
 
 def jaxpr_tags(jaxpr) -> list[tuple[str, tuple[int, ...], str, int]]:
@@ -624,12 +848,13 @@ def _eval_naming(jaxpr, consts, args, names) -> list[Any]:
         insrc = [None if isinstance(v, jex_core.Literal) else source.get(v) for v in eqn.invars]
         prim = eqn.primitive.name
         inner = eqn.params.get("jaxpr")
-        if prim in _INLINE_CALLS and hasattr(inner, "consts") and any(insrc):
+        body = _remat_body(eqn)
+        if body is not None and not is_own_remat(eqn):  # the code's own remat: remat_kit's policy replaces it
+            outs = _eval_naming(body.jaxpr, body.consts, invals, insrc)
+        elif prim in _INLINE_CALLS and hasattr(inner, "consts") and (any(insrc) or _foreign_outside_loops(inner)):
             outs = _eval_naming(inner.jaxpr, inner.consts, invals, insrc)
         else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            outs = _rebind(eqn, invals)
             if prim == "dot_general" and (insrc[1] or insrc[0]):
                 outs = [checkpoint_name(outs[0], insrc[1] or insrc[0])]
             elif prim in _WEIGHT_VIEWS and insrc and insrc[0]:

@@ -138,7 +138,7 @@ def test_linen_pattern_matching_nothing_is_an_error():
         applied.apply(um.InlineModel().init(jax.random.key(0), X), X)
 
 
-def test_default_where_with_two_repeated_classes_names_them():
+def test_default_where_between_two_repeated_classes_takes_the_one_with_the_matmuls():
     class Two(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -147,9 +147,9 @@ def test_default_where_with_two_repeated_classes_names_them():
                 x = nn.LayerNorm(name=f"n_{i}")(x)
             return x
 
-    applied = remat_kit.apply(Two(), "full")
-    with pytest.raises(ValueError, match=r"several repeated block classes: (Dense|LayerNorm)"):
-        applied.init(jax.random.key(0), X)
+    table = remat_kit.names_of(Two(), X)
+    assert table.block.startswith("Dense block")
+    assert "Dense ×2" in table.why and "next: LayerNorm ×2" in table.why and "0%" in table.why
 
 
 @pytest.mark.parametrize(

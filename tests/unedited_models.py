@@ -398,3 +398,179 @@ def factory(policy):
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
     make_loss = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2))
     return make_loss(policy), (variables, x)
+
+
+# ---- issue 45: what people install beside one block class in a loop ----------------------------------------
+
+
+class GptBlock(nn.Module):
+    """A GPT-2 style block (Flax Linen, as Hugging Face's Flax GPT-2 writes it): its matmuls are the model's compute."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4 * x.shape[-1], name="up")(nn.LayerNorm(name="ln")(x))
+        return x + nn.Dense(x.shape[-1], name="down")(jnp.tanh(h))
+
+
+class GptBlocks(nn.Module):
+    """The collection of blocks (HF's ``FlaxGPT2BlockCollection``), named by their index."""
+
+    num_layers: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.num_layers):
+            x = GptBlock(name=str(i))(x)
+        return x
+
+
+class GptModel(nn.Module):
+    """Two embeddings (token, position) beside the blocks: the shallowest repeated class is ``Embed``."""
+
+    vocab: int = 64
+    d: int = 8
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.d, name="wte")(tokens) + nn.Embed(tokens.shape[1], self.d, name="wpe")(
+            jnp.arange(tokens.shape[1])[None]
+        )
+        return GptBlocks(name="h")(x)
+
+
+class KindBlock(nn.Module):
+    """One block class of two kinds (Griffin's recurrent and attention blocks): each emits names the other lacks."""
+
+    kind: str
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(x.shape[-1], name="rec" if self.kind == "r" else "attn")(x)
+        return x + nn.Dense(x.shape[-1], name="mlp")(jnp.tanh(h))
+
+
+class PeriodModel(nn.Module):
+    """Blocks in a period of kinds (``rra``: recurrent, recurrent, attention), as recurrentgemma lays them out."""
+
+    pattern: str = "rra"
+
+    @nn.compact
+    def __call__(self, x):
+        for i, kind in enumerate(self.pattern):
+            x = KindBlock(kind, name=f"b{i}")(x)
+        return x
+
+
+class DenseLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1], name="ffw")(jnp.tanh(nn.Dense(x.shape[-1], name="proj")(x)))
+
+
+class ExpertLayer(nn.Module):
+    """A second block class beside :class:`DenseLayer` (dense and MoE layers), carrying more of the compute."""
+
+    experts: int = 2
+
+    @nn.compact
+    def __call__(self, x):
+        outs = [nn.Dense(x.shape[-1], name=f"expert_{e}")(jnp.tanh(x)) for e in range(self.experts)]
+        return x + sum(outs) + nn.Dense(x.shape[-1], name="proj")(x)
+
+
+class MixedLayersModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(4):
+            x = (DenseLayer if i % 2 == 0 else ExpertLayer)(name=f"layer_{i}")(x)
+        return x
+
+
+class CheckpointInsideBlock(nn.Module):
+    """A block that rematerializes its up projection itself with ``jax.checkpoint`` (a model's own remat switch)."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (x.shape[-1], 4 * x.shape[-1]))
+        h = jax.checkpoint(lambda x, w: jnp.tanh(x @ w))(x, w)
+        return x + nn.Dense(x.shape[-1], name="down")(h)
+
+
+class CheckpointInsideModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = CheckpointInsideBlock(name=f"layer_{i}")(x)
+        return x
+
+
+class NnxUpDown(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(x)))
+
+
+class NnxSequentialCheckpointed(nnx.Module):
+    """MaxText's sequential NNX decoder in miniature: every layer under the model's own ``jax.checkpoint``."""
+
+    def __init__(self, d: int, rngs: nnx.Rngs, num_layers: int = 4):
+        self.layers = nnx.List([NnxUpDown(d, rngs) for _ in range(num_layers)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            graphdef, state = nnx.split(layer)
+            x = jax.checkpoint(lambda s, x, g=graphdef: nnx.merge(g, s)(x))(state, x)
+        return x
+
+
+class NnxRematInsideBlock(nnx.Module):
+    """A block that runs its MLP under ``nnx.remat`` (tunix's ``RematConfig.BLOCK``)."""
+
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.mlp = NnxUpDown(d, rngs)
+
+    def __call__(self, x):
+        return nnx.remat(lambda m, x: m(x))(self.mlp, x)
+
+
+class NnxRematInsideModel(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs, num_layers: int = 4):
+        self.layers = nnx.List([NnxRematInsideBlock(d, rngs) for _ in range(num_layers)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class NnxScannedCheckpointed(nnx.Module):
+    """Blocks under the model's own checkpoint inside a ``lax.scan`` (cannot be seen through: refused)."""
+
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.layers = nnx.List([NnxUpDown(d, rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            graphdef, state = nnx.split(layer)
+            body = jax.checkpoint(lambda c, s, g=graphdef: nnx.merge(g, s)(c))
+            x = jax.lax.scan(lambda c, _, s=state, f=body: (f(c, s), None), x, None, length=1)[0]
+        return x
+
+
+class LinearBlock(nn.Module):
+    """A block whose backward needs nothing but its input: no policy can change what it keeps."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1], name="proj", use_bias=False)(x)
+
+
+class LinearModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = LinearBlock(name=f"layer_{i}")(x)
+        return x

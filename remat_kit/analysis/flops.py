@@ -16,20 +16,12 @@ as in the usual 6 · params · tokens accounting.
 
 from __future__ import annotations
 
-import math
-
 from remat_kit import _jax_internals
-
-
-def _dot_flops(dot: _jax_internals.DotShapes) -> int:
-    rhs_free = [d for i, d in enumerate(dot.rhs) if i not in dot.rhs_contracting and i not in dot.rhs_batch]
-    return 2 * math.prod(dot.lhs) * math.prod(rhs_free)
 
 
 def eqn_matmul_flops(eqn) -> int:
     """FLOPs of one ``dot_general`` equation (2 · M · N · K, batch dimensions included); 0 for any other."""
-    dot = _jax_internals.dot_shapes(eqn)
-    return 0 if dot is None else _dot_flops(dot)
+    return _jax_internals.matmul_flops(eqn)
 
 
 def jaxpr_flops(jaxpr) -> int:
@@ -40,9 +32,8 @@ def jaxpr_flops(jaxpr) -> int:
     """
     total = 0
     for eqn in _jax_internals.eqns(jaxpr):
-        dot = _jax_internals.dot_shapes(eqn)
-        if dot is not None:
-            total += _dot_flops(dot)
+        if _jax_internals.dot_shapes(eqn) is not None:
+            total += _jax_internals.matmul_flops(eqn)
             continue
         subs = [jaxpr_flops(sub) for sub in _jax_internals.subjaxprs(eqn)]
         if not subs:

@@ -10,9 +10,10 @@ points names the answer and two compiles confirm it (:func:`_boundary`). :func:`
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -208,6 +209,66 @@ def emitted_bytes(body) -> dict[str, int]:
         if tag is not None:
             out[tag] = out.get(tag, 0) + sum(_jax_internals.aval_nbytes(v) for v in eqn.outvars)
     return out
+
+
+def check_convention(model: Any, loss_fn: Callable, example_args: tuple) -> None:
+    """Raise TypeError, in one line, when ``loss_fn`` and ``example_args`` follow the other API's convention.
+
+    Linen: ``loss_fn(model, variables, *batch)`` with ``example_args = (variables, *batch)``; NNX:
+    ``loss_fn(model, *batch)`` with ``example_args = batch`` (the variables live in the model).
+
+    >>> import flax.linen as nn, jax.numpy as jnp
+    >>> try:
+    ...     check_convention(nn.Dense(2), lambda m, x: m(x).sum(), (jnp.ones(2),))
+    ... except TypeError as err:
+    ...     print(str(err).split(" and the")[0])
+    fit of a Linen model (Dense) takes loss_fn(model, variables, *batch)
+    """
+    is_nnx = isinstance(model, nnx.Module)
+    first = example_args[0] if example_args else None
+    name = type(model).__name__
+    if not is_nnx and not isinstance(first, Mapping):
+        raise TypeError(
+            f"fit of a Linen model ({name}) takes loss_fn(model, variables, *batch) and the variables first among the "
+            f"example arguments (model.init(key, *batch)), got {type(first).__name__} first: that is the NNX convention"
+        )
+    if is_nnx and isinstance(first, Mapping) and "params" in first:
+        raise TypeError(
+            f"fit of an NNX model ({name}) takes loss_fn(model, *batch): its variables live in the model, so the "
+            "example arguments are the batch alone; got a variables dict first: that is the Linen convention"
+        )
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(model, *example_args)
+    except TypeError:
+        shape = "loss_fn(model, variables, *batch)" if not is_nnx else "loss_fn(model, *batch)"
+        raise TypeError(
+            f"fit of {'a Linen' if not is_nnx else 'an NNX'} model ({name}) calls {shape} with the model and the "
+            f"{len(example_args)} example argument(s), which loss_fn{signature} does not take"
+        ) from None
+
+
+def blocks_emitted(jaxpr) -> tuple[dict[str, int], int, int | None]:
+    """What the blocks of a model under ``full`` emit, over every kind of block: ``(bytes, depth, steps)``.
+
+    ``bytes``: per name, its bytes summed over the blocks that emit it, divided by ``depth`` (so ``depth`` times it
+    is what keeping it costs in the whole model, whichever kinds of block emit it); ``depth``: how many blocks run;
+    ``steps``: the steps of the scan that runs them (a period of several blocks is one step), None when they are
+    not scanned or run in scans of different lengths.
+    """
+    total: dict[str, int] = {}
+    depth = 0
+    scans = set()
+    for body, runs, scan in _jax_internals.own_remat_bodies(jaxpr):
+        depth += runs
+        scans.add(scan)
+        for name, nbytes in emitted_bytes(body).items():
+            total[name] = total.get(name, 0) + nbytes * runs
+    steps = next(iter(scans)) if len(scans) == 1 else None
+    return {n: b // max(depth, 1) for n, b in total.items()}, depth, steps
 
 
 def group_names(emitted: dict[str, int]) -> tuple[tuple[tuple[str, ...], int], ...]:
@@ -518,6 +579,7 @@ def fit(
         raise TypeError(f"fit takes a flax.linen or flax.nnx Module instance, got {model!r}")
     if not example_args and not is_nnx:
         raise TypeError("fit(linen_model, loss_fn, variables, *batch, budget=...) needs the variables and the batch")
+    check_convention(model, loss_fn, example_args)
     inputs = inspection.abstract(example_args)
     start = time.perf_counter()
 
@@ -542,22 +604,17 @@ def fit(
                 scan = False
         make_loss = unedited_lib.apply_factory(model, loss_fn, scan=scan, **kwargs)
         jaxpr = jax.make_jaxpr(make_loss("full"))(params, *batch_args)
-        body = _jax_internals.first_remat_body(jaxpr)
-        emitted = {} if body is None else emitted_bytes(body)
+        emitted, depth, steps = blocks_emitted(jaxpr)
         if not emitted:
             raise ValueError(f"fit found no block to rematerialize in {type(model).__name__}; give where=")
-        first = next(iter(emitted))
-        depth = sum(
-            t for e, t in _jax_internals.weighted_leaf_eqns(jaxpr) if _jax_internals.checkpoint_name_of(e) == first
-        )
         presets = [policies.parse(s) for s in GENERIC_CANDIDATES]
         num_layers = None
-        if scan and depth >= 2:  # grouping policies and mixes count the scanned blocks
+        if scan and steps is not None and steps >= 2:  # grouping policies and mixes count the scan's steps
             try:
                 jax.eval_shape(make_loss(policies.every_n(2)), params, *batch_args)
                 presets.append(policies.every_n(2))
-                num_layers = depth
-            except ValueError:  # blocks scanned in periods of several: keep to the uniform plans
+                num_layers = steps
+            except ValueError:  # blocks that cannot be grouped: keep to the uniform plans
                 pass
         planner = StepPlanner(lambda p, b, s: (make_loss(p), params, batch_args), optimizer)
         choice = choose(

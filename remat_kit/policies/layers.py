@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from remat_kit import _jax_internals
 from remat_kit import names as _names
 from remat_kit.policies import Mix, Policy, keep_activations, none, tags, words
 from remat_kit.units import check_int
@@ -173,9 +174,13 @@ def period_policies(
     >>> str(p), positions
     ('every_n:2', None)
     """
+    anywhere = frozenset().union(*emitted)
     if per_layer(policy, periods):
-        return policy, [tags.resolved(policy, e, w) for e, w in zip(emitted, where, strict=True)]
-    return tags.resolved(policy, frozenset().union(*emitted), where[0]), None
+        # A name is a tensor where it exists: checked against every position's names, kept where it is emitted.
+        if policy.strict:
+            tags.check(policy, anywhere, where[0] if len(set(where)) == 1 else f"any of {', '.join(where)}")
+        return policy, [tags.resolved(tags.present(policy, e), e, w) for e, w in zip(emitted, where, strict=True)]
+    return tags.resolved(policy, anywhere, where[0]), None
 
 
 def keep_all(fn: Callable) -> Callable:
@@ -199,7 +204,7 @@ def keep_all(fn: Callable) -> Callable:
     >>> float(jax.grad(f, argnums=1)(jnp.ones((2, 1)), 0.0))
     1.0
     """
-    return jax.checkpoint(fn, policy=keep_activations, prevent_cse=False)
+    return _jax_internals.own_checkpoint(fn, keep_activations, prevent_cse=False)
 
 
 def run(policy: Policy | Mix, num_layers: int, step: Step, variables: Any, x: Any) -> tuple[Any, Any]:

@@ -250,7 +250,7 @@ class Policy:
         """Wrap a function with ``jax.checkpoint`` under :attr:`jax_policy` (identity for ``none``)."""
         if not self.remat:
             return fn
-        return jax.checkpoint(fn, policy=self.jax_policy, prevent_cse=prevent_cse)
+        return _jax_internals.own_checkpoint(fn, self.jax_policy, prevent_cse=prevent_cse)
 
     def __call__(self, target, *, static_argnums: int | tuple[int, ...] = (), methods=None, prevent_cse: bool = True):
         """Apply the policy to one function, one Flax Linen module class or one Flax NNX module instance.

@@ -115,6 +115,27 @@ def resolve(policy, emitted: Iterable[str], where: str):
     return dataclasses.replace(policy, save=save, offload=offload)
 
 
+def present(policy, emitted: Iterable[str]):
+    """``policy`` without the names (or patterns) that match nothing in ``emitted``: a name is a tensor where it
+    exists. A model with blocks of several kinds applies one policy to each; the names one kind lacks are dropped
+    there (it recomputes what it has), and :func:`check` against every kind's names says when *no* block emits one.
+
+    >>> from remat_kit import policies
+    >>> str(present(policies.parse("selective:attn,mlp"), ["rec", "mlp"]))
+    'selective:mlp'
+    """
+    if isinstance(policy, Mix):
+        return Mix(tuple((present(p, emitted), n) for p, n in policy.parts))
+    gone = set(missing(policy, emitted))
+    if not gone:
+        return policy
+    save = tuple(t for t in policy.save if t not in gone)
+    offload = tuple(t for t in policy.offload if t not in gone)
+    if policy.kind == "offload" and not offload:  # nothing of this block goes to the host: keep the rest here
+        return dataclasses.replace(policy, kind="selective", save=save, offload=(), dst=policy.__class__.dst)
+    return dataclasses.replace(policy, save=save, offload=offload)
+
+
 def needs_check(policy) -> bool:
     """Whether applying ``policy`` calls for a tag check (it is strict and names tags)."""
     return bool(policy.strict and policy.tags)

@@ -6,12 +6,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect as _inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from remat_kit import _jax_internals
@@ -139,8 +142,6 @@ def trace_only(fn: Callable, args: tuple, kwargs: dict, *, keep: bool = False) -
 
     Returns the output's shapes when ``keep``, else None (so non-array outputs are allowed).
     """
-    import numpy as np
-
     leaves, treedef = jax.tree.flatten((args, kwargs))
     at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))]
 
@@ -153,6 +154,44 @@ def trace_only(fn: Callable, args: tuple, kwargs: dict, *, keep: bool = False) -
         return out if keep else None
 
     return jax.eval_shape(run, *[leaves[i] for i in at])
+
+
+def split_arrays(args: tuple, kwargs: dict) -> tuple[list, Callable]:
+    """A call's array leaves (arrays, tracers, ShapeDtypeStructs) and ``rebuild(arrays) -> (args, kwargs)``.
+
+    >>> import jax.numpy as jnp
+    >>> arrays, rebuild = split_arrays((jnp.ones(2), "tanh"), {"train": False})
+    >>> len(arrays), rebuild([jnp.zeros(2)])[0][1]
+    (1, 'tanh')
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))]
+
+    def rebuild(arrays):
+        full = list(leaves)
+        for i, a in zip(at, arrays, strict=True):
+            full[i] = a
+        return jax.tree.unflatten(treedef, full)
+
+    return [leaves[i] for i in at], rebuild
+
+
+def trace_jaxpr(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """The closed jaxpr of ``fn(*args, **kwargs)``: array leaves (or ShapeDtypeStructs) traced, others as given.
+
+    Its outputs are dropped (any output is allowed); nothing is compiled or allocated.
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))]
+
+    def run(*arrays):
+        full = list(leaves)
+        for i, a in zip(at, arrays, strict=True):
+            full[i] = a
+        a, k = jax.tree.unflatten(treedef, full)
+        fn(*a, **k)
+
+    return jax.make_jaxpr(run)(*[leaves[i] for i in at])
 
 
 def tag_input(fn: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -186,6 +225,7 @@ class Collector:
     """Gathers, block by block, the names blocks emit (for :func:`names_of`)."""
 
     blocks: dict[str, list[BlockName]] = dataclasses.field(default_factory=dict)
+    why: str = ""  # how the blocks were found (remat_kit.unedited.blocks.Choice.why)
 
     def add(self, where: str, jaxpr: Any, module_names: set[str], param_names: set[str]) -> None:
         rows = []
@@ -200,23 +240,77 @@ class Collector:
             raise ValueError("no block ran: check where= and the example arguments")
         first = next(iter(self.blocks))
         seen: dict[str, BlockName] = {}
-        for rows in self.blocks.values():
+        emitted_by: dict[str, list[str]] = {}
+        for where, rows in self.blocks.items():
             for r in rows:
                 seen.setdefault(r.name, r)
-        return NameTable(first, tuple(seen.values()))
+                emitted_by.setdefault(r.name, []).append(where.rsplit(" block ", 1)[-1])
+        rows = tuple(
+            r
+            if len(emitted_by[r.name]) == len(self.blocks)
+            else dataclasses.replace(r, blocks=tuple(emitted_by[r.name]))
+            for r in seen.values()
+        )
+        return NameTable(first, rows, self.why)
+
+
+@dataclasses.dataclass
+class Ledger:
+    """What the blocks of one call of an applied model emitted and saw through (:func:`ledger`).
+
+    A name is a tensor where it exists: each block keeps the names it emits, and only a name that *no* block
+    emits is an error, raised once the call has run every block (blocks of several kinds share one policy).
+    """
+
+    policy: Any
+    emitted: set[str] = dataclasses.field(default_factory=set)
+    blocks: list[str] = dataclasses.field(default_factory=list)
+    seen_through: int = 0  # the model's own rematerialized calls inside the blocks, evaluated inline
+
+    def check(self) -> None:
+        """Raise ValueError if the policy names something no block emitted (with the nearest names)."""
+        if not self.blocks or not getattr(self.policy, "tags", ()):
+            return
+        kinds = sorted(set(self.blocks))
+        where = kinds[0] if len(kinds) == 1 else f"any block ({', '.join(kinds[:4])}{', …' if len(kinds) > 4 else ''})"
+        for part in getattr(self.policy, "policies", (self.policy,)):
+            tags.check(part, self.emitted, where)
+
+
+_LEDGER: contextvars.ContextVar[Ledger | None] = contextvars.ContextVar("remat_kit_apply_ledger", default=None)
+
+
+@contextlib.contextmanager
+def ledger(policy: Any):
+    """Context: one call of an applied model; on a clean exit, :meth:`Ledger.check` the names across its blocks."""
+    book = Ledger(policy)
+    token = _LEDGER.set(book)
+    try:
+        yield book
+    finally:
+        _LEDGER.reset(token)
+    book.check()
 
 
 def checkpointed(policy: Policy, where: str, named: Callable, jaxpr: Any, args: tuple) -> Any:
     """Run ``named(*args)`` under ``policy`` after checking (and expanding) the names it refers to.
 
     ``jaxpr`` is ``named``'s (from :func:`remat_kit._jax_internals.name_param_matmuls`): the names it
-    emits are read there, without tracing the block again.
+    emits are read there, without tracing the block again. Inside a call's :func:`ledger` a name this block
+    does not emit is dropped here and checked across every block at the end; outside one, it is an error here.
     """
+    book = _LEDGER.get()
+    if book is not None:
+        book.seen_through += getattr(named, "seen_through", 0)
     if policy.tags:
         emitted = frozenset(t for t, *_ in _jax_internals.jaxpr_tags(jaxpr))
+        if book is not None:
+            book.emitted |= emitted
+            book.blocks.append(where.split(" block ")[0] if " block " in where else where)
+            policy = tags.present(policy, emitted)
         policy = tags.resolve(policy, emitted, where)
         tags.check(policy, emitted, where)
-    return jax.checkpoint(named, policy=policy.jax_policy, prevent_cse=True)(*args)
+    return _jax_internals.own_checkpoint(named, policy.jax_policy, prevent_cse=True)(*args)
 
 
 def nnx_plain_call(cls: type) -> Callable:

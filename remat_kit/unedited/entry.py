@@ -150,8 +150,12 @@ def apply_factory(model: Any, loss: Callable, **apply_kwargs: Any) -> Callable:
       streams included, is closed over).
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
-    >>> model = nn.Sequential([nn.Dense(3), nn.Dense(3)])
-    >>> make = apply_factory(model, lambda m, v, x: m.apply(v, x).sum(), where=nn.Dense)
+    >>> class MLP(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return nn.Dense(3)(jnp.tanh(nn.Dense(3)(x)))
+    >>> model = nn.Sequential([MLP(), MLP()])
+    >>> make = apply_factory(model, lambda m, v, x: m.apply(v, x).sum(), where=MLP)
     >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
     >>> float(make("full")(v, jnp.zeros((1, 3))))
     0.0

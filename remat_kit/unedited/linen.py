@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -27,17 +28,21 @@ from remat_kit import _jax_internals
 from remat_kit.policies import Policy, tags
 from remat_kit.policies import layers as _layers
 from remat_kit.policies.static import is_static
+from remat_kit.unedited import blocks, guard
 from remat_kit.unedited.engine import (
     Collector,
     Plan,
     check_static_argnames,
     checkpointed,
+    ledger,
     name_tree,
+    split_arrays,
     split_static,
     tag_input,
+    trace_jaxpr,
     trace_only,
 )
-from remat_kit.unedited.paths import NameTable, Where, join, repeated_block, state_keys
+from remat_kit.unedited.paths import NameTable, Where, join, state_keys
 from remat_kit.unedited.scan import (
     HOLE,
     Call,
@@ -71,6 +76,20 @@ class _Run:
 
 
 _RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("remat_kit_apply_run", default=None)
+#: The discovery trace runs module number i (in call order) inside a named scope of this prefix and i.
+_MODULE_SCOPE = "remat_kit_module_"
+
+
+def _choose(found: list, flops: dict[int, int], total: int) -> blocks.Choice:
+    """The block classes of one discovery trace: the repeated modules that carry its matmul FLOPs."""
+    weights: dict[tuple, int] = {}
+    for i, (path, _, _) in enumerate(found):
+        weights[path] = weights.get(path, 0) + flops.get(i, 0)  # a module called twice carries both calls
+    paths = {p for p, _, _ in found}
+    modules = [
+        (p, c, any(q[: len(p)] == p and q != p for q in paths)) for p, c in dict((p, c) for p, c, _ in found).items()
+    ]
+    return blocks.choose(modules, weights, total, "matmul FLOPs")
 
 
 class Applied:
@@ -90,6 +109,9 @@ class Applied:
         self._matcher = plan.where
         self._traces: dict = {}  # (method, call signature) -> the discovery trace's (found, calls)
         self._lifted: dict = {}  # module path -> the Flax transforms its call runs inside (discovery)
+        self._choice: blocks.Choice | None = None  # the blocks found by compute (where= not given)
+        self._verdicts: dict = {}  # call signature -> the guard's verdict (remat_kit.unedited.guard)
+        self._seen_inside = 0  # the last call's own remats inside blocks, seen through (Ledger.seen_through)
 
     def init(self, *args, **kwargs):
         """The model's ``init`` (runs plainly: remat changes no variable)."""
@@ -125,7 +147,11 @@ class Applied:
                 f"replays a cached trace hides them{': ' + ', '.join(lifted) if lifted else ''}); apply to the model "
                 "without it, or call the model's own methods (not a jitted helper)"
             )
-        matcher = self._matcher or Where(classes=(repeated_block([(p, c) for p, c, _ in found]),))
+        if self._matcher is None:
+            self._choice = _choose(found, *self._traces_flops(method, args, kwargs))
+            if self._choice.several:
+                warnings.warn(f"remat_kit.apply: {self._choice.several}", stacklevel=4)
+        matcher = self._matcher or Where(classes=self._choice.classes)
         blocks = [(path, module) for path, _, module in found if path and matcher(module, join(path))]
         for path, module in blocks:
             if self._lifted.get(path):
@@ -152,16 +178,25 @@ class Applied:
         (:func:`remat_kit.unedited.scan.template`): a scan runs every block of a period at the first one's
         call, so it needs the later blocks' static arguments from here.
         """
+        return self._trace(method, args, kwargs)[:2]
+
+    def _traces_flops(self, method: str, args: tuple, kwargs: dict) -> tuple[dict, int]:
+        """The discovery trace's matmul FLOPs: ``({index in found: FLOPs}, the whole call's FLOPs)``."""
+        return self._trace(method, args, kwargs)[2:]
+
+    def _trace(self, method: str, args: tuple, kwargs: dict) -> tuple[list, list, dict, int]:
         sig = tags.signature((args, kwargs))
         key = None if sig is None else (method, sig)
         if key is None or key not in self._traces:
             run = _Run(self.plan, None, discovered=[])
             with _running(run):
-                trace_only(getattr(self.module, method), args, self._see_through(kwargs))
+                jaxpr = trace_jaxpr(getattr(self.module, method), args, self._see_through(kwargs))
             self._lifted.update(run.lifted)
+            flops = _jax_internals.scoped_flops(jaxpr, _MODULE_SCOPE)
+            traced = (run.discovered, run.calls, flops, _jax_internals.remat_nesting(jaxpr).total_flops)
             if key is None:
-                return run.discovered, run.calls
-            self._traces[key] = (run.discovered, run.calls)
+                return traced
+            self._traces[key] = traced
         return self._traces[key]
 
     def _see_through(self, kwargs: dict) -> dict:
@@ -183,11 +218,55 @@ class Applied:
         return kwargs
 
     def _run(self, method: str, args: tuple, kwargs: dict):
-        run = _Run(self.plan, self.matcher(method, args, kwargs))
+        matcher = self.matcher(method, args, kwargs)
+        if method != "apply":
+            return self._call(method, matcher, args, kwargs)
+        arrays, rebuild = split_arrays(args, kwargs)
+        verdict = self._verify(matcher, arrays, rebuild)
+        if not verdict.see_through:
+            return self._call(method, matcher, args, kwargs)
+        # The model's own jax.checkpoint around the blocks: evaluated inline, remat_kit's policy replaces it.
+        return _jax_internals.without_foreign_remat(lambda *a: self._call(method, matcher, *rebuild(a)))(*arrays)
+
+    def _verify(self, matcher: Where, arrays: list, rebuild) -> guard.Verdict:
+        """The guard's verdict on this call signature (:func:`remat_kit.unedited.guard.verify`), once per signature."""
+        abstract = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in arrays]
+        key = tags.signature(rebuild(abstract))
+        if key is None or key not in self._verdicts:
+            model = type(self.module).__name__
+
+            def plain(*a):
+                args, kwargs = rebuild(a)
+                return self.module.apply(*args, **self._see_through(kwargs))
+
+            verdict = guard.verify(
+                plain,
+                lambda *a: self._call("apply", matcher, *rebuild(a)),
+                abstract,
+                self.plan.policy,
+                model,
+                f"{matcher} blocks",
+                guard.own_switch(type(self.module)),
+                lambda: self._seen_inside,
+            )
+            if verdict.seen_through:
+                warnings.warn(
+                    f"remat_kit.apply: {model} runs {verdict.seen_through} jax.checkpoint call(s) of its own around or "
+                    f"in its {matcher} blocks; {self.plan.policy} replaces them",
+                    stacklevel=4,
+                )
+            if key is None:
+                return verdict
+            self._verdicts[key] = verdict
+        return self._verdicts[key]
+
+    def _call(self, method: str, matcher: Where, args: tuple, kwargs: dict):
+        run = _Run(self.plan, matcher)
         if self.plan.scan:
             run.scan = LinenScan(*self._discover(method, args, kwargs), run.matcher)
-        with _running(run):
+        with _running(run), ledger(self.plan.policy) as book:
             out = getattr(self.module, method)(*args, **self._see_through(kwargs))
+        self._seen_inside = book.seen_through
         if run.scan is not None:
             run.scan.finish()
         if method == "apply" and not run.ran:
@@ -222,13 +301,16 @@ def _intercept(next_fun, args, kwargs, context):
         return next_fun(*args, **kwargs)
     module, method = context.module, context.method_name
     if run.discovered is not None:
-        if method == "__call__":
-            run.discovered.append((tuple(module.path), type(module), module))
-            if around := _jax_internals.linen_transforms_around():
-                run.lifted[tuple(module.path)] = around
-            if run.plan.scan:
-                run.calls.append(template(type(module).__call__, args, kwargs, run.plan.static_argnames))
-        return next_fun(*args, **kwargs)
+        if method != "__call__":
+            return next_fun(*args, **kwargs)
+        index = len(run.discovered)
+        run.discovered.append((tuple(module.path), type(module), module))
+        if around := _jax_internals.linen_transforms_around():
+            run.lifted[tuple(module.path)] = around
+        if run.plan.scan:
+            run.calls.append(template(type(module).__call__, args, kwargs, run.plan.static_argnames))
+        with jax.named_scope(f"{_MODULE_SCOPE}{index}"):  # its matmul FLOPs, to find the blocks by compute
+            return next_fun(*args, **kwargs)
     if run.block is not None:
         if run.entering and method == "__call__":
             run.entering, run.block = False, tuple(module.path)
@@ -543,8 +625,9 @@ def names_of(applied: Applied, example_args: tuple, example_kwargs: dict) -> Nam
     """:func:`remat_kit.names_of` for a Linen model (``applied`` under ``full``): trace one call, gather the names."""
     key = jax.random.key(0)
     variables = trace_only(applied.module.init, (key, *example_args), example_kwargs, keep=True)
-    collector = Collector()
-    run = _Run(applied.plan, applied.matcher("apply", (variables, *example_args), example_kwargs), collect=collector)
+    matcher = applied.matcher("apply", (variables, *example_args), example_kwargs)
+    collector = Collector(why=applied._choice.why if applied._choice else "")
+    run = _Run(applied.plan, matcher, collect=collector)
     with _running(run):
         trace_only(
             applied.module.apply,

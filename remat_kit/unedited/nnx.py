@@ -20,16 +20,20 @@ import collections
 import contextvars
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from remat_kit import _jax_internals
 from remat_kit.policies import layers as _layers
 from remat_kit.policies import tags
 from remat_kit.policies.static import is_static
+from remat_kit.unedited import blocks as blocks_
+from remat_kit.unedited import guard
 from remat_kit.unedited.engine import (
     Collector,
     Plan,
@@ -37,13 +41,15 @@ from remat_kit.unedited.engine import (
     call_naming_submodules,
     check_static_argnames,
     checkpointed,
+    ledger,
     make_plan,
     nnx_plain_call,
+    split_arrays,
     split_static,
     tag_input,
     trace_only,
 )
-from remat_kit.unedited.paths import NameTable, Where, join, repeated_block, state_keys
+from remat_kit.unedited.paths import NameTable, Where, join, state_keys
 from remat_kit.unedited.scan import (
     Call,
     Pending,
@@ -62,10 +68,19 @@ _REMAT_CLASSES: dict[tuple, type] = {}
 
 def blocks(model: nnx.Module, where: Where | None) -> list[tuple[tuple, nnx.Module]]:
     """The ``(path, module)`` of each block of ``model`` (outermost matches only), in graph order."""
+    return _found(model, where)[0]
+
+
+def _found(model: nnx.Module, where: Where | None) -> tuple[list[tuple[tuple, nnx.Module]], str]:
+    """The blocks of ``model`` and how they were found (``where=``, or by the parameters they carry)."""
     modules = [(tuple(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
     modules.sort(key=lambda pm: [str(p) for p in pm[0]])
+    why = ""
     if where is None:
-        where = Where(classes=(repeated_block([(p, type(m)) for p, m in modules]),))
+        choice = _choose(model, modules)
+        where, why = Where(classes=choice.classes), choice.why
+        if choice.several:
+            warnings.warn(f"remat_kit.apply: {choice.several}", stacklevel=4)
     found = []
     for path, node in modules:
         if path and where(node, join(path)) and not any(path[: len(p)] == p for p, _ in found):
@@ -75,7 +90,27 @@ def blocks(model: nnx.Module, where: Where | None) -> list[tuple[tuple, nnx.Modu
         raise ValueError(f"where={where} matches no module of {type(model).__name__}; its modules: {listed}")
     # Graph order sorts "10" before "2": order the blocks by their list index where there is one.
     found.sort(key=lambda pm: [(0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in pm[0]])
-    return found
+    return found, why
+
+
+def _choose(model: nnx.Module, modules: list[tuple[tuple, nnx.Module]]) -> blocks_.Choice:
+    """The block classes of an NNX model: its repeated modules that carry the most parameters.
+
+    No call is traced when apply runs (NNX takes no example arguments there), so parameters stand for compute; an
+    embedding table does no matmul and counts 0. The guard (:mod:`remat_kit.unedited.guard`) checks on the first
+    call that the blocks carry the forward pass's matmuls.
+    """
+    embeds = [p for p, m in modules if isinstance(m, nnx.Embed)]
+    sizes = []
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+        path = tuple(state_keys(keypath))
+        if not any(path[: len(e)] == e for e in embeds):
+            sizes.append((path, int(np.prod(jnp.shape(leaf)))))
+    paths = [p for p, _ in modules]
+    weights = {p: sum(n for q, n in sizes if q[: len(p)] == p) for p in paths if p}
+    described = [(p, type(m), any(q != p and q[: len(p)] == p for q in paths)) for p, m in modules]
+    total = sum(n for _, n in sizes)
+    return blocks_.choose(described, weights, total, "parameters (embeddings count 0)")
 
 
 def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
@@ -84,16 +119,95 @@ def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
         if hasattr(type(node), "_remat_kit_policy"):
             raise applied_twice(type(model).__name__, node._remat_kit_policy, "apply returned a copy of it")
     copy = nnx.clone(model)
-    found = blocks(copy, plan.where)
+    found, why = _found(copy, plan.where)
     for cls in dict.fromkeys(type(b) for _, b in found):
         nnx_plain_call(cls)  # a transform on the blocks' __call__: seen through (nnx.jit) or refused here
     check_static_argnames(plan.static_argnames, [type(b) for _, b in found])
     if plan.scan:
-        return nnx_scan(copy, plan, found)
-    for index, (_, block) in enumerate(found):
-        policy = plan.policy_for(index)
-        block.__class__ = remat_class(type(block), policy, plan.static_argnames, plan.policy)
+        nnx_scan(copy, plan, found)
+    else:
+        for index, (_, block) in enumerate(found):
+            policy = plan.policy_for(index)
+            block.__class__ = remat_class(type(block), policy, plan.static_argnames, plan.policy)
+    label = str(plan.where) if plan.where is not None else " or ".join(sorted({type(b).__name__ for _, b in found}))
+    copy.__class__ = _root_class(type(copy), plan, nnx.graphdef(model), f"{label} blocks", why)
     return copy
+
+
+def _root_class(cls: type, plan: Plan, plain: Any, blocks_label: str, why: str) -> type:
+    """The applied model's own class: each call checks its blocks' names across them all (:func:`ledger`), and the
+    first call per signature runs the guard (:func:`remat_kit.unedited.guard.verify`) against the plain model's
+    graph ``plain``; a model whose own ``jax.checkpoint`` wraps its blocks runs with it seen through."""
+    original = cls.__call__
+    verdicts: dict = {}
+
+    def __call__(self, *args, **kwargs):
+        flat = jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node)
+        if any(nnx.graph.is_graph_node(a) for a in flat) or _COLLECT.get() is not None:
+            with ledger(plan.policy):
+                return original(self, *args, **kwargs)
+        graphdef, state = nnx.split(self)
+        state_leaves, state_tree = jax.tree.flatten(state)
+        arrays, rebuild = split_arrays(args, kwargs)
+        n = len(state_leaves)
+
+        seen_inside = [0]
+
+        def call(graph, leaves, fn):
+            model = nnx.merge(graph, jax.tree.unflatten(state_tree, leaves[:n]))
+            a, k = rebuild(leaves[n:])
+            with ledger(plan.policy) as book:
+                out = fn(model, *a, **k)
+            seen_inside[0] = book.seen_through
+            return out, nnx.state(model)
+
+        leaves = [*state_leaves, *arrays]
+        abstract = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in leaves]
+        key = tags.signature((rebuild(abstract[n:]), abstract[:n]))
+        verdict = verdicts.get(key) if key is not None else None
+        if verdict is None:
+            verdict = guard.verify(
+                lambda *a: call(plain, a, _plain_call)[0],
+                lambda *a: call(graphdef, a, original)[0],
+                abstract,
+                plan.policy,
+                cls.__name__,
+                blocks_label,
+                guard.own_switch(cls),
+                lambda: seen_inside[0],
+            )
+            if verdict.seen_through:
+                warnings.warn(
+                    f"remat_kit.apply: {cls.__name__} runs {verdict.seen_through} jax.checkpoint call(s) of its own "
+                    f"around or in its {blocks_label}; {plan.policy} replaces them",
+                    stacklevel=2,
+                )
+            if key is not None:
+                verdicts[key] = verdict
+        if not verdict.see_through:
+            with ledger(plan.policy):
+                return original(self, *args, **kwargs)
+        out, new_state = _jax_internals.without_foreign_remat(lambda *a: call(graphdef, a, original))(*leaves)
+        nnx.update(self, new_state)
+        return out
+
+    __call__.__doc__ = original.__doc__
+    return type(cls)(
+        cls.__name__,
+        (cls,),
+        {
+            "__call__": __call__,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_remat_kit_policy": plan.policy,
+            "_remat_kit_why": why,
+        },
+    )
+
+
+def _plain_call(model: nnx.Module, *args, **kwargs):
+    """The plain model's own ``__call__`` (its graph holds the plain classes)."""
+    return type(model).__call__(model, *args, **kwargs)
 
 
 def remat_class(cls: type, policy, static_argnames: frozenset[str], applied=None) -> type:
@@ -179,7 +293,7 @@ def names_of(model: nnx.Module, example_args: tuple, example_kwargs: dict, where
     """:func:`remat_kit.names_of` for an NNX model: trace one call (nothing compiled), gather the names."""
     plan = make_plan("full", where, None, False, nnx.Module)
     applied = apply(model, plan)
-    collector = Collector()
+    collector = Collector(why=type(applied)._remat_kit_why)
     token = _COLLECT.set(collector)
     try:
         graphdef, state = nnx.split(applied)

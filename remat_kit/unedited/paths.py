@@ -126,6 +126,7 @@ class BlockName:
       source: ``"module"`` (a submodule's output), ``"param"`` (a matmul with the block's parameter),
         ``"tag"`` (the model's own ``checkpoint_name``), ``"input"`` (the block's input, ``layer_input``), or
         ``"traced"`` (read from a traced loss, ``remat-kit tags --model``: any of the others).
+      blocks: the blocks that emit it when only some do (blocks of several kinds); empty: every block.
     """
 
     name: str
@@ -133,6 +134,7 @@ class BlockName:
     dtype: str
     nbytes: int
     source: str
+    blocks: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,10 +144,12 @@ class NameTable:
     Attributes:
       block: the block (class name and the path of the first one).
       rows: one :class:`BlockName` per name.
+      why: how the blocks were found (which modules carry the compute), when ``where=`` was not given.
     """
 
     block: str
     rows: tuple[BlockName, ...]
+    why: str = ""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -160,11 +164,15 @@ class NameTable:
 
     def __str__(self) -> str:
         width = max([len(r.name) for r in self.rows] + [4])
-        lines = [
-            f"names emitted by {self.block}:",
-            f"{'name':<{width}}  {'shape':<18} {'dtype':<9} {'bytes':>10}  from",
-        ]
+        partial = any(r.blocks for r in self.rows)
+        lines = [f"names emitted by {self.block}:"]
+        if self.why:
+            lines.insert(0, f"blocks: {self.why}")
+        lines.append(
+            f"{'name':<{width}}  {'shape':<18} {'dtype':<9} {'bytes':>10}  from" + ("    in" if partial else "")
+        )
         for r in self.rows:
             shape = "[" + ", ".join(map(str, r.shape)) + "]"
-            lines.append(f"{r.name:<{width}}  {shape:<18} {r.dtype:<9} {fmt_bytes(r.nbytes):>10}  {r.source}")
+            where = f"  {', '.join(r.blocks) or 'every block'}" if partial else ""
+            lines.append(f"{r.name:<{width}}  {shape:<18} {r.dtype:<9} {fmt_bytes(r.nbytes):>10}  {r.source:<6}{where}")
         return "\n".join(lines)

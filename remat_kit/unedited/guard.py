@@ -1,0 +1,152 @@
+"""The guard :func:`remat_kit.apply` runs on a model's first call: a policy that does nothing never passes in silence.
+
+Wrapping the wrong modules (the embeddings instead of the blocks), a model's own ``jax.checkpoint`` around or
+inside the blocks (whose policy wins where two nest), a name the policy keeps that the backward pass drops: each
+leaves the model keeping what the plain model keeps, with no error. So on the first call per input signature
+(traces only, nothing compiled) :func:`verify` looks at the applied forward pass and at what its backward pass
+keeps, and raises a one-line ValueError when
+
+* no block ran under remat_kit's checkpoint, or the blocks it wrapped carry none of the forward's matmul FLOPs;
+* the model's own rematerialized call nests with remat_kit's inside a loop, where it cannot be seen through
+  (outside loops it is seen through: remat_kit's policy replaces it, and :class:`Verdict` says so);
+* the saved residuals equal the plain model's under a policy that should change them.
+
+A name the policy keeps goes missing from JAX's saved residuals only where another rematerialized call nests with
+remat_kit's (the model's own, whose policy wins): that is what the nesting check finds, and it is seen through
+(the name is then kept) or refused. A name the backward pass never needs (a block's last matmul, added to the
+residual stream) is absent from the residuals of the plain model too, and rightly so.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from remat_kit import _jax_internals
+
+#: Per model family (the top package of the model's class), the switch that turns the model's own remat off.
+OWN_REMAT_SWITCHES: dict[str, str] = {
+    "transformers": "build it with gradient_checkpointing=False (HF Flax: model.disable_gradient_checkpointing())",
+    "tunix": "set its config's remat_config=RematConfig.NONE",
+    "MaxText": "set its config's remat_policy and scan_layers=False, or build the decoder without its checkpoint",
+    "maxtext": "set its config's remat_policy and scan_layers=False, or build the decoder without its checkpoint",
+    "recurrentgemma": "leave its remat flags off",
+}
+
+
+def own_switch(model_cls: type) -> str:
+    """How to turn the model's own remat off, as one clause (its family's switch where known)."""
+    family = (getattr(model_cls, "__module__", "") or "").split(".")[0]
+    return OWN_REMAT_SWITCHES.get(family, "build the model without its own jax.checkpoint / nn.remat / nnx.remat")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What :func:`verify` found on one call signature.
+
+    Attributes:
+      see_through: the model's own rematerialized calls around the blocks must be evaluated inline at the call
+        (:func:`remat_kit._jax_internals.without_foreign_remat`).
+      seen_through: how many of the model's own rematerialized calls remat_kit's policy replaces.
+      share: the blocks' share of the forward's matmul FLOPs (None when it has none).
+    """
+
+    see_through: bool
+    seen_through: int
+    share: float | None
+
+
+def _kept(residuals: Sequence[_jax_internals.RawResidual]) -> collections.Counter:
+    """The activations a backward pass keeps, as a multiset of (shape, dtype, host, tag); arguments left out.
+
+    The tag counts: keeping a named value in place of an unnamed one of the same shape is a change.
+    """
+    return collections.Counter((r.shape, r.dtype, r.host, r.tag) for r in residuals if not r.is_argument)
+
+
+def residuals(fn: Callable, leaves: Sequence[Any]) -> list[_jax_internals.RawResidual]:
+    """What the backward pass of ``sum(fn(*leaves))`` keeps (``leaves``: arrays or ShapeDtypeStructs).
+
+    Only the floating-point leaves are differentiated (tokens, keys and masks are closed over, as traced values).
+    """
+    leaves = list(leaves)
+    floats = [i for i, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    found: list = []
+
+    def outer(*all_leaves):
+        def loss(*xs):
+            full = list(all_leaves)
+            for i, x in zip(floats, xs, strict=True):
+                full[i] = x
+            outs = [o for o in jax.tree.leaves(fn(*full)) if jnp.issubdtype(jnp.result_type(o), jnp.inexact)]
+            return sum((jnp.sum(o.astype(jnp.float32)) for o in outs), jnp.float32(0))
+
+        found.extend(_jax_internals.saved_residuals(loss, *[all_leaves[i] for i in floats]))
+
+    jax.eval_shape(outer, *leaves)
+    return found
+
+
+def verify(
+    plain: Callable,
+    applied: Callable,
+    leaves: Sequence[Any],
+    policy: Any,
+    model: str,
+    blocks: str,
+    switch: str,
+    inside: Callable[[], int] = lambda: 0,
+) -> Verdict:
+    """Check that ``applied`` (the model under ``policy``) changes what the backward pass keeps (see the module doc).
+
+    Args:
+      plain, applied: the plain and the applied model's call, each a function of ``leaves`` (arrays).
+      leaves: the call's array arguments, as ShapeDtypeStructs.
+      policy: the policy apply was given.
+      model: the model's class name; blocks: the blocks (``where=`` or the classes found), for messages.
+      switch: how to turn the model's own remat off (:func:`own_switch`).
+      inside: after ``applied`` was traced, how many of the model's own rematerialized calls inside the blocks
+        the naming evaluated inline (:attr:`remat_kit.unedited.engine.Ledger.seen_through`).
+
+    Raises:
+      ValueError: one line saying what did not take effect, and what to change.
+    """
+    nesting = _jax_internals.remat_nesting(jax.make_jaxpr(applied)(*leaves))
+    if nesting.nested_in_loops:
+        raise ValueError(
+            f"remat_kit.apply cannot rematerialize {model}'s {blocks} under {policy}: the model's own remat (a "
+            f"jax.checkpoint inside a loop) wraps or sits in them and its policy would win; {switch}"
+        )
+    see_through = nesting.nested > 0
+    run = _jax_internals.without_foreign_remat(applied) if see_through else applied
+    share = nesting.own_flops / nesting.total_flops if nesting.total_flops else None
+    verdict = Verdict(see_through, nesting.nested + inside(), share)
+    if not getattr(policy, "remat", True):
+        return verdict
+    if not nesting.own:
+        raise ValueError(
+            f"remat_kit.apply ran none of {model}'s {blocks} under {policy}: the call reached no block, so it would "
+            "keep what the plain model keeps; pass where= the modules that run"
+        )
+    if share == 0:
+        raise ValueError(
+            f"remat_kit.apply wrapped {model}'s {blocks}, which do none of the forward pass's matmuls, so {policy} "
+            "would keep what the plain model keeps; pass where= the modules that carry the compute"
+        )
+    kept = residuals(run, leaves)
+    if _kept(kept) == _kept(residuals(plain, leaves)):
+        why = (
+            f"the model's own remat around or in its {blocks} already keeps that; {switch} to compare"
+            if nesting.nested
+            else f"its {blocks} rematerialize nothing more; pass where= other blocks"
+        )
+        raise ValueError(
+            f"remat_kit.apply: under {policy} the backward pass of {model} keeps exactly what the plain model keeps "
+            f"({why})"
+        )
+    return verdict

@@ -193,3 +193,37 @@ def test_fit_plans_a_period_of_kinds_and_never_raises_on_its_own_candidate():
 def test_fit_given_the_other_conventions_arguments_says_so(make, loss, args, match):
     with pytest.raises(TypeError, match=match):
         remat_kit.fit(make(), loss, *args, budget="1GB")
+
+
+# ---- a policy per kind of block ------------------------------------------------------------------------------
+
+
+def test_a_policy_per_kind_of_block():
+    model = um.MixedLayersModel()
+    variables = model.init(jax.random.key(0), X)
+    applied = remat_kit.apply(model, {um.DenseLayer: "full", um.ExpertLayer: "selective:expert_0"})
+    assert str(applied) == "remat_kit.apply(MixedLayersModel, {DenseLayer: full, ExpertLayer: selective:expert_0})"
+    _assert_same(_grads(applied, variables, X), _grads(model, variables, X))
+    assert _kept_tags(applied, variables, X) == {"expert_0"}
+    none_for_dense = remat_kit.apply(model, {um.DenseLayer: "none", um.ExpertLayer: "full"})
+    assert (
+        _kept_bytes(applied, variables, X)
+        < _kept_bytes(none_for_dense, variables, X)
+        < _kept_bytes(model, variables, X)
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "kwargs", "error", "match"),
+    [
+        ({}, {}, ValueError, r"policy=\{\}: give at least one pair"),
+        ({um.DenseLayer: "every_n:2"}, {}, ValueError, "groups layers; a policy per kind of block takes per-block"),
+        ({um.DenseLayer: "full"}, {"scan": True}, ValueError, "a policy per kind of block needs scan=False"),
+        ({um.DenseLayer: "full"}, {"where": um.DenseLayer}, TypeError, "give where= or a mapping"),
+        ({3: "full"}, {}, TypeError, "where=3: give a flax.linen"),
+    ],
+    ids=["empty", "grouping", "scan", "where-too", "bad-key"],
+)
+def test_a_bad_policy_mapping_is_one_line(policy, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        remat_kit.apply(um.MixedLayersModel(), policy, **kwargs)

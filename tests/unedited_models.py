@@ -474,7 +474,7 @@ class ExpertLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        outs = [nn.Dense(x.shape[-1], name=f"expert_{e}")(jnp.tanh(x)) for e in range(self.experts)]
+        outs = [jnp.tanh(nn.Dense(x.shape[-1], name=f"expert_{e}")(x)) for e in range(self.experts)]
         return x + sum(outs) + nn.Dense(x.shape[-1], name="proj")(x)
 
 

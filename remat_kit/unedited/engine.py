@@ -10,7 +10,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect as _inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -36,20 +36,57 @@ class Plan:
       scan: run consecutive identical blocks as one ``lax.scan`` (see :mod:`remat_kit.unedited.scan`).
     """
 
-    policy: Policy
+    policy: Policy | PerKind
     where: Where | None
     static_argnames: frozenset[str]
     scan: bool = False
 
-    def policy_for(self, index: int) -> Policy | None:
-        """The policy block number ``index`` (in call order) runs under; None: run it plainly."""
-        if self.policy.kind == "every_n":
-            return full() if index % self.policy.period == 0 else None
-        return self.policy if self.policy.remat else None
+    def policy_for(self, index: int, module: Any = None, path: str = "") -> Policy | None:
+        """The policy block number ``index`` (in call order; ``module`` at ``path``) runs under; None: run it plainly."""
+        policy = self.policy.for_block(module, path) if isinstance(self.policy, PerKind) else self.policy
+        if policy.kind == "every_n":
+            return full() if index % policy.period == 0 else None
+        return policy if policy.remat else None
+
+
+@dataclasses.dataclass(frozen=True)
+class PerKind:
+    """A policy per kind of block (``apply(model, {DenseLayer: "full", MoeLayer: "selective:router"})``).
+
+    Attributes:
+      parts: ``(where, policy)`` pairs; a block runs under the first whose ``where`` matches it.
+
+    >>> import flax.linen as nn
+    >>> per = make_plan({nn.Dense: "full", "attn*": "selective:q"}, None, None, False, nn.Module).policy
+    >>> str(per), per.for_block(nn.Dense(2), "mlp").kind
+    ("{Dense: full, 'attn*': selective:q}", 'full')
+    """
+
+    parts: tuple[tuple[Where, Policy], ...]
+
+    def for_block(self, module: Any, path: str) -> Policy:
+        return next((p for w, p in self.parts if w(module, path)), self.parts[0][1])
+
+    @property
+    def policies(self) -> tuple[Policy, ...]:
+        return tuple(p for _, p in self.parts)
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t for p in self.policies for t in p.tags))
+
+    @property
+    def remat(self) -> bool:
+        return any(p.remat for p in self.policies)
+
+    def __str__(self) -> str:
+        return "{" + ", ".join(f"{w}: {p}" for w, p in self.parts) + "}"
 
 
 def make_plan(policy: Any, where: Any, static_argnames: Any, scan: bool, base: type) -> Plan:
     """Parse :func:`apply`'s arguments into a :class:`Plan` (every error before any tracing)."""
+    if isinstance(policy, Mapping):
+        return _per_kind_plan(policy, where, static_argnames, scan, base)
     parsed = parse(policy)
     if (isinstance(parsed, Mix) or parsed.kind in ("segments", "sqrt_n")) and not scan:
         raise ValueError(
@@ -70,6 +107,29 @@ def make_plan(policy: Any, where: Any, static_argnames: Any, scan: bool, base: t
     if not isinstance(scan, bool):
         raise TypeError(f"scan must be True or False, got {scan!r}")
     return Plan(parsed, parse_where(where, base), frozenset(names), scan)
+
+
+def _per_kind_plan(policy: Mapping, where: Any, static_argnames: Any, scan: bool, base: type) -> Plan:
+    """:func:`make_plan` for a mapping ``{where: policy}``: each kind of block under its own per-block policy."""
+    if where is not None:
+        raise TypeError("give where= or a mapping {where: policy} as the policy, not both")
+    if not policy:
+        raise ValueError("policy={}: give at least one pair {where: policy} (a block class or path glob: a spec)")
+    if scan:
+        raise ValueError(
+            "scan=True runs one policy over the scanned blocks; a policy per kind of block needs scan=False"
+        )
+    parts = []
+    for key, spec in policy.items():
+        parsed = parse(spec)
+        if isinstance(parsed, Mix) or parsed.kind in ("segments", "sqrt_n", "every_n"):
+            raise ValueError(
+                f"policy for {key!r} is {parsed}, which groups layers; a policy per kind of block takes per-block "
+                "policies (full, selective, offload, dots, none, jax:...)"
+            )
+        parts.append((parse_where(key, base), parsed))
+    plan = make_plan("full", None, static_argnames, False, base)
+    return Plan(PerKind(tuple(parts)), Where(any_of=tuple(w for w, _ in parts)), plan.static_argnames, False)
 
 
 def check_static_argnames(static_argnames: frozenset[str], blocks: Iterable[type]) -> None:

@@ -68,10 +68,13 @@ def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = 
       model: a ``flax.linen.Module`` instance (unbound) or a ``flax.nnx.Module``.
       policy: a policy or spec (``"full"``, ``"every_n:2"``, ``"selective:attn/q_einsum,mlp/*"``,
         ``"offload:attn/*"``). Names may be module paths relative to the block, parameter paths, the
-        model's own tags, or glob patterns over them.
+        model's own tags, or glob patterns over them; a name is kept where a block emits it (blocks of
+        several kinds), and only a name no block emits is an error. Or a mapping ``{where: policy}``, one
+        per-block policy per kind of block (``{DenseLayer: "full", MoeLayer: "selective:router"}``).
       where: the blocks: a block class or tuple of classes, a module-path glob (``"layer_*"``,
-        ``"blocks/*"``), or a predicate ``module -> bool``. Default: the block class repeated (at least
-        twice) among the children of the shallowest module that repeats one.
+        ``"blocks/*"``), or a predicate ``module -> bool``. Default: the repeated modules that carry the
+        compute (:mod:`remat_kit.unedited.blocks`: the forward's matmul FLOPs for Linen, parameters for NNX,
+        embeddings counting 0); :func:`names_of` says which and why.
       static_argnames: names of block ``__call__`` arguments to treat as static (Python values are
         detected anyway: any argument holding no array is static, never traced).
       scan: run consecutive blocks that repeat a period (identical ones, or Gemma 3's local/global
@@ -83,11 +86,16 @@ def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = 
       Linen: an :class:`Applied` with the model's ``init``/``apply``/``init_with_output``. NNX: a copy
       of the model graph (sharing its arrays) whose blocks run under the policy.
 
+    On the first call per input signature the guard (:mod:`remat_kit.unedited.guard`) traces the step once: a
+    model's own ``jax.checkpoint``/``nnx.remat`` around or inside the blocks is seen through (the policy replaces
+    it, said in one warning line), and a policy that would change nothing the backward pass keeps is an error.
+
     Raises:
       TypeError: ``model`` is not a Flax module instance, or a bad ``where``.
       ValueError: a policy that needs a stack (``segments``, ``sqrt_n``, a mix) without ``scan=True``;
-        no or several repeated block classes; (on the first call) a ``where`` that matches nothing or
-        a name that the block never emits.
+        no repeated block; (on the first call) a ``where`` that matches nothing, a name that no block
+        emits, blocks that do no matmul, the model's own remat inside a loop around the blocks, or
+        residuals equal to the plain model's.
 
     >>> import flax.linen as nn
     >>> type(apply(nn.Sequential([nn.Dense(2)]), "full", where=nn.Dense)).__name__

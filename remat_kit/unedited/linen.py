@@ -336,7 +336,7 @@ def _intercept(next_fun, args, kwargs, context):
 
 def _remat_block(run: _Run, module: nn.Module, path, next_fun, args: tuple, kwargs: dict):
     index, run.index = run.index, run.index + 1
-    policy = run.plan.policy_for(index)
+    policy = run.plan.policy_for(index, module, join(path))
     if policy is None and run.collect is None:
         return next_fun(*args, **kwargs)
     rebuild, dyn_args, dyn_kwargs = split_static(

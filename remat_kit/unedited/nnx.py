@@ -126,8 +126,8 @@ def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
     if plan.scan:
         nnx_scan(copy, plan, found)
     else:
-        for index, (_, block) in enumerate(found):
-            policy = plan.policy_for(index)
+        for index, (path, block) in enumerate(found):
+            policy = plan.policy_for(index, block, join(path))
             block.__class__ = remat_class(type(block), policy, plan.static_argnames, plan.policy)
     label = str(plan.where) if plan.where is not None else " or ".join(sorted({type(b).__name__ for _, b in found}))
     copy.__class__ = _root_class(type(copy), plan, nnx.graphdef(model), f"{label} blocks", why)

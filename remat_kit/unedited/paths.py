@@ -27,19 +27,23 @@ from remat_kit.units import fmt_bytes
 
 @dataclasses.dataclass(frozen=True)
 class Where:
-    """Which modules are the blocks to rematerialize: one of ``classes``, ``pattern`` or ``predicate``.
+    """Which modules are the blocks to rematerialize: one of ``classes``, ``pattern``, ``predicate`` or ``any_of``.
 
     Attributes:
       classes: block classes (``isinstance``).
       pattern: a glob over the module path (``"layer_*"``, ``"blocks/*"``).
       predicate: ``predicate(module) -> bool``.
+      any_of: several of these (the keys of a per-kind policy mapping).
     """
 
     classes: tuple[type, ...] = ()
     pattern: str | None = None
     predicate: Callable[[Any], bool] | None = None
+    any_of: tuple[Where, ...] = ()
 
     def __call__(self, module: Any, path: str) -> bool:
+        if self.any_of:
+            return any(w(module, path) for w in self.any_of)
         if self.classes:
             return isinstance(module, self.classes)
         if self.pattern is not None:
@@ -47,6 +51,8 @@ class Where:
         return bool(self.predicate(module))
 
     def __str__(self) -> str:
+        if self.any_of:
+            return " or ".join(map(str, self.any_of))
         if self.classes:
             return " or ".join(c.__name__ for c in self.classes)
         if self.pattern is not None:

@@ -42,7 +42,7 @@ class Plan:
     scan: bool = False
 
     def policy_for(self, index: int, module: Any = None, path: str = "") -> Policy | None:
-        """The policy block number ``index`` (in call order; ``module`` at ``path``) runs under; None: run it plainly."""
+        """The policy block number ``index`` (call order; ``module`` at ``path``) runs under; None: run it plainly."""
         policy = self.policy.for_block(module, path) if isinstance(self.policy, PerKind) else self.policy
         if policy.kind == "every_n":
             return full() if index % policy.period == 0 else None

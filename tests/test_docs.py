@@ -127,6 +127,21 @@ def _tiled(ns):
 
 
 #: The guide each check's block lives in → {a marker found in the block: what to assert after running it}.
+def _unedited_kinds(ns):
+    """Blocks of several kinds: found by compute, a name kept where it exists, a policy per kind."""
+    assert ns["table"].why.startswith("Block ×6") and "Expert ×2" in ns["table"].why
+    plain = ns["Model"]()
+    want = jax.grad(lambda p: plain.apply(p, ns["x"]).sum())(ns["params"])
+    assert max_rel_err(ns["grads"], want) <= 1e-5
+    from remat_kit import _jax_internals
+
+    loss = lambda m: lambda p: m.apply(p, ns["x"]).sum()  # noqa: E731
+    kept = {r.tag for r in _jax_internals.saved_residuals(loss(ns["model"]), ns["params"]) if r.tag}
+    assert kept == {"attn"}
+    kept = {r.tag for r in _jax_internals.saved_residuals(loss(ns["per_kind"]), ns["params"]) if r.tag}
+    assert kept == {"attn", "rec"}
+
+
 CHECKS = {
     "your-model.md": {
         "RematBlock = policy(MyBlock": _linen_loop,
@@ -137,6 +152,7 @@ CHECKS = {
     "unedited-models.md": {
         'remat_kit.apply(Transformer(), "selective': _unedited_linen,
         'remat_kit.apply(Model(rngs=nnx.Rngs(0)), "every_n:2"': _unedited_nnx,
+        "per_kind = remat_kit.apply(Model(), {Block": _unedited_kinds,
         'remat_kit.compare(make_loss, ["none", "selective:up", "full"]': _unedited_compare,
         "return make_loss(policy), (variables, x)": _unedited_factory,
     },

@@ -135,7 +135,7 @@ def _unedited_kinds(ns):
     assert max_rel_err(ns["grads"], want) <= 1e-5
     from remat_kit import _jax_internals
 
-    loss = lambda m: lambda p: m.apply(p, ns["x"]).sum()  # noqa: E731
+    loss = lambda m: lambda p: m.apply(p, ns["x"]).sum()
     kept = {r.tag for r in _jax_internals.saved_residuals(loss(ns["model"]), ns["params"]) if r.tag}
     assert kept == {"attn"}
     kept = {r.tag for r in _jax_internals.saved_residuals(loss(ns["per_kind"]), ns["params"]) if r.tag}

@@ -124,3 +124,14 @@ def test_own_switch_names_the_familys_switch(module, switch):
     cls = type("Model", (), {"__module__": module})
     assert switch in guard.own_switch(cls)
     assert "jax.checkpoint" in guard.own_switch(type("Model", (), {"__module__": "mypkg"}))
+
+
+def test_in_a_report_the_guard_is_a_line_not_an_error():
+    model = um.LinearModel()
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), X))
+    make_loss = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2))
+    table = remat_kit.compare(make_loss, ["none", "full"], variables, X)
+    assert any("keeps exactly what the plain model keeps" in w for w in table["full"].warnings)
+    assert not any("keeps exactly" in w for w in table["none"].warnings)
+    result = remat_kit.fit(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2), variables, X, budget="1GB", scan=False)
+    assert result.policy == "none"

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from remat_kit import _jax_internals
+from remat_kit import _jax_internals, findings
 from remat_kit import policies as policies_lib
 from remat_kit.analysis import _xla_dump, memory
 from remat_kit.analysis import explain as explain_lib
@@ -285,7 +285,8 @@ def check_loss(loss_fn: Callable, args: Sequence[Any]) -> None:
     """Raise a clear error (before compiling) unless ``loss_fn(*args)`` is a real floating scalar."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    out = jax.eval_shape(loss_fn, *args)
+    with findings.collect():  # apply's guard says its findings in the report (the measuring trace)
+        out = jax.eval_shape(loss_fn, *args)
     if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != () or not jnp.issubdtype(out.dtype, jnp.floating):
         got = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
         dtype = getattr(out, "dtype", "")
@@ -482,9 +483,10 @@ def _measure(
     """:func:`inspect` of checked, abstract inputs, without a baseline: (report, whether the gradient
     rematerializes outside a loop, where XLA may remove the recompute)."""
     start = time.perf_counter()
-    rows = residuals(loss_fn, *args, argnums=nums)
-    grad = jax.value_and_grad(loss_fn, argnums=nums if len(nums) > 1 else nums[0])
-    traced = jax.jit(grad).trace(*args)
+    with findings.collect() as found_by_guard:  # apply's guard: a line of the report, not an error
+        rows = residuals(loss_fn, *args, argnums=nums)
+        grad = jax.value_and_grad(loss_fn, argnums=nums if len(nums) > 1 else nums[0])
+        traced = jax.jit(grad).trace(*args)
     if explain:
         compiled, program = _xla_dump.compile_with_dump(traced.lower())
     else:
@@ -507,6 +509,7 @@ def _measure(
         map(_jax_internals.is_host_transfer, _jax_internals.iter_eqns(traced.jaxpr))
     )
     warnings = explain_lib.offload_warnings(sum(r.nbytes for r in rows if r.host), enforced, offloads, held.host)
+    warnings += found_by_guard
     if found is not None:
         warnings += explain_lib.dominance_warnings(found.at_peak, found.total)
         if note := explain_lib.reserved_note(found.at_peak, found.total):

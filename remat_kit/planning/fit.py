@@ -21,7 +21,7 @@ import jax
 import optax
 from flax import nnx
 
-from remat_kit import _jax_internals, policies
+from remat_kit import _jax_internals, findings, policies
 from remat_kit.analysis import inspection
 from remat_kit.planning import budget as budget_lib
 from remat_kit.planning import cost
@@ -477,6 +477,8 @@ class FitResult:
       est_step_time_s: the cost model's estimate of the whole step under it.
       candidates: every candidate priced (:class:`remat_kit.planning.budget.Candidate`).
       choice: the engine's whole answer (:class:`Choice`).
+      findings: what apply's guard found on a candidate (:mod:`remat_kit.unedited.guard`: a policy that changes
+        nothing the backward pass keeps), one line each.
       seq_tiles: the sequence tiles the built-in model's blocks run in under the plan (1: untiled); ``model``'s
         config carries them. Always 1 for a user's model: fit inserts no tiles there (:func:`remat_kit.tiled` is the
         user's to place).
@@ -489,6 +491,7 @@ class FitResult:
     candidates: tuple
     choice: Choice
     seq_tiles: int = 1
+    findings: tuple[str, ...] = ()
 
     def table(self) -> str:
         """The candidates priced, their compiled needs and the choice (:meth:`Choice.table`)."""
@@ -582,7 +585,7 @@ def fit(
     check_convention(model, loss_fn, example_args)
     inputs = inspection.abstract(example_args)
     start = time.perf_counter()
-
+    found: list[str] = []
     if is_built_in(model, "Transformer"):  # the built-in model: its own policy field, its own stack and tags
         from remat_kit.planning import tensors  # late: the built-in model is loaded only when it is planned
 
@@ -594,39 +597,40 @@ def fit(
         params = nnx.state(model, nnx.Param) if is_nnx else inputs[0]
         params = inspection.abstract((params,))[0]
         batch_args = inputs if is_nnx else inputs[1:]
-        if scan is None:  # scan where the blocks can be; a model that cannot is a ValueError saying why
-            try:
-                jax.eval_shape(
-                    unedited_lib.apply_factory(model, loss_fn, scan=True, **kwargs)("full"), params, *batch_args
-                )
-                scan = True
-            except ValueError:
-                scan = False
-        make_loss = unedited_lib.apply_factory(model, loss_fn, scan=scan, **kwargs)
-        jaxpr = jax.make_jaxpr(make_loss("full"))(params, *batch_args)
-        emitted, depth, steps = blocks_emitted(jaxpr)
-        if not emitted:
-            raise ValueError(f"fit found no block to rematerialize in {type(model).__name__}; give where=")
-        presets = [policies.parse(s) for s in GENERIC_CANDIDATES]
-        num_layers = None
-        if scan and steps is not None and steps >= 2:  # grouping policies and mixes count the scan's steps
-            try:
-                jax.eval_shape(make_loss(policies.every_n(2)), params, *batch_args)
-                presets.append(policies.every_n(2))
-                num_layers = steps
-            except ValueError:  # blocks that cannot be grouped: keep to the uniform plans
-                pass
-        planner = StepPlanner(lambda p, b, s: (make_loss(p), params, batch_args), optimizer)
-        choice = choose(
-            planner,
-            B,
-            presets=presets,
-            groups=group_names(emitted),
-            num_layers=num_layers,
-            depth=depth,
-            hardware=hardware,
-            max_compiles=max_compiles,
-        )
+        with findings.collect() as found:  # apply's guard on a candidate: a line of the result, not an error
+            if scan is None:  # scan where the blocks can be; a model that cannot is a ValueError saying why
+                try:
+                    jax.eval_shape(
+                        unedited_lib.apply_factory(model, loss_fn, scan=True, **kwargs)("full"), params, *batch_args
+                    )
+                    scan = True
+                except ValueError:
+                    scan = False
+            make_loss = unedited_lib.apply_factory(model, loss_fn, scan=scan, **kwargs)
+            jaxpr = jax.make_jaxpr(make_loss("full"))(params, *batch_args)
+            emitted, depth, steps = blocks_emitted(jaxpr)
+            if not emitted:
+                raise ValueError(f"fit found no block to rematerialize in {type(model).__name__}; give where=")
+            presets = [policies.parse(s) for s in GENERIC_CANDIDATES]
+            num_layers = None
+            if scan and steps is not None and steps >= 2:  # grouping policies and mixes count the scan's steps
+                try:
+                    jax.eval_shape(make_loss(policies.every_n(2)), params, *batch_args)
+                    presets.append(policies.every_n(2))
+                    num_layers = steps
+                except ValueError:  # blocks that cannot be grouped: keep to the uniform plans
+                    pass
+            planner = StepPlanner(lambda p, b, s: (make_loss(p), params, batch_args), optimizer)
+            choice = choose(
+                planner,
+                B,
+                presets=presets,
+                groups=group_names(emitted),
+                num_layers=num_layers,
+                depth=depth,
+                hardware=hardware,
+                max_compiles=max_compiles,
+            )
         applied = lambda p: unedited_lib.apply(model, p, scan=scan, **kwargs)
     if choice.chosen is None:
         least = min((c for c in choice.candidates if c.need_bytes is not None), key=lambda c: c.need_bytes)
@@ -640,6 +644,7 @@ def fit(
         candidates=choice.candidates,
         choice=choice,
         seq_tiles=choice.seq_tiles,
+        findings=tuple(found),
     )
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from remat_kit import _jax_internals
+from remat_kit import _jax_internals, findings
 
 #: Per model family (the top package of the model's class), the switch that turns the model's own remat off.
 OWN_REMAT_SWITCHES: dict[str, str] = {
@@ -54,11 +54,14 @@ class Verdict:
         (:func:`remat_kit._jax_internals.without_foreign_remat`).
       seen_through: how many of the model's own rematerialized calls remat_kit's policy replaces.
       share: the blocks' share of the forward's matmul FLOPs (None when it has none).
+      finding: what a report collected instead of an error (:mod:`remat_kit.findings`); a verdict with one is not
+        remembered, so every report that traces the model says it.
     """
 
     see_through: bool
     seen_through: int
     share: float | None
+    finding: str | None = None
 
 
 def _kept(residuals: Sequence[_jax_internals.RawResidual]) -> collections.Counter:
@@ -92,6 +95,12 @@ def residuals(fn: Callable, leaves: Sequence[Any]) -> list[_jax_internals.RawRes
     return found
 
 
+def _found(verdict: Verdict, message: str) -> Verdict:
+    """Report ``message`` (:func:`remat_kit.findings.report`: raised, or collected by a report) and go on."""
+    findings.report(message)
+    return dataclasses.replace(verdict, finding=message)
+
+
 def verify(
     plain: Callable,
     applied: Callable,
@@ -118,9 +127,10 @@ def verify(
     """
     nesting = _jax_internals.remat_nesting(jax.make_jaxpr(applied)(*leaves))
     if nesting.nested_in_loops:
-        raise ValueError(
+        return _found(
+            Verdict(False, 0, None),
             f"remat_kit.apply cannot rematerialize {model}'s {blocks} under {policy}: the model's own remat (a "
-            f"jax.checkpoint inside a loop) wraps or sits in them and its policy would win; {switch}"
+            f"jax.checkpoint inside a loop) wraps or sits in them and its policy would win; {switch}",
         )
     see_through = nesting.nested > 0
     run = _jax_internals.without_foreign_remat(applied) if see_through else applied
@@ -129,14 +139,16 @@ def verify(
     if not getattr(policy, "remat", True):
         return verdict
     if not nesting.own:
-        raise ValueError(
+        return _found(
+            verdict,
             f"remat_kit.apply ran none of {model}'s {blocks} under {policy}: the call reached no block, so it would "
-            "keep what the plain model keeps; pass where= the modules that run"
+            "keep what the plain model keeps; pass where= the modules that run",
         )
     if share == 0:
-        raise ValueError(
+        return _found(
+            verdict,
             f"remat_kit.apply wrapped {model}'s {blocks}, which do none of the forward pass's matmuls, so {policy} "
-            "would keep what the plain model keeps; pass where= the modules that carry the compute"
+            "would keep what the plain model keeps; pass where= the modules that carry the compute",
         )
     kept = residuals(run, leaves)
     if _kept(kept) == _kept(residuals(plain, leaves)):
@@ -145,8 +157,9 @@ def verify(
             if nesting.nested
             else f"its {blocks} rematerialize nothing more; pass where= other blocks"
         )
-        raise ValueError(
+        return _found(
+            verdict,
             f"remat_kit.apply: under {policy} the backward pass of {model} keeps exactly what the plain model keeps "
-            f"({why})"
+            f"({why})",
         )
     return verdict

@@ -255,7 +255,7 @@ class Applied:
                     f"in its {matcher} blocks; {self.plan.policy} replaces them",
                     stacklevel=4,
                 )
-            if key is None:
+            if key is None or verdict.finding:
                 return verdict
             self._verdicts[key] = verdict
         return self._verdicts[key]

@@ -182,7 +182,7 @@ def _root_class(cls: type, plan: Plan, plain: Any, blocks_label: str, why: str) 
                     f"around or in its {blocks_label}; {plan.policy} replaces them",
                     stacklevel=2,
                 )
-            if key is not None:
+            if key is not None and not verdict.finding:
                 verdicts[key] = verdict
         if not verdict.see_through:
             with ledger(plan.policy):

@@ -303,11 +303,13 @@ def test_nnx_scan_of_blocks_outside_a_list_says_they_must_be_in_one(layout):
 LINEN_SCAN = {
     "inline-uniform": (lambda: um.InlineModel(alternate=False), RTOL_F32),
     "setup": (um.SetupModel, RTOL_F32),
+    "attributes": (um.AttributesModel, RTOL_F32),
     "inline-uniform-bf16": (lambda: um.InlineModel(alternate=False, dtype=jnp.bfloat16), 1e-2),
 }
 LINEN_SCAN_CASES = [("inline-uniform", p) for p in POLICIES] + [
     ("setup", "every_n:2"),
     ("setup", "selective:attn/q_einsum,mlp/*"),
+    ("attributes", "full"),
     ("inline-uniform-bf16", "full"),
 ]
 

@@ -107,6 +107,22 @@ class SetupModel(nn.Module):
         return self.final_norm(x)
 
 
+class AttributesModel(nn.Module):
+    """Blocks held as attributes ``layers_0 … layers_{L-1}`` made in ``setup`` (how some ports of PyTorch models do)."""
+
+    num_layers: int = 4
+    features: int = 8
+
+    def setup(self):
+        for i in range(self.num_layers):
+            setattr(self, f"layers_{i}", Block(self.features))
+
+    def __call__(self, x, deterministic=True):
+        for i in range(self.num_layers):
+            x = getattr(self, f"layers_{i}")(x, False, deterministic)
+        return x
+
+
 class JitModel(nn.Module):
     """gm.nn's ``Transformer``: ``__call__`` wrapped in ``nn.jit`` (its trace cache ignores method interceptors)."""
 

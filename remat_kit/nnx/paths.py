@@ -21,6 +21,8 @@ from remat_kit.policies.tags import name_tree
 # id(submodule) -> its name, for the tagging subclasses while a block's copy runs.
 _NAMES: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar("remat_kit_nnx_names", default=None)
 _TAG_CLASSES: dict[type, type] = {}
+#: The attribute a submodule of a block being named carries its path in (see :func:`call_naming_submodules`).
+_NAME_ATTR = "_remat_kit_name"
 
 
 def call_naming_submodules(original: Callable, block: nnx.Module, args: tuple, kwargs: dict) -> Any:
@@ -34,6 +36,9 @@ def call_naming_submodules(original: Callable, block: nnx.Module, args: tuple, k
         if path and isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict)):
             names[id(node)] = join(path)
             node.__class__ = _tag_class(type(node))
+            # A static attribute travels with the graph: a transform of the model's own inside the block (its
+            # nnx.remat splits and merges the submodules into new objects) keeps the name.
+            object.__setattr__(node, _NAME_ATTR, join(path))
     token = _NAMES.set(names)
     try:
         return original(block, *args, **kwargs)
@@ -49,7 +54,10 @@ def _tag_class(cls: type) -> type:
         def __call__(self, *args, **kwargs):
             out = original(self, *args, **kwargs)
             names = _NAMES.get()
-            return name_tree(out, names[id(self)]) if names and id(self) in names else out
+            if names is None:
+                return out
+            name = names.get(id(self), getattr(self, _NAME_ATTR, None))
+            return name_tree(out, name) if name else out
 
         _TAG_CLASSES[cls] = type(cls)(
             cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}

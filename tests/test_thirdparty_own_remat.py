@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import RTOL_F32, max_rel_err
 from flax import nnx
-from test_thirdparty_real import _TUNIX, _TUNIX_WHY, POSITIONS, CAUSAL, TOKENS, WEIGHTS, _need, _randomize, _tiny
+from test_thirdparty_real import _TUNIX, _TUNIX_WHY, CAUSAL, POSITIONS, TOKENS, WEIGHTS, _need, _randomize, _tiny
 
 import remat_kit
 from remat_kit import _jax_internals

@@ -47,7 +47,9 @@ from remat_kit.unedited.scan import (
     HOLE,
     Call,
     Pending,
+    argument_ids,
     carry_index,
+    check_shared_ids,
     position_policies,
     runs_in,
     same,
@@ -65,6 +67,7 @@ class _Run:
     matcher: Where | None
     discovered: list | None = None  # (path, class, module) of every module called, while finding the blocks
     calls: list = dataclasses.field(default_factory=list)  # scan=True: each of those calls' static arguments
+    shares: list = dataclasses.field(default_factory=list)  # scan=True: which objects each call's arrays are
     collect: Collector | None = None  # names_of: gather names instead of rematerializing
     index: int = 0  # blocks started so far, in call order
     block: tuple[str, ...] | None = None  # path of the block being run, while inside it
@@ -178,13 +181,14 @@ class Applied:
         (:func:`remat_kit.unedited.scan.template`): a scan runs every block of a period at the first one's
         call, so it needs the later blocks' static arguments from here.
         """
-        return self._trace(method, args, kwargs)[:2]
+        found, calls, *_ = self._trace(method, args, kwargs)
+        return found, calls
 
     def _traces_flops(self, method: str, args: tuple, kwargs: dict) -> tuple[dict, int]:
         """The discovery trace's matmul FLOPs: ``({index in found: FLOPs}, the whole call's FLOPs)``."""
-        return self._trace(method, args, kwargs)[2:]
+        return self._trace(method, args, kwargs)[2:4]
 
-    def _trace(self, method: str, args: tuple, kwargs: dict) -> tuple[list, list, dict, int]:
+    def _trace(self, method: str, args: tuple, kwargs: dict) -> tuple[list, list, dict, int, list]:
         sig = tags.signature((args, kwargs))
         key = None if sig is None else (method, sig)
         if key is None or key not in self._traces:
@@ -193,7 +197,7 @@ class Applied:
                 jaxpr = trace_jaxpr(getattr(self.module, method), args, self._see_through(kwargs))
             self._lifted.update(run.lifted)
             flops = _jax_internals.scoped_flops(jaxpr, _MODULE_SCOPE)
-            traced = (run.discovered, run.calls, flops, _jax_internals.remat_nesting(jaxpr).total_flops)
+            traced = (run.discovered, run.calls, flops, _jax_internals.remat_nesting(jaxpr).total_flops, run.shares)
             if key is None:
                 return traced
             self._traces[key] = traced
@@ -263,7 +267,8 @@ class Applied:
     def _call(self, method: str, matcher: Where, args: tuple, kwargs: dict):
         run = _Run(self.plan, matcher)
         if self.plan.scan:
-            run.scan = LinenScan(*self._discover(method, args, kwargs), run.matcher)
+            found, calls, _, _, shares = self._trace(method, args, kwargs)
+            run.scan = LinenScan(found, calls, run.matcher, shares)
         with _running(run), ledger(self.plan.policy) as book:
             out = getattr(self.module, method)(*args, **self._see_through(kwargs))
         self._seen_inside = book.seen_through
@@ -309,6 +314,7 @@ def _intercept(next_fun, args, kwargs, context):
             run.lifted[tuple(module.path)] = around
         if run.plan.scan:
             run.calls.append(template(type(module).__call__, args, kwargs, run.plan.static_argnames))
+            run.shares.append(argument_ids(type(module).__call__, args, kwargs, run.plan.static_argnames))
         with jax.named_scope(f"{_MODULE_SCOPE}{index}"):  # its matmul FLOPs, to find the blocks by compute
             return next_fun(*args, **kwargs)
     if run.block is not None:
@@ -477,10 +483,18 @@ class LinenScan:
     whole.
     """
 
-    def __init__(self, found: list[tuple[tuple, type, Any]], calls: list[Call], matcher):
+    def __init__(self, found: list[tuple[tuple, type, Any]], calls: list[Call], matcher, shares: list | None = None):
         self.runs = linen_runs(found, calls, matcher)
         self.first_of = {p: first for first, r in self.runs.items() for p in r.paths}
         self.pending: dict[tuple, Pending] = {}
+        if shares:  # before any scan runs: a later block given its own array (a per-block cache) is refused here
+            at = {}
+            for i, (path, _, _) in enumerate(found):
+                at.setdefault(path, i)
+            for first, r in self.runs.items():
+                for path in r.paths[1:]:
+                    where = f"{type(found[at[path]][2]).__name__} block {join(path)}"
+                    check_shared_ids(where, join(first), calls[at[path]], shares[at[first]], shares[at[path]])
 
     def covers(self, path: tuple) -> bool:
         """Whether the block at ``path`` belongs to a run."""

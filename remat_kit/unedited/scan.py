@@ -90,6 +90,32 @@ def check_shared(where: str, first: str, call: Call, first_arrays: tuple, arrays
         )
 
 
+def argument_ids(fn: Any, args: tuple, kwargs: dict, static_argnames: frozenset[str]) -> tuple:
+    """Which objects a block call's array arguments are, but its input: one ``(treedef, ids)`` per argument, in
+    :meth:`Call.hole_names` order. Read during the discovery trace, while every argument is alive, so that a scan can
+    tell before it runs whether a later block gets the first one's arrays (:func:`check_shared_ids`).
+    """
+    _, dyn_args, dyn_kwargs = split_static(fn, args, kwargs, static_argnames, is_static)
+
+    def ids(tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        return treedef, tuple(id(leaf) for leaf in leaves)
+
+    return tuple(ids(a) for a in dyn_args[1:]) + tuple(ids(dyn_kwargs[k]) for k in sorted(dyn_kwargs))
+
+
+def check_shared_ids(where: str, first: str, call: Call, first_ids: tuple, ids: tuple) -> None:
+    """:func:`check_shared` on :func:`argument_ids`: raise the same ValueError before the scan runs."""
+    names = call.hole_names()[1:]
+    for i in range(max(len(first_ids), len(ids))):
+        if i >= len(first_ids) or i >= len(ids) or first_ids[i] != ids[i]:
+            name = names[i] if i < len(names) else "argument"
+            raise ValueError(
+                f"scan=True: {where} gets its own {name}= (not {first}'s array), and one scan shares every block "
+                "argument but the input: a per-layer KV cache or mask cannot be scanned unedited; use scan=False"
+            )
+
+
 def carry_index(y: Any, h: Any, where: str) -> int | None:
     """Where the next block's input is in a block's output ``y``: None (all of it) or its index in a tuple.
 

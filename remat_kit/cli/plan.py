@@ -137,7 +137,27 @@ def _model_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def start_for_target(name: str | None) -> None:
+    """Before JAX starts: a GPU target is compiled for on this machine's CPU (``JAX_PLATFORMS=cpu`` unless set),
+    so the CUDA plugin serves its deviceless compiler instead of failing to find a GPU."""
+    if name not in (None, "local", "cpu"):
+        import jax  # loaded already (by the signal handling), its backends not yet started
+
+        if not jax.config.jax_platforms:
+            jax.config.update("jax_platforms", "cpu")
+
+
+def target_line(planner, config) -> str:
+    """What the step was compiled for and the attention kernel its trace took there."""
+    from remat_kit.model import attention
+
+    kernel = attention.resolve(config.attention, config.dtype, config.head_dim, platform=planner.device.platform)
+    where = planner.target.label if planner.target.name != "local" else f"local ({planner.device.platform})"
+    return f"target: {where}; attention: {kernel}"
+
+
 def _plan_command(args: argparse.Namespace) -> int:
+    start_for_target(args.target)
     from remat_kit.cli.plan_report import (
         DEFAULT_POLICIES,
         against_theory,
@@ -170,11 +190,14 @@ def _plan_command(args: argparse.Namespace) -> int:
         with factory_errors():
             return _model_command(args)
     config, batch, seq = config_from_args(args)
-    mesh = mesh_lib.make_mesh(args.mesh) if args.mesh else None
+    if args.target not in (None, "local") and args.budget is None:
+        raise ValueError("--target goes with --budget or --max-seq (or --model): the policy table compiles locally")
+    compile_only = args.target not in (None, "local", "cpu")
+    mesh = mesh_lib.make_mesh(args.mesh) if args.mesh and not compile_only else None
     if mesh is not None:
         mesh_lib.check_batch(batch, mesh)
     if args.budget is not None:
-        return _budget_command(args, config, batch, seq, mesh)
+        return _budget_command(args, config, batch, seq, args.mesh if compile_only else mesh)
     for flag in ("margin", "limits", "plot"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag} goes with --budget")
@@ -297,6 +320,21 @@ def add_cli(subparsers) -> None:
         help="plot live device memory over the step, one line per policy (implies reading XLA's dump)",
     )
     p.add_argument("--mesh", default=None, help="plan per device over a mesh, e.g. data=4 or data=2,fsdp=2")
+    p.add_argument(
+        "--target",
+        default=None,
+        metavar="TARGET",
+        help=f"the device planned for: {', '.join(constants.TARGET_NAMES)} (default local: the backend here) or the "
+        "path of an XLA GpuTargetConfigProto text file; a GPU target compiles XLA:GPU's own step without a GPU "
+        "(needs pip install 'remat-kit[gpu-target]'); with --budget or --max-seq",
+    )
+    p.add_argument(
+        "--host-ram",
+        default=None,
+        metavar="SIZE",
+        help="with --max-seq: the planned machine's host memory, which offloaded bytes are stated against "
+        "(default: this machine's)",
+    )
     p.add_argument("--budget", default=None, help="device memory budget (any unit: 80GB, 24GiB): choose a policy")
     p.add_argument(
         "--max-seq",
@@ -392,13 +430,19 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     limits = args.limits or "chosen"
     check_writable(args.json, "--json")
     check_plot(args.plot)
-    if args.policies is None:
-        pool = list(builtin.candidates_for(config))
+    planner = Planner(
+        config,
+        loss_chunks=args.loss_chunks,
+        mesh=mesh,
+        progress=None if args.no_progress else compile_progress,
+        target=args.target,
+    )
+    if args.calibrate and planner.target.compile_only:
+        raise ValueError(f"--calibrate times this machine; it does not go with --target {args.target}")
+    if args.policies is None:  # a GPU target moves offloaded bytes to the host: its offload candidates count
+        pool = list(builtin.candidates_for(config, offload=True if planner.target.compile_only else None))
     else:
         pool = parse_policies(args.policies, config.num_layers)
-    planner = Planner(
-        config, loss_chunks=args.loss_chunks, mesh=mesh, progress=None if args.no_progress else compile_progress
-    )
     floor = planner.state_bytes()
     if not Budget(budget_bytes, margin).fits(floor):  # no policy can fit: say so before compiling any
         per = " per device" if mesh is not None else ""
@@ -493,6 +537,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         f"params), batch {batch} × seq {seq}{_shape_note(args)}, clipped AdamW step, loss_chunks={args.loss_chunks}, "
         f"margin {margin:.0%}{where}"
     )
+    print(target_line(planner, config))
     if config.lora_rank:  # what the frozen base takes as stored (a quantized base: its embedding too)
         pb = lora.param_bytes(config)
         print(

@@ -318,9 +318,12 @@ def _stack_residuals(model: Transformer, params, batch: int, seq: int):
 
 
 def layer_stack_bytes(
-    config: TransformerConfig, policy: policies.Policy | str, batch: int, seq: int
+    config: TransformerConfig, policy: policies.Policy | str, batch: int, seq: int, enforced: bool | None = None
 ) -> tuple[int, int]:
     """``(device, host)`` bytes the layer stack alone keeps for the backward pass: trace-only, fast.
+
+    ``enforced``: whether offloaded bytes leave the device (default: the local rule,
+    :func:`remat_kit.analysis.memory.host_offload`; a GPU target's planner passes its own).
 
     >>> cfg = TransformerConfig.preset("tiny", num_layers=16)
     >>> layer_stack_bytes(cfg, "sqrt_n", 2, 32)  # √16 = 4 group inputs [2, 32, 64] + their 4 int32 starts
@@ -329,7 +332,7 @@ def layer_stack_bytes(
     check_shape(config, batch, seq)
     policy = policies.parse(policy, num_layers=config.num_layers)
     layers = _stack_residuals(Transformer(config=config, policy=policy), abstract_params(config), batch, seq)
-    return inspection.split_saved(layers)
+    return inspection.split_saved(layers, enforced)
 
 
 def _fused_loss_labels(config: TransformerConfig, batch: int, seq: int, loss_chunks: int) -> dict:

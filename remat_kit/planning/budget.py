@@ -135,6 +135,8 @@ class AutoResult:
     notes: tuple[str, ...] = ()
     #: The sequence tiles the chosen step runs its blocks in (1: untiled); a table's rows carry their own.
     seq_tiles: int = 1
+    #: The device planned for (:func:`remat_kit.target.parse`): ``"local"``, or a GPU compiled for without one.
+    target: str = "local"
 
     def is_chosen(self, c: Candidate) -> bool:
         """Whether ``c`` is the chosen row: its policy and its tile count."""
@@ -178,7 +180,7 @@ class AutoResult:
             rows.append(
                 f"mixed front (mixes of neighbours, policies.mix): {pairs}; rows with '*COUNT' are mixes compiled."
             )
-        note = memory.host_offload().note
+        note = memory.host_offload().note if self.target in ("local", "cpu") else None  # a GPU target moves them
         offloading = [c for c in self.candidates if _kind(c.policy) and _has_offload(policies.parse(c.policy))]
         if note and offloading:
             rows.append(f"note: {note}; offload candidates are never chosen here.")
@@ -301,6 +303,7 @@ def auto(
     mixes: bool = True,
     hardware: cost.Hardware | None = None,
     tiles: Sequence[int] | None = None,
+    target=None,
 ) -> AutoResult:
     """Choose the policy with the least estimated recompute time whose training step fits ``budget_bytes``.
 
@@ -334,6 +337,8 @@ def auto(
         (default :func:`remat_kit.planning.tiles.tile_counts`; ``()`` tries none): the search runs again with the
         blocks in each, most tiles first, every tiled candidate priced over the untiled ``none``, and
         :attr:`AutoResult.seq_tiles` says the count chosen. A budget that fits untiled tries no tiles (they add time).
+      target: the device planned for (:func:`remat_kit.target.parse`; default ``"local"``): on a GPU target every
+        need is XLA:GPU's own, offloaded bytes leave the device, and the host copies are priced by its link.
 
     Returns:
       An :class:`AutoResult`; ``chosen`` (a Policy or a Mix) is None when nothing fits, and ``reason`` then says what is
@@ -368,6 +373,7 @@ def auto(
             hardware=hardware,
             mixes=mixes,
             tiles=tiles,
+            target=target,
         )
     if not callable(model):
         raise TypeError(f"auto's first argument must be a TransformerConfig or make_loss(policy), got {model!r}")
@@ -379,7 +385,7 @@ def auto(
     inputs = inspection.abstract(args)
     pool = [policies.parse(p) for p in (wanted or GENERIC_CANDIDATES)]
     inspection.check_loss(make_loss_checked(model, pool[0]), inputs)
-    planner = planner or StepPlanner(lambda p, b, s: (model(p), inputs[0], inputs[1:]), optimizer)
+    planner = planner or StepPlanner(lambda p, b, s: (model(p), inputs[0], inputs[1:]), optimizer, target=target)
     return search(planner, pool, budget, exhaustive=exhaustive, jobs=jobs, hardware=hardware)
 
 
@@ -417,7 +423,7 @@ def search(
     estimated cost (traced, cheap), compiled group by group until the cheapest group that fits; then, given
     the stack's ``num_layers``, the best mix of two compiled Pareto-optimal candidates (:func:`best_mix`)."""
     start = time.perf_counter()
-    hardware = hardware or cost.default_hardware(planner_platform(planner))
+    hardware = hardware or planner.hardware
     price = Pricer(planner, hardware, batch, seq)
     compiles_before = planner.compiles
     order = sorted(pool, key=lambda p: price.rank(p))
@@ -466,6 +472,7 @@ def search(
         mixed_front=front,
         hardware=hardware,
         notes=notes,
+        target=str(planner.target),
     )
 
 
@@ -626,7 +633,7 @@ def best_mix(
     Returns:
       ``(mix or None, the mixes compiled as Candidates, the mixed front)``: see :attr:`AutoResult.mixed_front`.
     """
-    price = price or Pricer(planner, cost.default_hardware(planner_platform(planner)), batch, seq)
+    price = price or Pricer(planner, planner.hardware, batch, seq)
     target = budget.target
     compiled = [c for c in table if c.need_bytes is not None and price.choosable(policies.parse(c.policy))]
     front = [compiled[i] for i in pareto_front([(c.cost_s, c.need_bytes) for c in compiled])]

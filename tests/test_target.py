@@ -1,0 +1,169 @@
+"""Targets (remat_kit/target.py): parsing everywhere; compiling for a GPU without one where the CUDA plugin is.
+
+The deviceless tests need JAX's CUDA plugin (``pip install 'remat-kit[gpu-target]'``) and ``JAX_PLATFORMS=cpu``;
+the suite's own venv has no plugin, so they skip there, saying why, and CI runs them in a venv of their own
+(.ci/run, the gpu-target section).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import remat_kit
+from remat_kit import target
+from remat_kit.analysis import memory
+from remat_kit.names import tag
+from remat_kit.planning import cost
+
+# ---- parsing: no plugin needed ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, kind, gib",
+    [("h100", "NVIDIA H100 80GB HBM3", 79), ("h200", "NVIDIA H200", 140), ("a100", "NVIDIA A100-SXM4-80GB", 80)],
+    ids=["h100", "h200", "a100"],
+)
+def test_shipped_configs_parse(name, kind, gib):
+    t = target.parse(name)
+    assert t.compile_only and t.platform == "gpu" and t.device_kind == kind
+    assert t.device_memory // 2**30 == gib and t.host_bandwidth > 0 and t.core_count > 0
+    assert t.compute_capability == ((8, 0) if name == "a100" else (9, 0))
+    assert target.parse(name.upper()) is t  # case-insensitive, read once
+
+
+@pytest.mark.parametrize("name", ["local", None, "cpu"], ids=["local", "none", "cpu"])
+def test_local_targets_compile_here(name):
+    t = target.parse(name)
+    assert not t.compile_only
+    assert t.devices()[0].platform == "cpu"
+
+
+def test_unknown_target_is_one_line_naming_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown target 'v100'; allowed: local, cpu, h100, h200, a100") as err:
+        target.parse("v100")
+    assert "\n" not in str(err.value)
+
+
+def test_a_users_config_file(tmp_path):
+    text = target._builtin("h100").config.replace("# remat_kit host_link: PCIe 5.0 x16", "# remat_kit host_link: C2C")
+    text = text.replace("pcie_bandwidth: 64000000000", "pcie_bandwidth: 450000000000")
+    path = tmp_path / "gh200.txtpb"
+    path.write_text(text)
+    t = target.parse(str(path))
+    assert t.name == str(path) and t.host_link == "C2C" and t.host_bandwidth == 450e9
+    assert cost.target_hardware(t).host_bytes_per_s == pytest.approx(450e9 * cost.HOST_LINK_EFFICIENCY)
+
+
+def test_a_file_that_is_no_cuda_config_is_refused(tmp_path):
+    path = tmp_path / "x.txtpb"
+    path.write_text('platform_name: "ROCM"\n')
+    with pytest.raises(ValueError, match="not a CUDA GpuTargetConfigProto"):
+        target.parse(str(path))
+
+
+def test_without_the_plugin_a_gpu_target_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(target, "cuda_plugin_installed", lambda: False)
+    target._topology.cache_clear()
+    with pytest.raises(ImportError, match=r"pip install 'remat-kit\[gpu-target\]'"):
+        target.parse("a100").devices()
+    target._topology.cache_clear()
+
+
+def test_tracing_sets_the_platform_model_code_sees():
+    from remat_kit.model import attention
+
+    assert target.traced_platform() == jax.default_backend()
+    with dataclasses.replace(target.parse("cpu"), platform="gpu").tracing():  # what a GPU target's trace sees
+        assert target.traced_platform() == "gpu"
+        assert attention.resolve("auto", "bfloat16", 64) == "cudnn"
+        assert attention.resolve("auto", "float32", 64) == "chunked"  # cuDNN takes 16-bit only
+    assert attention.resolve("auto", "bfloat16", 64) == "chunked"
+
+
+def test_the_cost_model_prices_the_targets_link():
+    h100, a100 = cost.target_hardware(target.parse("h100")), cost.target_hardware(target.parse("a100"))
+    assert h100.host_bytes_per_s == pytest.approx(2 * a100.host_bytes_per_s)  # PCIe 5.0 against 4.0
+    assert h100.bytes_per_s == 3.352e12 and a100.flops_per_s == pytest.approx(312e12, rel=0.01)
+
+
+def test_the_cpu_note_points_to_a_target():
+    note = memory.host_offload(jax.devices("cpu")[0]).note
+    assert "not modelled here" in note and "--target h100" in note
+
+
+# ---- deviceless: XLA:GPU's own compile, no GPU -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def h100():
+    if not target.cuda_plugin_installed():
+        pytest.skip(f"JAX's CUDA plugin is not installed ({target.INSTALL_HINT}); CI runs these in its own venv")
+    try:
+        target.parse("h100").devices()
+    except RuntimeError as err:  # installed, but started for a GPU it did not find
+        pytest.skip(f"the CUDA plugin did not start: run with JAX_PLATFORMS=cpu ({err})")
+    return target.parse("h100")
+
+
+def _make_loss(policy):
+    """A 16-layer scan whose matmul output is tagged ``act`` (kept, recomputed or offloaded per policy)."""
+
+    def layer(w, x):
+        return jnp.tanh(tag(x @ w, "act"))
+
+    def loss(ws, x):  # ws [16, 512, 512], x [8, 256, 512]
+        h, _ = jax.lax.scan(lambda h, w: (policy(layer)(w, h), None), x, ws)
+        return jnp.sum(h.astype(jnp.float32) ** 2)
+
+    return loss
+
+
+WS = jax.ShapeDtypeStruct((16, 512, 512), jnp.bfloat16)
+X = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
+
+
+def test_the_devices_are_the_targets(h100):
+    (device,) = h100.devices()
+    assert device.platform == "gpu" and device.device_kind == "NVIDIA H100 80GB HBM3"
+    assert memory.host_offload(device).enforced and memory.host_offload(device).available
+
+
+def test_offload_leaves_the_device_on_a_gpu_target(h100):
+    table = remat_kit.compare(_make_loss, ["none", "offload:act"], WS, X, target="h100")
+    none, offload = table.reports
+    assert {r.platform for r in table.reports} == {"gpu"} and offload.host_offload_enforced
+    act = 16 * 8 * 256 * 512 * 2  # the 16 tagged matmul outputs, bf16
+    assert offload.saved_host_bytes == act and none.saved_host_bytes == 0
+    assert offload.peak_bytes < none.peak_bytes - act // 2  # the offloaded outputs are not device bytes
+    assert offload.notes == () and offload.warnings == ()
+
+
+def test_the_same_compare_on_cpu_counts_offload_on_the_device():
+    table = remat_kit.compare(_make_loss, ["offload:act"], WS, X, target="cpu")
+    (offload,) = table.reports
+    assert offload.saved_host_bytes == 0 and not offload.host_offload_enforced
+    assert any("not modelled here" in n for n in offload.notes)
+
+
+def test_attention_takes_cudnn_on_a_gpu_target(h100):
+    from remat_kit.model import attention
+
+    q = jax.ShapeDtypeStruct((2, 512, 4, 64), jnp.bfloat16)
+    loss = lambda q, k, v: attention.attend(q, k, v).astype(jnp.float32).sum()
+    with h100.tracing():
+        lowered = jax.jit(jax.grad(loss)).trace(*h100.abstract((q, q, q))).lower()
+    assert "cudnn" in lowered.compile().as_text()
+
+
+def test_a_planner_compiles_for_the_target(h100):
+    from remat_kit.model.transformer import TransformerConfig
+    from remat_kit.planning.builtin import Planner
+
+    config = TransformerConfig.preset("tiny", dtype="bfloat16")
+    planner = Planner(config, target="h100")
+    assert planner.device.device_kind == h100.device_kind and planner.hardware.name.startswith("h100")
+    device, host = planner.memory(remat_kit.policies.offload(), 2, 64)
+    assert device > 0 and host > 0  # the layer inputs went to pinned host memory
+    assert planner.compiler_options is None  # the CPU's -O0 shortcut is for XLA:CPU only

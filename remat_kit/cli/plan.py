@@ -139,8 +139,13 @@ def _model_command(args: argparse.Namespace) -> int:
 
 def start_for_target(name: str | None) -> None:
     """Before JAX starts: a GPU target is compiled for on this machine's CPU (``JAX_PLATFORMS=cpu`` unless set),
-    so the CUDA plugin serves its deviceless compiler instead of failing to find a GPU."""
-    if name not in (None, "local", "cpu"):
+    so the CUDA plugin serves its deviceless compiler instead of failing to find a GPU. An unknown target, or a GPU
+    target without the plugin, is a ValueError (one line: what to install) before anything is traced."""
+    from remat_kit import target
+
+    if name is not None and target.parse(name).compile_only:
+        if not target.cuda_plugin_installed():
+            raise ValueError(f"--target {name} compiles for a GPU with JAX's CUDA plugin: {target.INSTALL_HINT}")
         import jax  # loaded already (by the signal handling), its backends not yet started
 
         if not jax.config.jax_platforms:

@@ -124,22 +124,26 @@ def reach(planner, policy, *, batch, ref_seq: int, budgets, margin, step, limit,
 
 
 def format_rows(rows: list[PolicyReach], budgets: list[int]) -> list[str]:
-    """The table: need at the reference, cost per position, floor, × floor, and the longest sequence per budget."""
+    """The table: need at the reference, cost per position, floor (device; host where offload moves bytes), × floor
+    (the device floor: none where the layers keep nothing on the device), and the longest sequence per budget."""
     ref = rows[0].ref_seq
     cols = "".join(f"{'max seq ' + fmt_bytes(b):>17}" for b in budgets)
-    head = f"{'policy':12} {'need @' + format(ref, ','):>13} {'per pos.':>10} {'floor':>10} {'x floor':>8}{cols}"
+    head = (
+        f"{'policy':12} {'need @' + format(ref, ','):>13} {'per pos.':>10} {'floor':>10} {'host/pos.':>10} "
+        f"{'x floor':>8}{cols}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         per = "-" if r.per_position_bytes is None else fmt_bytes(r.per_position_bytes)
         ratio = (
             "-"
-            if r.per_position_bytes is None or not r.floor_per_position_bytes
+            if r.per_position_bytes is None or r.floor_per_position_bytes < 1  # nothing per position on the device
             else f"{r.per_position_bytes / r.floor_per_position_bytes:.2f}"
         )
         cells = "".join(f"{format(e.seq, ','):>17}" for e in r.edges)
         lines.append(
             f"{r.policy:12} {fmt_bytes(r.ref_need_bytes):>13} {per:>10} {fmt_bytes(r.floor_per_position_bytes):>10} "
-            f"{ratio:>8}{cells}"
+            f"{fmt_bytes(r.floor_host_per_position_bytes):>10} {ratio:>8}{cells}"
         )
     return lines
 

@@ -95,11 +95,17 @@ class Target:
         return self.platform == "gpu"
 
     @property
+    def elsewhere(self) -> bool:
+        """Whether steps for it must be placed on its own devices: a GPU target, or ``cpu`` where JAX's default
+        backend is another (a planner then compiles on a mesh of :meth:`devices`)."""
+        return self.compile_only or (self.platform == "cpu" and jax.default_backend() != "cpu")
+
+    @property
     def label(self) -> str:
         """One line for a report: ``h100 (NVIDIA H100 80GB HBM3, compile-only)``, or the local backend."""
         if self.compile_only:
             return f"{self.name} ({self.device_kind}, compile-only XLA:GPU)"
-        return f"{self.name} ({(self.devices()[0].platform)})"
+        return f"{self.name} ({self.devices()[0].platform})"
 
     def devices(self, count: int = 1) -> list:
         """``count`` devices to compile for: the local backend's, or compile-only GPUs.
@@ -117,9 +123,10 @@ class Target:
         return list(found[:count])
 
     def abstract(self, tree):
-        """``tree``'s arrays as ``jax.ShapeDtypeStruct``s; for a GPU target, placed on its one compile-only device
-        (replicated), so that ``jax.jit(f).trace(...).lower().compile()`` compiles for it."""
-        if not self.compile_only:
+        """``tree``'s arrays as ``jax.ShapeDtypeStruct``s; for a target :attr:`elsewhere` (a GPU: its one
+        compile-only device), placed on its device, so that ``jax.jit(f).trace(...).lower().compile()`` compiles
+        for it."""
+        if not self.elsewhere:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
         sharding = jax.sharding.SingleDeviceSharding(self.devices()[0])
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)

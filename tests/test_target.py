@@ -156,6 +156,20 @@ def test_the_same_compare_on_cpu_counts_offload_on_the_device():
     assert any("not modelled here" in n for n in offload.notes)
 
 
+def test_offload_is_chosen_only_where_it_lowers_the_device_need(h100):
+    from remat_kit.planning.budget import Pricer
+    from remat_kit.planning.planner import StepPlanner
+
+    planner = StepPlanner(lambda p, b, s: (_make_loss(p), WS, (X,)), target="h100")
+    price = Pricer(planner, planner.hardware, None, None)
+    moves = remat_kit.policies.parse("offload:act")
+    moves_nothing = remat_kit.policies.parse("offload:not_emitted;strict=false")  # offloads a tag the loss never emits
+    assert price.choosable(moves) and price.choosable(moves_nothing)  # not compiled yet: the backend's rule
+    planner.memory(moves), planner.memory(moves_nothing)
+    assert price.choosable(moves)  # below selective:act, its twin on the device
+    assert not price.choosable(moves_nothing)  # the same need as its twin: nothing to gain
+
+
 def test_attention_takes_cudnn_on_a_gpu_target(h100):
     from remat_kit.model import attention
 

@@ -77,6 +77,8 @@ def _model_command(args: argparse.Namespace) -> int:
         )
     if args.calibrate and args.budget is None:
         raise ValueError("--calibrate goes with --budget")
+    if args.calibrate and args.target not in (None, "local"):
+        raise ValueError(f"--calibrate times this machine; it does not go with --target {args.target}")
     check_writable(args.json, "--json")
     check_plot(args.timeline, "--timeline")
     specs = parse_model_policies(args.policies)
@@ -94,7 +96,7 @@ def _model_command(args: argparse.Namespace) -> int:
         hardware = cost.calibrate()
     if budget_bytes is None:
         explain = args.explain or args.timeline is not None
-        comparison = inspection.compare(make_loss, specs, *example, explain=explain)
+        comparison = inspection.compare(make_loss, specs, *example, explain=explain, target=args.target)
         print(f"remat-kit plan --model {args.model}: value_and_grad of the loss (first argument)")
         print(
             "saved = values the backward pass keeps; peak = arguments + outputs − aliased + temp; GFLOPs = matmul "
@@ -118,6 +120,7 @@ def _model_command(args: argparse.Namespace) -> int:
             exhaustive=True,
             jobs=args.jobs,
             hardware=hardware,
+            target=args.target,
         )
         print(
             f"remat-kit plan --model {args.model} --budget {fmt_bytes(budget_bytes)}: clipped AdamW step, "
@@ -152,13 +155,13 @@ def start_for_target(name: str | None) -> None:
             jax.config.update("jax_platforms", "cpu")
 
 
-def target_line(planner, config) -> str:
-    """What the step was compiled for and the attention kernel its trace took there."""
+def target_line(target, config) -> str:
+    """What the step was compiled for (a :class:`remat_kit.target.Target`) and the attention kernel its trace took."""
     from remat_kit.model import attention
 
-    kernel = attention.resolve(config.attention, config.dtype, config.head_dim, platform=planner.device.platform)
-    where = planner.target.label if planner.target.name != "local" else f"local ({planner.device.platform})"
-    return f"target: {where}; attention: {kernel}"
+    platform = "gpu" if target.compile_only else target.devices()[0].platform
+    kernel = attention.resolve(config.attention, config.dtype, config.head_dim, platform=platform)
+    return f"target: {target.label}; attention: {kernel}"
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -195,9 +198,9 @@ def _plan_command(args: argparse.Namespace) -> int:
         with factory_errors():
             return _model_command(args)
     config, batch, seq = config_from_args(args)
-    if args.target not in (None, "local") and args.budget is None:
-        raise ValueError("--target goes with --budget or --max-seq (or --model): the policy table compiles locally")
-    compile_only = args.target not in (None, "local", "cpu")
+    from remat_kit import target
+
+    compile_only = target.parse(args.target).elsewhere  # its planner makes the mesh of the target's devices
     mesh = mesh_lib.make_mesh(args.mesh) if args.mesh and not compile_only else None
     if mesh is not None:
         mesh_lib.check_batch(batch, mesh)
@@ -228,8 +231,9 @@ def _plan_command(args: argparse.Namespace) -> int:
         loss_chunks=args.loss_chunks,
         jobs=args.jobs,
         progress=progress,
-        mesh=mesh,
+        mesh=args.mesh if compile_only else mesh,
         explain=explain,
+        target=args.target,
     )
     a0 = next(iter(results.values()))
     print(
@@ -238,6 +242,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         f"batch {batch} × seq {seq}{_shape_note(args)}, AdamW step, loss_chunks={args.loss_chunks}"
         + (f", mesh {a0.mesh}: XLA figures per device" if a0.mesh else "")
     )
+    print(target_line(target.parse(args.target), config))
     print(
         "saved = activations the backward pass keeps (device; host = offloaded); XLA temp = compiled scratch "
         "(activations + gradients + workspace); peak = arguments + outputs − aliased + temp, the step's device "
@@ -331,7 +336,7 @@ def add_cli(subparsers) -> None:
         metavar="TARGET",
         help=f"the device planned for: {', '.join(constants.TARGET_NAMES)} (default local: the backend here) or the "
         "path of an XLA GpuTargetConfigProto text file; a GPU target compiles XLA:GPU's own step without a GPU "
-        "(needs pip install 'remat-kit[gpu-target]'); with --budget or --max-seq",
+        "(needs pip install 'remat-kit[gpu-target]')",
     )
     p.add_argument(
         "--host-ram",
@@ -542,7 +547,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         f"params), batch {batch} × seq {seq}{_shape_note(args)}, clipped AdamW step, loss_chunks={args.loss_chunks}, "
         f"margin {margin:.0%}{where}"
     )
-    print(target_line(planner, config))
+    print(target_line(planner.target, config))
     if config.lora_rank:  # what the frozen base takes as stored (a quantized base: its embedding too)
         pb = lora.param_bytes(config)
         print(

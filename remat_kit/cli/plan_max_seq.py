@@ -261,7 +261,7 @@ def run_preset(args: argparse.Namespace) -> int:
     )
     from remat_kit.cli.plan import target_line
 
-    print(target_line(planner, config))
+    print(target_line(planner.target, config))
     return _report(args, rows, budgets, rule, {"preset": args.preset, "config": dataclasses.asdict(config)}, batch)
 
 

@@ -32,6 +32,7 @@ import jax
 import optax
 
 from remat_kit import constants, policies
+from remat_kit import names as names_lib
 from remat_kit.analysis import explain, inspection, memory
 from remat_kit.planning import cost
 from remat_kit.planning.pareto import pareto_front
@@ -534,6 +535,18 @@ def planner_platform(planner: StepPlanner) -> str:
     return planner.mesh.devices.flat[0].platform if planner.mesh is not None else jax.default_backend()
 
 
+def device_twin(policy: policies.Policy | policies.Mix) -> policies.Policy | None:
+    """The policy that keeps on the device what ``policy`` offloads (None for a mix).
+
+    >>> str(device_twin(policies.offload())), str(device_twin(policies.offload(["q_proj"], save=["mlp_up"])))
+    ('full', 'selective:mlp_up,q_proj')
+    """
+    if not isinstance(policy, policies.Policy) or policy.kind != "offload":
+        return None
+    kept = [t for t in (*policy.save, *policy.offload) if t != names_lib.LAYER_INPUT]  # a scan keeps layer inputs
+    return policies.selective(kept, strict=policy.strict) if kept else policies.full()
+
+
 def _has_offload(policy: policies.Policy | policies.Mix) -> bool:
     parts = policy.policies
     return any(p.kind == "offload" for p in parts)
@@ -570,8 +583,16 @@ class Pricer:
         return self.estimate(policy).rank
 
     def choosable(self, policy) -> bool:
-        """False for an offload policy on a backend where offload moves nothing (it saves no memory there)."""
-        return self.host_moves or not _has_offload(policy)
+        """Whether an offload policy may be chosen: never where offload moves nothing (XLA:CPU: it saves no memory
+        there), and once compiled only if its device need is below its twin's, the policy that keeps the same tags
+        on the device (:func:`device_twin`, one more compile): offload must lower the device need on the target."""
+        if not _has_offload(policy):
+            return True
+        twin = device_twin(policy) if self.host_moves else None
+        compiled = self.planner.compiled_needs(self.batch, self.seq)
+        if twin is None or str(policy) not in compiled:
+            return self.host_moves
+        return compiled[str(policy)] < self.planner.memory(twin, self.batch, self.seq)[0]
 
     def candidate(self, policy, budget: Budget | None) -> Candidate:
         """``policy``'s row; compiled (need, host, fits) when ``budget`` is given."""

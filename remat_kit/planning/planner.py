@@ -136,7 +136,7 @@ def target_mesh(target: target_lib.Target, mesh=None) -> Any:
       TypeError: ``mesh`` is a ``jax.sharding.Mesh`` of other devices: pass its spec.
     """
     if isinstance(mesh, jax.sharding.Mesh):
-        if mesh.devices.flat[0].device_kind != target.device_kind:
+        if not set(mesh.devices.flat) <= set(target.devices(mesh.size)):
             raise TypeError(f"target {target}: pass the mesh as a spec such as 'data=2', not a Mesh of other devices")
         return mesh
     spec = mesh_lib.MeshSpec.parse(mesh or "data=1")
@@ -171,7 +171,7 @@ class StepPlanner:
     ):
         self.build = build
         self.target = target_lib.parse(target)
-        if self.target.compile_only:
+        if self.target.elsewhere:
             self.mesh = target_mesh(self.target, mesh)
         else:
             self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh

@@ -39,8 +39,8 @@ def tree_bytes(tree: Any) -> int:
 #: What a report says when offloaded residuals stay on the device.
 CPU_OFFLOAD_NOTE = (
     "this backend ({platform}) does not enforce host offload: XLA lowers the device-to-host copy to nothing, "
-    "so offloaded residuals are counted as device bytes (offload is not modelled here; plan for the GPU with "
-    "target='h100' or --target h100 to see them leave the device)"
+    "so offloaded residuals are counted as device bytes (no memory moves: offload is not modelled here; plan for "
+    "the GPU with target='h100' or --target h100 to see them leave the device)"
 )
 
 

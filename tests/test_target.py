@@ -192,6 +192,22 @@ def test_a_planner_compiles_for_the_target(h100):
     assert planner.compiler_options is None  # the CPU's -O0 shortcut is for XLA:CPU only
 
 
+def test_fit_returns_xla_gpus_need(h100):
+    from remat_kit.model import Transformer, TransformerConfig
+    from remat_kit.model.loss import lm_loss
+    from remat_kit.model.transformer import abstract_params
+    from remat_kit.planning.builtin import Planner
+
+    config = TransformerConfig.preset("tiny", dtype="bfloat16")
+    tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+    loss = lambda m, p, t: lm_loss(m, p, t)
+    result = remat_kit.fit(
+        Transformer(config=config), loss, abstract_params(config), tokens, budget="1GB", target="h100"
+    )
+    assert result.need_bytes == Planner(config, target="h100").memory(result.policy, 2, 64)[0]  # the H100's compile
+    assert result.need_bytes != Planner(config).memory(result.policy, 2, 64)[0]  # not XLA:CPU's
+
+
 # ---- the command line ----------------------------------------------------------------------------------------
 
 

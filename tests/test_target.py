@@ -190,6 +190,9 @@ def test_a_planner_compiles_for_the_target(h100):
     device, host = planner.memory(remat_kit.policies.offload(), 2, 64)
     assert device > 0 and host > 0  # the layer inputs went to pinned host memory
     assert planner.compiler_options is None  # the CPU's -O0 shortcut is for XLA:CPU only
+    two = Planner(config, target="h100", mesh="data=2")  # a deviceless topology of two H100s
+    assert {d.device_kind for d in two.mesh.devices.flat} == {h100.device_kind} and two.mesh.size == 2
+    assert two.memory(remat_kit.policies.full(), 4, 64)[0] > 0  # per device: a batch of 2 on each
 
 
 def test_fit_returns_xla_gpus_need(h100):

@@ -49,7 +49,7 @@ DEFAULT_HOST_BANDWIDTH = 32e9
 _CONFIGS = Path(__file__).resolve().parent / "target_configs"
 # The CUDA plugin's package (jax[cuda12]); JAX finds it by this name among its jax_plugins.
 _CUDA_PLUGIN = "jax_plugins.xla_cuda12"
-# The one deviceless topology remat_kit plans on: one host, one device (a mesh over more needs more).
+# The deviceless topology remat_kit plans on: one host of n devices (n = the mesh's size).
 _TOPOLOGY = "1x1x{n}"
 
 _TRACED: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_kit_traced_platform", default=None)
@@ -102,7 +102,7 @@ class Target:
 
     @property
     def label(self) -> str:
-        """One line for a report: ``h100 (NVIDIA H100 80GB HBM3, compile-only)``, or the local backend."""
+        """One line for a report: ``h100 (NVIDIA H100 80GB HBM3, compile-only XLA:GPU)``, or ``local (cpu)``."""
         if self.compile_only:
             return f"{self.name} ({self.device_kind}, compile-only XLA:GPU)"
         return f"{self.name} ({self.devices()[0].platform})"
@@ -123,11 +123,11 @@ class Target:
         return list(found[:count])
 
     def abstract(self, tree):
-        """``tree``'s arrays as ``jax.ShapeDtypeStruct``s; for a target :attr:`elsewhere` (a GPU: its one
-        compile-only device), placed on its device, so that ``jax.jit(f).trace(...).lower().compile()`` compiles
-        for it."""
+        """``tree`` placed for this target: unchanged where the local backend compiles; for a target
+        :attr:`elsewhere` (a GPU: its first compile-only device) as ``jax.ShapeDtypeStruct``s on its device, so
+        that ``jax.jit(f).trace(...).lower().compile()`` compiles for it."""
         if not self.elsewhere:
-            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+            return tree
         sharding = jax.sharding.SingleDeviceSharding(self.devices()[0])
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
@@ -252,5 +252,5 @@ def _topology(config: str, count: int):
     except jax.errors.JaxRuntimeError as err:
         raise ValueError(
             f"XLA refused the target config ({str(err).splitlines()[0]}): its fields must be those of the "
-            f"installed XLA (jaxlib {jax.__version__})"
+            f"installed XLA (jax {jax.__version__})"
         ) from None

@@ -23,6 +23,9 @@ ATTENTION_KINDS: tuple[str, ...] = ("auto", "xla", "chunked", "cudnn")
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "attn_out", "mlp_gate", "mlp_up", "mlp_out")
 QUANTIZE_MODES: tuple[str, ...] = ("none", "int8", "nf4")
 
+#: Devices a planner compiles for (:data:`remat_kit.target.TARGET_NAMES`; a GPU config file's path works too).
+TARGET_NAMES: tuple[str, ...] = ("local", "cpu", "h100", "h200", "a100")
+
 #: The policies ``plan`` compares by default: one of each kind.
 PLAN_POLICIES: tuple[str, ...] = ("none", "full", "every_n:2", "selective", "offload", "segments:4", "sqrt_n", "dots")
 

@@ -126,6 +126,18 @@ def _tiled(ns):
     assert "scan" in str(jax.make_jaxpr(ns["tiled_mlp"])(ns["x"], ns["w_up"], ns["w_down"]))
 
 
+def _target(ns):
+    """compare(target=...): offload's tagged outputs are host bytes on an H100 target, device bytes (and a note
+    pointing to --target) where the block fell back to XLA:CPU (no CUDA plugin in the suite's venv)."""
+    full, offload = ns["table"].reports
+    act = 16 * 8 * 256 * 512 * 2  # the 16 tagged [8, 256, 512] bf16 outputs
+    if offload.platform == "gpu":
+        assert offload.saved_host_bytes == act and offload.peak_bytes < full.peak_bytes + act // 2
+    else:
+        assert offload.saved_host_bytes == 0 and offload.peak_bytes > full.peak_bytes + act // 2
+        assert any("--target h100" in n for n in offload.notes)
+
+
 #: The guide each check's block lives in → {a marker found in the block: what to assert after running it}.
 def _unedited_kinds(ns):
     """Blocks of several kinds: found by compute, a name kept where it exists, a policy per kind."""
@@ -162,6 +174,7 @@ CHECKS = {
         "jax.ShapeDtypeStruct((32, 64), jnp.float32), explain=True": _explain,
         "remat_kit.auto(cfg": _budget,
         "per_tensor(cfg": _per_tensor,
+        'target="h100")': _target,
     },
     "built-in-lm.md": {"lora.update(loss_fn": _lora},
     "long-context.md": {"remat_kit.tiled(mlp, 8": _tiled},

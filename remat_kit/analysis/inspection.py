@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from remat_kit import _jax_internals, findings
 from remat_kit import policies as policies_lib
+from remat_kit import target as target_lib
 from remat_kit.analysis import _xla_dump, memory
 from remat_kit.analysis import explain as explain_lib
 from remat_kit.analysis.flops import jaxpr_flops
@@ -436,7 +437,12 @@ def label_stacked(
 
 
 def inspect(
-    loss_fn: Callable, *args, argnums: int | Sequence[int] = 0, policy: str | None = None, explain: bool = False
+    loss_fn: Callable,
+    *args,
+    argnums: int | Sequence[int] = 0,
+    policy: str | None = None,
+    explain: bool = False,
+    target=None,
 ) -> Inspection:
     """Measure the gradient of any scalar loss, compile-only.
 
@@ -449,6 +455,9 @@ def inspect(
       policy: a label to carry in the report (used by :func:`compare`).
       explain: also read XLA's dump of the compile (:mod:`remat_kit.analysis.explain`): ``at_peak``,
         ``largest_at_peak`` and the ``timeline`` (the dump makes the compile a little slower).
+      target: the device compiled for (:func:`remat_kit.target.parse`): ``"local"`` (default), ``"h100"``, ...
+        A GPU target compiles XLA:GPU's own step without a GPU: its device and host bytes apart (host = what
+        offload moves to pinned host memory), which XLA:CPU cannot show.
 
     Returns:
       An :class:`Inspection`. Where the loss rematerializes outside a loop (a Python loop of blocks) and JAX
@@ -463,30 +472,38 @@ def inspect(
     nums = check_argnums(argnums, len(args))
     args = abstract(args)
     check_loss(loss_fn, args)
-    report, loops = _measure(loss_fn, args, nums, policy, explain)
+    target = target_lib.parse(target)
+    report, loops = _measure(loss_fn, args, nums, policy, explain, target)
     if loops:
-        base = _baseline(_jax_internals.without_remat(loss_fn), args, nums, explain, report.saved_bytes)
+        base = _baseline(_jax_internals.without_remat(loss_fn), args, nums, explain, report.saved_bytes, target)
         report = report if base is None else _guardrail(report, base)
     return report
 
 
-def _baseline(loss_fn: Callable, args: tuple, nums: tuple[int, ...], explain: bool, saved: int) -> Inspection | None:
+def _baseline(
+    loss_fn: Callable, args: tuple, nums: tuple[int, ...], explain: bool, saved: int, target: target_lib.Target
+) -> Inspection | None:
     """``loss_fn`` (a ``none`` baseline) measured, only if JAX keeps more for it than ``saved`` bytes (trace only)."""
     if split_saved(residuals(loss_fn, *args, argnums=nums))[0] <= saved:
         return None  # nothing dropped: there is no saving XLA could have removed
-    return _measure(loss_fn, args, nums, "none", explain)[0]
+    return _measure(loss_fn, args, nums, "none", explain, target)[0]
 
 
 def _measure(
-    loss_fn: Callable, args: tuple, nums: tuple[int, ...], policy: str | None, explain: bool
+    loss_fn: Callable,
+    args: tuple,
+    nums: tuple[int, ...],
+    policy: str | None,
+    explain: bool,
+    target: target_lib.Target = target_lib.LOCAL,
 ) -> tuple[Inspection, bool]:
     """:func:`inspect` of checked, abstract inputs, without a baseline: (report, whether the gradient
     rematerializes outside a loop, where XLA may remove the recompute)."""
     start = time.perf_counter()
-    with findings.collect() as found_by_guard:  # apply's guard: a line of the report, not an error
+    grad = jax.value_and_grad(loss_fn, argnums=nums if len(nums) > 1 else nums[0])
+    with findings.collect() as found_by_guard, target.tracing():  # the guard's findings; the target's kernels
         rows = residuals(loss_fn, *args, argnums=nums)
-        grad = jax.value_and_grad(loss_fn, argnums=nums if len(nums) > 1 else nums[0])
-        traced = jax.jit(grad).trace(*args)
+        traced = jax.jit(grad).trace(*target.abstract(args))
     if explain:
         compiled, program = _xla_dump.compile_with_dump(traced.lower())
     else:
@@ -495,7 +512,7 @@ def _measure(
     held = CompiledMemory.from_compiled(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    device = jax.devices()[0]
+    device = target.devices()[0]
     rule = memory.host_offload(device)
     enforced = rule.enforced
     saved, host = split_saved(rows, enforced)
@@ -703,14 +720,19 @@ def _guardrail(r: Inspection, base: Inspection) -> Inspection:
 
 
 def compare(
-    make_loss: Callable, policies: Sequence[Any], *args, argnums: int | Sequence[int] = 0, explain: bool = False
+    make_loss: Callable,
+    policies: Sequence[Any],
+    *args,
+    argnums: int | Sequence[int] = 0,
+    explain: bool = False,
+    target=None,
 ) -> Comparison:
     """Inspect ``make_loss(policy)`` for each policy, in order, compile-only.
 
     Args:
       make_loss: ``make_loss(policy) -> loss_fn``, where ``policy`` is a :class:`remat_kit.Policy`.
       policies: Policy objects or spec strings (``"none"``, ``"full"``, ``"sqrt_n"`` ...).
-      *args, argnums, explain: as :func:`inspect`.
+      *args, argnums, explain, target: as :func:`inspect`.
 
     Returns:
       A :class:`Comparison`; recompute FLOPs are measured against ``none``. Each row carries at most one
@@ -738,13 +760,16 @@ def compare(
     losses = [make_loss(p) for p in pool]
     for loss_fn in losses:  # every row's errors before the first compile
         check_loss(loss_fn, args)
-    measured = [_measure(loss_fn, args, nums, str(p), explain) for p, loss_fn in zip(pool, losses, strict=True)]
+    target = target_lib.parse(target)
+    measured = [_measure(loss_fn, args, nums, str(p), explain, target) for p, loss_fn in zip(pool, losses, strict=True)]
     reports = tuple(r for r, _ in measured)
     specs = tuple(str(p) for p in pool)
     if "none" in specs:
         base = reports[specs.index("none")]
     elif any(loops for _, loops in measured):  # XLA may have removed a row's recompute: measure none to tell
-        base = _baseline(make_loss(policies_lib.none()), args, nums, explain, min(r.saved_bytes for r in reports))
+        base = _baseline(
+            make_loss(policies_lib.none()), args, nums, explain, min(r.saved_bytes for r in reports), target
+        )
     else:
         base = None
     if base is not None:

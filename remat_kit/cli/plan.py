@@ -77,6 +77,8 @@ def _model_command(args: argparse.Namespace) -> int:
         )
     if args.calibrate and args.budget is None:
         raise ValueError("--calibrate goes with --budget")
+    if args.calibrate and args.target not in (None, "local"):
+        raise ValueError(f"--calibrate times this machine; it does not go with --target {args.target}")
     check_writable(args.json, "--json")
     check_plot(args.timeline, "--timeline")
     specs = parse_model_policies(args.policies)
@@ -94,7 +96,7 @@ def _model_command(args: argparse.Namespace) -> int:
         hardware = cost.calibrate()
     if budget_bytes is None:
         explain = args.explain or args.timeline is not None
-        comparison = inspection.compare(make_loss, specs, *example, explain=explain)
+        comparison = inspection.compare(make_loss, specs, *example, explain=explain, target=args.target)
         print(f"remat-kit plan --model {args.model}: value_and_grad of the loss (first argument)")
         print(
             "saved = values the backward pass keeps; peak = arguments + outputs − aliased + temp; GFLOPs = matmul "
@@ -118,6 +120,7 @@ def _model_command(args: argparse.Namespace) -> int:
             exhaustive=True,
             jobs=args.jobs,
             hardware=hardware,
+            target=args.target,
         )
         print(
             f"remat-kit plan --model {args.model} --budget {fmt_bytes(budget_bytes)}: clipped AdamW step, "
@@ -137,7 +140,32 @@ def _model_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def start_for_target(name: str | None) -> None:
+    """Before JAX starts: a GPU target is compiled for on this machine's CPU (``JAX_PLATFORMS=cpu`` unless set),
+    so the CUDA plugin serves its deviceless compiler instead of failing to find a GPU. An unknown target, or a GPU
+    target without the plugin, is a ValueError (one line: what to install) before anything is traced."""
+    from remat_kit import target
+
+    if name is not None and target.parse(name).compile_only:
+        if not target.cuda_plugin_installed():
+            raise ValueError(f"--target {name} compiles for a GPU with JAX's CUDA plugin: {target.INSTALL_HINT}")
+        import jax  # loaded already (by the signal handling), its backends not yet started
+
+        if not jax.config.jax_platforms:
+            jax.config.update("jax_platforms", "cpu")
+
+
+def target_line(target, config) -> str:
+    """What the step was compiled for (a :class:`remat_kit.target.Target`) and the attention kernel its trace took."""
+    from remat_kit.model import attention
+
+    platform = "gpu" if target.compile_only else target.devices()[0].platform
+    kernel = attention.resolve(config.attention, config.dtype, config.head_dim, platform=platform)
+    return f"target: {target.label}; attention: {kernel}"
+
+
 def _plan_command(args: argparse.Namespace) -> int:
+    start_for_target(args.target)
     from remat_kit.cli.plan_report import (
         DEFAULT_POLICIES,
         against_theory,
@@ -170,11 +198,14 @@ def _plan_command(args: argparse.Namespace) -> int:
         with factory_errors():
             return _model_command(args)
     config, batch, seq = config_from_args(args)
-    mesh = mesh_lib.make_mesh(args.mesh) if args.mesh else None
+    from remat_kit import target
+
+    compile_only = target.parse(args.target).elsewhere  # its planner makes the mesh of the target's devices
+    mesh = mesh_lib.make_mesh(args.mesh) if args.mesh and not compile_only else None
     if mesh is not None:
         mesh_lib.check_batch(batch, mesh)
     if args.budget is not None:
-        return _budget_command(args, config, batch, seq, mesh)
+        return _budget_command(args, config, batch, seq, args.mesh if compile_only else mesh)
     for flag in ("margin", "limits", "plot"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag} goes with --budget")
@@ -200,8 +231,9 @@ def _plan_command(args: argparse.Namespace) -> int:
         loss_chunks=args.loss_chunks,
         jobs=args.jobs,
         progress=progress,
-        mesh=mesh,
+        mesh=args.mesh if compile_only else mesh,
         explain=explain,
+        target=args.target,
     )
     a0 = next(iter(results.values()))
     print(
@@ -210,6 +242,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         f"batch {batch} × seq {seq}{_shape_note(args)}, AdamW step, loss_chunks={args.loss_chunks}"
         + (f", mesh {a0.mesh}: XLA figures per device" if a0.mesh else "")
     )
+    print(target_line(target.parse(args.target), config))
     print(
         "saved = activations the backward pass keeps (device; host = offloaded); XLA temp = compiled scratch "
         "(activations + gradients + workspace); peak = arguments + outputs − aliased + temp, the step's device "
@@ -297,6 +330,21 @@ def add_cli(subparsers) -> None:
         help="plot live device memory over the step, one line per policy (implies reading XLA's dump)",
     )
     p.add_argument("--mesh", default=None, help="plan per device over a mesh, e.g. data=4 or data=2,fsdp=2")
+    p.add_argument(
+        "--target",
+        default=None,
+        metavar="TARGET",
+        help=f"the device planned for: {', '.join(constants.TARGET_NAMES)} (default local: the backend here) or the "
+        "path of an XLA GpuTargetConfigProto text file; a GPU target compiles XLA:GPU's own step without a GPU "
+        "(needs pip install 'remat-kit[gpu-target]')",
+    )
+    p.add_argument(
+        "--host-ram",
+        default=None,
+        metavar="SIZE",
+        help="with --max-seq: the planned machine's host memory, which offloaded bytes are stated against "
+        "(default: this machine's)",
+    )
     p.add_argument("--budget", default=None, help="device memory budget (any unit: 80GB, 24GiB): choose a policy")
     p.add_argument(
         "--max-seq",
@@ -392,13 +440,19 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     limits = args.limits or "chosen"
     check_writable(args.json, "--json")
     check_plot(args.plot)
-    if args.policies is None:
-        pool = list(builtin.candidates_for(config))
+    planner = Planner(
+        config,
+        loss_chunks=args.loss_chunks,
+        mesh=mesh,
+        progress=None if args.no_progress else compile_progress,
+        target=args.target,
+    )
+    if args.calibrate and planner.target.compile_only:
+        raise ValueError(f"--calibrate times this machine; it does not go with --target {args.target}")
+    if args.policies is None:  # a GPU target moves offloaded bytes to the host: its offload candidates count
+        pool = list(builtin.candidates_for(config, offload=True if planner.target.compile_only else None))
     else:
         pool = parse_policies(args.policies, config.num_layers)
-    planner = Planner(
-        config, loss_chunks=args.loss_chunks, mesh=mesh, progress=None if args.no_progress else compile_progress
-    )
     floor = planner.state_bytes()
     if not Budget(budget_bytes, margin).fits(floor):  # no policy can fit: say so before compiling any
         per = " per device" if mesh is not None else ""
@@ -493,6 +547,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
         f"params), batch {batch} × seq {seq}{_shape_note(args)}, clipped AdamW step, loss_chunks={args.loss_chunks}, "
         f"margin {margin:.0%}{where}"
     )
+    print(target_line(planner.target, config))
     if config.lora_rank:  # what the frozen base takes as stored (a quantized base: its embedding too)
         pb = lora.param_bytes(config)
         print(

@@ -33,8 +33,13 @@ def budgets_arg(text: str) -> list[int]:
     return [parse_bytes(part) for part in text.split(",")]
 
 
-def host_ram() -> int | None:
-    """This machine's physical memory in bytes (None where the OS does not say)."""
+def host_ram(stated: str | None = None) -> int | None:
+    """The host memory offloaded bytes are stated against: ``--host-ram`` when given, else this machine's
+    physical memory in bytes (None where the OS does not say)."""
+    if stated is not None:
+        from remat_kit.units import parse_bytes
+
+        return parse_bytes(stated)
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -54,6 +59,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[int], float, int, int]:
         if getattr(args, flag, None) is not None:
             raise ValueError(f"--{flag} does not go with --max-seq")
     budgets = budgets_arg(args.budget)
+    host_ram(args.host_ram)  # a bad --host-ram is refused before anything is compiled
     margin = DEFAULT_MARGIN if args.margin is None else args.margin
     for b in budgets:
         Budget(b, margin)
@@ -118,22 +124,26 @@ def reach(planner, policy, *, batch, ref_seq: int, budgets, margin, step, limit,
 
 
 def format_rows(rows: list[PolicyReach], budgets: list[int]) -> list[str]:
-    """The table: need at the reference, cost per position, floor, × floor, and the longest sequence per budget."""
+    """The table: need at the reference, cost per position, floor (device; host where offload moves bytes), × floor
+    (the device floor: none where the layers keep nothing on the device), and the longest sequence per budget."""
     ref = rows[0].ref_seq
     cols = "".join(f"{'max seq ' + fmt_bytes(b):>17}" for b in budgets)
-    head = f"{'policy':12} {'need @' + format(ref, ','):>13} {'per pos.':>10} {'floor':>10} {'x floor':>8}{cols}"
+    head = (
+        f"{'policy':12} {'need @' + format(ref, ','):>13} {'per pos.':>10} {'floor':>10} {'host/pos.':>10} "
+        f"{'x floor':>8}{cols}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         per = "-" if r.per_position_bytes is None else fmt_bytes(r.per_position_bytes)
         ratio = (
             "-"
-            if r.per_position_bytes is None or not r.floor_per_position_bytes
+            if r.per_position_bytes is None or r.floor_per_position_bytes < 1  # nothing per position on the device
             else f"{r.per_position_bytes / r.floor_per_position_bytes:.2f}"
         )
         cells = "".join(f"{format(e.seq, ','):>17}" for e in r.edges)
         lines.append(
             f"{r.policy:12} {fmt_bytes(r.ref_need_bytes):>13} {per:>10} {fmt_bytes(r.floor_per_position_bytes):>10} "
-            f"{ratio:>8}{cells}"
+            f"{fmt_bytes(r.floor_host_per_position_bytes):>10} {ratio:>8}{cells}"
         )
     return lines
 
@@ -158,15 +168,14 @@ def format_edges(rows: list[PolicyReach]) -> list[str]:
     return lines
 
 
-def host_lines(rows: list[PolicyReach], enforced: bool, platform: str) -> list[str]:
-    """What offload does here, and the host bytes offloading policies need against this machine's memory."""
-    ram = host_ram()
+def host_lines(rows: list[PolicyReach], enforced: bool, platform: str, ram: int | None = None) -> list[str]:
+    """What offload does here, and the host bytes offloading policies need against the host's memory ``ram``."""
     lines = []
     offloading = [r for r in rows if r.floor_host_per_position_bytes or any(e.host_bytes for e in r.edges)]
     if not enforced:
         lines.append(
-            f"offload on {platform}: the device-to-host copy moves nothing here (XLA:CPU), so offloaded layer inputs "
-            "count as device bytes above; on a GPU/TPU they leave the device and the per-position cost drops by them"
+            f"offload on {platform}: not modelled here (XLA:CPU's device-to-host copy moves nothing: offloaded layer "
+            "inputs count as device bytes above); --target h100 compiles the GPU's step, where they leave the device"
         )
         return lines
     for r in offloading:
@@ -176,7 +185,7 @@ def host_lines(rows: list[PolicyReach], enforced: bool, platform: str) -> list[s
             holds = "unknown" if ram is None else ("yes" if e.host_bytes <= ram else "no")
             lines.append(
                 f"{r.policy} at {e.seq:,} ({fmt_bytes(e.budget_bytes)}): host {fmt_bytes(e.host_bytes)} "
-                f"({fmt_bytes(r.floor_host_per_position_bytes)} per position); this host has "
+                f"({fmt_bytes(r.floor_host_per_position_bytes)} per position); the host has "
                 f"{'?' if ram is None else fmt_bytes(ram)}: holds them: {holds}"
             )
     return lines
@@ -213,16 +222,19 @@ def run_preset(args: argparse.Namespace) -> int:
         ref_chunks = auto_chunks(batch * ref, config.vocab_size)
     analysis.check_shape(config, batch, ref, ref_chunks)
     specs = parse_policies(",".join(DEFAULT_POLICIES) if args.policies is None else args.policies, config.num_layers)
-    planner = Planner(config, loss_chunks=chunks, progress=None if args.no_progress else compile_progress)
+    planner = Planner(
+        config, loss_chunks=chunks, progress=None if args.no_progress else compile_progress, target=args.target
+    )
     first = 1
     if isinstance(chunks, int) and chunks:  # the chunk count may not exceed the token count
         first = max(1, -(-chunks // (batch * step)))
-    rule = memory.host_offload()
+    rule = memory.host_offload(planner.device)
     rows = []
     for p in specs:
         if not args.no_progress:
             print(f"[plan] {p}: longest sequence at {len(budgets)} budget(s) ...", file=sys.stderr, flush=True)
-        device, host = analysis.layer_stack_bytes(config, p, batch, ref)
+        with planner.target.tracing():  # what the target's kernels keep (cuDNN's attention on a GPU)
+            device, host = analysis.layer_stack_bytes(config, p, batch, ref, rule.enforced)
         if not rule.enforced:
             device, host = device + host, 0
         rows.append(
@@ -247,6 +259,9 @@ def run_preset(args: argparse.Namespace) -> int:
         f"{limit:,}, compile-only"
         + (f", LoRA rank {config.lora_rank} ({config.quantize} base)" if config.lora_rank else "")
     )
+    from remat_kit.cli.plan import target_line
+
+    print(target_line(planner.target, config))
     return _report(args, rows, budgets, rule, {"preset": args.preset, "config": dataclasses.asdict(config)}, batch)
 
 
@@ -271,12 +286,13 @@ def run_model(args: argparse.Namespace) -> int:
         loss_fn, example = factory(policy, seq=seq)
         return loss_fn, example[0], tuple(example[1:])
 
-    planner = StepPlanner(build, progress=None if args.no_progress else compile_progress)
-    rule = memory.host_offload()
+    planner = StepPlanner(build, progress=None if args.no_progress else compile_progress, target=args.target)
+    rule = memory.host_offload(planner.device)
     rows = []
     for p in specs:
-        loss_fn, example = factory(p, seq=step)
-        device, host = inspection.split_saved(inspection.residuals(loss_fn, *example), rule.enforced)
+        with planner.target.tracing():
+            loss_fn, example = factory(p, seq=step)
+            device, host = inspection.split_saved(inspection.residuals(loss_fn, *example), rule.enforced)
         rows.append(
             reach(
                 planner,
@@ -310,7 +326,8 @@ def _report(args, rows: list[PolicyReach], budgets: list[int], rule, head: dict,
     print("\nthe edges, compiled (needs with the margin):")
     for line in format_edges(rows):
         print(line)
-    for line in host_lines(rows, rule.enforced, rule.platform):
+    ram = host_ram(args.host_ram)
+    for line in host_lines(rows, rule.enforced, rule.platform, ram):
         print(line)
     if args.json:
         payload = {
@@ -320,7 +337,8 @@ def _report(args, rows: list[PolicyReach], budgets: list[int], rule, head: dict,
             "budgets": budgets,
             "margin": rows[0].edges[0].margin if rows else None,
             "offload_moves_memory": rule.enforced,
-            "host_ram_bytes": host_ram(),
+            "host_ram_bytes": ram,
+            "target": args.target or "local",
             "policies": [r.to_dict() for r in rows],
         }
         write_json(args.json, payload)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from remat_kit import names
+from remat_kit import target as target_lib
 from remat_kit.constants import ATTENTION_KINDS
 from remat_kit.policies import words
 from remat_kit.units import check_int
@@ -170,7 +171,8 @@ def resolve(kind: str, dtype: str, head_dim: int, platform: str | None = None) -
       kind: one of :data:`ATTENTION_KINDS`.
       dtype: the compute dtype name.
       head_dim: size of one head.
-      platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; default: the live backend, ``jax.default_backend()``.
+      platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; default: the backend traced for,
+        :func:`remat_kit.target.traced_platform` (a planner's target, else ``jax.default_backend()``).
 
     Raises:
       ValueError: as :func:`check_kind`, or ``cudnn`` on a backend other than a CUDA GPU.
@@ -179,8 +181,8 @@ def resolve(kind: str, dtype: str, head_dim: int, platform: str | None = None) -
     ('chunked', 'cudnn')
     """
     check_kind(kind, dtype, head_dim)
-    live = platform is None or platform == jax.default_backend()
-    platform = platform or jax.default_backend()
+    platform = platform or target_lib.traced_platform()
+    live = platform == jax.default_backend()  # else a compile-only target: a GPU one is CUDA (remat_kit.target)
     cuda = platform == "gpu" and (not live or _has_cuda())
     if kind == "cudnn" and not cuda:
         raise ValueError(
@@ -212,7 +214,7 @@ def default_chains(platform: str | None = None) -> int:
         # Several devices (a mesh, or simulated CPU devices) already share the cores, and the batch
         # may be sharded over them: cutting it would move rows between devices.
         return 1
-    return DEFAULT_CHAINS.get(platform or jax.default_backend(), 1)
+    return DEFAULT_CHAINS.get(platform or target_lib.traced_platform(), 1)
 
 
 def default_block(platform: str | None = None) -> int:
@@ -221,7 +223,7 @@ def default_block(platform: str | None = None) -> int:
     >>> default_block("cpu"), default_block("tpu")
     (128, 512)
     """
-    return DEFAULT_BLOCKS.get(platform or jax.default_backend(), DEFAULT_BLOCK)
+    return DEFAULT_BLOCKS.get(platform or target_lib.traced_platform(), DEFAULT_BLOCK)
 
 
 def attend(q, k, v, *, kind: str = "auto", block: int | None = None, flat: bool = False):

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from remat_kit import _jax_internals, policies
+from remat_kit import target as target_lib
 from remat_kit.analysis import _xla_dump, flops, inspection
 from remat_kit.analysis import explain as explain_lib
 from remat_kit.analysis.memory import CompiledMemory, host_offload, tree_bytes
@@ -41,7 +42,7 @@ from remat_kit.model import lora
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Block, Transformer, TransformerConfig, abstract_params, resolve_tiles
 from remat_kit.planning import estimates as estimates_lib
-from remat_kit.planning.planner import cancel_on_error
+from remat_kit.planning.planner import cancel_on_error, target_mesh
 from remat_kit.step import mesh as mesh_lib
 from remat_kit.step import update as step_lib
 from remat_kit.units import check_int
@@ -318,9 +319,12 @@ def _stack_residuals(model: Transformer, params, batch: int, seq: int):
 
 
 def layer_stack_bytes(
-    config: TransformerConfig, policy: policies.Policy | str, batch: int, seq: int
+    config: TransformerConfig, policy: policies.Policy | str, batch: int, seq: int, enforced: bool | None = None
 ) -> tuple[int, int]:
     """``(device, host)`` bytes the layer stack alone keeps for the backward pass: trace-only, fast.
+
+    ``enforced``: whether offloaded bytes leave the device (default: the local rule,
+    :func:`remat_kit.analysis.memory.host_offload`; a GPU target's planner passes its own).
 
     >>> cfg = TransformerConfig.preset("tiny", num_layers=16)
     >>> layer_stack_bytes(cfg, "sqrt_n", 2, 32)  # √16 = 4 group inputs [2, 32, 64] + their 4 int32 starts
@@ -329,7 +333,7 @@ def layer_stack_bytes(
     check_shape(config, batch, seq)
     policy = policies.parse(policy, num_layers=config.num_layers)
     layers = _stack_residuals(Transformer(config=config, policy=policy), abstract_params(config), batch, seq)
-    return inspection.split_saved(layers)
+    return inspection.split_saved(layers, enforced)
 
 
 def _fused_loss_labels(config: TransformerConfig, batch: int, seq: int, loss_chunks: int) -> dict:
@@ -429,6 +433,7 @@ def analyze(
     learning_rate: float = 1e-3,
     mesh=None,
     explain: bool = False,
+    target=None,
 ) -> Analysis:
     """Measure one AdamW training step of ``config`` under ``policy``, compile-only.
 
@@ -441,6 +446,8 @@ def analyze(
       mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``): XLA's memory is then per device,
         and ``saved_bytes_per_device`` splits the residuals over the devices sharing the batch.
       explain: also read XLA's dump of the compile: ``at_peak``, ``largest_at_peak``, ``timeline``.
+      target: the device compiled for (:func:`remat_kit.target.parse`; default ``"local"``); a GPU target's step
+        is XLA:GPU's own, its kernels (cuDNN attention) included, offloaded residuals counted as host bytes.
 
     Returns:
       An :class:`Analysis`.
@@ -449,7 +456,15 @@ def analyze(
       ValueError/TypeError: a bad shape, chunk count or policy, before anything is traced.
     """
     return analyze_compiled(
-        config, policy, batch, seq, loss_chunks=loss_chunks, learning_rate=learning_rate, mesh=mesh, explain=explain
+        config,
+        policy,
+        batch,
+        seq,
+        loss_chunks=loss_chunks,
+        learning_rate=learning_rate,
+        mesh=mesh,
+        explain=explain,
+        target=target,
     )[0]
 
 
@@ -463,6 +478,7 @@ def analyze_compiled(
     learning_rate: float = 1e-3,
     mesh=None,
     explain: bool = False,
+    target=None,
 ):
     """:func:`analyze`, also returning the compiled step so a benchmark can run it without recompiling.
 
@@ -472,25 +488,31 @@ def analyze_compiled(
     """
     check_shape(config, batch, seq, loss_chunks)
     policy = policies.parse(policy, num_layers=config.num_layers)
-    if isinstance(mesh, (str, mesh_lib.MeshSpec)):
+    target = target_lib.parse(target)
+    shown_mesh = mesh  # a compile-only target's one-device mesh is no mesh to report
+    if target.elsewhere:
+        mesh = target_mesh(target, mesh)
+    elif isinstance(mesh, (str, mesh_lib.MeshSpec)):
         mesh = mesh_lib.make_mesh(mesh)
     if mesh is not None:
         mesh_lib.check_batch(batch, mesh)
-    model = Transformer(config=config, policy=policy)
-    residuals, layers, param_bytes = _residuals(config, policy, batch, seq, loss_chunks)
-    dump: list | None = [] if explain else None
-    compiled, count, seconds = compile_step(model, batch, seq, loss_chunks, learning_rate, mesh, dump=dump)
+    rule = host_offload(mesh.devices.flat[0] if mesh is not None else None)
+    with target.tracing():  # the target's kernels (attention) in every trace below
+        model = Transformer(config=config, policy=policy)
+        residuals, layers, param_bytes = _residuals(config, policy, batch, seq, loss_chunks)
+        dump: list | None = [] if explain else None
+        compiled, count, seconds = compile_step(model, batch, seq, loss_chunks, learning_rate, mesh, dump=dump)
     memory = CompiledMemory.from_compiled(compiled)
     # One host rule (memory.host_offload): on CPU offloaded residuals stay device bytes.
-    saved, saved_host = inspection.split_saved(residuals)
-    layers_saved, layers_host = inspection.split_saved(layers)
-    note = host_offload().note if any(r.host for r in residuals) else None
+    saved, saved_host = inspection.split_saved(residuals, rule.enforced)
+    layers_saved, layers_host = inspection.split_saved(layers, rule.enforced)
+    note = rule.note if any(r.host for r in residuals) else None
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     found = _explain(dump[0], memory, config, batch, seq, learning_rate, model, residuals) if dump else None
     warnings = explain_lib.offload_warnings(
         sum(r.nbytes for r in residuals if r.host),
-        host_offload().enforced,
+        rule.enforced,
         explain_lib.policy_offloads(policy),
         memory.host,
     )
@@ -526,7 +548,7 @@ def analyze_compiled(
         analytic=estimates_lib.analytic_flops(config, batch, seq),
         estimates=estimates_lib.estimates(config, batch, seq),
         compile_s=seconds,
-        mesh=None if mesh is None else f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
+        mesh=None if mesh is None or shown_mesh is None else f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}",
         batch_devices=1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"],
         notes=tuple(notes),
         warnings=tuple(warnings),
@@ -581,6 +603,7 @@ def analyze_policies(
     progress=None,
     mesh=None,
     explain: bool = False,
+    target=None,
 ) -> dict[str, Analysis]:
     """Analyze every policy in ``specs``, ``jobs`` at a time; ``progress(i, n, spec)`` is called before each.
 
@@ -595,7 +618,7 @@ def analyze_policies(
     def one(i: int, p: policies.Policy) -> Analysis:
         if progress:
             progress(i, len(specs), str(p))
-        return analyze(config, p, batch, seq, loss_chunks=loss_chunks, mesh=mesh, explain=explain)
+        return analyze(config, p, batch, seq, loss_chunks=loss_chunks, mesh=mesh, explain=explain, target=target)
 
     if jobs == 1:
         results = {str(p): one(i, p) for i, p in enumerate(specs)}

@@ -32,6 +32,7 @@ import jax
 import optax
 
 from remat_kit import constants, policies
+from remat_kit import names as names_lib
 from remat_kit.analysis import explain, inspection, memory
 from remat_kit.planning import cost
 from remat_kit.planning.pareto import pareto_front
@@ -135,6 +136,8 @@ class AutoResult:
     notes: tuple[str, ...] = ()
     #: The sequence tiles the chosen step runs its blocks in (1: untiled); a table's rows carry their own.
     seq_tiles: int = 1
+    #: The device planned for (:func:`remat_kit.target.parse`): ``"local"``, or a GPU compiled for without one.
+    target: str = "local"
 
     def is_chosen(self, c: Candidate) -> bool:
         """Whether ``c`` is the chosen row: its policy and its tile count."""
@@ -178,7 +181,7 @@ class AutoResult:
             rows.append(
                 f"mixed front (mixes of neighbours, policies.mix): {pairs}; rows with '*COUNT' are mixes compiled."
             )
-        note = memory.host_offload().note
+        note = memory.host_offload().note if self.target in ("local", "cpu") else None  # a GPU target moves them
         offloading = [c for c in self.candidates if _kind(c.policy) and _has_offload(policies.parse(c.policy))]
         if note and offloading:
             rows.append(f"note: {note}; offload candidates are never chosen here.")
@@ -301,6 +304,7 @@ def auto(
     mixes: bool = True,
     hardware: cost.Hardware | None = None,
     tiles: Sequence[int] | None = None,
+    target=None,
 ) -> AutoResult:
     """Choose the policy with the least estimated recompute time whose training step fits ``budget_bytes``.
 
@@ -334,6 +338,8 @@ def auto(
         (default :func:`remat_kit.planning.tiles.tile_counts`; ``()`` tries none): the search runs again with the
         blocks in each, most tiles first, every tiled candidate priced over the untiled ``none``, and
         :attr:`AutoResult.seq_tiles` says the count chosen. A budget that fits untiled tries no tiles (they add time).
+      target: the device planned for (:func:`remat_kit.target.parse`; default ``"local"``): on a GPU target every
+        need is XLA:GPU's own, offloaded bytes leave the device, and the host copies are priced by its link.
 
     Returns:
       An :class:`AutoResult`; ``chosen`` (a Policy or a Mix) is None when nothing fits, and ``reason`` then says what is
@@ -368,6 +374,7 @@ def auto(
             hardware=hardware,
             mixes=mixes,
             tiles=tiles,
+            target=target,
         )
     if not callable(model):
         raise TypeError(f"auto's first argument must be a TransformerConfig or make_loss(policy), got {model!r}")
@@ -379,7 +386,7 @@ def auto(
     inputs = inspection.abstract(args)
     pool = [policies.parse(p) for p in (wanted or GENERIC_CANDIDATES)]
     inspection.check_loss(make_loss_checked(model, pool[0]), inputs)
-    planner = planner or StepPlanner(lambda p, b, s: (model(p), inputs[0], inputs[1:]), optimizer)
+    planner = planner or StepPlanner(lambda p, b, s: (model(p), inputs[0], inputs[1:]), optimizer, target=target)
     return search(planner, pool, budget, exhaustive=exhaustive, jobs=jobs, hardware=hardware)
 
 
@@ -417,7 +424,7 @@ def search(
     estimated cost (traced, cheap), compiled group by group until the cheapest group that fits; then, given
     the stack's ``num_layers``, the best mix of two compiled Pareto-optimal candidates (:func:`best_mix`)."""
     start = time.perf_counter()
-    hardware = hardware or cost.default_hardware(planner_platform(planner))
+    hardware = hardware or planner.hardware
     price = Pricer(planner, hardware, batch, seq)
     compiles_before = planner.compiles
     order = sorted(pool, key=lambda p: price.rank(p))
@@ -466,6 +473,7 @@ def search(
         mixed_front=front,
         hardware=hardware,
         notes=notes,
+        target=str(planner.target),
     )
 
 
@@ -527,6 +535,18 @@ def planner_platform(planner: StepPlanner) -> str:
     return planner.mesh.devices.flat[0].platform if planner.mesh is not None else jax.default_backend()
 
 
+def device_twin(policy: policies.Policy | policies.Mix) -> policies.Policy | None:
+    """The policy that keeps on the device what ``policy`` offloads (None for a mix).
+
+    >>> str(device_twin(policies.offload())), str(device_twin(policies.offload(["q_proj"], save=["mlp_up"])))
+    ('full', 'selective:mlp_up,q_proj')
+    """
+    if not isinstance(policy, policies.Policy) or policy.kind != "offload":
+        return None
+    kept = [t for t in (*policy.save, *policy.offload) if t != names_lib.LAYER_INPUT]  # a scan keeps layer inputs
+    return policies.selective(kept, strict=policy.strict) if kept else policies.full()
+
+
 def _has_offload(policy: policies.Policy | policies.Mix) -> bool:
     parts = policy.policies
     return any(p.kind == "offload" for p in parts)
@@ -563,8 +583,16 @@ class Pricer:
         return self.estimate(policy).rank
 
     def choosable(self, policy) -> bool:
-        """False for an offload policy on a backend where offload moves nothing (it saves no memory there)."""
-        return self.host_moves or not _has_offload(policy)
+        """Whether an offload policy may be chosen: never where offload moves nothing (XLA:CPU: it saves no memory
+        there), and once compiled only if its device need is below its twin's, the policy that keeps the same tags
+        on the device (:func:`device_twin`, one more compile): offload must lower the device need on the target."""
+        if not _has_offload(policy):
+            return True
+        twin = device_twin(policy) if self.host_moves else None
+        compiled = self.planner.compiled_needs(self.batch, self.seq)
+        if twin is None or str(policy) not in compiled:
+            return self.host_moves
+        return compiled[str(policy)] < self.planner.memory(twin, self.batch, self.seq)[0]
 
     def candidate(self, policy, budget: Budget | None) -> Candidate:
         """``policy``'s row; compiled (need, host, fits) when ``budget`` is given."""
@@ -626,7 +654,7 @@ def best_mix(
     Returns:
       ``(mix or None, the mixes compiled as Candidates, the mixed front)``: see :attr:`AutoResult.mixed_front`.
     """
-    price = price or Pricer(planner, cost.default_hardware(planner_platform(planner)), batch, seq)
+    price = price or Pricer(planner, planner.hardware, batch, seq)
     target = budget.target
     compiled = [c for c in table if c.need_bytes is not None and price.choosable(policies.parse(c.policy))]
     front = [compiled[i] for i in pareto_front([(c.cost_s, c.need_bytes) for c in compiled])]

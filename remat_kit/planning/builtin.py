@@ -41,6 +41,7 @@ class Planner(StepPlanner):
       mesh: a ``jax.sharding.Mesh`` or a mesh spec such as ``"data=2,fsdp=2"``; bytes are then per device.
       grad_accum: micro-batches per update: ``optax.MultiSteps`` adds its gradient buffer, as in ``train``.
       progress: see :class:`StepPlanner`.
+      target: the device planned for (:func:`remat_kit.target.parse`); see :class:`StepPlanner`.
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class Planner(StepPlanner):
         mesh=None,
         grad_accum: int = 1,
         progress: Callable | None = None,
+        target=None,
     ):
         self.config = config
         self.loss_chunks = loss_chunks
@@ -65,7 +67,7 @@ class Planner(StepPlanner):
             loss = lambda p, tokens: lm_loss(model, p, tokens, loss_chunks=chunks)
             return loss, params, (jax.ShapeDtypeStruct((batch, seq), jnp.int32),)
 
-        super().__init__(build, optimizer, mesh, progress)
+        super().__init__(build, optimizer, mesh, progress, target=target)
         self._params = params
         if grad_accum > 1:
             self.opt = optax.MultiSteps(self.opt, every_k_schedule=grad_accum)
@@ -137,6 +139,7 @@ def auto_config(
     hardware: cost.Hardware | None = None,
     mixes: bool = True,
     tiles: Sequence[int] | None = None,
+    target=None,
 ) -> AutoResult:
     """:func:`remat_kit.planning.budget.auto` of the built-in Transformer (``auto(config, batch=, seq=, ...)``), its
     arguments checked before anything is compiled: the candidates of :func:`candidates_for` (or ``candidates``)
@@ -148,8 +151,11 @@ def auto_config(
         raise TypeError("auto(config, ...) needs batch= and seq=")
     analysis.check_shape(config, batch, seq, loss_chunks)
     counts = tiles_lib.check_counts(tiles, batch, seq) if config.seq_tiles == 1 else ()
-    planner = planner or Planner(config, optimizer, loss_chunks)
-    pool = [policies.parse(p, num_layers=config.num_layers) for p in (candidates or candidates_for(config))]
+    planner = planner or Planner(config, optimizer, loss_chunks, target=target)
+    offload = True if planner.target.compile_only else None  # a GPU target's offload candidates count
+    pool = [
+        policies.parse(p, num_layers=config.num_layers) for p in (candidates or candidates_for(config, offload=offload))
+    ]
     kw = {"exhaustive": exhaustive, "batch": batch, "seq": seq, "loss_chunks": loss_chunks, "jobs": jobs}
     result = search(planner, pool, budget, hardware=hardware, num_layers=config.num_layers if mixes else None, **kw)
     if result.chosen is None and counts:
@@ -211,7 +217,13 @@ def retiled(planner: StepPlanner, config: TransformerConfig) -> Planner:
             f"sequence tiles re-plan the step with a Planner of the built-in model, got a {type(planner).__name__}; "
             "pass tiles=() to plan untiled"
         )
-    new = Planner(config, loss_chunks=planner.loss_chunks, mesh=planner.mesh, progress=planner.progress)
+    new = Planner(
+        config,
+        loss_chunks=planner.loss_chunks,
+        mesh=planner.mesh,
+        progress=planner.progress,
+        target=planner.target,
+    )
     new.opt, new.optimizer_name = planner.opt, planner.optimizer_name
     return new
 

@@ -151,6 +151,36 @@ DEFAULT_HARDWARE: dict[str, Hardware] = {
 }
 
 
+#: Dense bf16 tensor-core FLOPs per SM per clock by CUDA compute capability, from NVIDIA's datasheets: H100 SXM
+#: 989 TFLOP/s at 132 SMs x 1.83 GHz (4096), A100 312 TFLOP/s at 108 SMs x 1.41 GHz (2048).
+TENSOR_FLOPS_PER_SM_CLOCK: dict[tuple[int, int], int] = {(9, 0): 4096, (8, 0): 2048}
+
+#: The share of a host link's nominal bandwidth an offload copy reaches (PCIe 5.0 x16: ~55 of 64 GB/s).
+HOST_LINK_EFFICIENCY = 0.85
+
+
+def target_hardware(target) -> Hardware:
+    """The throughputs of a compile-only GPU target (:class:`remat_kit.target.Target`): its memory bandwidth and
+    host link from its config (the link at :data:`HOST_LINK_EFFICIENCY` of nominal), its tensor-core peak from
+    its SM count and clock (:data:`TENSOR_FLOPS_PER_SM_CLOCK`; the gpu default where its capability is not listed).
+
+    >>> from remat_kit import target
+    >>> h = target_hardware(target.parse("h100"))
+    >>> h.name, round(h.host_bytes_per_s / 1e9, 1)
+    ('h100 (NVIDIA H100 80GB HBM3)', 54.4)
+    """
+    base = DEFAULT_HARDWARE["gpu"]
+    per_clock = TENSOR_FLOPS_PER_SM_CLOCK.get(target.compute_capability)
+    flops = per_clock * target.core_count * target.clock_hz if per_clock and target.clock_hz else base.flops_per_s
+    return dataclasses.replace(
+        base,
+        name=f"{target.name} ({target.device_kind})",
+        flops_per_s=flops,
+        bytes_per_s=target.memory_bandwidth or base.bytes_per_s,
+        host_bytes_per_s=target.host_bandwidth * HOST_LINK_EFFICIENCY,
+    )
+
+
 def default_hardware(platform: str | None = None) -> Hardware:
     """The :data:`DEFAULT_HARDWARE` entry of ``platform`` (default: JAX's default backend; cuda/rocm are gpu).
 

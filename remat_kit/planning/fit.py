@@ -339,7 +339,7 @@ def choose(
       A :class:`Choice` (``chosen`` None, ``reason`` the refusal, when nothing fits).
     """
     start, before = time.perf_counter(), planner.compiles
-    hardware = hardware or cost.default_hardware(budget_lib.planner_platform(planner))
+    hardware = hardware or planner.hardware
     price = Pricer(planner, hardware, batch, seq)
     rows: dict[str, Candidate] = {}
 
@@ -521,6 +521,7 @@ def fit(
     margin: float = DEFAULT_MARGIN,
     hardware: cost.Hardware | None = None,
     max_compiles: int = MAX_COMPILES,
+    target=None,
 ) -> FitResult:
     """Fit a training step to a memory budget: the plan with the least estimated step time whose compiled step fits.
 
@@ -545,6 +546,8 @@ def fit(
         the only way a Python loop's recompute survives XLA on CPU).
       margin: a plan fits when its compiled need times ``1 + margin`` is at most the budget.
       max_compiles: at most this many XLA compiles.
+      target: the device planned for (:func:`remat_kit.target.parse`; default ``"local"``): ``"h100"`` compiles
+        XLA:GPU's own step without a GPU (needs ``pip install 'remat-kit[gpu-target]'``).
 
     Returns:
       A :class:`FitResult`: ``.model``, ``.policy``, ``.need_bytes``, ``.est_step_time_s``, ``.candidates``,
@@ -590,7 +593,14 @@ def fit(
         from remat_kit.planning import tensors  # late: the built-in model is loaded only when it is planned
 
         choice, applied = tensors.fit_transformer(
-            model, loss_fn, inputs, budget=B, optimizer=optimizer, hardware=hardware, max_compiles=max_compiles
+            model,
+            loss_fn,
+            inputs,
+            budget=B,
+            optimizer=optimizer,
+            hardware=hardware,
+            max_compiles=max_compiles,
+            target=target,
         )
     else:
         kwargs = {"where": where, "static_argnames": static_argnames}
@@ -620,7 +630,7 @@ def fit(
                     num_layers = steps
                 except ValueError:  # blocks that cannot be grouped: keep to the uniform plans
                     pass
-            planner = StepPlanner(lambda p, b, s: (make_loss(p), params, batch_args), optimizer)
+            planner = StepPlanner(lambda p, b, s: (make_loss(p), params, batch_args), optimizer, target=target)
             choice = choose(
                 planner,
                 B,

@@ -19,6 +19,7 @@ import jax
 import optax
 
 from remat_kit import _jax_internals, policies
+from remat_kit import target as target_lib
 from remat_kit.analysis import _xla_dump, explain, flops
 from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.constants import DEFAULT_MARGIN
@@ -127,6 +128,21 @@ def cancel_on_error(pool: concurrent.futures.Executor):
         raise
 
 
+def target_mesh(target: target_lib.Target, mesh=None) -> Any:
+    """The mesh of a compile-only target's devices: ``mesh`` a spec (``"data=2"``), None (one device) or a mesh
+    already made of the target's devices.
+
+    Raises:
+      TypeError: ``mesh`` is a ``jax.sharding.Mesh`` of other devices: pass its spec.
+    """
+    if isinstance(mesh, jax.sharding.Mesh):
+        if not set(mesh.devices.flat) <= set(target.devices(mesh.size)):
+            raise TypeError(f"target {target}: pass the mesh as a spec such as 'data=2', not a Mesh of other devices")
+        return mesh
+    spec = mesh_lib.MeshSpec.parse(mesh or "data=1")
+    return mesh_lib.make_mesh(spec, devices=target.devices(spec.size))
+
+
 class StepPlanner:
     """Traces and compiles the shared training step (:mod:`remat_kit.step.update`) of one model, memoized.
 
@@ -141,6 +157,8 @@ class StepPlanner:
       mesh: a ``jax.sharding.Mesh`` or spec (``"data=2,fsdp=2"``); bytes are then per device.
       progress: ``progress(done, total, what)`` after each compile (``total``: compiles done plus those
         known to be ahead, see :meth:`expect`).
+      target: the device planned for (:func:`remat_kit.target.parse`: ``"local"``, the default, ``"h100"``, a
+        config file...); a GPU target compiles for its compile-only devices, on a mesh of them.
     """
 
     def __init__(
@@ -149,13 +167,19 @@ class StepPlanner:
         optimizer: str | optax.GradientTransformation = "adamw",
         mesh=None,
         progress: Callable | None = None,
+        target=None,
     ):
         self.build = build
-        self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
+        self.target = target_lib.parse(target)
+        if self.target.elsewhere:
+            self.mesh = target_mesh(self.target, mesh)
+        else:
+            self.mesh = mesh_lib.make_mesh(mesh) if isinstance(mesh, (str, mesh_lib.MeshSpec)) else mesh
         self.optimizer_name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
         self.opt = get_optimizer(optimizer)
         self.progress = progress
-        platform = self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
+        self.device = self.mesh.devices.flat[0] if self.mesh is not None else self.target.devices()[0]
+        platform = self.device.platform
         self.compiler_options = CPU_PLAN_COMPILER_OPTIONS if platform == "cpu" else None
         self._traced: dict[tuple, Any] = {}
         self._lowered: dict[tuple, Any] = {}
@@ -168,17 +192,26 @@ class StepPlanner:
         self.compiles = 0
         self.planned = 0  # compiles known to be ahead (precompile, expect), for progress
 
+    @property
+    def hardware(self) -> cost.Hardware:
+        """The throughputs recompute and offload are priced against by default: a GPU target's own
+        (:func:`remat_kit.planning.cost.target_hardware`), else the backend's defaults."""
+        if self.target.compile_only:
+            return cost.target_hardware(self.target)
+        return cost.default_hardware(self.device.platform)
+
     def _key(self, policy, batch, seq) -> tuple:
         return (str(policy), batch, seq)
 
     def _trace(self, policy: policies.Policy, batch: int | None, seq: int | None):
         key = self._key(policy, batch, seq)
         if key not in self._traced:
-            loss_fn, params, batch_args = self.build(policy, batch, seq)
-            params, opt_state = step_lib.abstract_state(params, self.opt)
-            kwargs = step_lib.jit_kwargs(params, opt_state, self.mesh, batch_args=len(batch_args))
-            step = step_lib.make_step(loss_fn, self.opt)
-            self._traced[key] = jax.jit(step, **kwargs).trace(params, opt_state, *batch_args)
+            with self.target.tracing():  # model code picks the target's kernels (attention)
+                loss_fn, params, batch_args = self.build(policy, batch, seq)
+                params, opt_state = step_lib.abstract_state(params, self.opt)
+                kwargs = step_lib.jit_kwargs(params, opt_state, self.mesh, batch_args=len(batch_args))
+                step = step_lib.make_step(loss_fn, self.opt)
+                self._traced[key] = jax.jit(step, **kwargs).trace(params, opt_state, *batch_args)
         return self._traced[key]
 
     def _lower(self, policy: policies.Policy, batch: int | None, seq: int | None):

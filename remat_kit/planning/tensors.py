@@ -70,7 +70,7 @@ from remat_kit import names as _names
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis, cost
 from remat_kit.planning import tiles as tiles_lib
-from remat_kit.planning.budget import Pricer, planner_platform, search
+from remat_kit.planning.budget import Pricer, search
 from remat_kit.planning.builtin import Planner, candidates_for, retiled
 from remat_kit.planning.fit import MAX_COMPILES, Choice, choose, emitted_bytes
 from remat_kit.planning.pareto import pareto_front
@@ -303,7 +303,7 @@ def per_tensor(
             f"{', '.join(t for t in sizes if t in policies.MAXTEXT_TAGS and t != _names.LAYER_INPUT)}"
         )
     planner = planner or Planner(config, optimizer, loss_chunks)
-    hardware = hardware or cost.default_hardware(planner_platform(planner))
+    hardware = hardware or planner.hardware
     price = Pricer(planner, hardware, batch, seq)
     pool = candidates_for(config) if pool is None else [policies.parse(p, num_layers=L) for p in pool]
     if maxtext:
@@ -556,7 +556,7 @@ def config_choice(
     if choice.chosen is not None or config.seq_tiles != 1 or not counts:
         return choice
     start = time.perf_counter()
-    hardware = hardware or cost.default_hardware(planner_platform(planner))
+    hardware = hardware or planner.hardware
     untiled = planner.work(policies.none(), batch, seq)
 
     def at(k: int) -> Choice:
@@ -604,7 +604,7 @@ def _leanest_fit(
     """None when ``full`` or a preset leaner than it fits (the whole search is then worth running); else the
     no-fit :class:`Choice` of those lean candidates, compiled (at most ``max_compiles``)."""
     before, start = planner.compiles, time.perf_counter()
-    hardware = hardware or cost.default_hardware(planner_platform(planner))
+    hardware = hardware or planner.hardware
     price = Pricer(planner, hardware, batch, seq)
     pool = [p for p in (presets or candidates_for(config)) if not isinstance(p, policies.Mix)]
     lean = [policies.full(), *(p for p in pool if p.kind in ("segments", "sqrt_n", "offload") and price.choosable(p))]
@@ -660,6 +660,7 @@ def fit_transformer(
     optimizer: str | optax.GradientTransformation = "adamw",
     hardware: cost.Hardware | None = None,
     max_compiles: int = MAX_COMPILES,
+    target=None,
 ) -> tuple[Choice, Callable]:
     """:func:`remat_kit.planning.fit.fit` of the built-in model: its own policy field, its own stack and tags.
 
@@ -679,7 +680,7 @@ def fit_transformer(
             m = dataclasses.replace(model, config=config, policy=policy)
             return (lambda v, *a: loss_fn(m, v, *a)), variables, batch_args
 
-        return StepPlanner(build, optimizer)
+        return StepPlanner(build, optimizer, target=target)
 
     choice = config_choice(
         model.config,

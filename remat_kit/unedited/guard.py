@@ -35,7 +35,7 @@ OWN_REMAT_SWITCHES: dict[str, str] = {
     "tunix": "set its config's remat_config=RematConfig.NONE",
     "MaxText": "set its config's remat_policy and scan_layers=False, or build the decoder without its checkpoint",
     "maxtext": "set its config's remat_policy and scan_layers=False, or build the decoder without its checkpoint",
-    "recurrentgemma": "leave its remat flags off",
+    "recurrentgemma": "build it with gradient_checkpointing=False",
 }
 
 

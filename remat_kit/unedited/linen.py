@@ -164,6 +164,7 @@ class Applied:
                     f"remat_kit.apply cannot rematerialize {type(module).__name__} block {join(path)}: it runs inside "
                     f"flax's nn.{transform} (on {owner}), whose trace apply cannot reach into (a cached or lifted "
                     f"trace would keep or override the block's own); use the model without nn.{transform} there"
+                    + (f" ({guard.own_switch(type(self.module))})" if transform == "remat" else "")
                 )
         if not blocks:
             listed = ", ".join(join(p) for p, *_ in found if p)

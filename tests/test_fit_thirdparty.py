@@ -87,3 +87,26 @@ def test_fit_plans_tunix_llama3_between_full_and_none_and_keeps_its_gradients():
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(planned), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
     assert remat_kit.fit(model, _loss, *args, budget=2 * ends["none"]).policy == "none"
+
+
+def test_fit_plans_griffins_period_of_block_kinds_and_keeps_its_gradients():
+    """recurrentgemma's Griffin, unedited: blocks of two kinds in a period (recurrent, recurrent, attention). fit
+    prices the names of both kinds and never raises on its own candidate (issue 45), at a budget between ``full``'s
+    need and ``none``'s."""
+    import test_thirdparty_real as real_models
+
+    real = real_models.MODELS["griffin"]
+    with jax.numpy_rank_promotion("allow"):
+        model = real.make(6)
+        variables = real.params(model)
+        tokens = real_models.TOKENS
+        plain = remat_kit.fit(model, real.loss, variables, tokens, budget="1GB", scan=True)
+        assert plain.policy == "none"
+        budget = int(plain.need_bytes * 0.9)
+        result = remat_kit.fit(model, real.loss, variables, tokens, budget=budget, scan=True, margin=0.0)
+        assert result.need_bytes <= budget and result.policy != "none"
+        got = jax.grad(lambda v: real.loss(result.model, v, tokens))(variables)
+        want = jax.grad(lambda v: real.loss(model, v, tokens))(variables)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        scale = float(jnp.max(jnp.abs(w))) or 1.0
+        assert float(jnp.max(jnp.abs(g - w))) / scale <= 1e-5

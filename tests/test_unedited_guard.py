@@ -72,12 +72,12 @@ def test_nnx_models_own_remat_is_seen_through_and_the_policy_takes_effect(make, 
 
 
 def test_linen_checkpoint_inside_a_block_is_seen_through():
-    model = um.CheckpointInsideModel()
+    model = um.Loop(um.CheckpointInsideBlock)
     variables = model.init(jax.random.key(0), X)
     applied = remat_kit.apply(model, "selective:w")
     loss = lambda m, v: jnp.sum(m.apply(v, X) * T)
     grads, said = _seen_through(lambda: jax.grad(lambda v: loss(applied, v))(variables))
-    assert said and "CheckpointInsideModel runs 3 jax.checkpoint call(s) of its own" in said[0]
+    assert said and "Loop runs 3 jax.checkpoint call(s) of its own" in said[0]
     _same(grads, jax.grad(lambda v: loss(model, v))(variables))
     res = _jax_internals.saved_residuals(lambda v: loss(applied, v), variables)
     assert sum(r.tag == "w" for r in res) == 3  # the model's own checkpoint would keep none of them
@@ -96,9 +96,9 @@ def test_own_remat_inside_a_loop_is_refused_naming_the_switch():
 
 
 def test_a_policy_that_changes_nothing_the_backward_keeps_is_an_error():
-    model = um.LinearModel()
+    model = um.Loop(um.LinearBlock)
     variables = model.init(jax.random.key(0), X)
-    with pytest.raises(ValueError, match=r"under full the backward pass of LinearModel keeps exactly .* nothing more"):
+    with pytest.raises(ValueError, match=r"under full the backward pass of Loop keeps exactly .* nothing more"):
         remat_kit.apply(model, "full").apply(variables, X)
 
 
@@ -127,7 +127,7 @@ def test_own_switch_names_the_familys_switch(module, switch):
 
 
 def test_in_a_report_the_guard_is_a_line_not_an_error():
-    model = um.LinearModel()
+    model = um.Loop(um.LinearBlock)
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), X))
     make_loss = remat_kit.apply_factory(model, lambda m, v, x: jnp.sum(m.apply(v, x) ** 2))
     table = remat_kit.compare(make_loss, ["none", "full"], variables, X)

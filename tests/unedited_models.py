@@ -512,11 +512,16 @@ class CheckpointInsideBlock(nn.Module):
         return x + nn.Dense(x.shape[-1], name="down")(h)
 
 
-class CheckpointInsideModel(nn.Module):
+class Loop(nn.Module):
+    """``num_layers`` blocks of one class in a Python loop, named ``layer_{i}``."""
+
+    block: type
+    num_layers: int = 3
+
     @nn.compact
     def __call__(self, x):
-        for i in range(3):
-            x = CheckpointInsideBlock(name=f"layer_{i}")(x)
+        for i in range(self.num_layers):
+            x = self.block(name=f"layer_{i}")(x)
         return x
 
 
@@ -582,11 +587,3 @@ class LinearBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
         return x + nn.Dense(x.shape[-1], name="proj", use_bias=False)(x)
-
-
-class LinearModel(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for i in range(3):
-            x = LinearBlock(name=f"layer_{i}")(x)
-        return x

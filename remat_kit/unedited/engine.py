@@ -197,25 +197,6 @@ def split_static(fn: Callable, args: tuple, kwargs: dict, static_argnames: froze
     return rebuild, dyn_args, dyn_kwargs
 
 
-def trace_only(fn: Callable, args: tuple, kwargs: dict, *, keep: bool = False) -> Any:
-    """``fn(*args, **kwargs)`` under ``jax.eval_shape``: array leaves (or ShapeDtypeStructs) traced, others as given.
-
-    Returns the output's shapes when ``keep``, else None (so non-array outputs are allowed).
-    """
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))]
-
-    def run(*arrays):
-        full = list(leaves)
-        for i, a in zip(at, arrays, strict=True):
-            full[i] = a
-        a, k = jax.tree.unflatten(treedef, full)
-        out = fn(*a, **k)
-        return out if keep else None
-
-    return jax.eval_shape(run, *[leaves[i] for i in at])
-
-
 def split_arrays(args: tuple, kwargs: dict) -> tuple[list, Callable]:
     """A call's array leaves (arrays, tracers, ShapeDtypeStructs) and ``rebuild(arrays) -> (args, kwargs)``.
 
@@ -236,22 +217,30 @@ def split_arrays(args: tuple, kwargs: dict) -> tuple[list, Callable]:
     return [leaves[i] for i in at], rebuild
 
 
-def trace_jaxpr(fn: Callable, args: tuple, kwargs: dict) -> Any:
-    """The closed jaxpr of ``fn(*args, **kwargs)``: array leaves (or ShapeDtypeStructs) traced, others as given.
+def trace_only(fn: Callable, args: tuple, kwargs: dict, *, keep: bool = False) -> Any:
+    """``fn(*args, **kwargs)`` under ``jax.eval_shape``: array leaves (or ShapeDtypeStructs) traced, others as given.
 
-    Its outputs are dropped (any output is allowed); nothing is compiled or allocated.
+    Returns the output's shapes when ``keep``, else None (so non-array outputs are allowed).
     """
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))]
+    arrays, rebuild = split_arrays(args, kwargs)
 
-    def run(*arrays):
-        full = list(leaves)
-        for i, a in zip(at, arrays, strict=True):
-            full[i] = a
-        a, k = jax.tree.unflatten(treedef, full)
+    def run(*traced):
+        a, k = rebuild(traced)
+        out = fn(*a, **k)
+        return out if keep else None
+
+    return jax.eval_shape(run, *arrays)
+
+
+def trace_jaxpr(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """The closed jaxpr of ``fn(*args, **kwargs)``, traced as :func:`trace_only` traces it (outputs dropped)."""
+    arrays, rebuild = split_arrays(args, kwargs)
+
+    def run(*traced):
+        a, k = rebuild(traced)
         fn(*a, **k)
 
-    return jax.make_jaxpr(run)(*[leaves[i] for i in at])
+    return jax.make_jaxpr(run)(*arrays)
 
 
 def tag_input(fn: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from remat_kit.cli.common import check_writable, command_line, write_json
-from remat_kit.units import fmt_bytes, fmt_count
+from remat_kit.units import fmt_bytes, fmt_bytes_beside, fmt_count
 
 #: ``--max-seq`` without a value tries sequences up to this length.
 DEFAULT_LIMIT = 131_072
@@ -151,7 +151,8 @@ def format_edges(rows: list[PolicyReach]) -> list[str]:
             if e.next_seq is None:
                 line += f"; {e.seq + e.step:,} is past --max-seq {e.limit:,}"
             else:
-                line += f"; {e.next_seq:,} needs {fmt_bytes(e.next_need_bytes * (1 + e.margin))}, over"
+                over = fmt_bytes_beside(e.next_need_bytes * (1 + e.margin), e.budget_bytes)
+                line += f"; {e.next_seq:,} needs {over}, over"
             if e.host_bytes:
                 line += f"; host {fmt_bytes(e.host_bytes)}"
             lines.append(line)

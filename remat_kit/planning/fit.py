@@ -16,15 +16,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
-import jax
 import optax
 from flax import nnx
 
-from remat_kit import _jax_internals, policies
+from remat_kit import policies
 from remat_kit.analysis import inspection
 from remat_kit.planning import budget as budget_lib
-from remat_kit.planning import cost
-from remat_kit.planning.budget import GENERIC_CANDIDATES, Candidate, Pricer
+from remat_kit.planning import cost, engine
+from remat_kit.planning.budget import Candidate, Pricer
+from remat_kit.planning.engine import LEVERS, Choice
+from remat_kit.planning.engine import emitted_bytes as emitted_bytes  # re-exported: tensors, tests
+from remat_kit.planning.engine import group_names as group_names  # re-exported
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner, get_optimizer, is_built_in
 from remat_kit.unedited import entry as unedited_lib
 from remat_kit.units import check_int, fmt_bytes, fmt_seconds, parse_bytes
@@ -124,16 +126,15 @@ def _solve(pts: list[int], seen: dict[int, float], target: float, lo: int) -> fl
 
 # ---- fit: the policy that fits a budget, chosen per tensor from the model's own names --------------------------
 
-#: The compiles :func:`choose` may spend, the anchors (``none``, ``full``) and the mixes included.
-MAX_COMPILES = 12
+#: The compiles :func:`fit` spends at most (:data:`remat_kit.planning.engine.MAX_COMPILES`).
+MAX_COMPILES = engine.MAX_COMPILES
+
+#: The compiles :func:`choose` (the preset search ``plan --budget`` runs over a given pool) may spend.
+SEARCH_COMPILES = 12
 
 #: A candidate whose predicted need exceeds the target by more than this share is not compiled: the prediction
 #: (a line in kept bytes through the compiled points) is a guide for what to compile, never the answer.
 PREDICTION_SLACK = 0.03
-
-
-#: What changes what remat cannot (the state, the logits, the batch), said when nothing fits.
-LEVERS = "train LoRA adapters over a quantized base, chunk the loss, shard over a mesh or take a smaller batch"
 
 
 class NothingFits(ValueError):
@@ -146,87 +147,6 @@ class NothingFits(ValueError):
     def __init__(self, message: str, need_bytes: int, leanest: str):
         super().__init__(message)
         self.need_bytes, self.leanest = need_bytes, leanest
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """:func:`choose`'s answer: the plan, what it needs and costs, and what was priced.
-
-    Attributes:
-      chosen: the fitting Policy or Mix with the least estimated step time; None when nothing fits.
-      need_bytes: its compiled need (None when nothing fits).
-      est_step_time_s: the cost model's whole step under it (``none``'s step plus its recompute and exposed offload).
-      candidates: every candidate priced (:class:`remat_kit.planning.budget.Candidate`), compiled ones with their need.
-      budget: the :class:`Budget`; compiles: XLA compiles this choice spent; seconds: its wall time.
-      reason: one paragraph: why the winner won, or (nothing fits) the one-line refusal.
-      groups: the per-tensor groups (names decided together) the pool was built from.
-      seq_tiles: the sequence tiles the chosen step runs its blocks in (1: untiled); tiled candidates carry theirs
-        (:attr:`remat_kit.planning.budget.Candidate.seq_tiles`).
-    """
-
-    chosen: policies.Policy | policies.Mix | None
-    need_bytes: int | None
-    est_step_time_s: float | None
-    candidates: tuple
-    budget: Budget
-    compiles: int
-    seconds: float
-    reason: str
-    groups: tuple[tuple[str, ...], ...] = ()
-    seq_tiles: int = 1
-
-    def is_chosen(self, c: Candidate) -> bool:
-        """Whether ``c`` is the chosen row: its policy and its tile count."""
-        return c.is_plan(self.chosen, self.seq_tiles)
-
-    def table(self) -> str:
-        """The candidates, cheapest first: estimated cost over ``none``, compiled need (``-``: predicted not to fit,
-        not compiled), whether it fits; the chosen one marked ``*``."""
-        rows = sorted(self.candidates, key=lambda c: c.rank)
-        width = max([len(c.label) for c in rows] + [6]) + 1
-        head = f" {'policy':{width}} {'est. cost':>10} {'need':>10} {'+margin':>10} {'fits':>5}"
-        out = [head, "-" * len(head)]
-        for c in rows:
-            mark = "*" if self.is_chosen(c) else " "
-            compiled = c.need_bytes is not None
-            out.append(
-                f"{mark}{c.label:{width}} {fmt_seconds(c.cost_s):>10} "
-                f"{fmt_bytes(c.need_bytes) if compiled else '-':>10} "
-                f"{fmt_bytes(self.budget.with_margin(c.need_bytes)) if compiled else '-':>10} "
-                f"{'-' if c.fits is None else 'yes' if c.fits else 'no':>5}"
-            )
-        out.append(f"{self.compiles} compiles, {self.seconds:.1f} s. {self.reason}")
-        return "\n".join(out)
-
-
-def emitted_bytes(body) -> dict[str, int]:
-    """Bytes of each name a block's jaxpr (``body``) marks with ``checkpoint_name``, in the order it computes them:
-    the block's own tags, and on a :func:`remat_kit.apply`-ed model the module-path names it gives."""
-    out: dict[str, int] = {}
-    for eqn in _jax_internals.iter_eqns(body):
-        tag = _jax_internals.checkpoint_name_of(eqn)
-        if tag is not None:
-            out[tag] = out.get(tag, 0) + sum(_jax_internals.aval_nbytes(v) for v in eqn.outvars)
-    return out
-
-
-def group_names(emitted: dict[str, int]) -> tuple[tuple[tuple[str, ...], int], ...]:
-    """The values a block emits, one name each, with their bytes: a name that is a path-prefix of the name just
-    before it (``attn`` after ``attn/attn_vec_einsum``, ``attn/q_einsum`` after its parameter's matmul
-    ``attn/q_einsum/kernel``) with the same bytes names the same value (a module returns its last call's output),
-    so only the outermost of such names is kept.
-
-    >>> group_names({"attn/q/kernel": 64, "attn/q": 64, "attn/o": 64, "attn": 64, "mlp": 128})
-    ((('attn/q',), 64), (('attn',), 64), (('mlp',), 128))
-    """
-    out: list[tuple[list[str], int]] = []
-    for name, nbytes in emitted.items():
-        prev = out[-1] if out else None
-        if prev is not None and prev[1] == nbytes and prev[0][-1].startswith(name + "/"):
-            prev[0].append(name)
-        else:
-            out.append(([name], nbytes))
-    return tuple(((names[-1],), nbytes) for names, nbytes in out)
 
 
 def tensor_candidates(
@@ -259,7 +179,7 @@ def choose(
     batch: int | None = None,
     seq: int | None = None,
     hardware: cost.Hardware | None = None,
-    max_compiles: int = MAX_COMPILES,
+    max_compiles: int = SEARCH_COMPILES,
     levers: str = "",
 ) -> Choice:
     """The engine of :func:`fit`, ``plan --budget`` and ``train --budget``: the fitting plan with the least estimated
@@ -433,6 +353,16 @@ class FitResult:
         """The candidates priced, their compiled needs and the choice (:meth:`Choice.table`)."""
         return self.choice.table()
 
+    @property
+    def compiles(self) -> int:
+        """The XLA compiles the fit spent."""
+        return self.choice.compiles
+
+    @property
+    def predicted_bytes(self) -> int | None:
+        """The need the memory model predicted for the answer before compiling it (None: compiled to calibrate)."""
+        return self.choice.predicted_bytes
+
 
 def budget_bytes_of(budget: int | str) -> int:
     """Bytes from ``budget``: a positive int or a size string (``"16GB"``, ``"512MiB"``); a one-line error else.
@@ -457,6 +387,7 @@ def fit(
     margin: float = DEFAULT_MARGIN,
     hardware: cost.Hardware | None = None,
     max_compiles: int = MAX_COMPILES,
+    progress: Callable[[str], None] | None = None,
 ) -> FitResult:
     """Fit a training step to a memory budget: the plan with the least estimated step time whose compiled step fits.
 
@@ -532,45 +463,35 @@ def fit(
         params = nnx.state(model, nnx.Param) if is_nnx else inputs[0]
         params = inspection.abstract((params,))[0]
         batch_args = inputs if is_nnx else inputs[1:]
-        if scan is None:  # scan where the blocks can be; a model that cannot is a ValueError saying why
-            try:
-                jax.eval_shape(
-                    unedited_lib.apply_factory(model, loss_fn, scan=True, **kwargs)("full"), params, *batch_args
-                )
-                scan = True
-            except ValueError:
-                scan = False
-        make_loss = unedited_lib.apply_factory(model, loss_fn, scan=scan, **kwargs)
-        jaxpr = jax.make_jaxpr(make_loss("full"))(params, *batch_args)
-        body = _jax_internals.first_remat_body(jaxpr)
-        emitted = {} if body is None else emitted_bytes(body)
-        if not emitted:
-            raise ValueError(f"fit found no block to rematerialize in {type(model).__name__}; give where=")
-        first = next(iter(emitted))
-        depth = sum(
-            t for e, t in _jax_internals.weighted_leaf_eqns(jaxpr) if _jax_internals.checkpoint_name_of(e) == first
+        planner_of = lambda s: StepPlanner(
+            lambda p, b, q: (unedited_lib.apply_factory(model, loss_fn, scan=s, **kwargs)(p), params, batch_args),
+            optimizer,
         )
-        presets = [policies.parse(s) for s in GENERIC_CANDIDATES]
-        num_layers = None
-        if scan and depth >= 2:  # grouping policies and mixes count the scanned blocks
-            try:
-                jax.eval_shape(make_loss(policies.every_n(2)), params, *batch_args)
-                presets.append(policies.every_n(2))
-                num_layers = depth
-            except ValueError:  # blocks scanned in periods of several: keep to the uniform plans
-                pass
-        planner = StepPlanner(lambda p, b, s: (make_loss(p), params, batch_args), optimizer)
-        choice = choose(
-            planner,
+        scanned = [scan]
+
+        def stack() -> StepPlanner:
+            """The blocks rematerialized: scanned where they can be (on CPU XLA removes a Python loop's recompute)."""
+            for s in [True, False] if scan is None else [scan]:
+                planner = planner_of(s)
+                try:
+                    planner.prepare(policies.full())
+                except ValueError:
+                    if s is False or scan is not None:
+                        raise
+                    continue
+                scanned[0] = s
+                return planner
+            raise AssertionError("unreachable")
+
+        choice = engine.plan(
+            stack,
             B,
-            presets=presets,
-            groups=group_names(emitted),
-            num_layers=num_layers,
-            depth=depth,
+            plain=planner_of(False),
             hardware=hardware,
             max_compiles=max_compiles,
+            progress=progress,
         )
-        applied = lambda p: unedited_lib.apply(model, p, scan=scan, **kwargs)
+        applied = lambda p: model if p == policies.none() else unedited_lib.apply(model, p, scan=scanned[0], **kwargs)
     if choice.chosen is None:
         least = min((c for c in choice.candidates if c.need_bytes is not None), key=lambda c: c.need_bytes)
         raise NothingFits(choice.reason, least.need_bytes, least.policy)

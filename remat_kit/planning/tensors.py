@@ -68,11 +68,11 @@ import optax
 from remat_kit import _jax_internals, policies
 from remat_kit import names as _names
 from remat_kit.model.transformer import Transformer, TransformerConfig
-from remat_kit.planning import analysis, cost
+from remat_kit.planning import analysis, cost, engine
 from remat_kit.planning import tiles as tiles_lib
 from remat_kit.planning.budget import Pricer, planner_platform, search
 from remat_kit.planning.builtin import Planner, candidates_for, retiled
-from remat_kit.planning.fit import MAX_COMPILES, Choice, choose, emitted_bytes
+from remat_kit.planning.fit import MAX_COMPILES, SEARCH_COMPILES, Choice, choose, emitted_bytes
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
 from remat_kit.units import fmt_bytes, fmt_seconds
@@ -628,26 +628,27 @@ def _config_choice_at(
     hardware: cost.Hardware | None,
     max_compiles: int,
 ) -> Choice:
-    """:func:`config_choice` at one tile count."""
-    groups: tuple = ()
+    """:func:`config_choice` at one tile count: the engine (:func:`remat_kit.planning.engine.plan`), or with
+    ``presets`` given, :func:`choose` over them alone."""
+    levers = (
+        "train LoRA adapters over a quantized base (--lora-rank R --quantize nf4), chunk the loss "
+        "(--loss-chunks 8), shard over a mesh (--mesh fsdp=N) or take a smaller batch"
+    )
     if presets is None:
-        sizes = tag_bytes(config, batch, seq, loss_chunks)
-        groups = tuple((g, sum(sizes[t] for t in g)) for g in default_groups(list(sizes)))
-        presets = candidates_for(config)
+        return engine.plan(
+            planner, budget, hardware=hardware, max_compiles=max_compiles, levers=levers, batch=batch, seq=seq
+        )
     return choose(
         planner,
         budget,
         presets=presets,
-        groups=groups,
-        keep=(),
         num_layers=config.num_layers,
         depth=config.num_layers,
         batch=batch,
         seq=seq,
         hardware=hardware,
-        max_compiles=max_compiles,
-        levers="train LoRA adapters over a quantized base (--lora-rank R --quantize nf4), chunk the loss "
-        "(--loss-chunks 8), shard over a mesh (--mesh fsdp=N) or take a smaller batch",
+        max_compiles=max(max_compiles, SEARCH_COMPILES),
+        levers=levers,
     )
 
 

@@ -355,7 +355,12 @@ def plan(
     planner, block = priced
     depth = block.count
     groups = tuple((v.name,) for v in block.values)
-    need_full = compiled(planner, full, "full")
+    front = block.front()
+    say(f"compiling full ({spent[0] + 1} of at most {max_compiles})")
+    job = Background(planner.memory, full, batch, seq)
+    need_full = job.result()[0]
+    spent[0] = sum(p.compiles - n for p, n in before.values())
+    say(f"full needs {fmt_bytes(need_full)}")
     lean = row(full, need_full, depth * block.full_s, planner)
     if not lean.fits:
         reason = (
@@ -367,7 +372,6 @@ def plan(
         return done(None, None, reason, groups=groups)
 
     # 3. Solve, verify; refit once where the prediction missed.
-    front = block.front()
     alpha = 1.0
     while True:
         options = solve.solve([front] * depth, (budget.target - need_full) / alpha, uniform=not mixes)

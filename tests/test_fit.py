@@ -325,3 +325,40 @@ def test_the_uniform_solver_finds_the_best_single_option():
         assert len({o for o in plan}) == 1
         fitting = [o for o in front if 3 * o.nbytes <= capacity]
         assert plan[0].cost_s == min(o.cost_s for o in fitting)
+
+
+def test_the_two_part_solver_finds_the_best_uniform_plan_or_mix_of_two():
+    values = _pool(6, 4, False)
+    front = solve.layer_front(values)
+    layers, total = 5, sum(v.nbytes for v in values) * 5
+    for capacity in (0, total // 4, total // 2, total):
+        plan = solve.solve([front] * layers, capacity, parts=2)
+        assert len(set(plan)) <= 2 and solve.plan_bytes(plan) <= capacity
+        best = min(
+            a.cost_s * k + b.cost_s * (layers - k)
+            for a in front
+            for b in front
+            for k in range(layers + 1)
+            if solve.plan_bytes([a] * k + [b] * (layers - k)) <= capacity
+        )
+        assert sum(o.cost_s for o in plan) == pytest.approx(best, rel=1e-12)
+
+
+def test_progress_and_the_log_say_each_phase(caplog):
+    model = um.InlineModel(num_layers=2, features=16, alternate=False)
+    x = jax.ShapeDtypeStruct((2, 8, 16), jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
+    lines, loss = [], lambda m, v, x: jnp.mean(m.apply(v, x) ** 2)
+    with caplog.at_level("INFO", logger="remat_kit.fit"):
+        r = remat_kit.fit(model, loss, variables, x, budget="1GB", progress=lines.append)
+    assert r.policy == "none" and r.compiles == 1 and r.model is model  # the model as given, untouched
+    assert lines[0].startswith("compiling the model as given (none) (1 of at most 3)")
+    assert [rec.getMessage() for rec in caplog.records if rec.name == "remat_kit.fit"] == lines
+
+
+def test_a_compile_waited_on_returns_its_value_or_raises_its_error():
+    from remat_kit.planning import engine
+
+    assert engine.Background(lambda a, b: a + b, 2, 3).result() == 5
+    with pytest.raises(ZeroDivisionError):
+        engine.interruptible(lambda: 1 / 0)

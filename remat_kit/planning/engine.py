@@ -43,6 +43,10 @@ log = logging.getLogger("remat_kit.fit")
 #: The XLA compiles one :func:`plan` spends at most: the model as given, ``full`` and the answer.
 MAX_COMPILES = 3
 
+#: Distinct per-layer options a plan mixes at most: each is its own scan, and a third scan costs compile time and
+#: memory the additive model does not see (a three-part mix measured 10 % over its prediction, two-part ones under).
+MIX_PARTS = 2
+
 #: What changes what remat cannot (the state, the logits, the batch), said when nothing fits.
 LEVERS = "train LoRA adapters over a quantized base, chunk the loss, shard over a mesh or take a smaller batch"
 
@@ -374,8 +378,8 @@ def plan(
     # 3. Solve, verify; refit once where the prediction missed.
     alpha = 1.0
     while True:
-        options = solve.solve([front] * depth, (budget.target - need_full) / alpha, uniform=not mixes)
-        kept = sum(o.nbytes for o in options)
+        options = solve.solve([front] * depth, (budget.target - need_full) / alpha, uniform=not mixes, parts=MIX_PARTS)
+        kept = solve.plan_bytes(options)
         if kept == 0 or spent[0] >= max_compiles:
             return done(full, lean, _fits_text("full", lean, budget) + _missed(rows), groups=groups)
         answer = plan_of(options)

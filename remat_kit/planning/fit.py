@@ -3,8 +3,10 @@
 :func:`longest_seq` (and :func:`remat_kit.planning.builtin.max_fit`, its built-in model's twin) compiles the step
 (compile-only, from shapes) at a few sizes with a :class:`remat_kit.planning.planner.StepPlanner`: the step's
 bytes are affine in the batch and at most quadratic in the sequence, so a line (or parabola) through the measured
-points names the answer and two compiles confirm it (:func:`_boundary`). :func:`fit` and its engine
-:func:`choose` pick the fitting plan per tensor from a model's own names.
+points names the answer and two compiles confirm it (:func:`_boundary`). :func:`fit` is the public way to fit a
+budget: its engine is :func:`remat_kit.planning.engine.plan` (the model as given first, one trace priced, an exact
+solve, at most three compiles); :func:`choose` remains the search over a pool of presets given by hand
+(``plan --budget --policies``).
 """
 
 from __future__ import annotations
@@ -395,9 +397,11 @@ def fit(
     ``loss_fn`` its loss in :func:`remat_kit.apply_factory`'s convention (Linen: ``loss_fn(model, variables,
     *batch)``; NNX: ``loss_fn(model, *batch)``); ``example_args`` are the loss's arguments after the model
     (arrays or ShapeDtypeStructs). The step that must fit is the loss's gradient plus ``optimizer``'s update,
-    parameters and state donated. The candidates come from the model itself: the names its blocks emit (its own
-    tags, the module paths :func:`remat_kit.names_of` lists), kept or recomputed per tensor, plus the presets and
-    mixes of two (:func:`choose`); nothing is listed by hand.
+    parameters and state donated. The model as given is compiled first (one compile when it fits); else the
+    candidates come from the model itself: the names its blocks emit (its own tags, the module paths
+    :func:`remat_kit.names_of` lists), kept, recomputed or offloaded per tensor and mixed over two layer ranges,
+    priced from one trace and solved exactly (:func:`remat_kit.planning.engine.plan`); nothing is listed by hand.
+    At most three XLA compiles (``max_compiles``), sequence tiles of the built-in model aside.
 
     Sequence tiles: for the built-in Transformer (``seq_tiles=1``) tiles are a lever like the others: when no plan fits
     untiled, the blocks' per-token parts are tried in sequence tiles
@@ -411,11 +415,15 @@ def fit(
       scan, where, static_argnames: as :func:`remat_kit.apply` (``scan=None``: scan the blocks where they can be,
         the only way a Python loop's recompute survives XLA on CPU).
       margin: a plan fits when its compiled need times ``1 + margin`` is at most the budget.
-      max_compiles: at most this many XLA compiles.
+      max_compiles: at most this many XLA compiles (at least 2; a 4th, if allowed, verifies a refitted answer where
+        the first missed).
+      progress: called with one line per phase (also logged to ``remat_kit.fit`` at INFO); Ctrl-C stops a fit at
+        once.
 
     Returns:
-      A :class:`FitResult`: ``.model``, ``.policy``, ``.need_bytes``, ``.est_step_time_s``, ``.candidates``,
-      ``.table()``.
+      A :class:`FitResult`: ``.model``, ``.policy``, ``.need_bytes``, ``.predicted_bytes``, ``.compiles``,
+      ``.est_step_time_s``, ``.candidates``, ``.table()``. ``.model`` is the model itself when the answer is the
+      model as given.
 
     Raises:
       TypeError/ValueError: a bad budget, model or loss, in one line before anything is compiled.

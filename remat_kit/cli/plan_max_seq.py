@@ -187,7 +187,7 @@ def run_preset(args: argparse.Namespace) -> int:
     """``plan --max-seq`` on the built-in model (a preset)."""
     from remat_kit import constants
     from remat_kit.analysis import memory
-    from remat_kit.cli.common import check_seq_tiles_flag, lora_overrides
+    from remat_kit.cli.common import DefaultChunks, check_seq_tiles_flag, lora_overrides
     from remat_kit.cli.plan_report import compile_progress, parse_policies
     from remat_kit.model.transformer import TransformerConfig
     from remat_kit.planning import analysis
@@ -201,12 +201,13 @@ def run_preset(args: argparse.Namespace) -> int:
     if args.layers is not None:
         overrides["num_layers"] = args.layers
     overrides.update(lora_overrides(args))
-    overrides.update(check_seq_tiles_flag(args.seq_tiles))
+    # The levers by default: the longest sequence is what the chunked loss and sequence tiles give (flags opt out).
+    overrides.update(check_seq_tiles_flag("auto" if args.seq_tiles is None else args.seq_tiles))
     config = TransformerConfig.preset(args.preset, **overrides)
     batch, ref = constants.PRESET_SHAPES.get(args.preset, (1, min(128, config.max_seq_len)))
     batch = batch if args.batch_size is None else args.batch_size
     ref = ref if args.seq_len is None else args.seq_len
-    chunks = args.loss_chunks
+    chunks = "auto" if type(args.loss_chunks) is DefaultChunks else args.loss_chunks
     ref_chunks = chunks
     if chunks == "auto":
         from remat_kit.model.loss import auto_chunks
@@ -248,7 +249,8 @@ def run_preset(args: argparse.Namespace) -> int:
         f"{limit:,}, compile-only"
         + (f", LoRA rank {config.lora_rank} ({config.quantize} base)" if config.lora_rank else "")
     )
-    return _report(args, rows, budgets, rule, {"preset": args.preset, "config": dataclasses.asdict(config)}, batch)
+    head = {"preset": args.preset, "config": dataclasses.asdict(config), "loss_chunks": chunks}
+    return _report(args, rows, budgets, rule, head, batch)
 
 
 def run_model(args: argparse.Namespace) -> int:

@@ -362,3 +362,14 @@ def test_a_compile_waited_on_returns_its_value_or_raises_its_error():
     assert engine.Background(lambda a, b: a + b, 2, 3).result() == 5
     with pytest.raises(ZeroDivisionError):
         engine.interruptible(lambda: 1 / 0)
+
+
+@pytest.mark.parametrize(
+    "none, full, named, same, slope",
+    [(150, 100, 100, True, 0.55), (150, 100, 100, False, 1.0), (300, 100, 100, True, 1.0), (101, 100, 1000, True, 0.1)],
+    ids=["calibrated", "plain-loop", "capped-at-1", "floored"],
+)
+def test_the_memory_slope_is_calibrated_on_none_only_on_the_same_stack(none, full, named, same, slope):
+    from remat_kit.planning import engine
+
+    assert engine._slope(none, full, named, same) == pytest.approx(slope)

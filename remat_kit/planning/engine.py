@@ -24,8 +24,12 @@ per layer, so a model whose period is ``[R, R, A]`` prices each name where its t
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -226,6 +230,7 @@ class Background:
 
     def __init__(self, fn: Callable, *args):
         self._box: dict[str, object] = {}
+        self.done = threading.Event()  # set when fn returns (a thread's own is_alive can lie after a Ctrl-C)
         self._thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
         self._thread.start()
 
@@ -234,14 +239,36 @@ class Background:
             self._box["value"] = fn(*args)
         except BaseException as err:  # handed to the caller in result()
             self._box["error"] = err
+        finally:
+            self.done.set()
 
     def result(self):
         """``fn``'s value (or its exception, raised here)."""
-        while self._thread.is_alive():
-            self._thread.join(0.05)
+        try:
+            while not self.done.wait(0.05):
+                pass
+        except BaseException:  # a Ctrl-C: the compile cannot be stopped, so it is left behind (see _exit_past)
+            _ABANDONED.append(self.done)
+            raise
         if "error" in self._box:
             raise self._box["error"]
         return self._box["value"]
+
+
+#: Compiles a Ctrl-C left running. XLA's compile cannot be stopped, and a daemon thread still inside it when the
+#: interpreter finalizes aborts the process ("FATAL: exception not rethrown"): :func:`_exit_past` ends it first.
+_ABANDONED: list[threading.Event] = []
+
+
+@atexit.register
+def _exit_past() -> None:
+    """At exit, with a compile a Ctrl-C left running: flush and end the process now (status 130, as for SIGINT)
+    instead of letting interpreter shutdown abort it."""
+    if any(not done.is_set() for done in _ABANDONED):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(130)
 
 
 def interruptible(fn: Callable, *args):
@@ -262,6 +289,7 @@ def plan(
     levers: str = "",
     batch: int | None = None,
     seq: int | None = None,
+    depth: int | None = None,
 ) -> Choice:
     """The fitting plan with the least estimated step time, in at most ``max_compiles`` compiles (the module
     docstring says how).
@@ -279,6 +307,8 @@ def plan(
       progress: called with one line per phase (also logged to ``remat_kit.fit`` at INFO).
       levers: what to say when nothing fits (default: :data:`LEVERS`).
       batch, seq: the shape the planners compile at (None for a model planned at one fixed shape).
+      depth: the layers of the stack (default: how often the loss's jaxpr names the block's first value; a model
+        whose stack holds its block twice in the jaxpr, as a custom-VJP stack does, says it here).
 
     Returns:
       A :class:`Choice` (``chosen`` None, ``reason`` the refusal, when nothing fits).
@@ -344,9 +374,9 @@ def plan(
             raise ValueError("fit found no named value in the model's block to keep or recompute; give where=")
         first_name = next(iter(emitted))  # each layer names it once: its count is the depth
         names = ((_jax_internals.checkpoint_name_of(e), t) for e, t in _jax_internals.weighted_leaf_eqns(forward))
-        depth = sum(t for name, t in names if name == first_name)
+        layers = depth or sum(t for name, t in names if name == first_name)
         stack.prepare(full, batch, seq)
-        return stack, price_block(body, depth, hardware, host_moves=_host_moves(stack), kind=kind)
+        return stack, price_block(body, layers, hardware, host_moves=_host_moves(stack), kind=kind)
 
     try:
         priced = price()
@@ -424,8 +454,8 @@ def _missed(rows: Sequence[Candidate]) -> str:
 def _slope(need_none: int, need_full: int, named: int, same_stack: bool) -> float:
     """Device bytes per byte a plan keeps beyond ``full``: 1 (a scan stacks each layer's kept values), or, where
     ``none`` was compiled on the same stack, the share of the named bytes its need shows over ``full``'s
-    (:data:`SLOPE_SLACK` more), when that is less: XLA keeps some named values narrower or merged (0.29 on the
-    tiny preset, 0.40 on small, whose uniform plans it then predicts within -4 % to +3 %). A plain loop's ``none``
+    (:data:`SLOPE_SLACK` more), when that is less: XLA keeps some named values narrower or merged (0.59 on the
+    tiny preset, 0.79 on small, whose uniform plans it then predicts within -4 % to +3 %). A plain loop's ``none``
     is another program, and a block naming only its modules' outputs keeps unnamed values too: 1 there."""
     if not same_stack or named <= 0:
         return 1.0

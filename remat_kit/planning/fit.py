@@ -464,7 +464,14 @@ def fit(
         from remat_kit.planning import tensors  # late: the built-in model is loaded only when it is planned
 
         choice, applied = tensors.fit_transformer(
-            model, loss_fn, inputs, budget=B, optimizer=optimizer, hardware=hardware, max_compiles=max_compiles
+            model,
+            loss_fn,
+            inputs,
+            budget=B,
+            optimizer=optimizer,
+            hardware=hardware,
+            max_compiles=max_compiles,
+            progress=progress,
         )
     else:
         kwargs = {"where": where, "static_argnames": static_argnames}

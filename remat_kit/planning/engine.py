@@ -340,7 +340,8 @@ def plan(
 
     def row(policy, need: int, cost_s: float, pl: StepPlanner) -> Candidate:
         f = pl.flops(policy, batch, seq)
-        c = Candidate(str(policy), f, 0, need, 0, budget.fits(need), recompute_s=cost_s, rank=(round(cost_s, 15),))
+        extra = max(f - plain.flops(none, batch, seq), 0)  # matmul FLOPs recomputed over the model as given
+        c = Candidate(str(policy), f, extra, need, 0, budget.fits(need), recompute_s=cost_s, rank=(round(cost_s, 15),))
         rows.append(c)
         return c
 

@@ -69,6 +69,29 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def fmt_bytes_beside(n: float, other: float) -> str:
+    """``n`` as :func:`fmt_bytes` writes it, with as many more digits as it takes to tell it from ``other``
+    (a need "over" a budget must not print as the budget itself).
+
+    >>> fmt_bytes_beside(200_300_000, 200_000_000), fmt_bytes_beside(5_012_000, 5_000_000)
+    ('0.2003 GB', '5.01 MB')
+    >>> fmt_bytes_beside(300_000_000, 200_000_000)
+    '0.30 GB'
+    """
+    text = fmt_bytes(n)
+    if n == other or text != fmt_bytes(other):
+        return text
+    unit = text.split()[-1]
+    scale = {"GB": 1e9, "MB": 1e6, "kB": 1e3}.get(unit)
+    if scale is None:
+        return text
+    for digits in range(2, 10):
+        a, b = f"{n / scale:.{digits}f}", f"{other / scale:.{digits}f}"
+        if a != b:
+            return f"{a} {unit}"
+    return f"{int(n):,} B"
+
+
 def fmt_flops(n: float) -> str:
     """FLOPs with a decimal prefix, three significant digits.
 

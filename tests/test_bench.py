@@ -85,6 +85,19 @@ def test_noisy_timings_are_flagged():
     assert "min–max" in table and "800–1400" in table
 
 
+def test_a_measured_peak_above_nones_with_a_lower_compiled_peak_is_explained_on_its_row():
+    def rec(policy, xla_peak, peak):
+        return bench.BenchRecord(
+            policy, *[0] * 4, xla_peak, peak, 0, "rss", 0, 0.0, 1.0, (1.0,), 1.0, 0.0, 0.0, None, None
+        )
+
+    records = [rec("none", 100, 200), rec("sqrt_n", 50, 300), rec("full", 40, 150), rec("dots", 120, 300)]
+    assert list(bench.peak_notes(records)) == ["sqrt_n"]  # full measured lower; dots compiled higher: no riddle
+    rows = bench.format_table(records)[2:]
+    assert [row.endswith("† peak") for row in rows] == [False, True, False, False]
+    assert "compiled peak is lower (50 B vs 100 B)" in bench.peak_notes(records)["sqrt_n"]
+
+
 def test_policies_match_none_exactly(records):
     for r in records[1:]:
         assert r.max_grad_rel_diff <= 1e-5, r.policy  # RTOL_F32, never loosened

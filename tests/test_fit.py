@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 
@@ -16,7 +17,7 @@ import remat_kit
 from remat_kit import cli, policies
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig
-from remat_kit.planning import analysis, tensors
+from remat_kit.planning import analysis, solve, tensors
 from remat_kit.planning import fit as fit_lib
 from remat_kit.planning.builtin import Planner
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
@@ -57,8 +58,13 @@ def _nnx():
     def grads(m):
         return nnx.grad(loss)(m, x)
 
-    make = remat_kit.apply_factory(model, loss, scan=True)
-    build = lambda p, b, s: (make(p), nnx.state(model, nnx.Param), (x,))
+    build = lambda scan: (
+        lambda p, b, s: (
+            remat_kit.apply_factory(model, loss, scan=scan)(p),
+            nnx.state(model, nnx.Param),
+            (x,),
+        )
+    )
     return model, loss, (x,), grads, build
 
 
@@ -68,8 +74,7 @@ def _linen():
     variables = model.init(jax.random.key(0), x)
     loss = lambda m, v, x: jnp.mean(m.apply(v, x) ** 2)
     grads = lambda m: jax.grad(lambda v: loss(m, v, x))(variables)
-    make = remat_kit.apply_factory(model, loss, scan=True)
-    build = lambda p, b, s: (make(p), variables, (x,))
+    build = lambda scan: lambda p, b, s: (remat_kit.apply_factory(model, loss, scan=scan)(p), variables, (x,))
     return model, loss, (variables, x), grads, build
 
 
@@ -80,7 +85,7 @@ def _builtin():
     params = model.init(jax.random.key(0), tokens)["params"]
     loss = lambda m, p, t: lm_loss(m, p, t)
     grads = lambda m: jax.grad(lambda p: loss(m, p, tokens))(params)
-    build = lambda p, b, s: ((lambda v, t: loss(model.clone(policy=p), v, t)), params, (tokens,))
+    build = lambda _scan: lambda p, b, s: ((lambda v, t: loss(model.clone(policy=p), v, t)), params, (tokens,))
     return model, loss, (params, tokens), grads, build
 
 
@@ -90,8 +95,8 @@ MODELS = {"nnx-unedited": _nnx, "linen-unedited": _linen, "builtin-tiny": _built
 @pytest.fixture(scope="module", params=list(MODELS), ids=list(MODELS))
 def case(request):
     model, loss, args, grads, build = MODELS[request.param]()
-    planner = StepPlanner(build)
-    ends = {s: planner.memory(policies.parse(s))[0] for s in ("none", "full")}
+    # `none` of the model as given (its own loop, unscanned), `full` of its blocks scanned (the lean end)
+    ends = {s: StepPlanner(build(s == "full")).memory(policies.parse(s))[0] for s in ("none", "full")}
     return model, loss, args, grads, ends
 
 
@@ -260,3 +265,111 @@ def test_of_the_tile_counts_that_fit_the_one_with_fewest_trips_wins(tile_planner
     assert rows[("full", 8)].fits and rows[("full", 4)].fits
     assert rows[("full", 8)].cost_s > rows[("full", 4)].cost_s  # twice the tiles, more loop trips
     assert (str(choice.chosen), choice.seq_tiles) == ("full", 4)
+
+
+# ---- the exact solver ----------------------------------------------------------------------------------------------
+
+
+def _pool(seed: int, n: int, offload: bool):
+    """A small pool of named values with random bytes and prices (offload priced where ``offload``)."""
+    rng = np.random.default_rng(seed)
+    return [
+        solve.Value(
+            f"v{i}",
+            int(rng.integers(1, 9)) * 64,
+            float(rng.uniform(0.1, 2.0)),
+            float(rng.uniform(0.5, 3.0)) if offload else None,
+        )
+        for i in range(n)
+    ]
+
+
+def _exhaustive(values, layers: int, capacity: float, base_s: float) -> float | None:
+    """The least cost over every assignment of every value of every layer (keep / recompute / offload)."""
+    choices = []
+    for v in values:
+        opts = [(0, v.recompute_s), (v.nbytes, 0.0)] + ([(0, v.offload_s)] if v.offload_s is not None else [])
+        choices.append(opts)
+    per_layer = [(sum(b for b, _ in combo), base_s + sum(c for _, c in combo)) for combo in itertools.product(*choices)]
+    best = None
+    for plan in itertools.product(per_layer, repeat=layers):
+        if sum(b for b, _ in plan) <= capacity:
+            total = sum(c for _, c in plan)
+            best = total if best is None or total < best else best
+    return best
+
+
+@pytest.mark.parametrize(
+    "seed, n, layers, offload",
+    [(0, 3, 3, False), (1, 4, 2, False), (2, 3, 2, True), (3, 2, 4, True), (4, 4, 3, False)],
+    ids=["3x3", "4x2", "3x2-offload", "2x4-offload", "4x3"],
+)
+def test_the_solver_finds_the_exhaustive_optimum(seed, n, layers, offload):
+    values, base_s = _pool(seed, n, offload), 0.05
+    front = solve.layer_front(values, base_s=base_s)
+    total = sum(v.nbytes for v in values) * layers
+    for capacity in (0, total // 5, total // 3, total // 2, 2 * total // 3, total):
+        plan = solve.solve([front] * layers, capacity)
+        want = _exhaustive(values, layers, capacity, base_s)
+        assert plan is not None and want is not None
+        assert sum(o.nbytes for o in plan) <= capacity
+        assert sum(o.cost_s for o in plan) == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_the_uniform_solver_finds_the_best_single_option():
+    values = _pool(5, 4, False)
+    front = solve.layer_front(values)
+    total = sum(v.nbytes for v in values)
+    for capacity in (0, total, 2 * total, 3 * total):
+        plan = solve.solve([front] * 3, capacity, uniform=True)
+        assert len({o for o in plan}) == 1
+        fitting = [o for o in front if 3 * o.nbytes <= capacity]
+        assert plan[0].cost_s == min(o.cost_s for o in fitting)
+
+
+def test_the_two_part_solver_finds_the_best_uniform_plan_or_mix_of_two():
+    values = _pool(6, 4, False)
+    front = solve.layer_front(values)
+    layers, total = 5, sum(v.nbytes for v in values) * 5
+    for capacity in (0, total // 4, total // 2, total):
+        plan = solve.solve([front] * layers, capacity, parts=2)
+        assert len(set(plan)) <= 2 and solve.plan_bytes(plan) <= capacity
+        best = min(
+            a.cost_s * k + b.cost_s * (layers - k)
+            for a in front
+            for b in front
+            for k in range(layers + 1)
+            if solve.plan_bytes([a] * k + [b] * (layers - k)) <= capacity
+        )
+        assert sum(o.cost_s for o in plan) == pytest.approx(best, rel=1e-12)
+
+
+def test_progress_and_the_log_say_each_phase(caplog):
+    model = um.InlineModel(num_layers=2, features=16, alternate=False)
+    x = jax.ShapeDtypeStruct((2, 8, 16), jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
+    lines, loss = [], lambda m, v, x: jnp.mean(m.apply(v, x) ** 2)
+    with caplog.at_level("INFO", logger="remat_kit.fit"):
+        r = remat_kit.fit(model, loss, variables, x, budget="1GB", progress=lines.append)
+    assert r.policy == "none" and r.compiles == 1 and r.model is model  # the model as given, untouched
+    assert lines[0].startswith("compiling the model as given (none) (1 of at most 3)")
+    assert [rec.getMessage() for rec in caplog.records if rec.name == "remat_kit.fit"] == lines
+
+
+def test_a_compile_waited_on_returns_its_value_or_raises_its_error():
+    from remat_kit.planning import engine
+
+    assert engine.Background(lambda a, b: a + b, 2, 3).result() == 5
+    with pytest.raises(ZeroDivisionError):
+        engine.interruptible(lambda: 1 / 0)
+
+
+@pytest.mark.parametrize(
+    "none, full, named, same, slope",
+    [(150, 100, 100, True, 0.55), (150, 100, 100, False, 1.0), (300, 100, 100, True, 1.0), (101, 100, 1000, True, 0.1)],
+    ids=["calibrated", "plain-loop", "capped-at-1", "floored"],
+)
+def test_the_memory_slope_is_calibrated_on_none_only_on_the_same_stack(none, full, named, same, slope):
+    from remat_kit.planning import engine
+
+    assert engine._slope(none, full, named, same) == pytest.approx(slope)

@@ -256,7 +256,7 @@ def test_the_floor_checker_sees_core_violations(tmp_path, files, violation):
 #: what they import loads the built-in model or its training (its helpers, planning/builtin.py, tensors.py and
 #: analysis.py, are loaded late and only for it: :data:`LATE_ALLOWED`).
 GENERIC_PLANNING = tuple(
-    f"remat_kit.planning.{m}" for m in ("planner", "budget", "fit", "cost", "pareto", "user_model")
+    f"remat_kit.planning.{m}" for m in ("planner", "budget", "fit", "engine", "solve", "cost", "pareto", "user_model")
 )
 
 

@@ -282,7 +282,8 @@ def test_plan_max_seq_finds_the_compiled_edge(tmp_path, capsys):
     assert "max seq 7.0 MB" in text and "the edges, compiled" in text
     report = json.loads(out.read_text())
     cfg = TransformerConfig(**{**report["config"], "lora_targets": tuple(report["config"]["lora_targets"])})
-    planner = Planner(cfg)  # an independent planner: every edge is compiled again here
+    assert report["loss_chunks"] == "auto" and cfg.seq_tiles == 2  # the chunked loss by default; tiles as given
+    planner = Planner(cfg, loss_chunks="auto")  # an independent planner: every edge is compiled again here
     for row in report["policies"]:
         assert row["floor_per_position_bytes"] > 0 and row["per_position_bytes"] > 0
         for e in row["edges"]:

@@ -214,14 +214,48 @@ _COLUMNS = (
 )
 
 
+def peak_notes(records: list[BenchRecord]) -> dict[str, str]:
+    """Per policy whose measured peak is above ``none``'s while its compiled peak is below: why, in one line.
+
+    The measured peak is the process's (or device's) high-water mark over the whole run, not the step's buffers:
+    it also holds the compiled executable and what the allocator kept from earlier steps and compiles, and a policy
+    with more code (nested or several scans: ``sqrt_n``, ``segments``, mixes) or a different allocation order holds
+    more of that; the compiled peak is the step's own device bytes, the figure a budget is held to.
+
+    >>> none = BenchRecord("none", *[0] * 4, 100, 200, 0, "rss", 0, 0.0, 1.0, (1.0,), 1.0, 0.0, 0.0, None, None)
+    >>> lean = dataclasses.replace(none, policy="sqrt_n", xla_peak_bytes=50, peak_bytes=300)
+    >>> peak_notes([none, lean])["sqrt_n"].split(";")[0]
+    "measured peak 300 B above none's 200 B while its compiled peak is lower (50 B vs 100 B)"
+    """
+    base = next((r for r in records if r.policy == "none"), None)
+    if base is None:
+        return {}
+    return {
+        r.policy: (
+            f"measured peak {fmt_bytes(r.peak_bytes)} above none's {fmt_bytes(base.peak_bytes)} while its compiled "
+            f"peak is lower ({fmt_bytes(r.xla_peak_bytes)} vs {fmt_bytes(base.xla_peak_bytes)}); the measured peak "
+            f"({'device peak_bytes_in_use' if r.peak_source == 'device' else 'process peak RSS'}) is a high-water "
+            "mark of the whole run, the compiled executable and the allocator's kept pages included, which grow with "
+            "the code a policy compiles (nested or several scans); the compiled peak is the step's own bytes, what "
+            "a budget is held to"
+        )
+        for r in records
+        if r.policy != "none" and r.peak_bytes > base.peak_bytes and r.xla_peak_bytes < base.xla_peak_bytes
+    }
+
+
 def format_table(records: list[BenchRecord]) -> list[str]:
-    """The terminal table."""
+    """The terminal table; a row whose measured peak contradicts its compiled one (:func:`peak_notes`) is marked
+    ``† peak``, the note printed below the table."""
     cells = [[name for name, _ in _COLUMNS]] + [[fn(r) for _, fn in _COLUMNS] for r in records]
     widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
     lines = [
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
         for row in cells
     ]
+    notes = peak_notes(records)
+    marks = ["  † peak" if r.policy in notes else "" for r in records]
+    lines = [lines[0]] + [line + mark for line, mark in zip(lines[1:], marks, strict=True)]
     lines.insert(1, "-" * len(lines[0]))
     return lines
 

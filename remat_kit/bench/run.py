@@ -34,6 +34,7 @@ from remat_kit.bench.report import (
     grad_note,
     noise_warnings,
     pareto_front,
+    peak_notes,
     plot,
     recommend,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "measure_model",
     "noise_warnings",
     "pareto_front",
+    "peak_notes",
     "plot",
     "recommend",
     "run_bench",

@@ -92,12 +92,15 @@ def _report(args: argparse.Namespace, command: str, setting: str, records: list,
         grad_note,
         noise_warnings,
         pareto_front,
+        peak_notes,
         plot,
         recommend,
     )
 
     print(setting)
     print("\n".join(format_table(records)))
+    for policy, line in peak_notes(records).items():
+        print(f"† {policy}: {line}")
     print(f"Pareto front (time vs measured memory, over the min–max spread): {', '.join(pareto_front(records))}")
     for line in noise_warnings(records):
         print(f"warning: {line}")

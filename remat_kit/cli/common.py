@@ -168,8 +168,9 @@ def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None
     parser.add_argument(
         "--loss-chunks",
         type=loss_chunks_arg,
-        default=0,
-        help="0: plain loss over full logits; K: the fused chunked cross-entropy; auto: as `train` picks",
+        default=DefaultChunks(0),
+        help="0: plain loss over full logits; K: the fused chunked cross-entropy; auto: as `train` picks "
+        "(default 0; plan --max-seq: auto, the longest sequence is what the levers give)",
     )
     add_seq_tiles_arg(parser)
     add_lora_args(parser)
@@ -203,6 +204,15 @@ def float_arg(text: str) -> TypedFloat:
         raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
 
 
+class DefaultChunks(int):
+    """``--loss-chunks``'s default, 0, told apart from a 0 typed: ``plan --max-seq`` then uses ``auto`` (a flag
+    given, ``0`` included, opts out).
+
+    >>> DefaultChunks(0) == 0, type(DefaultChunks(0)).__name__
+    (True, 'DefaultChunks')
+    """
+
+
 def loss_chunks_arg(text: str) -> int | str:
     """argparse type of ``--loss-chunks``: ``auto`` or an integer (checked later, with the shape)."""
     if text == "auto":
@@ -227,7 +237,8 @@ def add_seq_tiles_arg(parser: argparse.ArgumentParser) -> None:
         metavar="K|auto",
         help="run the block's per-token parts (norms, projections, MLP) over the sequence in K tiles, each under "
         "its own checkpoint, so a layer's recompute never holds their whole-sequence intermediates; K divides "
-        "the sequence; auto: tiles of about 4,096 tokens once a step has more (default: 1, untiled)",
+        "the sequence; auto: tiles of about 4,096 tokens once a step has more (default: 1, untiled; plan --max-seq: "
+        "auto)",
     )
 
 

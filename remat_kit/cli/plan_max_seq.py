@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from remat_kit.cli.common import check_writable, command_line, write_json
-from remat_kit.units import fmt_bytes, fmt_count
+from remat_kit.units import fmt_bytes, fmt_bytes_beside, fmt_count
 
 #: ``--max-seq`` without a value tries sequences up to this length.
 DEFAULT_LIMIT = 131_072
@@ -161,7 +161,8 @@ def format_edges(rows: list[PolicyReach]) -> list[str]:
             if e.next_seq is None:
                 line += f"; {e.seq + e.step:,} is past --max-seq {e.limit:,}"
             else:
-                line += f"; {e.next_seq:,} needs {fmt_bytes(e.next_need_bytes * (1 + e.margin))}, over"
+                over = fmt_bytes_beside(e.next_need_bytes * (1 + e.margin), e.budget_bytes)
+                line += f"; {e.next_seq:,} needs {over}, over"
             if e.host_bytes:
                 line += f"; host {fmt_bytes(e.host_bytes)}"
             lines.append(line)
@@ -195,7 +196,7 @@ def run_preset(args: argparse.Namespace) -> int:
     """``plan --max-seq`` on the built-in model (a preset)."""
     from remat_kit import constants
     from remat_kit.analysis import memory
-    from remat_kit.cli.common import check_seq_tiles_flag, lora_overrides
+    from remat_kit.cli.common import DefaultChunks, check_seq_tiles_flag, lora_overrides
     from remat_kit.cli.plan_report import compile_progress, parse_policies
     from remat_kit.model.transformer import TransformerConfig
     from remat_kit.planning import analysis
@@ -209,12 +210,13 @@ def run_preset(args: argparse.Namespace) -> int:
     if args.layers is not None:
         overrides["num_layers"] = args.layers
     overrides.update(lora_overrides(args))
-    overrides.update(check_seq_tiles_flag(args.seq_tiles))
+    # The levers by default: the longest sequence is what the chunked loss and sequence tiles give (flags opt out).
+    overrides.update(check_seq_tiles_flag("auto" if args.seq_tiles is None else args.seq_tiles))
     config = TransformerConfig.preset(args.preset, **overrides)
     batch, ref = constants.PRESET_SHAPES.get(args.preset, (1, min(128, config.max_seq_len)))
     batch = batch if args.batch_size is None else args.batch_size
     ref = ref if args.seq_len is None else args.seq_len
-    chunks = args.loss_chunks
+    chunks = "auto" if type(args.loss_chunks) is DefaultChunks else args.loss_chunks
     ref_chunks = chunks
     if chunks == "auto":
         from remat_kit.model.loss import auto_chunks
@@ -262,7 +264,8 @@ def run_preset(args: argparse.Namespace) -> int:
     from remat_kit.cli.plan import target_line
 
     print(target_line(planner.target, config))
-    return _report(args, rows, budgets, rule, {"preset": args.preset, "config": dataclasses.asdict(config)}, batch)
+    head = {"preset": args.preset, "config": dataclasses.asdict(config), "loss_chunks": chunks}
+    return _report(args, rows, budgets, rule, head, batch)
 
 
 def run_model(args: argparse.Namespace) -> int:

@@ -3,8 +3,10 @@
 :func:`longest_seq` (and :func:`remat_kit.planning.builtin.max_fit`, its built-in model's twin) compiles the step
 (compile-only, from shapes) at a few sizes with a :class:`remat_kit.planning.planner.StepPlanner`: the step's
 bytes are affine in the batch and at most quadratic in the sequence, so a line (or parabola) through the measured
-points names the answer and two compiles confirm it (:func:`_boundary`). :func:`fit` and its engine
-:func:`choose` pick the fitting plan per tensor from a model's own names.
+points names the answer and two compiles confirm it (:func:`_boundary`). :func:`fit` is the public way to fit a
+budget: its engine is :func:`remat_kit.planning.engine.plan` (the model as given first, one trace priced, an exact
+solve, at most three compiles); :func:`choose` remains the search over a pool of presets given by hand
+(``plan --budget --policies``).
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
-import jax
 import optax
 from flax import nnx
 
-from remat_kit import _jax_internals, findings, policies
+from remat_kit import findings, policies
 from remat_kit.analysis import inspection
 from remat_kit.planning import budget as budget_lib
-from remat_kit.planning import cost
-from remat_kit.planning.budget import GENERIC_CANDIDATES, Candidate, Pricer
+from remat_kit.planning import cost, engine
+from remat_kit.planning.budget import Candidate, Pricer
+from remat_kit.planning.engine import LEVERS, Choice
+from remat_kit.planning.engine import emitted_bytes as emitted_bytes  # re-exported: tensors, tests
+from remat_kit.planning.engine import group_names as group_names  # re-exported
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner, get_optimizer, is_built_in
 from remat_kit.unedited import entry as unedited_lib
 from remat_kit.units import check_int, fmt_bytes, fmt_seconds, parse_bytes
@@ -125,16 +129,15 @@ def _solve(pts: list[int], seen: dict[int, float], target: float, lo: int) -> fl
 
 # ---- fit: the policy that fits a budget, chosen per tensor from the model's own names --------------------------
 
-#: The compiles :func:`choose` may spend, the anchors (``none``, ``full``) and the mixes included.
-MAX_COMPILES = 12
+#: The compiles :func:`fit` spends at most (:data:`remat_kit.planning.engine.MAX_COMPILES`).
+MAX_COMPILES = engine.MAX_COMPILES
+
+#: The compiles :func:`choose` (the preset search ``plan --budget`` runs over a given pool) may spend.
+SEARCH_COMPILES = 12
 
 #: A candidate whose predicted need exceeds the target by more than this share is not compiled: the prediction
 #: (a line in kept bytes through the compiled points) is a guide for what to compile, never the answer.
 PREDICTION_SLACK = 0.03
-
-
-#: What changes what remat cannot (the state, the logits, the batch), said when nothing fits.
-LEVERS = "train LoRA adapters over a quantized base, chunk the loss, shard over a mesh or take a smaller batch"
 
 
 class NothingFits(ValueError):
@@ -147,147 +150,6 @@ class NothingFits(ValueError):
     def __init__(self, message: str, need_bytes: int, leanest: str):
         super().__init__(message)
         self.need_bytes, self.leanest = need_bytes, leanest
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """:func:`choose`'s answer: the plan, what it needs and costs, and what was priced.
-
-    Attributes:
-      chosen: the fitting Policy or Mix with the least estimated step time; None when nothing fits.
-      need_bytes: its compiled need (None when nothing fits).
-      est_step_time_s: the cost model's whole step under it (``none``'s step plus its recompute and exposed offload).
-      candidates: every candidate priced (:class:`remat_kit.planning.budget.Candidate`), compiled ones with their need.
-      budget: the :class:`Budget`; compiles: XLA compiles this choice spent; seconds: its wall time.
-      reason: one paragraph: why the winner won, or (nothing fits) the one-line refusal.
-      groups: the per-tensor groups (names decided together) the pool was built from.
-      seq_tiles: the sequence tiles the chosen step runs its blocks in (1: untiled); tiled candidates carry theirs
-        (:attr:`remat_kit.planning.budget.Candidate.seq_tiles`).
-    """
-
-    chosen: policies.Policy | policies.Mix | None
-    need_bytes: int | None
-    est_step_time_s: float | None
-    candidates: tuple
-    budget: Budget
-    compiles: int
-    seconds: float
-    reason: str
-    groups: tuple[tuple[str, ...], ...] = ()
-    seq_tiles: int = 1
-
-    def is_chosen(self, c: Candidate) -> bool:
-        """Whether ``c`` is the chosen row: its policy and its tile count."""
-        return c.is_plan(self.chosen, self.seq_tiles)
-
-    def table(self) -> str:
-        """The candidates, cheapest first: estimated cost over ``none``, compiled need (``-``: predicted not to fit,
-        not compiled), whether it fits; the chosen one marked ``*``."""
-        rows = sorted(self.candidates, key=lambda c: c.rank)
-        width = max([len(c.label) for c in rows] + [6]) + 1
-        head = f" {'policy':{width}} {'est. cost':>10} {'need':>10} {'+margin':>10} {'fits':>5}"
-        out = [head, "-" * len(head)]
-        for c in rows:
-            mark = "*" if self.is_chosen(c) else " "
-            compiled = c.need_bytes is not None
-            out.append(
-                f"{mark}{c.label:{width}} {fmt_seconds(c.cost_s):>10} "
-                f"{fmt_bytes(c.need_bytes) if compiled else '-':>10} "
-                f"{fmt_bytes(self.budget.with_margin(c.need_bytes)) if compiled else '-':>10} "
-                f"{'-' if c.fits is None else 'yes' if c.fits else 'no':>5}"
-            )
-        out.append(f"{self.compiles} compiles, {self.seconds:.1f} s. {self.reason}")
-        return "\n".join(out)
-
-
-def emitted_bytes(body) -> dict[str, int]:
-    """Bytes of each name a block's jaxpr (``body``) marks with ``checkpoint_name``, in the order it computes them:
-    the block's own tags, and on a :func:`remat_kit.apply`-ed model the module-path names it gives."""
-    out: dict[str, int] = {}
-    for eqn in _jax_internals.iter_eqns(body):
-        tag = _jax_internals.checkpoint_name_of(eqn)
-        if tag is not None:
-            out[tag] = out.get(tag, 0) + sum(_jax_internals.aval_nbytes(v) for v in eqn.outvars)
-    return out
-
-
-def check_convention(model: Any, loss_fn: Callable, example_args: tuple) -> None:
-    """Raise TypeError, in one line, when ``loss_fn`` and ``example_args`` follow the other API's convention.
-
-    Linen: ``loss_fn(model, variables, *batch)`` with ``example_args = (variables, *batch)``; NNX:
-    ``loss_fn(model, *batch)`` with ``example_args = batch`` (the variables live in the model).
-
-    >>> import flax.linen as nn, jax.numpy as jnp
-    >>> try:
-    ...     check_convention(nn.Dense(2), lambda m, x: m(x).sum(), (jnp.ones(2),))
-    ... except TypeError as err:
-    ...     print(str(err).split(" and the")[0])
-    fit of a Linen model (Dense) takes loss_fn(model, variables, *batch)
-    """
-    is_nnx = isinstance(model, nnx.Module)
-    first = example_args[0] if example_args else None
-    name = type(model).__name__
-    if not is_nnx and not isinstance(first, Mapping):
-        raise TypeError(
-            f"fit of a Linen model ({name}) takes loss_fn(model, variables, *batch) and the variables first among the "
-            f"example arguments (model.init(key, *batch)), got {type(first).__name__} first: that is the NNX convention"
-        )
-    if is_nnx and isinstance(first, Mapping) and "params" in first:
-        raise TypeError(
-            f"fit of an NNX model ({name}) takes loss_fn(model, *batch): its variables live in the model, so the "
-            "example arguments are the batch alone; got a variables dict first: that is the Linen convention"
-        )
-    try:
-        signature = inspect.signature(loss_fn)
-    except (TypeError, ValueError):
-        return
-    try:
-        signature.bind(model, *example_args)
-    except TypeError:
-        shape = "loss_fn(model, variables, *batch)" if not is_nnx else "loss_fn(model, *batch)"
-        raise TypeError(
-            f"fit of {'a Linen' if not is_nnx else 'an NNX'} model ({name}) calls {shape} with the model and the "
-            f"{len(example_args)} example argument(s), which loss_fn{signature} does not take"
-        ) from None
-
-
-def blocks_emitted(jaxpr) -> tuple[dict[str, int], int, int | None]:
-    """What the blocks of a model under ``full`` emit, over every kind of block: ``(bytes, depth, steps)``.
-
-    ``bytes``: per name, its bytes summed over the blocks that emit it, divided by ``depth`` (so ``depth`` times it
-    is what keeping it costs in the whole model, whichever kinds of block emit it); ``depth``: how many blocks run;
-    ``steps``: the steps of the scan that runs them (a period of several blocks is one step), None when they are
-    not scanned or run in scans of different lengths.
-    """
-    total: dict[str, int] = {}
-    depth = 0
-    scans = set()
-    for body, runs, scan in _jax_internals.own_remat_bodies(jaxpr):
-        depth += runs
-        scans.add(scan)
-        for name, nbytes in emitted_bytes(body).items():
-            total[name] = total.get(name, 0) + nbytes * runs
-    steps = next(iter(scans)) if len(scans) == 1 else None
-    return {n: b // max(depth, 1) for n, b in total.items()}, depth, steps
-
-
-def group_names(emitted: dict[str, int]) -> tuple[tuple[tuple[str, ...], int], ...]:
-    """The values a block emits, one name each, with their bytes: a name that is a path-prefix of the name just
-    before it (``attn`` after ``attn/attn_vec_einsum``, ``attn/q_einsum`` after its parameter's matmul
-    ``attn/q_einsum/kernel``) with the same bytes names the same value (a module returns its last call's output),
-    so only the outermost of such names is kept.
-
-    >>> group_names({"attn/q/kernel": 64, "attn/q": 64, "attn/o": 64, "attn": 64, "mlp": 128})
-    ((('attn/q',), 64), (('attn',), 64), (('mlp',), 128))
-    """
-    out: list[tuple[list[str], int]] = []
-    for name, nbytes in emitted.items():
-        prev = out[-1] if out else None
-        if prev is not None and prev[1] == nbytes and prev[0][-1].startswith(name + "/"):
-            prev[0].append(name)
-        else:
-            out.append(([name], nbytes))
-    return tuple(((names[-1],), nbytes) for names, nbytes in out)
 
 
 def tensor_candidates(
@@ -320,7 +182,7 @@ def choose(
     batch: int | None = None,
     seq: int | None = None,
     hardware: cost.Hardware | None = None,
-    max_compiles: int = MAX_COMPILES,
+    max_compiles: int = SEARCH_COMPILES,
     levers: str = "",
 ) -> Choice:
     """The engine of :func:`fit`, ``plan --budget`` and ``train --budget``: the fitting plan with the least estimated
@@ -497,6 +359,16 @@ class FitResult:
         """The candidates priced, their compiled needs and the choice (:meth:`Choice.table`)."""
         return self.choice.table()
 
+    @property
+    def compiles(self) -> int:
+        """The XLA compiles the fit spent."""
+        return self.choice.compiles
+
+    @property
+    def predicted_bytes(self) -> int | None:
+        """The need the memory model predicted for the answer before compiling it (None: compiled to calibrate)."""
+        return self.choice.predicted_bytes
+
 
 def budget_bytes_of(budget: int | str) -> int:
     """Bytes from ``budget``: a positive int or a size string (``"16GB"``, ``"512MiB"``); a one-line error else.
@@ -507,6 +379,46 @@ def budget_bytes_of(budget: int | str) -> int:
     if isinstance(budget, bool) or not isinstance(budget, (int, str)):
         raise TypeError(f"budget must be bytes (an int) or a size string such as '16GB', got {budget!r}")
     return parse_bytes(budget)
+
+
+def check_convention(model: Any, loss_fn: Callable, example_args: tuple) -> None:
+    """Raise TypeError, in one line, when ``loss_fn`` and ``example_args`` follow the other API's convention.
+
+    Linen: ``loss_fn(model, variables, *batch)`` with ``example_args = (variables, *batch)``; NNX:
+    ``loss_fn(model, *batch)`` with ``example_args = batch`` (the variables live in the model).
+
+    >>> import flax.linen as nn, jax.numpy as jnp
+    >>> try:
+    ...     check_convention(nn.Dense(2), lambda m, x: m(x).sum(), (jnp.ones(2),))
+    ... except TypeError as err:
+    ...     print(str(err).split(" and the")[0])
+    fit of a Linen model (Dense) takes loss_fn(model, variables, *batch)
+    """
+    is_nnx = isinstance(model, nnx.Module)
+    first = example_args[0] if example_args else None
+    name = type(model).__name__
+    if not is_nnx and not isinstance(first, Mapping):
+        raise TypeError(
+            f"fit of a Linen model ({name}) takes loss_fn(model, variables, *batch) and the variables first among the "
+            f"example arguments (model.init(key, *batch)), got {type(first).__name__} first: that is the NNX convention"
+        )
+    if is_nnx and isinstance(first, Mapping) and "params" in first:
+        raise TypeError(
+            f"fit of an NNX model ({name}) takes loss_fn(model, *batch): its variables live in the model, so the "
+            "example arguments are the batch alone; got a variables dict first: that is the Linen convention"
+        )
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(model, *example_args)
+    except TypeError:
+        shape = "loss_fn(model, variables, *batch)" if not is_nnx else "loss_fn(model, *batch)"
+        raise TypeError(
+            f"fit of {'a Linen' if not is_nnx else 'an NNX'} model ({name}) calls {shape} with the model and the "
+            f"{len(example_args)} example argument(s), which loss_fn{signature} does not take"
+        ) from None
 
 
 def fit(
@@ -522,6 +434,7 @@ def fit(
     hardware: cost.Hardware | None = None,
     max_compiles: int = MAX_COMPILES,
     target=None,
+    progress: Callable[[str], None] | None = None,
 ) -> FitResult:
     """Fit a training step to a memory budget: the plan with the least estimated step time whose compiled step fits.
 
@@ -529,9 +442,11 @@ def fit(
     ``loss_fn`` its loss in :func:`remat_kit.apply_factory`'s convention (Linen: ``loss_fn(model, variables,
     *batch)``; NNX: ``loss_fn(model, *batch)``); ``example_args`` are the loss's arguments after the model
     (arrays or ShapeDtypeStructs). The step that must fit is the loss's gradient plus ``optimizer``'s update,
-    parameters and state donated. The candidates come from the model itself: the names its blocks emit (its own
-    tags, the module paths :func:`remat_kit.names_of` lists), kept or recomputed per tensor, plus the presets and
-    mixes of two (:func:`choose`); nothing is listed by hand.
+    parameters and state donated. The model as given is compiled first (one compile when it fits); else the
+    candidates come from the model itself: the names its blocks emit (its own tags, the module paths
+    :func:`remat_kit.names_of` lists), kept, recomputed or offloaded per tensor and mixed over two layer ranges,
+    priced from one trace and solved exactly (:func:`remat_kit.planning.engine.plan`); nothing is listed by hand.
+    At most three XLA compiles (``max_compiles``), sequence tiles of the built-in model aside.
 
     Sequence tiles: for the built-in Transformer (``seq_tiles=1``) tiles are a lever like the others: when no plan fits
     untiled, the blocks' per-token parts are tried in sequence tiles
@@ -545,13 +460,17 @@ def fit(
       scan, where, static_argnames: as :func:`remat_kit.apply` (``scan=None``: scan the blocks where they can be,
         the only way a Python loop's recompute survives XLA on CPU).
       margin: a plan fits when its compiled need times ``1 + margin`` is at most the budget.
-      max_compiles: at most this many XLA compiles.
+      max_compiles: at most this many XLA compiles (at least 2; a 4th, if allowed, verifies a refitted answer where
+        the first missed).
+      progress: called with one line per phase (also logged to ``remat_kit.fit`` at INFO); Ctrl-C stops a fit at
+        once.
       target: the device planned for (:func:`remat_kit.target.parse`; default ``"local"``): ``"h100"`` compiles
         XLA:GPU's own step without a GPU (needs ``pip install 'remat-kit[gpu-target]'``).
 
     Returns:
-      A :class:`FitResult`: ``.model``, ``.policy``, ``.need_bytes``, ``.est_step_time_s``, ``.candidates``,
-      ``.table()``.
+      A :class:`FitResult`: ``.model``, ``.policy``, ``.need_bytes``, ``.predicted_bytes``, ``.compiles``,
+      ``.est_step_time_s``, ``.candidates``, ``.table()``. ``.model`` is the model itself when the answer is the
+      model as given.
 
     Raises:
       TypeError/ValueError: a bad budget, model or loss, in one line before anything is compiled.
@@ -601,47 +520,44 @@ def fit(
             hardware=hardware,
             max_compiles=max_compiles,
             target=target,
+            progress=progress,
         )
     else:
         kwargs = {"where": where, "static_argnames": static_argnames}
         params = nnx.state(model, nnx.Param) if is_nnx else inputs[0]
         params = inspection.abstract((params,))[0]
         batch_args = inputs if is_nnx else inputs[1:]
-        with findings.collect() as found:  # apply's guard on a candidate: a line of the result, not an error
-            if scan is None:  # scan where the blocks can be; a model that cannot is a ValueError saying why
+        planner_of = lambda s: StepPlanner(
+            lambda p, b, q: (unedited_lib.apply_factory(model, loss_fn, scan=s, **kwargs)(p), params, batch_args),
+            optimizer,
+            target=target,
+        )
+        scanned = [scan]
+
+        def stack() -> StepPlanner:
+            """The blocks rematerialized: scanned where they can be (on CPU XLA removes a Python loop's recompute)."""
+            for s in [True, False] if scan is None else [scan]:
+                planner = planner_of(s)
                 try:
-                    jax.eval_shape(
-                        unedited_lib.apply_factory(model, loss_fn, scan=True, **kwargs)("full"), params, *batch_args
-                    )
-                    scan = True
+                    planner.prepare(policies.full())
                 except ValueError:
-                    scan = False
-            make_loss = unedited_lib.apply_factory(model, loss_fn, scan=scan, **kwargs)
-            jaxpr = jax.make_jaxpr(make_loss("full"))(params, *batch_args)
-            emitted, depth, steps = blocks_emitted(jaxpr)
-            if not emitted:
-                raise ValueError(f"fit found no block to rematerialize in {type(model).__name__}; give where=")
-            presets = [policies.parse(s) for s in GENERIC_CANDIDATES]
-            num_layers = None
-            if scan and steps is not None and steps >= 2:  # grouping policies and mixes count the scan's steps
-                try:
-                    jax.eval_shape(make_loss(policies.every_n(2)), params, *batch_args)
-                    presets.append(policies.every_n(2))
-                    num_layers = steps
-                except ValueError:  # blocks that cannot be grouped: keep to the uniform plans
-                    pass
-            planner = StepPlanner(lambda p, b, s: (make_loss(p), params, batch_args), optimizer, target=target)
-            choice = choose(
-                planner,
+                    if s is False or scan is not None:
+                        raise
+                    continue
+                scanned[0] = s
+                return planner
+            raise AssertionError("unreachable")
+
+        with findings.collect() as found:  # apply's guard on a candidate: a line of the result, not an error
+            choice = engine.plan(
+                stack,
                 B,
-                presets=presets,
-                groups=group_names(emitted),
-                num_layers=num_layers,
-                depth=depth,
+                plain=planner_of(False),
                 hardware=hardware,
                 max_compiles=max_compiles,
+                progress=progress,
             )
-        applied = lambda p: unedited_lib.apply(model, p, scan=scan, **kwargs)
+        applied = lambda p: model if p == policies.none() else unedited_lib.apply(model, p, scan=scanned[0], **kwargs)
     if choice.chosen is None:
         least = min((c for c in choice.candidates if c.need_bytes is not None), key=lambda c: c.need_bytes)
         raise NothingFits(choice.reason, least.need_bytes, least.policy)

@@ -223,6 +223,16 @@ class StepPlanner:
             self._traced.pop(key, None)  # keep memory flat over long searches
         return self._lowered[key]
 
+    def forward_jaxpr(self, policy: policies.Policy, batch: int | None = None, seq: int | None = None):
+        """The loss's own jaxpr under ``policy`` (no gradient, no optimizer: each block appears once; trace only)."""
+        loss_fn, params, batch_args = self.build(policy, batch, seq)
+        return jax.make_jaxpr(loss_fn)(params, *batch_args)
+
+    def prepare(self, policy: policies.Policy, batch: int | None = None, seq: int | None = None) -> None:
+        """Trace and lower the step under ``policy`` now (no compile), so a compile later starts at XLA."""
+        if self._key(policy, batch, seq) not in self._memory:
+            self._lower(policy, batch, seq)
+
     def flops(self, policy: policies.Policy, batch: int | None = None, seq: int | None = None) -> int:
         """Matmul FLOPs of one step (trace only; no compile)."""
         key = self._key(policy, batch, seq)

@@ -68,11 +68,11 @@ import optax
 from remat_kit import _jax_internals, policies
 from remat_kit import names as _names
 from remat_kit.model.transformer import Transformer, TransformerConfig
-from remat_kit.planning import analysis, cost
+from remat_kit.planning import analysis, cost, engine
 from remat_kit.planning import tiles as tiles_lib
 from remat_kit.planning.budget import Pricer, search
 from remat_kit.planning.builtin import Planner, candidates_for, retiled
-from remat_kit.planning.fit import MAX_COMPILES, Choice, choose, emitted_bytes
+from remat_kit.planning.fit import MAX_COMPILES, SEARCH_COMPILES, Choice, choose, emitted_bytes
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
 from remat_kit.units import fmt_bytes, fmt_seconds
@@ -523,6 +523,7 @@ def config_choice(
     max_compiles: int = MAX_COMPILES,
     tiles: Sequence[int] | None = None,
     retile: Callable[[int], StepPlanner] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Choice:
     """:func:`choose` for the built-in Transformer at one shape: the presets of
     :func:`remat_kit.planning.builtin.candidates_for` (or ``presets``, then without per-tensor candidates), the block's
@@ -544,12 +545,14 @@ def config_choice(
       retile: ``retile(k) -> StepPlanner`` of the same step with the blocks in ``k`` tiles (default: a
         :class:`~remat_kit.planning.builtin.Planner` of ``config`` with ``seq_tiles=k``, see
         :func:`remat_kit.planning.builtin.retiled`).
+      progress: called with one line per phase of the engine (:func:`remat_kit.planning.engine.plan`).
     """
     counts = tiles_lib.check_counts(tiles, batch, seq)  # before anything is compiled
     planner = planner or Planner(config, loss_chunks=loss_chunks)
 
     def run(cfg: TransformerConfig, pl: StepPlanner) -> Choice:
         kw = {"loss_chunks": loss_chunks, "presets": presets, "hardware": hardware, "max_compiles": max_compiles}
+        kw["progress"] = progress
         return _config_choice_at(cfg, budget, batch=batch, seq=seq, planner=pl, **kw)
 
     choice = run(config, planner)
@@ -627,27 +630,37 @@ def _config_choice_at(
     presets: Sequence[policies.Policy] | None,
     hardware: cost.Hardware | None,
     max_compiles: int,
+    progress: Callable[[str], None] | None = None,
 ) -> Choice:
-    """:func:`config_choice` at one tile count."""
-    groups: tuple = ()
+    """:func:`config_choice` at one tile count: the engine (:func:`remat_kit.planning.engine.plan`), or with
+    ``presets`` given, :func:`choose` over them alone."""
+    levers = (
+        "train LoRA adapters over a quantized base (--lora-rank R --quantize nf4), chunk the loss "
+        "(--loss-chunks 8), shard over a mesh (--mesh fsdp=N) or take a smaller batch"
+    )
     if presets is None:
-        sizes = tag_bytes(config, batch, seq, loss_chunks)
-        groups = tuple((g, sum(sizes[t] for t in g)) for g in default_groups(list(sizes)))
-        presets = candidates_for(config)
+        return engine.plan(
+            planner,
+            budget,
+            hardware=hardware,
+            max_compiles=max_compiles,
+            levers=levers,
+            batch=batch,
+            seq=seq,
+            progress=progress,
+            depth=config.num_layers,  # its stack's custom VJP holds the block twice in the jaxpr
+        )
     return choose(
         planner,
         budget,
         presets=presets,
-        groups=groups,
-        keep=(),
         num_layers=config.num_layers,
         depth=config.num_layers,
         batch=batch,
         seq=seq,
         hardware=hardware,
-        max_compiles=max_compiles,
-        levers="train LoRA adapters over a quantized base (--lora-rank R --quantize nf4), chunk the loss "
-        "(--loss-chunks 8), shard over a mesh (--mesh fsdp=N) or take a smaller batch",
+        max_compiles=max(max_compiles, SEARCH_COMPILES),
+        levers=levers,
     )
 
 
@@ -661,6 +674,7 @@ def fit_transformer(
     hardware: cost.Hardware | None = None,
     max_compiles: int = MAX_COMPILES,
     target=None,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Choice, Callable]:
     """:func:`remat_kit.planning.fit.fit` of the built-in model: its own policy field, its own stack and tags.
 
@@ -691,6 +705,7 @@ def fit_transformer(
         hardware=hardware,
         max_compiles=max_compiles,
         retile=planner_at,
+        progress=progress,
     )
     tiled = lambda c: c if choice.seq_tiles == 1 else dataclasses.replace(c, seq_tiles=choice.seq_tiles)
     applied = lambda p: dataclasses.replace(model, config=tiled(model.config), policy=p)

@@ -458,10 +458,11 @@ class KindBlock(nn.Module):
     """One block class of two kinds (Griffin's recurrent and attention blocks): each emits names the other lacks."""
 
     kind: str
+    expand: int = 1
 
     @nn.compact
     def __call__(self, x):
-        h = nn.Dense(x.shape[-1], name="rec" if self.kind == "r" else "attn")(x)
+        h = nn.Dense(self.expand * x.shape[-1], name="rec" if self.kind == "r" else "attn")(x)
         return x + nn.Dense(x.shape[-1], name="mlp")(jnp.tanh(h))
 
 
@@ -469,11 +470,12 @@ class PeriodModel(nn.Module):
     """Blocks in a period of kinds (``rra``: recurrent, recurrent, attention), as recurrentgemma lays them out."""
 
     pattern: str = "rra"
+    expand: int = 1
 
     @nn.compact
     def __call__(self, x):
         for i, kind in enumerate(self.pattern):
-            x = KindBlock(kind, name=f"b{i}")(x)
+            x = KindBlock(kind, self.expand, name=f"b{i}")(x)
         return x
 
 

@@ -36,13 +36,14 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from remat_kit import _jax_internals, findings
+from remat_kit import _jax_internals
 from remat_kit import policies as policies_lib
 from remat_kit import target as target_lib
 from remat_kit.analysis import _xla_dump, memory
 from remat_kit.analysis import explain as explain_lib
 from remat_kit.analysis.flops import jaxpr_flops
 from remat_kit.analysis.memory import CompiledMemory, tree_bytes
+from remat_kit.policies import findings
 from remat_kit.units import fmt_bytes
 
 

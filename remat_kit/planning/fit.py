@@ -22,7 +22,7 @@ import flax.linen as nn
 import optax
 from flax import nnx
 
-from remat_kit import findings, policies
+from remat_kit import policies
 from remat_kit.analysis import inspection
 from remat_kit.planning import budget as budget_lib
 from remat_kit.planning import cost, engine
@@ -31,6 +31,7 @@ from remat_kit.planning.engine import LEVERS, Choice
 from remat_kit.planning.engine import emitted_bytes as emitted_bytes  # re-exported: tensors, tests
 from remat_kit.planning.engine import group_names as group_names  # re-exported
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner, get_optimizer, is_built_in
+from remat_kit.policies import findings
 from remat_kit.unedited import entry as unedited_lib
 from remat_kit.units import check_int, fmt_bytes, fmt_seconds, parse_bytes
 

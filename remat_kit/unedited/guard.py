@@ -27,7 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from remat_kit import _jax_internals, findings
+from remat_kit import _jax_internals
+from remat_kit.policies import findings
 
 #: Per model family (the top package of the model's class), the switch that turns the model's own remat off.
 OWN_REMAT_SWITCHES: dict[str, str] = {
@@ -54,8 +55,8 @@ class Verdict:
         (:func:`remat_kit._jax_internals.without_foreign_remat`).
       seen_through: how many of the model's own rematerialized calls remat_kit's policy replaces.
       share: the blocks' share of the forward's matmul FLOPs (None when it has none).
-      finding: what a report collected instead of an error (:mod:`remat_kit.findings`); a verdict with one is not
-        remembered, so every report that traces the model says it.
+      finding: what a report collected instead of an error (:mod:`remat_kit.policies.findings`); a verdict with
+        one is not remembered, so every report that traces the model says it.
     """
 
     see_through: bool
@@ -96,7 +97,7 @@ def residuals(fn: Callable, leaves: Sequence[Any]) -> list[_jax_internals.RawRes
 
 
 def _found(verdict: Verdict, message: str) -> Verdict:
-    """Report ``message`` (:func:`remat_kit.findings.report`: raised, or collected by a report) and go on."""
+    """Report ``message`` (:func:`remat_kit.policies.findings.report`: raised, or collected by a report) and go on."""
     findings.report(message)
     return dataclasses.replace(verdict, finding=message)
 

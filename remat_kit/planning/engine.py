@@ -374,7 +374,9 @@ def plan(
 
     def compiled(pl: StepPlanner, policy, label: str):
         say(f"compiling {label} ({spent[0] + 1} of at most {max_compiles})")
-        need = interruptible(count(pl).memory, policy, batch, seq)[0]
+        # Traced here, in the caller's thread: JAX's config contexts (rank promotion, x64, precision) are per thread.
+        count(pl).prepare(policy, batch, seq)
+        need = interruptible(pl.memory, policy, batch, seq)[0]
         spent[0] = sum(p.compiles - n for p, n in before.values())
         say(f"{label} needs {fmt_bytes(need)}")
         return need

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from remat_kit import _jax_internals
-from remat_kit.policies import findings
+from remat_kit.policies import findings, tags
 
 #: Per model family (the top package of the model's class), the switch that turns the model's own remat off.
 OWN_REMAT_SWITCHES: dict[str, str] = {
@@ -96,6 +96,23 @@ def residuals(fn: Callable, leaves: Sequence[Any]) -> list[_jax_internals.RawRes
     return found
 
 
+#: plain_key -> what the plain model's backward pass keeps (:func:`_kept`), the newest few.
+_PLAIN_KEPT: collections.OrderedDict = collections.OrderedDict()
+_MAX_PLAIN_KEPT = 64
+
+
+def _plain_kept(plain: Callable, leaves: Sequence[Any], key: Any) -> collections.Counter:
+    key = tags.hashable(key)
+    if key is None or key not in _PLAIN_KEPT:
+        found = _kept(residuals(plain, leaves))
+        if key is None:
+            return found
+        _PLAIN_KEPT[key] = found
+        if len(_PLAIN_KEPT) > _MAX_PLAIN_KEPT:
+            _PLAIN_KEPT.popitem(last=False)
+    return _PLAIN_KEPT[key]
+
+
 def _found(verdict: Verdict, message: str) -> Verdict:
     """Report ``message`` (:func:`remat_kit.policies.findings.report`: raised, or collected by a report) and go on."""
     findings.report(message)
@@ -111,6 +128,7 @@ def verify(
     blocks: str,
     switch: str,
     inside: Callable[[], int] = lambda: 0,
+    plain_key: Any = None,
 ) -> Verdict:
     """Check that ``applied`` (the model under ``policy``) changes what the backward pass keeps (see the module doc).
 
@@ -122,6 +140,8 @@ def verify(
       switch: how to turn the model's own remat off (:func:`own_switch`).
       inside: after ``applied`` was traced, how many of the model's own rematerialized calls inside the blocks
         the naming evaluated inline (:attr:`remat_kit.unedited.engine.Ledger.seen_through`).
+      plain_key: a hashable name of the plain model and the call's signature: what its backward pass keeps is
+        traced once per key (a model applied under several policies), not once per policy.
 
     Raises:
       ValueError: one line saying what did not take effect, and what to change.
@@ -152,7 +172,7 @@ def verify(
             "would keep what the plain model keeps; pass where= the modules that carry the compute",
         )
     kept = residuals(run, leaves)
-    if _kept(kept) == _kept(residuals(plain, leaves)):
+    if _kept(kept) == _plain_kept(plain, leaves, plain_key):
         why = (
             f"the model's own remat around or in its {blocks} already keeps that; {switch} to compare"
             if nesting.nested

@@ -253,6 +253,7 @@ class Applied:
                 f"{matcher} blocks",
                 guard.own_switch(type(self.module)),
                 lambda: self._seen_inside,
+                plain_key=None if key is None else (self.module, key),
             )
             if verdict.seen_through:
                 warnings.warn(

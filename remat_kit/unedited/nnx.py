@@ -175,6 +175,7 @@ def _root_class(cls: type, plan: Plan, plain: Any, blocks_label: str, why: str) 
                 blocks_label,
                 guard.own_switch(cls),
                 lambda: seen_inside[0],
+                plain_key=None if key is None else (plain, key),
             )
             if verdict.seen_through:
                 warnings.warn(

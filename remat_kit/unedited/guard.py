@@ -8,7 +8,7 @@ keeps, and raises a one-line ValueError when
 
 * no block ran under remat_kit's checkpoint, or the blocks it wrapped carry none of the forward's matmul FLOPs;
 * the model's own rematerialized call nests with remat_kit's inside a loop, where it cannot be seen through
-  (outside loops it is seen through: remat_kit's policy replaces it, and :class:`Verdict` says so);
+  (outside loops it is seen through: remat_kit's policy replaces it, said in one warning line);
 * the saved residuals equal the plain model's under a policy that should change them.
 
 A name the policy keeps goes missing from JAX's saved residuals only where another rematerialized call nests with
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -157,6 +158,12 @@ def verify(
     run = _jax_internals.without_foreign_remat(applied) if see_through else applied
     share = nesting.own_flops / nesting.total_flops if nesting.total_flops else None
     verdict = Verdict(see_through, nesting.nested + inside(), share)
+    if verdict.seen_through:
+        warnings.warn(
+            f"remat_kit.apply: {model} runs {verdict.seen_through} jax.checkpoint call(s) of its own around or in its "
+            f"{blocks}; {policy} replaces them",
+            stacklevel=5,
+        )
     if not getattr(policy, "remat", True):
         return verdict
     if not nesting.own:

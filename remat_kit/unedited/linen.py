@@ -255,12 +255,6 @@ class Applied:
                 lambda: self._seen_inside,
                 plain_key=None if key is None else (self.module, key),
             )
-            if verdict.seen_through:
-                warnings.warn(
-                    f"remat_kit.apply: {model} runs {verdict.seen_through} jax.checkpoint call(s) of its own around or "
-                    f"in its {matcher} blocks; {self.plan.policy} replaces them",
-                    stacklevel=4,
-                )
             if key is None or verdict.finding:
                 return verdict
             self._verdicts[key] = verdict

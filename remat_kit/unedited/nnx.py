@@ -32,8 +32,7 @@ from remat_kit import _jax_internals
 from remat_kit.policies import layers as _layers
 from remat_kit.policies import tags
 from remat_kit.policies.static import is_static
-from remat_kit.unedited import blocks as blocks_
-from remat_kit.unedited import guard
+from remat_kit.unedited import blocks, guard
 from remat_kit.unedited.engine import (
     Collector,
     Plan,
@@ -66,13 +65,9 @@ _COLLECT: contextvars.ContextVar[Collector | None] = contextvars.ContextVar("rem
 _REMAT_CLASSES: dict[tuple, type] = {}
 
 
-def blocks(model: nnx.Module, where: Where | None) -> list[tuple[tuple, nnx.Module]]:
-    """The ``(path, module)`` of each block of ``model`` (outermost matches only), in graph order."""
-    return _found(model, where)[0]
-
-
-def _found(model: nnx.Module, where: Where | None) -> tuple[list[tuple[tuple, nnx.Module]], str]:
-    """The blocks of ``model`` and how they were found (``where=``, or by the parameters they carry)."""
+def find_blocks(model: nnx.Module, where: Where | None) -> tuple[list[tuple[tuple, nnx.Module]], str]:
+    """The ``(path, module)`` of each block of ``model`` (outermost matches only), in graph order, and how they
+    were found (``where=``, or by the parameters they carry)."""
     modules = [(tuple(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
     modules.sort(key=lambda pm: [str(p) for p in pm[0]])
     why = ""
@@ -93,7 +88,7 @@ def _found(model: nnx.Module, where: Where | None) -> tuple[list[tuple[tuple, nn
     return found, why
 
 
-def _choose(model: nnx.Module, modules: list[tuple[tuple, nnx.Module]]) -> blocks_.Choice:
+def _choose(model: nnx.Module, modules: list[tuple[tuple, nnx.Module]]) -> blocks.Choice:
     """The block classes of an NNX model: its repeated modules that carry the most parameters.
 
     No call is traced when apply runs (NNX takes no example arguments there), so parameters stand for compute; an
@@ -110,7 +105,7 @@ def _choose(model: nnx.Module, modules: list[tuple[tuple, nnx.Module]]) -> block
     weights = {p: sum(n for q, n in sizes if q[: len(p)] == p) for p in paths if p}
     described = [(p, type(m), any(q != p and q[: len(p)] == p for q in paths)) for p, m in modules]
     total = sum(n for _, n in sizes)
-    return blocks_.choose(described, weights, total, "parameters (embeddings count 0)")
+    return blocks.choose(described, weights, total, "parameters (embeddings count 0)")
 
 
 def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
@@ -119,7 +114,7 @@ def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
         if hasattr(type(node), "_remat_kit_policy"):
             raise applied_twice(type(model).__name__, node._remat_kit_policy, "apply returned a copy of it")
     copy = nnx.clone(model)
-    found, why = _found(copy, plan.where)
+    found, why = find_blocks(copy, plan.where)
     for cls in dict.fromkeys(type(b) for _, b in found):
         nnx_plain_call(cls)  # a transform on the blocks' __call__: seen through (nnx.jit) or refused here
     check_static_argnames(plan.static_argnames, [type(b) for _, b in found])
@@ -177,12 +172,6 @@ def _root_class(cls: type, plan: Plan, plain: Any, blocks_label: str, why: str) 
                 lambda: seen_inside[0],
                 plain_key=None if key is None else (plain, key),
             )
-            if verdict.seen_through:
-                warnings.warn(
-                    f"remat_kit.apply: {cls.__name__} runs {verdict.seen_through} jax.checkpoint call(s) of its own "
-                    f"around or in its {blocks_label}; {plan.policy} replaces them",
-                    stacklevel=2,
-                )
             if key is not None and not verdict.finding:
                 verdicts[key] = verdict
         if not verdict.see_through:

@@ -3,21 +3,18 @@
 :func:`remat_kit.apply` names every submodule output inside a rematerialized block by its path
 relative to the block (``attn/q_einsum``) and every matmul that consumes one of the block's own
 parameters by that parameter's path (``mlp/gating_einsum``). This module holds the pieces both the
-Linen and the NNX side share: joining paths, choosing the blocks (``where=``), the default "repeated
-block" rule, and the table :func:`remat_kit.names_of` returns.
+Linen and the NNX side share: joining paths, choosing the blocks (``where=``; the default, the blocks
+found by their compute, is :mod:`remat_kit.unedited.blocks`), and the table :func:`remat_kit.names_of` returns.
 
 >>> join(("attn", "q_einsum"))
 'attn/q_einsum'
->>> repeated_block([((), "Model"), (("layer_0",), "Block"), (("layer_1",), "Block"), (("norm",), "Norm")])
-'Block'
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from remat_kit.names import join as join  # the one path naming rule, shared with the stacks
@@ -83,42 +80,6 @@ def parse_where(where: Any, base: type) -> Where | None:
         f"where={where!r}: give a {base.__module__}.{base.__name__} class (or a tuple of them), "
         "a module-path glob such as 'layer_*', or a predicate module -> bool"
     )
-
-
-def repeated_block(modules: Sequence[tuple[tuple[str, ...], Any]]) -> Any:
-    """The block class: the child class repeated (>= 2 times) under the shallowest parent that repeats one.
-
-    Args:
-      modules: ``(path, class)`` of every module of the model (the root's path is ``()``).
-
-    Returns:
-      The class.
-
-    Raises:
-      ValueError: no parent has a repeated child class, or the shallowest such parent repeats several.
-    """
-    children: dict[tuple[str, ...], collections.Counter] = collections.defaultdict(collections.Counter)
-    for path, cls in dict(modules).items():
-        if path:
-            children[tuple(path[:-1])][cls] += 1
-    found = [
-        (len(parent), parent, cls, n) for parent, counts in children.items() for cls, n in counts.items() if n >= 2
-    ]
-    if not found:
-        listed = ", ".join(sorted({getattr(c, "__name__", str(c)) for _, c in modules})) or "(none)"
-        raise ValueError(
-            f"no repeated block found (no module has two children of one class); its modules: {listed}; "
-            "pass where= (a block class, a path glob such as 'layer_*', or a predicate)"
-        )
-    depth = min(d for d, *_ in found)
-    top = {cls: n for d, _, cls, n in found if d == depth}
-    if len(top) > 1:
-        named = ", ".join(f"{getattr(c, '__name__', c)} (x{n})" for c, n in sorted(top.items(), key=lambda t: -t[1]))
-        raise ValueError(
-            f"several repeated block classes: {named}; pass where= one class or a tuple of them, "
-            "e.g. where=(LocalBlock, GlobalBlock)"
-        )
-    return next(iter(top))
 
 
 @dataclasses.dataclass(frozen=True)

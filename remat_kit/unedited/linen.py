@@ -78,6 +78,25 @@ class _Run:
     scan: LinenScan | None = None  # scan=True: the runs of blocks this call scans
 
 
+@dataclasses.dataclass(frozen=True)
+class Discovery:
+    """What one discovery trace of a call saw (:meth:`Applied._discover`).
+
+    Attributes:
+      found: ``(path, class, module)`` of every module call, in call order.
+      calls: with ``scan=True``, each call's static arguments (:func:`remat_kit.unedited.scan.template`): a scan runs
+        every block of a period at the first one's call, so it needs the later blocks' static arguments from here.
+      shares: with ``scan=True``, which objects each call's arrays are (:func:`remat_kit.unedited.scan.argument_ids`).
+      flops: ``{index in found: matmul FLOPs}``; total_flops: the whole call's.
+    """
+
+    found: list
+    calls: list
+    shares: list
+    flops: dict[int, int]
+    total_flops: int
+
+
 _RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("remat_kit_apply_run", default=None)
 #: The discovery trace runs module number i (in call order) inside a named scope of this prefix and i.
 _MODULE_SCOPE = "remat_kit_module_"
@@ -110,7 +129,7 @@ class Applied:
         self.module = module
         self.plan = plan
         self._matcher = plan.where
-        self._traces: dict = {}  # (method, call signature) -> the discovery trace's (found, calls)
+        self._traces: dict = {}  # (method, call signature) -> its Discovery
         self._lifted: dict = {}  # module path -> the Flax transforms its call runs inside (discovery)
         self._choice: blocks.Choice | None = None  # the blocks found by compute (where= not given)
         self._verdicts: dict = {}  # call signature -> the guard's verdict (remat_kit.unedited.guard)
@@ -138,7 +157,7 @@ class Applied:
         """The blocks: ``where=``, or the repeated block class found by tracing the call once (cached)."""
         if self._matcher is not None and getattr(self, "_checked", False):
             return self._matcher
-        found, _ = self._discover(method, args, kwargs)
+        found = self._discover(method, args, kwargs).found
         if not any(path for path, *_ in found):
             lifted = [
                 f"nn.{_jax_internals.linen_transform(fn)} on {type(self.module).__name__}.{name}"
@@ -151,7 +170,8 @@ class Applied:
                 "without it, or call the model's own methods (not a jitted helper)"
             )
         if self._matcher is None:
-            self._choice = _choose(found, *self._traces_flops(method, args, kwargs))
+            traced = self._discover(method, args, kwargs)
+            self._choice = _choose(found, traced.flops, traced.total_flops)
             if self._choice.several:
                 warnings.warn(f"remat_kit.apply: {self._choice.several}", stacklevel=4)
         matcher = self._matcher or Where(classes=self._choice.classes)
@@ -175,21 +195,8 @@ class Applied:
         self._matcher, self._checked = matcher, True
         return matcher
 
-    def _discover(self, method: str, args: tuple, kwargs: dict) -> tuple[list, list]:
-        """Every module call of one trace of the call (nothing compiled): ``(found, calls)``, cached per signature.
-
-        ``found`` holds ``(path, class, module)``; with ``scan=True``, ``calls`` each call's static arguments
-        (:func:`remat_kit.unedited.scan.template`): a scan runs every block of a period at the first one's
-        call, so it needs the later blocks' static arguments from here.
-        """
-        found, calls, *_ = self._trace(method, args, kwargs)
-        return found, calls
-
-    def _traces_flops(self, method: str, args: tuple, kwargs: dict) -> tuple[dict, int]:
-        """The discovery trace's matmul FLOPs: ``({index in found: FLOPs}, the whole call's FLOPs)``."""
-        return self._trace(method, args, kwargs)[2:4]
-
-    def _trace(self, method: str, args: tuple, kwargs: dict) -> tuple[list, list, dict, int, list]:
+    def _discover(self, method: str, args: tuple, kwargs: dict) -> Discovery:
+        """One trace of the call (nothing compiled), its module calls and their FLOPs: cached per signature."""
         sig = tags.signature((args, kwargs))
         key = None if sig is None else (method, sig)
         if key is None or key not in self._traces:
@@ -197,8 +204,13 @@ class Applied:
             with _running(run):
                 jaxpr = trace_jaxpr(getattr(self.module, method), args, self._see_through(kwargs))
             self._lifted.update(run.lifted)
-            flops = _jax_internals.scoped_flops(jaxpr, _MODULE_SCOPE)
-            traced = (run.discovered, run.calls, flops, _jax_internals.remat_nesting(jaxpr).total_flops, run.shares)
+            traced = Discovery(
+                run.discovered,
+                run.calls,
+                run.shares,
+                _jax_internals.scoped_flops(jaxpr, _MODULE_SCOPE),
+                _jax_internals.remat_nesting(jaxpr).total_flops,
+            )
             if key is None:
                 return traced
             self._traces[key] = traced
@@ -263,8 +275,8 @@ class Applied:
     def _call(self, method: str, matcher: Where, args: tuple, kwargs: dict):
         run = _Run(self.plan, matcher)
         if self.plan.scan:
-            found, calls, _, _, shares = self._trace(method, args, kwargs)
-            run.scan = LinenScan(found, calls, run.matcher, shares)
+            traced = self._discover(method, args, kwargs)
+            run.scan = LinenScan(traced.found, traced.calls, run.matcher, traced.shares)
         with _running(run), ledger(self.plan.policy) as book:
             out = getattr(self.module, method)(*args, **self._see_through(kwargs))
         self._seen_inside = book.seen_through

@@ -32,6 +32,9 @@ import jax.numpy as jnp
 # Private module: saved_residuals and the remat3 name classes live here (jax 0.10.2 .. 0.12.x).
 from jax._src import ad_checkpoint as _ad_checkpoint
 
+# Private module: where in the user's code an equation was made (user_frame skips JAX's own frames).
+from jax._src import source_info_util as _source_info_util
+
 # jax._src.ad_checkpoint.saved_residuals: the exact list of values the backward pass keeps. It
 # names a residual kept from checkpoint_name in either representation ("named 'h' from ...").
 _saved_residuals = _ad_checkpoint.saved_residuals
@@ -423,16 +426,36 @@ def _eval_inline_remat(jaxpr, consts, args, *, keep_own: bool = False) -> list[A
         elif eqn.primitive.name in _INLINE_CALLS and hasattr(inner, "consts") and outside_loops(inner):
             outs = _eval_inline_remat(inner.jaxpr, inner.consts, invals, keep_own=keep_own)
         else:
-            outs = _rebind(eqn, invals)
+            outs = rebind(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _rebind(eqn, invals: list[Any]) -> list[Any]:
-    """Bind ``eqn``'s primitive again on ``invals`` (remat_kit's own remat keeps its mark)."""
-    with eqn.ctx.manager, jax.named_scope(OWN_SCOPE) if is_own_remat(eqn) else contextlib.nullcontext():
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+def rebind(eqn, invals: list[Any], **params: Any) -> list[Any]:
+    """Bind ``eqn``'s primitive again on ``invals``, with ``params`` replacing some of its own (a shape at a
+    new size); remat_kit's own remat keeps its mark. Private: ``eqn.ctx`` and ``get_bind_params`` (how
+    ``jax.core.eval_jaxpr`` re-binds; JAX has no public re-bind of an equation).
+
+    >>> eqn = jax.make_jaxpr(lambda x: jnp.broadcast_to(x, (3,)))(1.0).eqns[0]
+    >>> rebind(eqn, [2.0], shape=(2,))[0].tolist()
+    [2.0, 2.0]
+    """
+    own = jax.named_scope(OWN_SCOPE) if is_own_remat(eqn) else contextlib.nullcontext()
+    # The equation keeps its user frame (error messages name the model's line, not this one).
+    with eqn.ctx.manager, _source_info_util.user_context(eqn.source_info.traceback), own:
+        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params({**eqn.params, **params}))
     return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def eqn_source(eqn) -> str:
+    """``file.py:line`` of the user's code that made ``eqn`` (JAX's own frames skipped), or ``""``.
+    Private: ``jax._src.source_info_util.user_frame``.
+
+    >>> eqn_source(jax.make_jaxpr(jnp.sin)(1.0).eqns[0]).rsplit(":", 1)[0] != ""
+    True
+    """
+    frame = _source_info_util.user_frame(eqn.source_info.traceback)
+    return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}" if frame else ""
 
 
 # ---- remat_kit's own checkpoints beside the model's (issue 45: a model's own remat seen through) ---------
@@ -854,7 +877,7 @@ def _eval_naming(jaxpr, consts, args, names) -> list[Any]:
         elif prim in _INLINE_CALLS and hasattr(inner, "consts") and (any(insrc) or _foreign_outside_loops(inner)):
             outs = _eval_naming(inner.jaxpr, inner.consts, invals, insrc)
         else:
-            outs = _rebind(eqn, invals)
+            outs = rebind(eqn, invals)
             if prim == "dot_general" and (insrc[1] or insrc[0]):
                 outs = [checkpoint_name(outs[0], insrc[1] or insrc[0])]
             elif prim in _WEIGHT_VIEWS and insrc and insrc[0]:

@@ -1,0 +1,494 @@
+"""Run part of a traced program a block of positions at a time, after checking that it may be.
+
+Long sequences run out of memory in two places a model's author rarely tiles: the per-token layers
+(an MLP's ``[tokens, d_ff]`` intermediates) and attention's ``[heads, S, S]`` scores, which a plain
+``softmax(q k^T) v`` holds for every head, forward and backward. Both are independent along one axis
+of their inputs: a per-token layer along the sequence, attention along its queries (given the keys and
+values). This module works on the program JAX traced from the user's unedited code (a jaxpr):
+
+* :func:`check` proves, equation by equation, that the outputs at positions ``[i, i + b)`` depend only
+  on the inputs at those positions (and on inputs passed whole): elementwise math, matmuls that do not
+  contract the axis, reductions over other axes, reshapes that keep it. Anything else (a reduction over
+  the axis, a scan, a gather, a matmul contracting it) is a :class:`NotPerPosition` naming the equation:
+  checked, not assumed.
+* :func:`blocked` evaluates such a program over ``K`` blocks under :func:`remat_kit.policies.tiling.tiled`
+  (a scan, each block under its own checkpoint), re-binding each equation at the block's size. Values
+  computed from whole inputs only (an ``iota``, a mask) stay whole and are sliced where they meet a
+  blocked value, at the block's offset, so a causal mask built inside the program stays right.
+* :func:`attention_regions` finds, in a flat program, each ``scores -> softmax -> weighted sum`` region:
+  the equations between a matmul whose output is ``[.., S, .., S]`` and the matmuls that contract one of
+  those ``S`` axes back away. :func:`run_regions` evaluates the program with each region run over blocks
+  of queries, so the backward never holds the scores of more than one block.
+
+>>> import jax, jax.numpy as jnp
+>>> w = jnp.full((4, 4), 0.1)
+>>> closed = jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w))(jnp.ones((2, 8, 4)), w)
+>>> check(closed, (1, None))
+(1,)
+>>> x = jnp.arange(64.0).reshape(2, 8, 4) / 64
+>>> bool(jnp.allclose(blocked(closed, (1, None), 4)(x, w)[0], jnp.tanh(x @ w)))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from remat_kit._jax_internals import eqn_source, rebind
+from remat_kit.policies.tiling import check_tiles, tiled
+
+
+class NotPerPosition(ValueError):
+    """A program (or one of its equations) mixes positions along the blocked axis."""
+
+
+def _words(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+#: Primitives whose output at an index depends only on their operands at that index.
+ELEMENTWISE = _words(
+    "abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp clz complex conj convert_element_type "
+    "copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma imag integer_pow "
+    "is_finite le lgamma log log1p logistic lt max min mul name ne neg nextafter not or population_count pow real "
+    "reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh "
+    "sqrt square stop_gradient sub tan tanh xor"
+)
+_REDUCTIONS = _words("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin")
+_CUMULATIVE = _words("cumsum cumprod cummax cummin cumlogsumexp")
+#: Call-like primitives whose body is evaluated inline (a model's own ``jax.checkpoint`` inside a blocked
+#: region is dropped: each block already runs under its own checkpoint).
+_CALLS = _words("jit pjit closed_call core_call remat2 checkpoint custom_jvp_call custom_vjp_call")
+#: Calls flattened by :func:`inline`: the others keep their custom derivative outside the regions.
+_PLAIN_CALLS = _words("jit pjit closed_call core_call remat2 checkpoint")
+
+
+def _body(eqn) -> tuple[Any, list[Any]]:
+    """A call-like equation's body as ``(jaxpr, consts)``."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(key)
+        if isinstance(sub, jcore.ClosedJaxpr):
+            return sub.jaxpr, list(sub.consts)
+        if isinstance(sub, jcore.Jaxpr):
+            return sub, []
+    raise NotPerPosition(f"{eqn.primitive.name}: no body to evaluate")
+
+
+def _bind(eqn, invals: Sequence[Any], **params: Any) -> list[Any]:
+    return rebind(eqn, list(invals), **params)
+
+
+def _where(eqn) -> str:
+    at = eqn_source(eqn)
+    return f"{eqn.primitive.name} at {at}" if at else eqn.primitive.name
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """The block being evaluated: its offset on the full axis, its size and the full size."""
+
+    start: Any
+    size: int
+    full: int
+
+
+def _cut(x, axis: int, block: _Block):
+    """A whole value cut to the block where it meets a blocked one (shapes match on ``axis``)."""
+    if x.shape[axis] != block.full:
+        raise NotPerPosition(f"a whole value of shape {x.shape} meets the blocked axis {axis} of length {block.full}")
+    return jax.lax.dynamic_slice_in_dim(x, block.start, block.size, axis)
+
+
+def _eval(jaxpr, consts, args, axes, block: _Block) -> tuple[list[Any], list[int | None]]:
+    """Evaluate ``jaxpr`` on blocked ``args`` (``axes[i]``: the blocked axis, or None for a whole value)."""
+    env: dict[Any, tuple[Any, int | None]] = {}
+    for v, c in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = (c, None)
+    for v, a, ax in zip(jaxpr.invars, args, axes, strict=True):
+        env[v] = (a, ax)
+
+    def read(v):
+        return (v.val, None) if isinstance(v, jcore.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        vals, ins = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
+        if all(a is None for a in ins):
+            outs, out_axes = _bind(eqn, vals), [None] * len(eqn.outvars)
+        else:
+            outs, out_axes = _rule(eqn, list(vals), list(ins), block)
+        for v, o, a in zip(eqn.outvars, outs, out_axes, strict=True):
+            env[v] = (o, a)
+    outs = [read(v) for v in jaxpr.outvars]
+    return [o for o, _ in outs], [a for _, a in outs]
+
+
+def _rule(eqn, vals: list[Any], axes: list[int | None], block: _Block) -> tuple[list[Any], list[int | None]]:
+    """One equation with at least one blocked operand: its blocked outputs and their axes."""
+    name, p = eqn.primitive.name, eqn.params
+    carried = {a for a in axes if a is not None}
+    if name in ELEMENTWISE:
+        if len(carried) != 1:
+            raise NotPerPosition(f"{_where(eqn)} combines values blocked on different axes {sorted(carried)}")
+        (a,) = carried
+        vals = [_cut(v, a, block) if ax is None and jnp.ndim(v) > a else v for v, ax in zip(vals, axes, strict=True)]
+        return _bind(eqn, vals), [a] * len(eqn.outvars)
+    if name in _CALLS:
+        body, consts = _body(eqn)
+        return _eval(body, consts, vals, axes, block)
+    if name in ("optimization_barrier", "sharding_constraint"):
+        return _bind(eqn, vals), list(axes)
+    if len(carried) != 1 and name not in ("dot_general", "concatenate", "split", "pad"):
+        raise NotPerPosition(f"{_where(eqn)} combines values blocked on different axes {sorted(carried)}")
+    a = next(iter(carried)) if len(carried) == 1 else None
+    if name == "broadcast_in_dim":
+        b = p["broadcast_dimensions"][a]
+        return _bind(eqn, vals, shape=_resized(p["shape"], b, block.size)), [b]
+    if name == "reshape":
+        if p.get("dimensions") is not None:
+            raise NotPerPosition(f"{_where(eqn)} reorders dimensions")
+        full = list(vals[0].shape)
+        full[a] = block.full
+        b = _reshaped_axis(full, a, list(p["new_sizes"]))
+        if b is None:
+            shapes = f"{tuple(full)} -> {tuple(p['new_sizes'])}"
+            raise NotPerPosition(f"{_where(eqn)} merges the blocked axis with another ({shapes})")
+        return _bind(eqn, vals, new_sizes=_resized(p["new_sizes"], b, block.size)), [b]
+    if name == "transpose":
+        return _bind(eqn, vals), [list(p["permutation"]).index(a)]
+    if name in _REDUCTIONS:
+        if a in p["axes"]:
+            raise NotPerPosition(f"{_where(eqn)} reduces over the blocked axis")
+        return _bind(eqn, vals), [a - sum(1 for x in p["axes"] if x < a)]
+    if name == "squeeze":
+        if a in p["dimensions"]:
+            raise NotPerPosition(f"{_where(eqn)} squeezes the blocked axis")
+        return _bind(eqn, vals), [a - sum(1 for x in p["dimensions"] if x < a)]
+    if name in _CUMULATIVE or name == "sort":
+        if p.get("axis", p.get("dimension")) == a:
+            raise NotPerPosition(f"{_where(eqn)} runs along the blocked axis")
+        return _bind(eqn, vals), [a] * len(eqn.outvars)
+    if name == "rev":
+        if a in p["dimensions"]:
+            raise NotPerPosition(f"{_where(eqn)} reverses the blocked axis")
+        return _bind(eqn, vals), [a]
+    if name == "dot_general":
+        return _dot(eqn, vals, axes, block)
+    if name in ("concatenate", "split"):
+        return _concat_split(eqn, vals, axes, block)
+    if name == "slice":
+        if a is None:
+            raise NotPerPosition(f"{_where(eqn)}: one operand expected")
+        start, limit = p["start_indices"][a], p["limit_indices"][a]
+        stride = (p["strides"] or (1,) * len(limit))[a] if p.get("strides") else 1
+        if (start, limit, stride) != (0, block.full, 1):
+            raise NotPerPosition(f"{_where(eqn)} slices the blocked axis")
+        return _bind(eqn, vals, limit_indices=_resized(p["limit_indices"], a, block.size)), [a]
+    if name == "pad" and axes[1] is None:
+        a = axes[0]
+        if tuple(p["padding_config"][a]) != (0, 0, 0):
+            raise NotPerPosition(f"{_where(eqn)} pads the blocked axis")
+        return _bind(eqn, vals), [a]
+    raise NotPerPosition(f"{_where(eqn)} is not known to keep positions apart along the blocked axis")
+
+
+def _resized(shape, axis: int, size: int) -> tuple[int, ...]:
+    out = list(shape)
+    out[axis] = size
+    return tuple(out)
+
+
+def _reshaped_axis(full: list[int], a: int, new: list[int]) -> int | None:
+    """Where axis ``a`` of ``full`` lands in ``new``, when the reshape keeps it whole and apart."""
+    before = math.prod(full[:a])
+    for b, size in enumerate(new):
+        if size == full[a] and math.prod(new[:b]) == before:
+            return b
+    return None
+
+
+def _dot(eqn, vals, axes, block: _Block):
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    la, ra = axes
+    if (la is not None and la in lc) or (ra is not None and ra in rc):
+        raise NotPerPosition(f"{_where(eqn)} contracts the blocked axis")
+    lhs, rhs = vals
+    lfree = [d for d in range(jnp.ndim(lhs)) if d not in lc and d not in lb]
+    rfree = [d for d in range(jnp.ndim(rhs)) if d not in rc and d not in rb]
+    if la is not None and ra is not None:
+        if la in lb and ra in rb and lb.index(la) == rb.index(ra):
+            return _bind(eqn, vals), [lb.index(la)]
+        raise NotPerPosition(f"{_where(eqn)} multiplies two blocked values on different axes (attention's scores)")
+    if la is not None:
+        if la in lb:
+            i = lb.index(la)
+            return _bind(eqn, [lhs, _cut(rhs, rb[i], block)]), [i]
+        return _bind(eqn, vals), [len(lb) + lfree.index(la)]
+    if ra in rb:
+        i = rb.index(ra)
+        return _bind(eqn, [_cut(lhs, lb[i], block), rhs]), [i]
+    return _bind(eqn, vals), [len(lb) + len(lfree) + rfree.index(ra)]
+
+
+def _concat_split(eqn, vals, axes, block: _Block):
+    p = eqn.params
+    along = p.get("dimension", p.get("axis"))
+    carried = {a for a in axes if a is not None}
+    if len(carried) != 1:
+        raise NotPerPosition(f"{_where(eqn)} combines values blocked on different axes {sorted(carried)}")
+    (a,) = carried
+    if along == a:
+        raise NotPerPosition(f"{_where(eqn)} joins or splits along the blocked axis")
+    vals = [_cut(v, a, block) if ax is None else v for v, ax in zip(vals, axes, strict=True)]
+    return _bind(eqn, vals), [a] * len(eqn.outvars)
+
+
+# ---- the runner ------------------------------------------------------------------------------------------
+
+
+def _length(closed, in_axes) -> int:
+    lengths = {closed.in_avals[i].shape[a] for i, a in enumerate(in_axes) if a is not None}
+    if len(lengths) != 1:
+        raise ValueError(f"the blocked inputs must share one length, got {sorted(lengths) or 'none blocked'}")
+    return lengths.pop()
+
+
+def _block_fn(closed, in_axes, length: int, size: int) -> Callable:
+    """The program on one block: ``fn(start, *args)`` with the blocked args cut to the block."""
+
+    def fn(start, *args):
+        block = _Block(start, size, length)
+        outs, out_axes = _eval(closed.jaxpr, closed.consts, list(args), list(in_axes), block)
+        for o, a in zip(outs, out_axes, strict=True):
+            if a is None:
+                raise NotPerPosition(f"an output of shape {jnp.shape(o)} does not carry the blocked axis")
+        return outs, out_axes
+
+    return fn
+
+
+def check(closed, in_axes: Sequence[int | None], blocks: int = 2) -> tuple[int, ...]:
+    """Prove that ``closed`` may run ``blocks`` blocks at a time along ``in_axes``; the outputs' axes.
+
+    Traces only (``jax.eval_shape``). Raises :class:`NotPerPosition` naming the first equation that mixes
+    positions, or an output that does not carry the axis.
+
+    >>> import jax, jax.numpy as jnp
+    >>> check(jax.make_jaxpr(lambda x: jnp.cumsum(x, axis=1))(jnp.ones((2, 4))), (1,))
+    Traceback (most recent call last):
+    ...
+    remat_kit.policies.positions.NotPerPosition: cumsum...runs along the blocked axis
+    """
+    length = _length(closed, in_axes)
+    check_tiles(blocks, length, what="blocks")
+    fn = _block_fn(closed, in_axes, length, length // blocks)
+    args = [
+        jax.ShapeDtypeStruct(_resized(av.shape, a, length // blocks) if a is not None else av.shape, av.dtype)
+        for av, a in zip(closed.in_avals, in_axes, strict=True)
+    ]
+    box: list[Any] = []
+    jax.eval_shape(lambda *a: box.append(fn(jnp.int32(0), *a)[1]) or 0, *args)
+    return tuple(box[0])
+
+
+def blocked(closed, in_axes: Sequence[int | None], blocks: int) -> Callable:
+    """``closed`` (a ``jax.make_jaxpr`` result) as a function run ``blocks`` blocks at a time along ``in_axes``.
+
+    Checked first (:func:`check`). Each block runs under its own checkpoint inside a scan
+    (:func:`remat_kit.policies.tiling.tiled`), so forward and backward hold one block's intermediates.
+
+    Returns:
+      ``f(*flat_args) -> list of outputs`` equal to ``jax.core.jaxpr_as_fun(closed)`` up to float rounding.
+    """
+    out_axes = check(closed, in_axes, blocks)
+    length = _length(closed, in_axes)
+    size = length // blocks
+    fn = _block_fn(closed, in_axes, length, size)
+
+    def on_axis_1(pos, *args):
+        # tiled's convention: every tiled input and output carries the axis at 1; move ours there and back.
+        cut = [jnp.moveaxis(x, 1, a) if a is not None else x for x, a in zip(args, in_axes, strict=True)]
+        outs, _ = fn(pos[0, 0], *cut)
+        return [jnp.moveaxis(o, a, 1) for o, a in zip(outs, out_axes, strict=True)]
+
+    def run(*args):
+        moved = [jnp.moveaxis(x, a, 1) if a is not None else x for x, a in zip(args, in_axes, strict=True)]
+        pos = jnp.arange(length, dtype=jnp.int32)[None]
+        outs = tiled(on_axis_1, blocks, in_axes=(1, *(1 if a is not None else None for a in in_axes)))(pos, *moved)
+        return [jnp.moveaxis(o, 1, a) for o, a in zip(outs, out_axes, strict=True)]
+
+    return run
+
+
+# ---- flat programs and attention regions --------------------------------------------------------------
+
+
+def inline(closed) -> jcore.ClosedJaxpr:
+    """``closed`` with its plain calls (``jit``, ``closed_call``, a model's own ``checkpoint``) flattened into one
+    list of equations (custom derivatives kept), so a region can be found across function boundaries."""
+
+    def ev(jaxpr, consts, args):
+        env = dict(zip(jaxpr.constvars, consts, strict=True)) | dict(zip(jaxpr.invars, args, strict=True))
+        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+        for eqn in jaxpr.eqns:
+            vals = [read(v) for v in eqn.invars]
+            outs = ev(*_body(eqn), vals) if eqn.primitive.name in _PLAIN_CALLS else _bind(eqn, vals)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [read(v) for v in jaxpr.outvars]
+
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
+    return jax.make_jaxpr(lambda *a: ev(closed.jaxpr, closed.consts, a))(*args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """An attention region of a flat program: equation indices, its inputs and outputs, the query input."""
+
+    eqns: tuple[int, ...]
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...]
+    in_axes: tuple[int | None, ...]
+    where: str
+
+
+def _quadratic(var, length: int) -> bool:
+    return sum(1 for d in getattr(var.aval, "shape", ()) if d == length) >= 2
+
+
+def attention_regions(closed, length: int) -> list[Region]:
+    """The ``scores -> softmax -> weighted sum`` regions of a flat program (:func:`inline`) over ``length``
+    positions, each checked to be independent along its queries (:func:`check`).
+
+    Raises:
+      NotPerPosition: a region whose scores leave it (attention weights returned or reused), or that is not
+        per-query on either operand of its scores matmul.
+    """
+    jaxpr = closed.jaxpr
+    eqns = jaxpr.eqns
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    users: dict[Any, list[int]] = {}
+    for i, e in enumerate(eqns):
+        for v in e.invars:
+            if not isinstance(v, jcore.Literal):
+                users.setdefault(v, []).append(i)
+    starts = [
+        i
+        for i, e in enumerate(eqns)
+        if e.primitive.name == "dot_general"
+        and _quadratic(e.outvars[0], length)
+        and not any(_quadratic(v, length) for v in e.invars)
+    ]
+    regions = []
+    for s in starts:
+        fwd, stack = {s}, [s]
+        while stack:
+            for v in eqns[stack.pop()].outvars:
+                for u in users.get(v, ()):
+                    if u not in fwd:
+                        fwd.add(u)
+                        stack.append(u)
+        ends = [
+            i
+            for i in sorted(fwd)
+            if i != s
+            and eqns[i].primitive.name == "dot_general"
+            and not _quadratic(eqns[i].outvars[0], length)
+            and any(_quadratic(v, length) for v in eqns[i].invars if not isinstance(v, jcore.Literal))
+        ]
+        if not ends:
+            continue
+        back, stack = set(ends), list(ends)
+        while stack:
+            for v in eqns[stack.pop()].invars:
+                i = None if isinstance(v, jcore.Literal) else producer.get(v)
+                if i is not None and i in fwd and i not in back:
+                    back.add(i)
+                    stack.append(i)
+        inside = sorted(back | {s})
+        regions.append(_region(closed, inside, s, set(ends), users, length))
+    return regions
+
+
+def _region(closed, inside: list[int], start: int, ends: set[int], users, length: int) -> Region:
+    jaxpr, eqns = closed.jaxpr, closed.jaxpr.eqns
+    defined = {v for i in inside for v in eqns[i].outvars}
+    inputs: list[Any] = []
+    for i in inside:
+        for v in eqns[i].invars:
+            if not isinstance(v, jcore.Literal) and v not in defined and v not in inputs:
+                inputs.append(v)
+    escaping = [
+        v
+        for i in inside
+        for v in eqns[i].outvars
+        if any(u not in inside for u in users.get(v, ())) or v in jaxpr.outvars
+    ]
+    where = _where(eqns[start])
+    for v in escaping:
+        if not any(v in eqns[e].outvars for e in ends):
+            raise NotPerPosition(f"the attention at {where}: a value of shape {v.aval.shape} leaves its region")
+    # The region's inputs (the outer program's constants among them) become the inputs of its own program.
+    sub = jcore.ClosedJaxpr(jcore.Jaxpr([], inputs, escaping, [eqns[i] for i in inside]), [])
+    tried = []
+    for operand in eqns[start].invars:
+        if operand not in inputs:
+            continue
+        ax = [d for d, n in enumerate(operand.aval.shape) if n == length]
+        if len(ax) != 1:
+            continue
+        in_axes = tuple(ax[0] if v is operand else None for v in inputs)
+        try:
+            check(sub, in_axes, 2 if length % 2 == 0 else 1)
+        except NotPerPosition as e:
+            tried.append(str(e))
+            continue
+        return Region(tuple(inside), tuple(inputs), tuple(escaping), in_axes, where)
+    raise NotPerPosition(f"the attention at {where} is not independent along its queries: {'; '.join(tried)}")
+
+
+def run_regions(closed, regions: Sequence[Region], blocks: int) -> Callable:
+    """``closed`` as a function with each region run ``blocks`` query blocks at a time (:func:`blocked`)."""
+    jaxpr = closed.jaxpr
+    owner = {i: r for r in regions for i in r.eqns}
+    runners = {
+        id(r): blocked(
+            jcore.ClosedJaxpr(jcore.Jaxpr([], list(r.inputs), list(r.outputs), [jaxpr.eqns[i] for i in r.eqns]), []),
+            r.in_axes,
+            blocks,
+        )
+        for r in regions
+    }
+
+    def run(*args):
+        env = dict(zip(jaxpr.constvars, closed.consts, strict=True)) | dict(zip(jaxpr.invars, args, strict=True))
+        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+        done: set[int] = set()
+        pending = list(range(len(jaxpr.eqns)))
+        while pending:
+            rest = []
+            for i in pending:
+                if i in done:
+                    continue
+                r, eqn = owner.get(i), jaxpr.eqns[i]
+                needs = r.inputs if r is not None else [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+                if any(v not in env for v in needs):
+                    rest.append(i)
+                    continue
+                if r is None:
+                    env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars]), strict=True))
+                    done.add(i)
+                else:
+                    env.update(zip(r.outputs, runners[id(r)](*[read(v) for v in r.inputs]), strict=True))
+                    done.update(r.eqns)
+            if len(rest) == len(pending):
+                raise NotPerPosition("the attention regions could not be ordered with the rest of the program")
+            pending = rest
+        return [read(v) for v in jaxpr.outvars]
+
+    return run

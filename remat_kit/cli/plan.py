@@ -20,6 +20,7 @@ from remat_kit.cli.common import (
     factory_errors,
     made,
     say,
+    seq_tiles_arg,
     typed,
     write_json,
 )
@@ -181,7 +182,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     check_jobs(args.jobs)
     if args.seq_step is not None and args.max_seq is None:
         raise ValueError("--seq-step goes with --max-seq")
-    if args.model and (given := typed(args, *PRESET_ONLY)):
+    # --max-seq --model runs remat_kit.max_seq, whose levers these two set on the user's model too.
+    levers = ("loss_chunks", "seq_tiles") if args.max_seq is not None else ()
+    if args.model and (given := typed(args, *(f for f in PRESET_ONLY if f not in levers))):
         verb = "shapes" if len(given) == 1 else "shape"
         raise ValueError(f"{', '.join(given)} {verb} the built-in model; with --model the factory gives the shapes")
     if args.max_seq is not None:
@@ -189,8 +192,13 @@ def _plan_command(args: argparse.Namespace) -> int:
 
         args.seq_step = 256 if args.seq_step is None else args.seq_step
         if args.model:
-            return plan_max_seq.run_model(args)
+            with factory_errors():
+                return plan_max_seq.run_model(args)
+        if args.query_blocks is not None:
+            raise ValueError("--query-blocks goes with --max-seq --model (the built-in model's attention is chunked)")
         return plan_max_seq.run_preset(args)
+    if args.query_blocks is not None:
+        raise ValueError("--query-blocks goes with --max-seq --model")
     check_plot(args.plot)
     if args.budget is not None and (args.explain or args.timeline is not None):
         raise ValueError("--explain and --timeline compare policies at their peaks; they do not go with --budget")
@@ -355,10 +363,20 @@ def add_cli(subparsers) -> None:
         metavar="LIMIT",
         help="with --budget (one size or several, 16GB,24GB,80GB): per policy, the longest sequence whose compiled "
         "step fits, found at its edge (that length fits, the next --seq-step does not), with the cost of one more "
-        "position beside the floor the policy keeps; lengths up to LIMIT (default 131,072)",
+        "position beside the floor the policy keeps; lengths up to LIMIT (default 131,072). With --model "
+        "MODULE:FACTORY, FACTORY() returns (model, loss_fn, args_at), remat_kit.max_seq's arguments, and every "
+        "lever is on (--policies, --query-blocks, --seq-tiles, --loss-chunks set one or opt out)",
     )
     p.add_argument(
         "--seq-step", type=int, default=None, help="with --max-seq: lengths tried in multiples of this (default 256)"
+    )
+    p.add_argument(
+        "--query-blocks",
+        type=seq_tiles_arg,
+        default=None,
+        metavar="K|auto",
+        help="with --max-seq --model: attention in K blocks of queries (remat_kit.apply's query_blocks; default auto, "
+        "1: whole)",
     )
     p.add_argument(
         "--margin", type=float, default=None, help=f"with --budget: safety margin (default {constants.DEFAULT_MARGIN})"

@@ -269,52 +269,87 @@ def run_preset(args: argparse.Namespace) -> int:
 
 
 def run_model(args: argparse.Namespace) -> int:
-    """``plan --max-seq --model MODULE:FACTORY``: the factory must take ``seq=`` (the lengths tried)."""
-    from remat_kit.analysis import inspection, memory
-    from remat_kit.cli.plan_report import compile_progress, parse_model_policies
-    from remat_kit.planning.planner import StepPlanner
-    from remat_kit.planning.user_model import load_factory
+    """``plan --max-seq --model MODULE:FACTORY``: :func:`remat_kit.max_seq` on the factory's model, every lever on.
+
+    ``FACTORY()`` returns ``(model, loss_fn, args_at)``, :func:`remat_kit.max_seq`'s arguments; ``--policies`` (one
+    policy), ``--seq-tiles``, ``--query-blocks`` and ``--loss-chunks`` set a lever or opt out of it.
+    """
+    from remat_kit.cli.common import DefaultChunks
+    from remat_kit.planning import max_seq as max_seq_lib
+    from remat_kit.planning.user_model import FactoryError, load_factory
 
     budgets, margin, step, limit = check_args(args)
+    policy = "full" if args.policies is None else args.policies
+    if "," in policy:
+        raise ValueError(f"--policies {policy}: --max-seq with --model takes one policy (default full)")
     factory = load_factory(args.model)
-    params = pyinspect.signature(factory).parameters
-    if "seq" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    required = [
+        p
+        for p in pyinspect.signature(factory).parameters.values()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if required:
         raise ValueError(
-            f"--max-seq with --model {args.model}: the factory must take the sequence length, "
-            "FACTORY(policy, seq=N) -> (loss_fn, example_args), to be compiled at each length tried"
+            f"--max-seq with --model {args.model}: the factory must take no argument and return (model, loss_fn, "
+            f"args_at), remat_kit.max_seq's arguments; it takes ({', '.join(p.name for p in required)})"
         )
-    specs = parse_model_policies(args.policies)
-
-    def build(policy, batch, seq):
-        loss_fn, example = factory(policy, seq=seq)
-        return loss_fn, example[0], tuple(example[1:])
-
-    planner = StepPlanner(build, progress=None if args.no_progress else compile_progress, target=args.target)
-    rule = memory.host_offload(planner.device)
-    rows = []
-    for p in specs:
-        with planner.target.tracing():
-            loss_fn, example = factory(p, seq=step)
-            device, host = inspection.split_saved(inspection.residuals(loss_fn, *example), rule.enforced)
-        rows.append(
-            reach(
-                planner,
-                p,
-                batch=None,
-                ref_seq=step,
-                budgets=budgets,
-                margin=margin,
-                step=step,
-                limit=limit,
-                first=1,
-                floor=(device / step, host / step),
-            )
-        )
+    try:
+        made = factory()
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--model {args.model}: FACTORY() raised {type(err).__name__}: {err}") from None
+    except Exception as err:
+        raise FactoryError(f"--model {args.model}: FACTORY() raised {type(err).__name__}: {err}") from err
+    if not isinstance(made, tuple) or len(made) != 3:
+        raise TypeError(f"--model {args.model}: FACTORY() must return (model, loss_fn, args_at), got {made!r:.80}")
+    chunks = "auto" if type(args.loss_chunks) is DefaultChunks else args.loss_chunks
+    say = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
+    search = max_seq_lib.prepare(
+        *made,
+        step=step,
+        limit=limit,
+        policy=policy,
+        query_blocks="auto" if getattr(args, "query_blocks", None) is None else args.query_blocks,
+        seq_tiles="auto" if args.seq_tiles is None else args.seq_tiles,
+        loss_chunks=chunks,
+        target=args.target,
+        progress=say,
+    )
+    edges = [search.edge(b, margin) for b in budgets]
     print(
         f"remat-kit plan --max-seq --model {args.model}: clipped AdamW step, margin {margin:.0%}, lengths in "
-        f"multiples of {step:,} up to {limit:,}, compile-only; floor: every residual the loss keeps, per position"
+        f"multiples of {step:,} up to {limit:,}, compile-only"
     )
-    return _report(args, rows, budgets, rule, {"model": args.model}, None)
+    print(f"levers: {search.levers.describe()}")
+    for line in search.unavailable:
+        print(f"not used: {line}")
+    for e in edges:
+        line = f"  {fmt_bytes(e.budget_bytes)}: "
+        if not e.seq:
+            line += f"nothing fits: {e.step:,} needs {fmt_bytes(e.next_need_bytes * (1 + e.margin))}"
+        else:
+            line += f"longest {e.seq:,} needs {fmt_bytes(e.need_bytes * (1 + e.margin))}"
+            if e.next_seq is None:
+                line += f"; {e.seq + e.step:,} is past --max-seq {e.limit:,}"
+            else:
+                over = fmt_bytes_beside(e.next_need_bytes * (1 + e.margin), e.budget_bytes)
+                line += f"; {e.next_seq:,} needs {over}, over"
+        print(line)
+    print(f"{search.planner.compiles} compiles (each the whole step at one length)")
+    if args.json:
+        payload = {
+            "command": command_line("plan", args),
+            "model": args.model,
+            "levers": dataclasses.asdict(search.levers),
+            "unavailable": list(search.unavailable),
+            "edges": [
+                {k: v for k, v in dataclasses.asdict(e).items() if k not in ("levers", "unavailable")} for e in edges
+            ],
+            "target": args.target or "local",
+        }
+        write_json(args.json, payload)
+        if args.json != "-":
+            print(f"\nwrote {args.json}")
+    return 0 if all(e.seq for e in edges) else 1
 
 
 def _report(args, rows: list[PolicyReach], budgets: list[int], rule, head: dict, batch) -> int:

@@ -394,6 +394,54 @@ def max_seq(
     """
     budget_bytes = budget_bytes_of(budget)
     Budget(budget_bytes, margin)
+    search = prepare(
+        model,
+        loss_fn,
+        args_at,
+        step=step,
+        limit=limit,
+        start=start,
+        policy=policy,
+        scan=scan,
+        query_blocks=query_blocks,
+        seq_tiles=seq_tiles,
+        loss_chunks=loss_chunks,
+        offload=offload,
+        optimizer=optimizer,
+        where=where,
+        static_argnames=static_argnames,
+        target=target,
+        progress=progress,
+    )
+    return search.edge(budget_bytes, margin)
+
+
+def prepare(
+    model: Any,
+    loss_fn: Callable,
+    args_at: Callable[[int], tuple],
+    *,
+    step: int = 256,
+    limit: int = DEFAULT_LIMIT,
+    start: int | None = None,
+    policy: str = "full",
+    scan: bool = True,
+    query_blocks: int | str = "auto",
+    seq_tiles: int | str = "auto",
+    loss_chunks: int | str = "auto",
+    offload: bool | None = None,
+    optimizer: str | optax.GradientTransformation = "adamw",
+    where: Any = None,
+    static_argnames: Any = None,
+    target: Any = None,
+    progress: Callable[[str], None] | None = None,
+) -> Search:
+    """:func:`max_seq`'s search, checked and ready, for one budget or several (:meth:`Search.edge` per budget; the
+    compiles are shared). Arguments as :func:`max_seq`'s, less the budget and margin.
+
+    Raises:
+      TypeError/ValueError: a bad argument, in one line naming it, before anything is compiled.
+    """
     get_optimizer(optimizer)
     is_nnx = isinstance(model, nnx.Module)
     if not is_nnx and not _is_linen(model):
@@ -427,7 +475,7 @@ def max_seq(
         raise TypeError(f"args_at({step}) must return a tuple of the loss's arguments, got {type(example).__name__}")
     chunked = loss_fn if levers.loss_chunks == 0 else functools.partial(loss_fn, loss_chunks=levers.loss_chunks)
     check_convention(model, chunked, tuple(example))
-    search = Search(
+    return Search(
         model,
         loss_fn,
         args_at,
@@ -442,7 +490,6 @@ def max_seq(
         target=target,
         progress=progress,
     )
-    return search.edge(budget_bytes, margin)
 
 
 def _is_linen(model: Any) -> bool:

@@ -100,7 +100,9 @@ class _Block:
 
 
 def _cut(x, axis: int, block: _Block):
-    """A whole value cut to the block where it meets a blocked one (shapes match on ``axis``)."""
+    """A whole value cut to the block where it meets a blocked one (shapes match on ``axis``, or it is 1 there)."""
+    if x.shape[axis] == 1 and block.full != 1:
+        return x  # broadcast along the axis (a Dense bias reshaped to [1, 1, n]): the same at every position
     if x.shape[axis] != block.full:
         raise NotPerPosition(f"a whole value of shape {x.shape} meets the blocked axis {axis} of length {block.full}")
     return jax.lax.dynamic_slice_in_dim(x, block.start, block.size, axis)

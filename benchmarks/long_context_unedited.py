@@ -39,7 +39,7 @@ ROWS = {
         dict(policy="none", scan=False, query_blocks=1, seq_tiles=1, loss_chunks=0),
     ),
     "full": ('apply(model, "full", scan=True), plain loss', dict(query_blocks=1, seq_tiles=1, loss_chunks=0)),
-    "levers": ("every lever (max_seq's defaults)", {}),
+    "levers": ("every lever (max_seq's defaults), the loss through remat_kit.head_loss", {}),
 }
 
 
@@ -80,6 +80,19 @@ def loss(model, tokens, positions, mask):
     logits = logits[:, :-1].astype(jnp.float32)
     picked = jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0]
     return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
+
+
+def head_loss(model, tokens, positions, mask, *, loss_chunks):
+    """The same loss with the head in chunks (:func:`remat_kit.head_loss`; 0: :func:`loss`, whole logits)."""
+    import remat_kit
+
+    if loss_chunks == 0:
+        return loss(model, tokens, positions, mask)
+    labels = jnp.roll(tokens, -1, axis=1)  # the next token; the last position does not count
+    counts = jnp.broadcast_to(jnp.arange(tokens.shape[1]) < tokens.shape[1] - 1, tokens.shape).astype(jnp.float32)
+    return remat_kit.head_loss(
+        model, tokens, positions, None, mask, labels=labels, mask=counts, chunks=loss_chunks, head="embedder.decode"
+    )
 
 
 def args_at(seq: int, batch: int = 1) -> tuple:
@@ -146,7 +159,7 @@ def plan_rows(args) -> None:
         t = time.perf_counter()
         search = max_seq_lib.prepare(
             model,
-            loss,
+            head_loss if key == "levers" else loss,
             args_at,
             step=args.step,
             limit=args.limit,

@@ -78,6 +78,8 @@ def test_a_loss_with_a_loss_chunks_keyword_gets_it():
     one = dict(budget="1GB", step=64, limit=64)  # one length, one compile
     r = remat_kit.max_seq(model, chunked, args_at, loss_chunks=4, **one)
     assert r.levers.loss_chunks == 4 and set(seen) == {4} and r.compiles == 1
+    off = remat_kit.max_seq(model, chunked, args_at, loss_chunks=0, **one)  # off: the loss is told 0
+    assert off.levers.loss_chunks == 0 and seen[-1] == 0 and "the loss as given" in off.levers.describe()
     r = remat_kit.max_seq(model, loss, args_at, **one)
     assert r.levers.loss_chunks == 0 and any(u.startswith("loss_chunks") for u in r.unavailable)
 

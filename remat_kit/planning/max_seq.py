@@ -13,8 +13,8 @@ The levers, all on by default and each with its opt-out:
 * ``policy`` (``"full"``) over the blocks, ``scan`` (True: on CPU only a scan keeps a loop's recompute);
 * ``query_blocks`` and ``seq_tiles`` (``"auto"``): attention in blocks of queries and the per-token parts in
   sequence tiles, by :func:`remat_kit.apply` on the unedited model, where this remat_kit's ``apply`` has them;
-* ``loss_chunks`` (``"auto"``): forwarded to a loss that takes a ``loss_chunks`` keyword (one written with the
-  package's chunked loss at the head); a loss without it runs as given;
+* ``loss_chunks`` (``"auto"``): given to a loss that takes a ``loss_chunks`` keyword (0 included: off), one
+  written with :func:`remat_kit.head_loss`, the loss at the head in chunks; a loss without it runs as given;
 * ``offload`` (None: where the target moves memory): the blocks' kept inputs go to the host
   (:func:`remat_kit.analysis.memory.host_offload`; XLA:CPU moves nothing, so there it is off).
 
@@ -59,7 +59,8 @@ class Levers:
       query_blocks: attention in this many query blocks (``"auto"``: :func:`remat_kit.apply` chooses per length;
         1: whole).
       seq_tiles: the per-token parts in this many sequence tiles (``"auto"`` or a count; 1: untiled).
-      loss_chunks: passed to the loss as ``loss_chunks=`` (0: the loss as given).
+      loss_chunks: passed to the loss as ``loss_chunks=`` (0: off, the loss computes its logits whole; a loss
+        without the keyword runs as given).
       offload: the blocks' kept inputs offloaded to the host.
     """
 
@@ -153,7 +154,7 @@ def _takes_chunks(loss_fn: Callable) -> bool:
         params = inspect.signature(loss_fn).parameters
     except (TypeError, ValueError):
         return False
-    return "loss_chunks" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return "loss_chunks" in params
 
 
 class Search:
@@ -187,7 +188,7 @@ class Search:
         is_nnx = isinstance(model, nnx.Module)
         kwargs: dict[str, Any] = {"where": where, "static_argnames": static_argnames, "scan": levers.scan}
         kwargs.update({k: getattr(levers, k) for k in ("query_blocks", "seq_tiles") if getattr(levers, k) != 1})
-        loss = loss_fn if levers.loss_chunks == 0 else functools.partial(loss_fn, loss_chunks=levers.loss_chunks)
+        loss = functools.partial(loss_fn, loss_chunks=levers.loss_chunks) if _takes_chunks(loss_fn) else loss_fn
         policy = policies.parse(levers.policy)
         make = unedited_lib.apply_factory(model, loss, **kwargs)
         made: dict[str, Any] = {}
@@ -353,7 +354,8 @@ def max_seq(
     Args:
       model: a Flax model, Linen or NNX, unedited (an NNX model may be abstract: ``nnx.eval_shape``).
       loss_fn: as :func:`remat_kit.fit` (Linen: ``loss_fn(model, variables, *batch)``; NNX:
-        ``loss_fn(model, *batch)``); with a ``loss_chunks`` keyword it gets ``loss_chunks=``.
+        ``loss_fn(model, *batch)``); with a ``loss_chunks`` keyword it gets ``loss_chunks=`` (see
+        :func:`remat_kit.head_loss`: ``chunks=loss_chunks``; 0 is off: the plain loss).
       args_at: ``args_at(seq) -> example_args``: the loss's arguments after the model at sequence length
         ``seq`` (Linen: the variables first), arrays or ``jax.ShapeDtypeStruct``.
       budget: device bytes (an int) or a size string (``"24GB"``); a step fits when its need × (1 + margin) is
@@ -473,7 +475,7 @@ def prepare(
     example = args_at(step)
     if not isinstance(example, (tuple, list)):
         raise TypeError(f"args_at({step}) must return a tuple of the loss's arguments, got {type(example).__name__}")
-    chunked = loss_fn if levers.loss_chunks == 0 else functools.partial(loss_fn, loss_chunks=levers.loss_chunks)
+    chunked = functools.partial(loss_fn, loss_chunks=levers.loss_chunks) if _takes_chunks(loss_fn) else loss_fn
     check_convention(model, chunked, tuple(example))
     return Search(
         model,

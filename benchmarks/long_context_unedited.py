@@ -104,6 +104,23 @@ def args_at(seq: int, batch: int = 1) -> tuple:
     )
 
 
+def gemma():
+    """gm.nn's Gemma 3 1B (26 x 1,152, vocabulary 262,144; Linen): ``(model, loss, args_at)``, bf16 variables."""
+    from gemma import gm
+
+    model = gm.nn.Gemma3_1B(dtype=jnp.bfloat16)
+    tokens = jnp.ones((1, 8), jnp.int32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))
+    variables = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), variables)
+
+    def gemma_loss(m, v, tokens):
+        logits = m.apply(v, tokens).logits[:, :-1].astype(jnp.float32)
+        picked = jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0]
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
+
+    return model, gemma_loss, lambda seq: (variables, jax.ShapeDtypeStruct((1, seq), jnp.int32))
+
+
 def factory(policy):
     """``MODULE:FACTORY`` for ``run_bench``: the small Llama under the levers at ``$LONG_CONTEXT_SEQ`` (full, scan)."""
     import remat_kit
@@ -127,14 +144,19 @@ def _header(args) -> None:
     )
 
 
-def _fixed_bytes(model) -> int:
-    """What no sequence length changes: the parameters, their gradients and AdamW's state (from shapes)."""
+def _fixed_of(params) -> int:
+    """Parameters, gradients and AdamW's state of a Linen model's variables (from shapes)."""
     from remat_kit.planning.planner import get_optimizer
     from remat_kit.step import update
 
-    params, opt_state = update.abstract_state(nnx.state(model, nnx.Param), get_optimizer("adamw"))
+    params, opt_state = update.abstract_state(params, get_optimizer("adamw"))
     size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     return 2 * size(params) + size(opt_state)
+
+
+def _fixed_bytes(model) -> int:
+    """What no sequence length changes: the parameters, their gradients and AdamW's state (from shapes)."""
+    return _fixed_of(nnx.state(model, nnx.Param))
 
 
 def plan_rows(args) -> None:
@@ -143,11 +165,13 @@ def plan_rows(args) -> None:
         config, make = llama()
         layers, width = config.num_layers, config.embed_dim
         what = "tunix Llama 3 llama3p2_1b()"
+        model, losses, at = _bf16(make), {"levers": head_loss}, args_at
     else:
-        raise SystemExit(f"--family {args.family}: not run here")
-    model = _bf16(make)
+        model, plain_loss, at = gemma()
+        layers, width, what = 26, 1152, "gemma gm.nn Gemma3_1B"
+        losses = {}  # head_loss takes a Linen module, not apply's wrapper: the levers row runs the plain loss
     budgets = [parse_bytes(b) for b in args.budgets.split(",")]
-    fixed = _fixed_bytes(model)
+    fixed = _fixed_bytes(model) if args.family == "tunix" else _fixed_of(at(args.step)[0])
     floor = max_seq_lib.layer_input_floor(layers, width, 2)
     print(
         f"{what}: {layers} x {width}, bf16 parameters, batch 1, clipped AdamW, XLA:CPU compile-only, margin "
@@ -159,8 +183,8 @@ def plan_rows(args) -> None:
         t = time.perf_counter()
         search = max_seq_lib.prepare(
             model,
-            head_loss if key == "levers" else loss,
-            args_at,
+            losses.get(key, loss if args.family == "tunix" else plain_loss),
+            at,
             step=args.step,
             limit=args.limit,
             start=args.start,

@@ -22,6 +22,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
+from remat_kit import _jax_internals
 from remat_kit.policies import loss_chunks, positions
 from remat_kit.policies.tiling import check_tiles
 from remat_kit.units import check_int
@@ -218,6 +219,11 @@ def _linen_call(model, variables, args, kwargs, marks: _Marks, method):
         name = path if context.method_name == "__call__" else f"{path}.{context.method_name}"
         return marks.wrap(name, next_fun, a, kw)
 
+    # nn.jit (gm.nn's __call__) replays a trace cached before the interceptor was set: run the method plainly,
+    # which inside the caller's jit changes no value (as remat_kit.apply does).
+    fn = getattr(type(model), method or "__call__", None) if method is None or isinstance(method, str) else method
+    if _jax_internals.linen_transform(fn) == "jit":
+        method = _jax_internals.linen_see_through_jit(fn)
     with nn.intercept_methods(interceptor):
         return model.apply(variables, *args, method=method, **kwargs)
 

@@ -185,3 +185,30 @@ def test_auto_chunks_divides_the_sequence():
     assert head_mod.auto_chunks(8 * 2**30, 1000) == 100  # 64 chunks of 128 MiB wanted: 100 divides 1000
     assert head_mod.auto_chunks(2**50, 1000) == 1000  # at most one position a chunk
     assert head_mod.auto_chunks(300 * 2**20, 12) == 3
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"], ids=["linen", "nnx"])
+def test_a_model_from_apply_keeps_its_policy_and_the_plain_gradients(kind):
+    # remat_kit.apply's model: the layers under its policy (fewer residuals kept), the head in chunks.
+    from remat_kit._jax_internals import saved_residuals
+
+    if kind == "linen":
+        model, variables = _linen(dict(tied=True))
+        applied = remat_kit.apply(model, "full", where=lambda m: type(m).__name__ == "GptBlock")
+        loss = lambda m: lambda v: remat_kit.head_loss(m, v, TOKENS, labels=LABELS, mask=MASK, chunks=2)
+        want = jax.grad(lambda v: plain(model.apply(v, TOKENS)[0]))(variables)
+    else:
+        plain_model = NnxLM(tied=True, rngs=nnx.Rngs(0))
+        applied = remat_kit.apply(plain_model, "full")
+        graphdef_p, variables, rest_p = nnx.split(plain_model, nnx.Param, ...)
+        want = jax.grad(lambda p: plain(nnx.merge(graphdef_p, p, rest_p)(TOKENS)))(variables)
+
+        def loss(m):
+            graphdef, _, rest = nnx.split(m, nnx.Param, ...)
+            return lambda p: remat_kit.head_loss(nnx.merge(graphdef, p, rest), TOKENS, labels=LABELS, mask=MASK)
+
+        model = plain_model
+    got = jax.jit(jax.grad(loss(applied)))(variables)
+    assert max_rel_err(got, want) <= RTOL_F32
+    kept = lambda m: sum(r.nbytes for r in saved_residuals(loss(m), variables) if not r.is_argument)
+    assert kept(applied) < kept(model)

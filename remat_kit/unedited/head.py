@@ -25,9 +25,13 @@ from jax.extend import core as jcore
 from remat_kit import _jax_internals
 from remat_kit.policies import loss_chunks, positions
 from remat_kit.policies.tiling import check_tiles
+from remat_kit.unedited.linen import Applied
 from remat_kit.units import check_int
 
 _IN, _OUT = "remat_kit.head_in/", "remat_kit.head_out/"
+#: Calls flattened to reach the head's marks: a jit (an NNX ``nnx.jit`` method, a helper) changes no value inside
+#: the caller's trace; a checkpoint or scan around the head would, and is left alone.
+_JITS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 #: "auto" chunks aim at about this many bytes of float32 logits a chunk (the built-in loss's figure).
 CHUNK_BYTES = 128 * 2**20
 
@@ -59,7 +63,8 @@ def head_loss(
     gradients, up to float rounding. Other outputs of the model (a cache) are dropped.
 
     Args:
-      model: a Linen module (then ``args[0]`` is its variables) or an NNX module.
+      model: a Linen module (then ``args[0]`` is its variables) or an NNX module, or what
+        :func:`remat_kit.apply` made of either (its policy then applies to the layers).
       *args, **kwargs: the model's call arguments (Linen: after the variables).
       labels: integer ids shaped as the logits without their vocabulary axis (``[batch, seq]``); the
         positions are its last axis.
@@ -107,7 +112,7 @@ def head_loss(
         graphdef, state = nnx.split(model)
         run = lambda st, a, kw, marks: _nnx_call(graphdef, st, a, kw, marks)
         bound = state
-    elif isinstance(model, nn.Module):
+    elif isinstance(model, (nn.Module, Applied)):
         if not args or not isinstance(args[0], Mapping):
             raise TypeError(
                 f"a Linen model takes its variables first (a mapping), got {type(args[0] if args else None)}"
@@ -221,7 +226,8 @@ def _linen_call(model, variables, args, kwargs, marks: _Marks, method):
 
     # nn.jit (gm.nn's __call__) replays a trace cached before the interceptor was set: run the method plainly,
     # which inside the caller's jit changes no value (as remat_kit.apply does).
-    fn = getattr(type(model), method or "__call__", None) if method is None or isinstance(method, str) else method
+    plain = model.module if isinstance(model, Applied) else model  # remat_kit.apply's: its apply, the model's methods
+    fn = getattr(type(plain), method or "__call__", None) if method is None or isinstance(method, str) else method
     if _jax_internals.linen_transform(fn) == "jit":
         method = _jax_internals.linen_see_through_jit(fn)
     with nn.intercept_methods(interceptor):
@@ -370,23 +376,21 @@ def _subjaxprs(params) -> list:
 
 
 def _lift(closed, names: set[str]):
-    """``closed`` with the plain calls (a ``jit``, a model's own ``checkpoint``) that hold a mark flattened into
-    it, so the marks stand in its top level; other calls (the layers' checkpoints and scans) are kept as
-    they are, their memory savings with them."""
+    """``closed`` with the jit calls that hold a mark flattened into it, so the marks stand in its top level;
+    checkpoints and scans (the layers', a policy's) are kept as they are, their memory savings with them, and
+    a mark inside one is not reached."""
 
     def ev(jaxpr, consts, args):
         env = dict(zip(jaxpr.constvars, consts, strict=True)) | dict(zip(jaxpr.invars, args, strict=True))
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
         for eqn in jaxpr.eqns:
             vals = [read(v) for v in eqn.invars]
-            lift = eqn.primitive.name in positions._PLAIN_CALLS and _contains(positions._body(eqn)[0], names)
+            lift = eqn.primitive.name in _JITS and _contains(positions._body(eqn)[0], names)
             outs = ev(*positions._body(eqn), vals) if lift else positions._bind(eqn, vals)
             env.update(zip(eqn.outvars, outs, strict=True))
         return [read(v) for v in jaxpr.outvars]
 
-    if not any(
-        _contains(positions._body(e)[0], names) for e in closed.jaxpr.eqns if e.primitive.name in positions._PLAIN_CALLS
-    ):
+    if not any(_contains(positions._body(e)[0], names) for e in closed.jaxpr.eqns if e.primitive.name in _JITS):
         return closed
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     return jax.make_jaxpr(lambda *a: ev(closed.jaxpr, closed.consts, a))(*args)
@@ -426,7 +430,8 @@ def _tail(flat, marks: _Marks, lead, head, what):
     if not hits:
         seen = ", ".join(sorted({c.name for c in marks.calls})[:8])
         raise ValueError(
-            f"the head ({what}) does not reach the model's logits shaped {(*lead, 'vocab')}; calls: {seen}"
+            f"the head ({what}) reaches no output shaped as logits {(*lead, 'vocab')} from the model's top level "
+            f"(not inside a checkpoint or scan); calls: {seen}"
         )
     if head is not None and len(hits) > 1:
         names = ", ".join(marks.calls[k].name for _, k, _ in hits)

@@ -212,3 +212,29 @@ def test_a_model_from_apply_keeps_its_policy_and_the_plain_gradients(kind):
     assert max_rel_err(got, want) <= RTOL_F32
     kept = lambda m: sum(r.nbytes for r in saved_residuals(loss(m), variables) if not r.is_argument)
     assert kept(applied) < kept(model)
+
+
+def test_an_unknown_nnx_head_is_named_before_tracing(monkeypatch):
+    model = NnxLM(rngs=nnx.Rngs(0))
+    monkeypatch.setattr(head_mod, "_loss", lambda *a: pytest.fail("traced"))
+    with pytest.raises(ValueError, match=r"head=.embedder.decode/x. names no module of the model; .*embedder"):
+        remat_kit.head_loss(model, TOKENS, labels=LABELS, head="embedder.decode/x")
+    with pytest.raises(TypeError, match="method is for a Linen module"):
+        remat_kit.head_loss(model, TOKENS, labels=LABELS, method="attend")
+
+
+class TwiceLM(nn.Module):
+    """The head applied twice on the way to the logits (two views averaged): no one call to chunk."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embedder")(tokens)
+        head = nn.Dense(V, name="lm_head")
+        return (head(x) + head(jnp.tanh(x))) / 2
+
+
+def test_a_head_called_twice_on_the_way_to_the_logits_is_refused():
+    model = TwiceLM()
+    variables = model.init(jax.random.key(0), TOKENS)
+    with pytest.raises(ValueError, match=r"head='lm_head' is called 2 times on the way to the logits"):
+        remat_kit.head_loss(model, variables, TOKENS, labels=LABELS, head="lm_head")

@@ -86,3 +86,25 @@ def test_head_loss_equals_the_plain_loss_and_gradients(name, variant):
     (lw, gw), (lg, gg) = (jax.jit(jax.value_and_grad(f))(params) for f in (want, got))
     assert abs(float(lg) - float(lw)) <= 1e-5 * abs(float(lw))
     assert_leaves_close(gg, gw)
+
+
+def test_tunix_llama3_never_holds_the_full_logits():
+    # Compile-only, at a vocabulary large enough that the [1, 512, 65536] float32 logits (128 MiB) dwarf the rest.
+    MODELS["tunix-llama3"].make(1)  # skips (or fails) without tunix
+    llama = _TUNIX[0]
+    seq, vocab = 512, 65536
+    config = dataclasses.replace(_tiny(llama.ModelConfig.llama3p2_1b(), 2), vocab_size=vocab)
+    graphdef, params, rest = nnx.split(llama.Llama3(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    tokens = jax.random.randint(jax.random.key(0), (1, seq), 0, vocab)
+    args = (tokens, jnp.arange(seq)[None], None, jnp.tril(jnp.ones((1, seq, seq), bool)))
+    logits_bytes = seq * vocab * 4
+
+    def want(p):
+        logits = nnx.merge(graphdef, p, rest)(*args)[0].astype(jnp.float32)
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tokens[..., None], -1)[..., 0])
+
+    got = lambda p: remat_kit.head_loss(nnx.merge(graphdef, p, rest), *args, labels=tokens, chunks=32)
+    temp = lambda f: jax.jit(jax.grad(f)).lower(params).compile().memory_analysis().temp_size_in_bytes
+    plain_temp, chunked_temp = temp(want), temp(got)
+    assert plain_temp > logits_bytes  # 265 MiB on XLA:CPU (jax 0.12): the logits, their gradient, softmax
+    assert chunked_temp < logits_bytes / 4, (chunked_temp, plain_temp, logits_bytes)  # 25 MiB there

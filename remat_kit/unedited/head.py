@@ -60,7 +60,9 @@ def head_loss(
     The full ``[..., positions, vocab]`` logits and their gradient never exist: the head and the loss run
     ``chunks`` slices of positions at a time, each slice's gradients taken as it runs
     (:mod:`remat_kit.policies.loss_chunks`). Equal to the plain loss over the model's logits, and its
-    gradients, up to float rounding. Other outputs of the model (a cache) are dropped.
+    gradients, up to float rounding. Other outputs of the model (a cache) are dropped, and so is what the call
+    would write back (Linen's mutable collections, an NNX module's RNG counts or batch statistics): run it
+    deterministic, as a language model's training step usually does, or advance such state yourself.
 
     Args:
       model: a Linen module (then ``args[0]`` is its variables) or an NNX module, or what

@@ -238,3 +238,13 @@ def test_a_head_called_twice_on_the_way_to_the_logits_is_refused():
     variables = model.init(jax.random.key(0), TOKENS)
     with pytest.raises(ValueError, match=r"head='lm_head' is called 2 times on the way to the logits"):
         remat_kit.head_loss(model, variables, TOKENS, labels=LABELS, head="lm_head")
+
+
+def test_nnx_rng_state_advances_as_the_plain_call_does():
+    # Dropout on: each call draws new masks from the module's RNG counts; head_loss writes them back, so two
+    # steps in a row see the plain model's two pairs of masks.
+    a, b = NnxLM(rngs=nnx.Rngs(0)), NnxLM(rngs=nnx.Rngs(0))
+    for _ in range(2):
+        want = plain(a(TOKENS, deterministic=False))
+        got = remat_kit.head_loss(b, TOKENS, deterministic=False, labels=LABELS, mask=MASK, chunks=2)
+        assert max_rel_err(got, want) <= RTOL_F32

@@ -60,9 +60,9 @@ def head_loss(
     The full ``[..., positions, vocab]`` logits and their gradient never exist: the head and the loss run
     ``chunks`` slices of positions at a time, each slice's gradients taken as it runs
     (:mod:`remat_kit.policies.loss_chunks`). Equal to the plain loss over the model's logits, and its
-    gradients, up to float rounding. Other outputs of the model (a cache) are dropped, and so is what the call
-    would write back (Linen's mutable collections, an NNX module's RNG counts or batch statistics): run it
-    deterministic, as a language model's training step usually does, or advance such state yourself.
+    gradients, up to float rounding. Other outputs of the model (a cache) are dropped. State an NNX call updates
+    (dropout's RNG counts) is written back to the module as its own call would; Linen's mutable collections are
+    not (``apply`` runs without ``mutable``).
 
     Args:
       model: a Linen module (then ``args[0]`` is its variables) or an NNX module, or what
@@ -114,6 +114,7 @@ def head_loss(
         graphdef, state = nnx.split(model)
         run = lambda st, a, kw, marks: _nnx_call(graphdef, st, a, kw, marks)
         bound = state
+        write_back = lambda new: nnx.update(model, new)
     elif isinstance(model, (nn.Module, Applied)):
         if not args or not isinstance(args[0], Mapping):
             raise TypeError(
@@ -121,10 +122,11 @@ def head_loss(
             )
         bound, args = args[0], args[1:]
         spec = _split_head(head, _linen_paths(bound)) if head is not None else None
-        run = lambda v, a, kw, marks: _linen_call(model, v, a, kw, marks, method)
+        run = lambda v, a, kw, marks: (_linen_call(model, v, a, kw, marks, method), None)
+        write_back = None
     else:
         raise TypeError(f"model must be a Linen module (with its variables) or an NNX module, got {type(model)}")
-    return _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks)
+    return _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks, write_back)
 
 
 # ---- checks ------------------------------------------------------------------------------------------------
@@ -248,7 +250,8 @@ def _nnx_call(graphdef, state, args, kwargs, marks: _Marks):
         methods = [m for m in methods if marks.wanted(path, m) and callable(getattr(type(node), m, None))]
         if methods:
             _swap(node, path, methods, marks)
-    return copy(*args, **kwargs)
+    out = copy(*args, **kwargs)
+    return out, nnx.state(copy)  # what the call updated (RNG counts), written back as the model's call would
 
 
 def _own_methods(cls) -> list[str]:
@@ -297,17 +300,24 @@ def _arrays(out) -> list:
     return [a for a in jax.tree.leaves(out) if isinstance(a, (jax.Array, np.ndarray))]
 
 
-def _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks):
+def _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks, write_back):
     leaves, tree = jax.tree.flatten((bound, args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
     marks = _Marks(spec, tuple(labels.shape))
+    state_tree: list = []  # the structure of the state the call updates (NNX), set while tracing
+    n_out: list[int] = []  # how many of the traced outputs are the model's, before that state
 
     def traced(*values):
         full = list(leaves)
         for i, v in zip(dynamic, values, strict=True):
             full[i] = v
         b, a, kw = jax.tree.unflatten(tree, full)
-        return _arrays(run(b, a, kw, marks))
+        out, new = run(b, a, kw, marks)
+        outs = _arrays(out)
+        state, structure = jax.tree.flatten(new)
+        state_tree.append(structure)
+        n_out.append(len(outs))
+        return outs + state
 
     avals = [jax.ShapeDtypeStruct(jnp.shape(leaves[i]), jnp.result_type(leaves[i])) for i in dynamic]
     closed = jax.make_jaxpr(traced)(*avals)
@@ -320,7 +330,8 @@ def _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks):
         )
     names = {f"{_IN}{k}" for k in range(len(marks.calls))} | {f"{_OUT}{k}" for k in range(len(marks.calls))}
     flat = _lift(closed, names)
-    k, logits_at, tail, inputs = _tail(flat, marks, labels.shape, head, what)
+    k, logits_at, tail, inputs = _tail(flat, marks, labels.shape, head, what, n_out[-1])
+    updated = flat.jaxpr.outvars[n_out[-1] :]
     axis = labels.ndim - 1
     length = labels.shape[-1]
     vocab = flat.jaxpr.outvars[logits_at].aval.shape[-1]
@@ -336,13 +347,26 @@ def _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks):
     if out_axes != (axis,):
         raise ValueError(f"the logits after the head {marks.calls[k].name!r} carry the positions on {out_axes}")
     front = jcore.ClosedJaxpr(
-        jcore.Jaxpr(flat.jaxpr.constvars, flat.jaxpr.invars, list(inputs), _front_eqns(flat.jaxpr, inputs)),
+        jcore.Jaxpr(
+            flat.jaxpr.constvars,
+            flat.jaxpr.invars,
+            [*inputs, *updated],
+            _front_eqns(flat.jaxpr, [*inputs, *updated]),
+        ),
         flat.consts,
     )
     size = length // chunks
     block = positions._block_fn(tail, in_axes, length, size)
     chunk = loss_chunks.Chunk(lambda i, blocked, whole: block(i * size, blocked[0], *whole)[0][0])
-    h, *whole = jcore.jaxpr_as_fun(front)(*[leaves[i] for i in dynamic])
+    given = [leaves[i] for i in dynamic]
+    values = jcore.jaxpr_as_fun(front)(*given)
+    h, *whole = values[: len(inputs)]
+    new = values[len(inputs) :]
+    # Written back only when the call changed some state (dropout's RNG counts), as the plain call would
+    # mutate it; an unchanged leaf comes back as the very input it was.
+    seen = {id(g) for g in given}
+    if write_back is not None and any(id(n) not in seen for n in new):
+        write_back(jax.tree.unflatten(state_tree[-1], new))
     return loss_chunks.chunked_mean(chunk, (h,), tuple(whole), labels, mask, chunks, axis=axis)
 
 
@@ -398,7 +422,7 @@ def _lift(closed, names: set[str]):
     return jax.make_jaxpr(lambda *a: ev(closed.jaxpr, closed.consts, a))(*args)
 
 
-def _tail(flat, marks: _Marks, lead, head, what):
+def _tail(flat, marks: _Marks, lead, head, what, n_out: int):
     """The marked call whose output reaches the logits, and the program from its input to them."""
     jaxpr = flat.jaxpr
     eqns = jaxpr.eqns
@@ -421,7 +445,7 @@ def _tail(flat, marks: _Marks, lead, head, what):
         # logits too, but give hidden states).
         outs = [
             j
-            for j, v in enumerate(jaxpr.outvars)
+            for j, v in enumerate(jaxpr.outvars[:n_out])
             if v in produced
             and tuple(v.aval.shape[:-1]) == tuple(lead)
             and v.aval.ndim == len(lead) + 1
@@ -477,7 +501,7 @@ def _forward(eqns, users, start: int) -> set[int]:
 def _front_eqns(jaxpr, outputs) -> list:
     """The equations that compute ``outputs`` (the tail's inputs), in order."""
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    need, stack = set(), [producer[v] for v in outputs if v in producer]
+    need, stack = set(), [producer[v] for v in outputs if not isinstance(v, jcore.Literal) and v in producer]
     while stack:
         i = stack.pop()
         if i in need:

@@ -72,7 +72,9 @@ def head_loss(
         positions are its last axis.
       mask: 1 where a position counts (default: all); the loss is the mean over those.
       head: the head's module path and method: ``"lm_head"``, ``"embedder.decode"``, ``"transformer/wte.attend"``.
-        None: found, the last module call from hidden states to vocabulary-wide outputs.
+        None: found, the last module call from hidden states to vocabulary-wide outputs. A Linen path is
+        checked against the variables before tracing, so a head holding none of its own (Hugging Face GPT-2's
+        tied ``lm_head``, applied with the embedding) is left to be found.
       chunks: the slices of positions, a divisor of the sequence length, or ``"auto"`` (about
         :data:`CHUNK_BYTES` of float32 logits a slice).
       method: Linen only, the method to apply (as ``Module.apply``'s).

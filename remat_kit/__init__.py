@@ -29,6 +29,7 @@ _LAZY = {
     "apply": ("remat_kit.unedited.entry", "apply"),
     "names_of": ("remat_kit.unedited.entry", "names_of"),
     "apply_factory": ("remat_kit.unedited.entry", "apply_factory"),
+    "head_loss": ("remat_kit.unedited.head", "head_loss"),
 }
 
 __getattr__, __dir__ = face(__name__, _LAZY, globals())
@@ -41,6 +42,7 @@ __all__ = [
     "auto",
     "compare",
     "fit",
+    "head_loss",
     "inspect",
     "linen",
     "names",

@@ -11,6 +11,9 @@ matrix is not differentiated, as a frozen LoRA base), which the backward pass wo
 first step anyway: the step's compiled peak is no higher than with the logits recomputed, its
 matmul FLOPs are the plain loss's (``benchmarks/results/plan_2b_loss_chunks8.txt``), and on CPU it
 spares the page faults of two ``[b·s, V]`` float32 buffers per step (``benchmarks/results/profile_notes.md``).
+The chunks, the fused gradients and the scaling are :func:`remat_kit.policies.loss_chunks.chunked_mean`, the
+one implementation :func:`remat_kit.head_loss` runs a model the user installed through; this module gives it
+the output projection (and, for a frozen matrix, its reading by vocabulary slice).
 
 ``loss_chunks="auto"`` (:func:`auto_chunks`, the training default) picks the fused loss once the full
 float32 logits reach :data:`AUTO_FUSED_FROM`, about :data:`AUTO_CHUNK_BYTES` of logits a chunk, and
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 
 from remat_kit.model import lora_layer
 from remat_kit.model.ops import matmul, project
+from remat_kit.policies import loss_chunks
 from remat_kit.units import check_int
 
 #: ``loss_chunks="auto"`` uses the fused loss from this many bytes of full float32 logits on. Below
@@ -105,10 +109,7 @@ def cross_entropy(logits, targets, mask):
       targets: ``[b, s]`` integer ids.
       mask: ``[b, s]``, 1 where the position counts.
     """
-    logits = logits.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum((lse - picked) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    return jnp.sum(loss_chunks.token_losses(logits, targets) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def chunked_cross_entropy(
@@ -164,10 +165,26 @@ def chunked_cross_entropy(
     n = b * s
     size = -(-n // chunks)
     pad = size * chunks - n
-    h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(chunks, size, d)
-    t = jnp.pad(targets.reshape(n), (0, pad)).reshape(chunks, size)
-    m = jnp.pad(mask.reshape(n).astype(jnp.float32), (0, pad)).reshape(chunks, size)
-    return _fused_mean(h, w_out, t, m, vocab_axis, vocab_blocks)
+    h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0)))
+    t = jnp.pad(targets.reshape(n), (0, pad))
+    m = jnp.pad(mask.reshape(n).astype(jnp.float32), (0, pad))
+    return loss_chunks.chunked_mean(_head(vocab_axis, vocab_blocks, vocab), (h,), w_out, t, m, chunks)
+
+
+@functools.cache
+def _head(vocab_axis: int, blocks: int, vocab: int) -> loss_chunks.Chunk:
+    """The output projection as the shared chunked loss's chunk (cached: one spec, one trace, per layout)."""
+
+    def logits(i, blocked, w):
+        (h_c,) = blocked
+        if lora_layer.is_quantized(w):  # a differentiated quantized matrix: its float leaves' gradient, through
+            w = lora_layer.dequantize_matrix(w, h_c.dtype)
+        return project(h_c, w, 1 - vocab_axis, h_c.dtype, jnp.float32)  # [size, vocab]
+
+    def frozen(i, blocked, w, t_c, m_c, count, grad):
+        return _frozen_chunk(blocked[0], w, t_c, m_c, count, vocab_axis, blocks, vocab, grad)
+
+    return loss_chunks.Chunk(logits, frozen)
 
 
 #: A frozen output matrix is cast (or dequantized) in vocabulary slices of about this many float32 bytes.
@@ -219,94 +236,32 @@ def _w_block(w, vocab_axis: int, blocks: int, dtype):
     return lambda j: jax.lax.dynamic_slice_in_dim(w, j * size, size, axis=vocab_axis).astype(dtype)
 
 
-def _frozen_forward(h, w, t, m, vocab_axis: int, blocks: int, grad: bool):
-    """``(mean loss, dh or None)`` with ``w`` frozen: per chunk, the logits and their gradient by vocabulary slice.
+def _frozen_chunk(h_c, w, t_c, m_c, count, vocab_axis: int, blocks: int, vocab: int, grad: bool):
+    """One chunk's ``(summed loss / count, (dh,) or None)`` with ``w`` frozen, by vocabulary slice.
 
     The slices' logits ``[blocks, size, vocab / blocks]`` are one chunk's logits (as many bytes); each slice
     of ``w`` is cast/dequantized where a matmul reads it, once for the logits and once for ``dh``.
     """
-    count = jnp.maximum(jnp.sum(m), 1.0)
-    w_block = _w_block(w, vocab_axis, blocks, h.dtype)
-    width = _vocab_size(w, vocab_axis) // blocks
+    w_block = _w_block(w, vocab_axis, blocks, h_c.dtype)
+    width = vocab // blocks
     index = jnp.arange(blocks, dtype=jnp.int32)
+    z = jax.lax.scan(lambda _, j: (None, matmul(h_c, w_block(j), 1 - vocab_axis, jnp.float32)), None, index)[1]
+    lse = jax.nn.logsumexp(z, axis=(0, 2))  # [size]
+    rows = jnp.arange(h_c.shape[0])
+    picked = z[t_c // width, rows, t_c % width]
+    total = jnp.sum((lse - picked) * m_c) / count
+    if not grad:
+        return total, None
+    # d(lse - picked)/dz = softmax - onehot, per token weighted by its mask over the count.
+    hot = (index[:, None, None] * width + jnp.arange(width)[None, None, :]) == t_c[None, :, None]
+    dz = (jnp.exp(z - lse[None, :, None]) - hot) * (m_c / count)[None, :, None]
 
-    def body(total, xs):
-        h_c, t_c, m_c = xs
-        z = jax.lax.scan(lambda _, j: (None, matmul(h_c, w_block(j), 1 - vocab_axis, jnp.float32)), None, index)[1]
-        lse = jax.nn.logsumexp(z, axis=(0, 2))  # [size]
-        rows = jnp.arange(h_c.shape[0])
-        picked = z[t_c // width, rows, t_c % width]
-        total = total + jnp.sum((lse - picked) * m_c) / count
-        if not grad:
-            return total, None
-        # d(lse - picked)/dz = softmax - onehot, per token weighted by its mask over the count.
-        hot = (index[:, None, None] * width + jnp.arange(width)[None, None, :]) == t_c[None, :, None]
-        dz = (jnp.exp(z - lse[None, :, None]) - hot) * (m_c / count)[None, :, None]
+    def back(acc, xs):
+        j, dz_j = xs
+        return acc + matmul(dz_j, w_block(j), vocab_axis, jnp.float32), None
 
-        def back(acc, xs):
-            j, dz_j = xs
-            return acc + matmul(dz_j, w_block(j), vocab_axis, jnp.float32), None
-
-        dh = jax.lax.scan(back, jnp.zeros(h_c.shape, jnp.float32), (index, dz))[0]
-        return total, dh.astype(h_c.dtype)
-
-    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (h, t, m))
-
-
-def _chunk_loss(h_c, w, t_c, m_c, vocab_axis: int):
-    """The summed cross-entropy of one chunk ``h_c [size, d]`` (its logits in float32)."""
-    logits = project(h_c, w, 1 - vocab_axis, h_c.dtype, jnp.float32)  # [size, vocab]
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]
-    return jnp.sum((lse - picked) * m_c)
-
-
-def _fused_forward(h, w, t, m, vocab_axis: int):
-    """``(mean loss, (dh, dw))``: the loss over every chunk and its gradients, one chunk at a time, ``w`` whole."""
-    count = jnp.maximum(jnp.sum(m), 1.0)
-
-    def body(carry, xs):
-        h_c, t_c, m_c = xs
-        # The chunk's loss already divided by the token count, so the backward pass's usual
-        # cotangent of 1 hands these gradients on unchanged (no second rounding).
-        chunk = lambda h_, w_: _chunk_loss(h_, w_, t_c, m_c, vocab_axis) / count
-        value, (dh, dw_c) = jax.value_and_grad(chunk, (0, 1))(h_c, w)
-        total, dw = carry
-        return (total + value, dw + dw_c.astype(jnp.float32)), dh
-
-    dw0 = jnp.zeros(w.shape, jnp.float32)
-    (total, dw), dh = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dw0), (h, t, m))
-    return total, (dh, dw.astype(w.dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_mean(h, w, t, m, vocab_axis: int, blocks: int):
-    # Not differentiated (an evaluation): the losses alone, no gradient matmuls.
-    return _frozen_forward(h, w, t, m, vocab_axis, blocks, False)[0]
-
-
-def _fused_mean_fwd(h, w, t, m, vocab_axis, blocks):
-    # symbolic_zeros: a primal comes with whether it is differentiated; a frozen output matrix (LoRA's
-    # base) gets no weight gradient computed at all, and is read by vocabulary slices.
-    wv = jax.tree.map(lambda p: p.value, w)
-    if not any(p.perturbed for p in jax.tree.leaves(w)):
-        total, dh = _frozen_forward(h.value, wv, t.value, m.value, vocab_axis, blocks, True)
-        return total, (dh, None)
-    if lora_layer.is_quantized(wv):  # a differentiated quantized matrix: its float leaves' gradient, through
-        dense, back = jax.vjp(lambda q: lora_layer.dequantize_matrix(q, h.value.dtype), wv)
-        total, (dh, dw) = _fused_forward(h.value, dense, t.value, m.value, vocab_axis)
-        return total, (dh, back(dw)[0])
-    total, (dh, dw) = _fused_forward(h.value, wv, t.value, m.value, vocab_axis)
-    return total, (dh, dw)
-
-
-def _fused_mean_bwd(vocab_axis, blocks, residuals, g):
-    dh, dw = residuals
-    scale = lambda x: None if x is None or not jnp.issubdtype(x.dtype, jnp.floating) else (x * g).astype(x.dtype)
-    return scale(dh), jax.tree.map(scale, dw), None, None
-
-
-_fused_mean.defvjp(_fused_mean_fwd, _fused_mean_bwd, symbolic_zeros=True)
+    dh = jax.lax.scan(back, jnp.zeros(h_c.shape, jnp.float32), (index, dz))[0]
+    return total, (dh.astype(h_c.dtype),)
 
 
 def lm_loss(model, params, tokens, *, loss_chunks: int | str = 0, deterministic: bool = True, rngs=None):

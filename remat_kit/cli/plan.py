@@ -57,6 +57,7 @@ def _model_command(args: argparse.Namespace) -> int:
     from remat_kit.analysis import inspection
     from remat_kit.cli.plan_report import format_explain, parse_model_policies
     from remat_kit.planning import budget, planner
+    from remat_kit.planning import fit as fit_lib
     from remat_kit.planning.user_model import load_factory, model_from_factory
 
     for flag in ("limits", "plot"):
@@ -111,7 +112,7 @@ def _model_command(args: argparse.Namespace) -> int:
             print(f"\nwrote {args.timeline}")
         payload = {"command": command_line("plan", args), "model": args.model, **comparison.to_dict()}
     else:
-        result = budget.auto(
+        result = fit_lib.auto(
             make_loss,
             *example,
             budget_bytes=budget_bytes,
@@ -425,6 +426,7 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     from remat_kit.cli.plan_report import compile_progress, format_per_tensor, maxtext_settings, parse_policies
     from remat_kit.model import lora
     from remat_kit.planning import budget, builtin, cost, tensors
+    from remat_kit.planning import fit as fit_lib
     from remat_kit.planning.builtin import Planner
     from remat_kit.planning.planner import DEFAULT_MARGIN, Budget
 
@@ -468,42 +470,21 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     if not args.no_progress:
         say(f"[plan] compiling {len(pool)} candidates, {args.jobs} at a time ...")
     hardware = cost.calibrate(mesh.devices.flat[0].platform if mesh is not None else None) if args.calibrate else None
-    result = budget.auto(
+    # One call: the presets compiled side by side (the table) and, without --policies, the plan that fits chosen by
+    # the engine of remat_kit.fit (per tensor, mixes, sequence tiles when nothing fits untiled); with --policies, the
+    # best of that pool.
+    result = fit_lib.auto(
         config,
         batch=batch,
         seq=seq,
         budget_bytes=budget_bytes,
         margin=margin,
-        candidates=pool,
+        candidates=None if args.policies is None else pool,
         exhaustive=True,
         planner=planner,
         jobs=args.jobs,
         hardware=hardware,
-        tiles=(),  # the table is every preset compiled untiled; the engine below tries tiles when nothing fits
     )
-    # The choice is the engine's (remat_kit.fit's): the table above is every preset compiled; the engine adds the
-    # block's tags kept per tensor (without --policies) and mixes, and says which plan fits at least cost.
-    choice = tensors.config_choice(
-        config,
-        Budget(budget_bytes, margin),
-        batch=batch,
-        seq=seq,
-        planner=planner,
-        loss_chunks=args.loss_chunks,
-        presets=None if args.policies is None else pool,
-        hardware=result.hardware,
-    )
-    if (str(choice.chosen), choice.seq_tiles) != (str(result.chosen), result.seq_tiles):
-        # The engine's extra rows: per-tensor plans, mixes and (when nothing fits untiled) the tiled steps compiled.
-        shown = {(c.policy, c.seq_tiles) for c in result.candidates}
-        extra = tuple(c for c in choice.candidates if c.need_bytes is not None and (c.policy, c.seq_tiles) not in shown)
-        result = dataclasses.replace(
-            result,
-            chosen=choice.chosen,
-            seq_tiles=choice.seq_tiles,
-            candidates=result.candidates + extra,
-            reason=choice.reason,
-        )
     per = None
     if args.per_tensor:
         if not args.no_progress:

@@ -1,6 +1,6 @@
 """``remat-kit plan --max-seq``: per policy, the longest sequence whose compiled step fits each budget.
 
-Each answer is found at its edge by compiling (:func:`remat_kit.planning.fit.longest_seq`): the longest
+Each answer is found at its edge by compiling (:func:`remat_kit.planning.limits.longest_seq`): the longest
 multiple of ``--seq-step`` that fits, and the next one, which does not. Beside it: the need at the reference
 length, the cost of one more position (the slope from the reference to the longest edge, whole batch) and the
 floor under it, what the policy's layer stack keeps per position (trace-only), with offloaded bytes counted on
@@ -85,7 +85,7 @@ class PolicyReach:
     per_position_bytes: float | None
     floor_per_position_bytes: float
     floor_host_per_position_bytes: float
-    edges: tuple[Any, ...]  # remat_kit.planning.fit.SeqEdge, one per budget
+    edges: tuple[Any, ...]  # remat_kit.planning.limits.SeqEdge, one per budget
 
     def to_dict(self) -> dict[str, Any]:
         row = {k: v for k, v in dataclasses.asdict(self).items() if k != "edges"}
@@ -95,12 +95,12 @@ class PolicyReach:
 
 def reach(planner, policy, *, batch, ref_seq: int, budgets, margin, step, limit, first, floor) -> PolicyReach:
     """A policy's :class:`PolicyReach` (compiles the reference shape and each budget's edge)."""
-    from remat_kit.planning import fit
+    from remat_kit.planning import limits
 
     ref_need = planner.memory(policy, batch, ref_seq)[0]
     probes = (ref_seq, 4 * ref_seq)
     edges = tuple(
-        fit.longest_seq(
+        limits.longest_seq(
             planner,
             policy,
             batch=batch,

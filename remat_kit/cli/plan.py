@@ -188,7 +188,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.max_seq is not None:
         from remat_kit.cli import plan_max_seq
 
-        args.seq_step = 256 if args.seq_step is None else args.seq_step
+        args.seq_step = plan_max_seq.DEFAULT_STEP if args.seq_step is None else args.seq_step
         if args.model:
             return plan_max_seq.run_model(args)
         return plan_max_seq.run_preset(args)
@@ -423,6 +423,7 @@ def limit_policies(candidates, limits: str, chosen) -> list[str]:
 def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh) -> int:
     """``plan --budget``: every candidate's need against the budget, the choice, and the limits that fit."""
     from remat_kit import policies
+    from remat_kit.cli import plan_max_seq
     from remat_kit.cli.plan_report import compile_progress, format_per_tensor, maxtext_settings, parse_policies
     from remat_kit.model import lora
     from remat_kit.planning import budget, builtin, cost, tensors
@@ -501,26 +502,30 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
             pool=pool,
             maxtext=args.maxtext,
         )
-    # The limits are the untiled step's (max_fit grows the shape, and a tile count must divide every length tried).
+    # The largest batch is the planned step's (untiled: max_fit grows the shape, and a tile count must divide every
+    # length tried); the longest sequence is plan --max-seq's own computation (the levers by default), so the two
+    # commands print the same length for the same preset and budget.
     untiled = [c for c in result.candidates if c.seq_tiles == 1]
     wanted = limit_policies(untiled, limits, result.chosen if result.seq_tiles == 1 else None)
     fit = {}
     if wanted and mesh is None:
-        # The searches' first compiles are known in advance (the batch line's two points, the sequence
-        # limit): compile them together, args.jobs at a time; each search then needs about two more.
+        # The batch searches' first compiles are known in advance (the line's two points): compile them together,
+        # args.jobs at a time; each search then needs about two more.
         planner.expect(2 * len(wanted))
         first = max(batch, 2)
-        shapes = [
-            (policies.parse(s), b, q)
-            for s in wanted
-            for b, q in ((first, seq), (2 * first, seq), (batch, config.max_seq_len))
-        ]
+        shapes = [(policies.parse(s), b, seq) for s in wanted for b in (first, 2 * first)]
         if not args.no_progress:
             say(f"[plan] largest batch and sequence that fit for {len(wanted)} policies ...")
         planner.precompile(shapes, jobs=args.jobs)
-    for spec in wanted:
+        seq_config, chunks = plan_max_seq.lever_config(args, config, plan_max_seq.DEFAULT_LIMIT)
+        seq_planner = Planner(seq_config, loss_chunks=chunks, progress=planner.progress, target=args.target)
+        step, limit = plan_max_seq.DEFAULT_STEP, plan_max_seq.DEFAULT_LIMIT
+        edge = {"batch": batch, "ref_seq": seq, "budget_bytes": budget_bytes, "margin": margin, "step": step}
+        edge.update(limit=limit, first=plan_max_seq.first_unit(chunks, batch, step))
+    for spec in wanted if mesh is None else ():
         kw = {"batch": batch, "seq": seq, "budget_bytes": budget_bytes, "margin": margin, "planner": planner}
-        fit[spec] = (builtin.max_fit(config, spec, dim="batch", **kw), builtin.max_fit(config, spec, dim="seq", **kw))
+        longest = plan_max_seq.longest(seq_planner, policies.parse(spec), **edge).seq
+        fit[spec] = (builtin.max_fit(config, spec, dim="batch", **kw), longest)
 
     where = f", mesh {args.mesh} (bytes per device)" if mesh is not None else ""
     print(
@@ -536,11 +541,18 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
             f"{pb.frozen / config.num_params():.3f} byte per base parameter), adapters {fmt_bytes(pb.trainable)}"
         )
     print(budget.BUDGET_LEGEND)
-    # A sequence limit equal to the preset's max_seq_len is the model's cap, not what memory allows.
-    shown = {k: (b, f"{s} (cap)" if s == config.max_seq_len else s) for k, (b, s) in fit.items()}
+    # A sequence at --max-seq's limit is where the search stopped, not what memory allows.
+    cap = plan_max_seq.DEFAULT_LIMIT
+    shown = {k: (b, f"{s:,} (limit)" if s == cap else f"{s:,}") for k, (b, s) in fit.items()}
     print("\n".join(result.table(shown)))
-    if any(s == config.max_seq_len for _, s in fit.values()):
-        print(f"(cap): the preset's max_seq_len ({config.max_seq_len}); memory would allow more")
+    if fit:
+        note = (
+            f"max seq: plan --max-seq's longest sequence (multiples of {plan_max_seq.DEFAULT_STEP}, the chunked loss "
+            "and sequence tiles by default; --loss-chunks 0 --seq-tiles 1 opt out)"
+        )
+        if any(s == cap for _, s in fit.values()):
+            note += f"; (limit): --max-seq's limit ({cap:,}), memory would allow more"
+        print(note)
     tiles = f" in {result.seq_tiles} sequence tiles (--seq-tiles {result.seq_tiles})" if result.seq_tiles > 1 else ""
     print(f"\nchosen: {result.chosen}{tiles}" if result.chosen is not None else "")
     print(result.reason)  # when nothing fits, it says so (once)

@@ -39,7 +39,7 @@ from remat_kit.analysis import explain, inspection, memory
 from remat_kit.planning import cost
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.planning.planner import Budget, StepPlanner
-from remat_kit.units import fmt_bytes, fmt_flops, fmt_seconds
+from remat_kit.units import fmt_bytes, fmt_bytes_beside, fmt_flops, fmt_seconds
 from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.planning.budget.parse_bytes
 
 #: What the columns of :meth:`AutoResult.table` mean.
@@ -171,7 +171,7 @@ class AutoResult:
             row = (
                 f"{mark}{c.label:{width}} {fmt_flops(c.recompute_flops):>10} {fmt_seconds(c.cost_s):>10} "
                 f"{fmt_bytes(c.need_bytes) if compiled else '-':>10} "
-                f"{fmt_bytes(budget.with_margin(c.need_bytes)) if compiled else '-':>10} "
+                f"{fmt_bytes_beside(budget.with_margin(c.need_bytes), budget.bytes) if compiled else '-':>10} "
                 f"{fmt_bytes(c.host_bytes) if compiled else '-':>10} {fits:>5}"
             )
             if fit:  # the limits are the untiled step's
@@ -661,7 +661,8 @@ def why_chosen(chosen, table: Sequence[Candidate], budget: Budget, loss_chunks: 
     ]
     return (
         f"nothing fits: the leanest candidate, {least.policy}, needs {fmt_bytes(least.need_bytes)} "
-        f"(+{margin:.0%} margin: {fmt_bytes(budget.with_margin(least.need_bytes))}) but the budget is "
+        f"(+{margin:.0%} margin: {fmt_bytes_beside(budget.with_margin(least.need_bytes), budget.bytes)}) but the "
+        "budget is "
         f"{fmt_bytes(budget.bytes)}. "
         f"Next levers: {'; '.join(levers)}."
     )

@@ -153,6 +153,26 @@ def test_plan_budget_and_fit_agree_on_the_built_in_model(tmp_path, capsys):
     assert r.policy == chosen != "none"
 
 
+def test_auto_answers_with_the_engines_choice_beside_its_table():
+    # auto is a front: its table's rows stay, its answer is the engine's, the engine's compiled plans become rows.
+    from remat_kit.planning.budget import AutoResult, Candidate
+    from remat_kit.planning.engine import Choice
+
+    rows = (Candidate("none", 10, 0, 100, 0, False), Candidate("full", 12, 2))  # full priced, not compiled
+    table = AutoResult(None, 90, 0.0, None, None, 0, "adamw", rows, "the table's reason", 1, 1.0)
+    engine_rows = (Candidate("full", 12, 2, 50, 0, True), Candidate("selective:a", 11, 1, 80, 0, True))
+    choice = Choice(policies.parse("selective:a"), 80, 1.0, engine_rows, Budget(90, 0.0), 2, 2.0, "the engine's")
+    r = fit_lib.with_choice(table, choice)
+    assert (str(r.chosen), r.reason, r.compiled, r.seconds) == ("selective:a", "the engine's", 3, 3.0)
+    assert [(c.policy, c.need_bytes, c.fits) for c in r.candidates] == [
+        ("none", 100, False),
+        ("full", 50, True),
+        ("selective:a", 80, True),
+    ]
+    same = fit_lib.with_choice(dataclasses.replace(table, chosen=policies.parse("selective:a")), choice)
+    assert same.reason == "the table's reason"  # the same plan: the table's own words stay
+
+
 # ---- the generic path loads no built-in model ------------------------------------------------------------------
 
 #: auto and fit on a user's own loss and model, in a fresh interpreter; prints the remat_kit wings then loaded.

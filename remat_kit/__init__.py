@@ -23,7 +23,7 @@ _LAZY = {
     "stack": ("remat_kit.linen.scan", "stack"),
     "inspect": ("remat_kit.analysis.inspection", "inspect"),
     "compare": ("remat_kit.analysis.inspection", "compare"),
-    "auto": ("remat_kit.planning.budget", "auto"),
+    "auto": ("remat_kit.planning.fit", "auto"),
     "fit": ("remat_kit.planning.fit", "fit"),
     "tiled": ("remat_kit.policies.tiling", "tiled"),
     "apply": ("remat_kit.unedited.entry", "apply"),

@@ -70,8 +70,8 @@ _CALLS = _words("jit pjit closed_call core_call remat2 checkpoint custom_jvp_cal
 _PLAIN_CALLS = _words("jit pjit closed_call core_call remat2 checkpoint")
 
 
-def _body(eqn) -> tuple[Any, list[Any]]:
-    """A call-like equation's body as ``(jaxpr, consts)``."""
+def body_of(eqn) -> tuple[Any, list[Any]]:
+    """A call-like equation's body as ``(jaxpr, consts)`` (``jit``, ``remat2``, ``custom_jvp_call``, ...)."""
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         sub = eqn.params.get(key)
         if isinstance(sub, jcore.ClosedJaxpr):
@@ -199,7 +199,7 @@ def _rule(eqn, vals: list[Any], axes: list[int | None], block: _Block, cut) -> t
         vals = [cut(i, a) if ax is None else v for i, (v, ax) in enumerate(zip(vals, axes, strict=True))]
         return _bind(eqn, vals), [a] * len(eqn.outvars)
     if name in _CALLS:
-        body, consts = _body(eqn)
+        body, consts = body_of(eqn)
         return _eval(body, consts, vals, axes, block)
     if name in ("optimization_barrier", "sharding_constraint"):
         return _bind(eqn, vals), list(axes)
@@ -318,8 +318,9 @@ def _length(closed, in_axes) -> int:
     return lengths.pop()
 
 
-def _block_fn(closed, in_axes, length: int, size: int) -> Callable:
-    """The program on one block: ``fn(start, *args)`` with the blocked args cut to the block."""
+def block_fn(closed, in_axes, length: int, size: int) -> Callable:
+    """The program on one block of ``size`` positions: ``fn(start, *args) -> (outputs, their axes)``, the
+    blocked args already cut to the block that starts at ``start`` (a traced int)."""
 
     def fn(start, *args):
         block = _Block(start, size, length)
@@ -347,7 +348,7 @@ def check(closed, in_axes: Sequence[int | None], blocks: int = 2) -> tuple[int, 
     """
     length = _length(closed, in_axes)
     check_tiles(blocks, length, what="blocks")
-    fn = _block_fn(closed, in_axes, length, length // blocks)
+    fn = block_fn(closed, in_axes, length, length // blocks)
     args = [
         jax.ShapeDtypeStruct(_resized(av.shape, a, length // blocks) if a is not None else av.shape, av.dtype)
         for av, a in zip(closed.in_avals, in_axes, strict=True)
@@ -369,7 +370,7 @@ def blocked(closed, in_axes: Sequence[int | None], blocks: int) -> Callable:
     out_axes = check(closed, in_axes, blocks)
     length = _length(closed, in_axes)
     size = length // blocks
-    fn = _block_fn(closed, in_axes, length, size)
+    fn = block_fn(closed, in_axes, length, size)
 
     def on_axis_1(pos, *args):
         # tiled's convention: every tiled input and output carries the axis at 1; move ours there and back.
@@ -398,7 +399,7 @@ def inline(closed) -> jcore.ClosedJaxpr:
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
         for eqn in jaxpr.eqns:
             vals = [read(v) for v in eqn.invars]
-            outs = ev(*_body(eqn), vals) if eqn.primitive.name in _PLAIN_CALLS else _bind(eqn, vals)
+            outs = ev(*body_of(eqn), vals) if eqn.primitive.name in _PLAIN_CALLS else _bind(eqn, vals)
             env.update(zip(eqn.outvars, outs, strict=True))
         return [read(v) for v in jaxpr.outvars]
 
@@ -478,8 +479,15 @@ def attention_regions(closed, length: int) -> list[Region]:
     return regions
 
 
-def _program(eqns, inputs, outputs) -> jcore.ClosedJaxpr:
-    """Some equations of a program as a program of their own (traced anew, so JAX makes it whole)."""
+def program(eqns, inputs, outputs) -> jcore.ClosedJaxpr:
+    """Some equations of a program as a program of their own over ``inputs`` (vars of the program), returning
+    ``outputs``; traced anew, so JAX makes it whole (a hand-built Jaxpr lacks the debug info JAX now wants).
+
+    >>> import jax, jax.numpy as jnp
+    >>> j = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0).jaxpr
+    >>> program(j.eqns[1:], [j.eqns[0].outvars[0]], j.outvars).in_avals[0].shape
+    ()
+    """
 
     def fn(*args):
         env = dict(zip(inputs, args, strict=True))
@@ -491,11 +499,12 @@ def _program(eqns, inputs, outputs) -> jcore.ClosedJaxpr:
     return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs))
 
 
-def _inputs(eqns, body: list[int]) -> list[Any]:
-    defined = {v for i in body for v in eqns[i].outvars}
+def inputs_of(eqns) -> list[Any]:
+    """The vars ``eqns`` read that none of them makes, in the order first read."""
+    defined = {v for e in eqns for v in e.outvars}
     inputs: list[Any] = []
-    for i in body:
-        for v in eqns[i].invars:
+    for e in eqns:
+        for v in e.invars:
             if not isinstance(v, jcore.Literal) and v not in defined and v not in inputs:
                 inputs.append(v)
     return inputs
@@ -506,14 +515,14 @@ def _region(closed, inside: list[int], start: int, ends: set[int], users, length
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     # A mask made outside the region at [.., S, .., S] would be a whole copy per head: its making (iota,
     # compare, broadcast) runs inside, per block, instead; the outer program keeps its own copy if it uses one.
-    body, todo = set(inside), [v for v in _inputs(eqns, inside) if _quadratic(v, length)]
+    body, todo = set(inside), [v for v in inputs_of([eqns[i] for i in inside]) if _quadratic(v, length)]
     while todo:
         i = producer.get(todo.pop())
         if i is not None and i not in body:
             body.add(i)
             todo.extend(v for v in eqns[i].invars if not isinstance(v, jcore.Literal) and _quadratic(v, length))
     body = sorted(body)
-    inputs = _inputs(eqns, body)
+    inputs = inputs_of([eqns[i] for i in body])
     escaping = [
         v
         for i in inside
@@ -525,7 +534,7 @@ def _region(closed, inside: list[int], start: int, ends: set[int], users, length
         if not any(v in eqns[e].outvars for e in ends):
             raise NotPerPosition(f"the attention at {where}: a value of shape {v.aval.shape} leaves its region")
     # The region's inputs (the outer program's constants among them) become the inputs of its own program.
-    sub = _program([eqns[i] for i in body], inputs, escaping)
+    sub = program([eqns[i] for i in body], inputs, escaping)
     tried = []
     for operand in eqns[start].invars:
         if operand not in inputs:
@@ -549,7 +558,7 @@ def run_regions(closed, regions: Sequence[Region], blocks: int) -> Callable:
     owner = {i: r for r in regions for i in r.eqns}
     runners = {
         id(r): blocked(
-            _program([jaxpr.eqns[i] for i in r.body], r.inputs, r.outputs),
+            program([jaxpr.eqns[i] for i in r.body], r.inputs, r.outputs),
             r.in_axes,
             blocks,
         )

@@ -348,20 +348,13 @@ def _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks, write_back
         ) from None
     if out_axes != (axis,):
         raise ValueError(f"the logits after the head {marks.calls[k].name!r} carry the positions on {out_axes}")
-    front = jcore.ClosedJaxpr(
-        jcore.Jaxpr(
-            flat.jaxpr.constvars,
-            flat.jaxpr.invars,
-            [*inputs, *updated],
-            _front_eqns(flat.jaxpr, [*inputs, *updated]),
-        ),
-        flat.consts,
-    )
+    front_in = [*flat.jaxpr.constvars, *flat.jaxpr.invars]
+    front = positions.program(_front_eqns(flat.jaxpr, [*inputs, *updated]), front_in, [*inputs, *updated])
     size = length // chunks
-    block = positions._block_fn(tail, in_axes, length, size)
+    block = positions.block_fn(tail, in_axes, length, size)
     chunk = loss_chunks.Chunk(lambda i, blocked, whole: block(i * size, blocked[0], *whole)[0][0])
     given = [leaves[i] for i in dynamic]
-    values = jcore.jaxpr_as_fun(front)(*given)
+    values = jcore.jaxpr_as_fun(front)(*flat.consts, *given)
     h, *whole = values[: len(inputs)]
     new = values[len(inputs) :]
     # Written back only when the call changed some state (dropout's RNG counts), as the plain call would
@@ -413,12 +406,12 @@ def _lift(closed, names: set[str]):
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
         for eqn in jaxpr.eqns:
             vals = [read(v) for v in eqn.invars]
-            lift = eqn.primitive.name in _JITS and _contains(positions._body(eqn)[0], names)
-            outs = ev(*positions._body(eqn), vals) if lift else positions._bind(eqn, vals)
+            lift = eqn.primitive.name in _JITS and _contains(positions.body_of(eqn)[0], names)
+            outs = ev(*positions.body_of(eqn), vals) if lift else _jax_internals.rebind(eqn, vals)
             env.update(zip(eqn.outvars, outs, strict=True))
         return [read(v) for v in jaxpr.outvars]
 
-    if not any(_contains(positions._body(e)[0], names) for e in closed.jaxpr.eqns if e.primitive.name in _JITS):
+    if not any(_contains(positions.body_of(e)[0], names) for e in closed.jaxpr.eqns if e.primitive.name in _JITS):
         return closed
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     return jax.make_jaxpr(lambda *a: ev(closed.jaxpr, closed.consts, a))(*args)
@@ -479,13 +472,9 @@ def _tail(flat, marks: _Marks, lead, head, what, n_out: int):
         back.add(i)
         stack.extend(producer[v] for v in eqns[i].invars if not isinstance(v, jcore.Literal) and v in producer)
     inside = sorted(back)
-    defined = {v for i in inside for v in eqns[i].outvars}
-    inputs = [h]
-    for i in inside:
-        for v in eqns[i].invars:
-            if not isinstance(v, jcore.Literal) and v not in defined and v not in inputs:
-                inputs.append(v)
-    tail = jcore.ClosedJaxpr(jcore.Jaxpr([], inputs, [logits], [eqns[i] for i in inside]), [])
+    body = [eqns[i] for i in inside]
+    inputs = [h, *(v for v in positions.inputs_of(body) if v is not h)]
+    tail = positions.program(body, inputs, [logits])
     return k, outs[0], tail, inputs
 
 

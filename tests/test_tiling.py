@@ -184,6 +184,23 @@ def test_model_tiles_run_as_a_scan_of_k_trips(params):
     assert 8 not in _scan_lengths(CFG, params)
 
 
+def test_model_tiles_run_one_batch_row_at_a_time(params):
+    # With tiles, a batch of 3 runs each layer as a scan of 3 rows (attention never mixes rows); untiled, not.
+    model = lambda cfg: Transformer(config=cfg, policy="full")
+    tokens = jax.random.randint(jax.random.key(1), (3, 32), 0, 256, dtype=jnp.int32)
+    lengths = lambda cfg: [
+        e.params["length"]
+        for e in iter_eqns(jax.make_jaxpr(jax.grad(lambda p: lm_loss(model(cfg), p, tokens)))(params))
+        if e.primitive.name == "scan"
+    ]
+    assert 3 in lengths(dataclasses.replace(CFG, seq_tiles=4))
+    assert 3 not in lengths(CFG)
+    loss1, g1 = _grads(CFG, "offload", params, tokens)
+    loss4, g4 = _grads(dataclasses.replace(CFG, seq_tiles=4), "offload", params, tokens)
+    assert abs(float(loss4) - float(loss1)) <= RTOL_F32 * abs(float(loss1))
+    assert max_rel_err(g4, g1) <= RTOL_F32
+
+
 def test_model_dropout_with_tiles_trains(params):
     cfg = dataclasses.replace(CFG, seq_tiles=2, dropout=0.1)
     model = Transformer(config=cfg, policy="full")

@@ -303,8 +303,8 @@ class Block(nn.Module):
         tiles = resolve_tiles(cfg.seq_tiles, b, s)
         # With sequence tiles (long context) the layer also runs one batch row at a time, under a scan over the
         # rows: attention mixes positions within a row, never across rows, so a row's backward pass holds that
-        # row's whole-sequence q, k, v, attention output and their gradients, not the batch's (on the 2B step
-        # compiled for an H100, 73.4 -> 49.1 kB per position under offload at batch 2).
+        # row's whole-sequence q, k, v, attention output and their gradients, not the batch's (the 2B step for an
+        # H100 under offload: benchmarks/results/long_context_h100.txt).
         rows = b if tiles > 1 and b > 1 and not self.is_initializing() else 1
 
         def layer(x, pos, row):  # one row (rows > 1) or the whole batch

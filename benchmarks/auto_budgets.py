@@ -16,7 +16,7 @@ import time
 
 from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
 from remat_kit.planning import budget as auto
-from remat_kit.planning import builtin
+from remat_kit.planning import builtin, fit
 from remat_kit.planning import planner as planner_lib
 from remat_kit.units import fmt_bytes
 
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     every = builtin.Planner(cfg, loss_chunks=args.loss_chunks)
-    reference = [auto.auto(cfg, batch=batch, seq=seq, budget_bytes=b, planner=every, exhaustive=True) for b in budgets]
+    reference = [fit.auto(cfg, batch=batch, seq=seq, budget_bytes=b, planner=every, exhaustive=True) for b in budgets]
     exhaustive_s = time.perf_counter() - start
     print(
         f"preset {args.preset}, batch {batch} x seq {seq}, loss chunks {args.loss_chunks}, AdamW, margin "
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     print(f"\n{'budget':>8} {'search':>24} {'exhaustive':>24} {'same':>5} {'search s':>9} {'compiles':>9}")
     for budget, ref in zip(budgets, reference, strict=True):
         t = time.perf_counter()
-        fast = auto.auto(cfg, batch=batch, seq=seq, budget_bytes=budget, loss_chunks=args.loss_chunks)
+        fast = fit.auto(cfg, batch=batch, seq=seq, budget_bytes=budget, loss_chunks=args.loss_chunks)
         fast_s = time.perf_counter() - t
         same = fast.chosen == ref.chosen
         print(

@@ -22,7 +22,7 @@ import time
 from remat_kit import policies as P
 from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
 from remat_kit.planning import analysis, builtin
-from remat_kit.planning import budget as A
+from remat_kit.planning import fit as F
 from remat_kit.planning import planner as planner_lib
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.units import fmt_bytes
@@ -72,9 +72,9 @@ def run_preset(name: str, out) -> None:
     )
     for a, b in itertools.pairwise(front):
         budget = int((rows[a][0] + rows[b][0]) / 2 * (1 + planner_lib.DEFAULT_MARGIN))
-        plain = A.auto(cfg, batch=batch, seq=seq, budget_bytes=budget, candidates=pool, planner=planner, mixes=False)
+        plain = F.auto(cfg, batch=batch, seq=seq, budget_bytes=budget, candidates=pool, planner=planner, mixes=False)
         t = time.perf_counter()
-        r = A.auto(cfg, batch=batch, seq=seq, budget_bytes=budget, candidates=pool, planner=planner)
+        r = F.auto(cfg, batch=batch, seq=seq, budget_bytes=budget, candidates=pool, planner=planner)
         took = time.perf_counter() - t
         table = {c.policy: c for c in r.candidates}
         single = table[str(plain.chosen)]

@@ -33,6 +33,7 @@ from remat_kit import policies as P
 from remat_kit.model.transformer import PRESET_SHAPES, Transformer, TransformerConfig
 from remat_kit.planning import budget as A
 from remat_kit.planning import builtin, cost, tensors
+from remat_kit.planning import fit as F
 from remat_kit.planning import planner as planner_lib
 from remat_kit.units import fmt_bytes
 
@@ -166,10 +167,10 @@ def budgets_part(name, out, hw, rounds, max_compiles, short_pool):
     )
     answers = set()
     for b in budgets:
-        plain = A.auto(
+        plain = F.auto(
             cfg, batch=batch, seq=seq, budget_bytes=b, candidates=pool, planner=planner, mixes=False, hardware=hw
         )
-        mixed = A.auto(cfg, batch=batch, seq=seq, budget_bytes=b, candidates=pool, planner=planner, hardware=hw)
+        mixed = F.auto(cfg, batch=batch, seq=seq, budget_bytes=b, candidates=pool, planner=planner, hardware=hw)
         row = lambda r: next(c for c in r.candidates if c.policy == str(r.chosen))
         t0 = time.perf_counter()
         # As `plan --per-tensor` runs it: the same pool as its seeds, no baseline; `from` says where the answer

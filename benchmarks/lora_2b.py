@@ -29,7 +29,7 @@ from flax import traverse_util
 from remat_kit import policies
 from remat_kit.model import lora
 from remat_kit.model.transformer import TransformerConfig, abstract_params
-from remat_kit.planning import budget, builtin
+from remat_kit.planning import builtin, fit
 from remat_kit.planning import planner as planner_lib
 from remat_kit.units import fmt_bytes
 
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     print("~: affine estimate, not compiled; per pos.: bytes per extra sequence position (whole batch).")
 
     if args.auto:
-        result = budget.auto(cfg, batch=b, seq=args.seq, budget_bytes=24 * GB, planner=planner)
+        result = fit.auto(cfg, batch=b, seq=args.seq, budget_bytes=24 * GB, planner=planner)
         print(f"\nremat_kit.auto at {b} x {args.seq}, 24 GB: {result.chosen}")
         print(f"  {result.reason}")
     print(f"\n{planner.compiles} compiles, {time.perf_counter() - t0:.0f} s")

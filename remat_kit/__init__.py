@@ -23,7 +23,7 @@ _LAZY = {
     "stack": ("remat_kit.linen.scan", "stack"),
     "inspect": ("remat_kit.analysis.inspection", "inspect"),
     "compare": ("remat_kit.analysis.inspection", "compare"),
-    "auto": ("remat_kit.planning.budget", "auto"),
+    "auto": ("remat_kit.planning.fit", "auto"),
     "fit": ("remat_kit.planning.fit", "fit"),
     "max_seq": ("remat_kit.planning.max_seq", "max_seq"),
     "tiled": ("remat_kit.policies.tiling", "tiled"),

@@ -198,6 +198,37 @@ def emitted_tags(fn: Callable, *args: Any) -> frozenset[str]:
     return frozenset(t for t in map(checkpoint_name_of, iter_eqns(jaxpr)) if t is not None)
 
 
+def closure_convert_all(fn: Callable, *example: Any) -> tuple[Callable, list]:
+    """``jax.closure_convert`` that hoists every closed-over value, integer tracers included.
+
+    ``jax.closure_convert`` leaves values that cannot carry a tangent (integer tracers: NF4 codes, loop
+    indices) closed over; a ``jax.custom_vjp`` rule traced later, inside another scan, then finds a tracer of a
+    finished trace and lowering fails (``No constant handler for type: DynamicJaxprTracer``). Here the
+    function is traced once and each constant of its jaxpr becomes an explicit argument.
+
+    Private: ``jax.core.eval_jaxpr``.
+
+    >>> import jax.numpy as jnp
+    >>> k = jnp.int32(3)
+    >>> f, consts = closure_convert_all(lambda x: x * k, 2.0)
+    >>> float(f(2.0, *consts))
+    6.0
+    """
+    closed = jax.make_jaxpr(fn, return_shape=True)(*example)
+    closed, shapes = closed
+    in_tree = jax.tree.structure(example)
+    out_tree = jax.tree.structure(shapes)
+
+    def converted(*args_consts):
+        args, consts = args_consts[: len(example)], args_consts[len(example) :]
+        leaves, tree = jax.tree.flatten(tuple(args))
+        if tree != in_tree:
+            raise TypeError(f"closure_convert_all: arguments {tree} where {in_tree} was traced")
+        return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, list(consts), *leaves))
+
+    return converted, list(closed.consts)
+
+
 def eqns(jaxpr) -> list[Any]:
     """The top-level equations of a jaxpr or closed jaxpr (no recursion; see :func:`iter_eqns`)."""
     return list(getattr(jaxpr, "jaxpr", jaxpr).eqns)

@@ -10,7 +10,7 @@ from remat_kit.analysis import memory
 from remat_kit.analysis.memory import CompiledMemory
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import budget as A
-from remat_kit.planning import builtin, fit, pareto
+from remat_kit.planning import builtin, fit, limits, pareto
 from remat_kit.planning import planner as planner_lib
 from remat_kit.planning.planner import Budget
 from remat_kit.units import fmt_bytes
@@ -33,7 +33,7 @@ def needs(planner):
 def _auto(planner, budget, **kw):
     # Untiled: these tests are about the policies; sequence tiles, tried when nothing fits, are tested on their own.
     kw = {"tiles": (), **kw}
-    return A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=int(budget), candidates=POOL, planner=planner, **kw)
+    return fit.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=int(budget), candidates=POOL, planner=planner, **kw)
 
 
 def _budgets(needs):
@@ -149,10 +149,14 @@ def test_parse_bytes(text, expected):
         (lambda: A.parse_bytes("0GB"), ValueError, r"must be positive"),
         (lambda: A.parse_bytes(True), TypeError, r"string or an int"),
         (lambda: planner_lib.get_optimizer("adamx"), ValueError, r"unknown optimizer 'adamx'; allowed: adamw"),
-        (lambda: A.auto(CFG, batch=2, seq=32, budget_bytes=-1), ValueError, r"budget_bytes must be a positive"),
-        (lambda: A.auto(CFG, batch=2, seq=32, budget_bytes=10, margin=1.5), ValueError, r"margin must be in \[0, 1\)"),
-        (lambda: A.auto(CFG, batch=0, seq=32, budget_bytes=10), ValueError, r"batch must be a positive integer"),
-        (lambda: A.auto(CFG, batch=2, seq=999, budget_bytes=10), ValueError, r"seq=999 exceeds"),
+        (lambda: fit.auto(CFG, batch=2, seq=32, budget_bytes=-1), ValueError, r"budget_bytes must be a positive"),
+        (
+            lambda: fit.auto(CFG, batch=2, seq=32, budget_bytes=10, margin=1.5),
+            ValueError,
+            r"margin must be in \[0, 1\)",
+        ),
+        (lambda: fit.auto(CFG, batch=0, seq=32, budget_bytes=10), ValueError, r"batch must be a positive integer"),
+        (lambda: fit.auto(CFG, batch=2, seq=999, budget_bytes=10), ValueError, r"seq=999 exceeds"),
         (
             lambda: builtin.max_fit(CFG, "full", dim="depth", batch=2, seq=32, budget_bytes=10),
             ValueError,
@@ -208,7 +212,7 @@ def test_boundary_search_is_exact_and_cheap(need, degree, most):
     cap = 2**20 if degree == 1 else 4096
     known = {} if degree == 1 else {cap: need(cap)}
     probes = (2, 4) if degree == 1 else (32, 64)
-    answer = fit._boundary(counted, target, 1, cap, probes=probes, degree=degree, known=known)
+    answer = limits.boundary(counted, target, 1, cap, probes=probes, degree=degree, known=known)
     assert answer == 50
     assert 50 in calls and 51 in calls  # the answer and one more were measured, not inferred
     assert len(calls) == len(set(calls)) <= most  # the line (or parabola) names the answer; two compiles confirm
@@ -296,9 +300,9 @@ def test_auto_plans_sequence_tiles_when_nothing_fits_untiled():
     assert full[4] < full[1]  # 4 tiles shrink full's recompute working set at 2 x 64
     budget = int((full[1] + full[4]) / 2 * (1 + planner_lib.DEFAULT_MARGIN))
     kw = {"batch": 2, "seq": 64, "budget_bytes": budget, "candidates": ("none", "full"), "mixes": False}
-    r = A.auto(cfg, planner=untiled, tiles=(4,), **kw)
+    r = fit.auto(cfg, planner=untiled, tiles=(4,), **kw)
     assert (str(r.chosen), r.seq_tiles) == ("full", 4) and r.reason.startswith("Nothing fits untiled; in 4 sequence")
     won = next(c for c in r.candidates if r.is_chosen(c))
     assert won.need_bytes == full[4] and won.fits and won.tiles_s > 0
     assert r.to_dict()["seq_tiles"] == 4 and "*full @4 tiles" in "\n".join(r.table())
-    assert A.auto(cfg, planner=untiled, tiles=(), **kw).chosen is None  # the lever is the tiles, nothing else
+    assert fit.auto(cfg, planner=untiled, tiles=(), **kw).chosen is None  # the lever is the tiles, nothing else

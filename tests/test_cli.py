@@ -295,14 +295,14 @@ def test_one_integer_check(value, low, message):
     ids=["plot_suffix", "metrics_under_a_file", "lr_inf", "budget_overflow", "budget_below_the_state", "levers"],
 )
 def test_bad_input_is_one_line_before_any_work(argv, code, named, tmp_path, monkeypatch, capsys):
-    from remat_kit.planning import budget
+    from remat_kit.planning import fit
     from remat_kit.train import loop
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "FILE").write_text("")
     work = lambda *a, **k: pytest.fail("work was done before the input was refused")
     monkeypatch.setattr(loop, "train", work)
-    monkeypatch.setattr(budget, "auto", work)
+    monkeypatch.setattr(fit, "auto", work)
     assert cli.main(argv) == code
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and named in err and "Traceback" not in err, err
@@ -328,14 +328,14 @@ def no_work(monkeypatch):
     import jax
 
     from remat_kit.bench import run as bench_run
-    from remat_kit.planning import analysis, budget
+    from remat_kit.planning import analysis, fit
     from remat_kit.train import loop
 
     def work(*_, **__):
         raise AssertionError("work started before the input was checked")
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", work)
-    for module, name in ((analysis, "analyze_policies"), (budget, "auto"), (bench_run, "run_bench"), (loop, "train")):
+    for module, name in ((analysis, "analyze_policies"), (fit, "auto"), (bench_run, "run_bench"), (loop, "train")):
         monkeypatch.setattr(module, name, work)
 
 

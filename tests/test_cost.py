@@ -9,8 +9,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import policies as P
 from remat_kit.model.transformer import PRESET_SHAPES, TransformerConfig
-from remat_kit.planning import budget as A
 from remat_kit.planning import cost
+from remat_kit.planning import fit as F
 
 CPU = cost.DEFAULT_HARDWARE["cpu"]
 GPU = cost.DEFAULT_HARDWARE["gpu"]
@@ -114,7 +114,7 @@ def test_bad_hardware(call, match):
 def test_comfortable_budget_gives_none(preset, shape):
     # The FLOPs-only ranking answered `selective` here: its softmax and norm recompute counted as free.
     cfg = TransformerConfig.preset(preset)
-    r = A.auto(cfg, batch=shape[0], seq=shape[1], budget_bytes=10**12)
+    r = F.auto(cfg, batch=shape[0], seq=shape[1], budget_bytes=10**12)
     assert r.chosen == P.none()
     rows = {c.policy: c for c in r.candidates}
     assert rows["selective"].recompute_flops == 0 < rows["selective"].cost_s  # free in matmuls, not in time
@@ -136,7 +136,7 @@ def _mlp_loss(policy):
 def test_comfortable_budget_gives_none_for_a_user_model():
     params = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 3
     x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
-    r = A.auto(_mlp_loss, params, x, budget_bytes=10**12, exhaustive=True)
+    r = F.auto(_mlp_loss, params, x, budget_bytes=10**12, exhaustive=True)
     rows = {c.policy: c for c in r.candidates}
     assert rows["dots"].recompute_flops == 0 < rows["dots"].cost_s  # dots recomputes the tanh
     assert r.chosen == P.none()
@@ -144,7 +144,7 @@ def test_comfortable_budget_gives_none_for_a_user_model():
 
 def test_offload_is_never_chosen_where_it_moves_nothing():
     cfg = TransformerConfig.preset("tiny", num_layers=2)
-    r = A.auto(cfg, batch=2, seq=32, budget_bytes=10**12, candidates=["minimal_offloaded", "full"], mixes=False)
+    r = F.auto(cfg, batch=2, seq=32, budget_bytes=10**12, candidates=["minimal_offloaded", "full"], mixes=False)
     rows = {c.policy: c for c in r.candidates}
     off = rows[str(P.parse("minimal_offloaded"))]
     assert off.fits and off.rank < rows["full"].rank  # cheaper and fitting, yet not the answer on CPU
@@ -155,7 +155,7 @@ def test_offload_is_never_chosen_where_it_moves_nothing():
 def test_table_shows_the_estimate_beside_the_flops():
     cfg = TransformerConfig.preset("tiny", num_layers=2)
     hw = dataclasses.replace(CPU, name="probe", calibrated=True)
-    r = A.auto(cfg, batch=2, seq=32, budget_bytes=10**12, candidates=["none", "full"], hardware=hw)
+    r = F.auto(cfg, batch=2, seq=32, budget_bytes=10**12, candidates=["none", "full"], hardware=hw)
     rows = r.table()
     assert "recompute" in rows[0] and "est." in rows[0]
     assert rows[-1].startswith("cost model: probe (calibrated on this machine)")

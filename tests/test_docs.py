@@ -137,6 +137,15 @@ def _max_seq(ns):
     assert r.levers.policy == "full" and r.levers.scan and dict(r.needs)[r.seq] == r.need_bytes
 
 
+def _head_loss(ns):
+    """head_loss: the plain cross-entropy's loss and gradients, with no full logits in the compiled step."""
+    want, grads = jax.value_and_grad(ns["plain"])(ns["variables"])
+    assert abs(float(ns["loss"]) - float(want)) <= 1e-5 * float(want)
+    assert max_rel_err(ns["grads"], grads) <= 1e-5
+    logits = 2 * 1024 * ns["model"].vocab * 4
+    assert ns["temp"]["plain"] > logits > 4 * ns["temp"]["chunked"], ns["temp"]
+
+
 def _target(ns):
     """compare(target=...): offload's tagged outputs are host bytes on an H100 target, device bytes (and a note
     pointing to --target) where the block fell back to XLA:CPU (no CUDA plugin in the suite's venv)."""
@@ -188,7 +197,11 @@ CHECKS = {
         'target="h100")': _target,
     },
     "built-in-lm.md": {"lora.update(loss_fn": _lora},
-    "long-context.md": {"remat_kit.tiled(mlp, 8": _tiled, "remat_kit.max_seq(model, loss_fn, args_at": _max_seq},
+    "long-context.md": {
+        "remat_kit.tiled(mlp, 8": _tiled,
+        "remat_kit.max_seq(model, loss_fn, args_at": _max_seq,
+        "remat_kit.head_loss(model, variables": _head_loss,
+    },
     "fit.md": {'remat_kit.fit(model, loss_fn, variables, x, budget="1GB")': _fit},
 }
 CASES = [(page, i) for page in DOCS for i in range(len(python_blocks(page)))]

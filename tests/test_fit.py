@@ -153,38 +153,54 @@ def test_plan_budget_and_fit_agree_on_the_built_in_model(tmp_path, capsys):
     assert r.policy == chosen != "none"
 
 
+def test_auto_answers_with_the_engines_choice_beside_its_table():
+    # auto is a front: its table's rows stay, its answer is the engine's, the engine's compiled plans become rows.
+    from remat_kit.planning.budget import AutoResult, Candidate
+    from remat_kit.planning.engine import Choice
+
+    rows = (Candidate("none", 10, 0, 100, 0, False), Candidate("full", 12, 2))  # full priced, not compiled
+    table = AutoResult(None, 90, 0.0, None, None, 0, "adamw", rows, "the table's reason", 1, 1.0)
+    engine_rows = (Candidate("full", 12, 2, 50, 0, True), Candidate("selective:a", 11, 1, 80, 0, True))
+    choice = Choice(policies.parse("selective:a"), 80, 1.0, engine_rows, Budget(90, 0.0), 2, 2.0, "the engine's")
+    r = fit_lib.with_choice(table, choice)
+    assert (str(r.chosen), r.reason, r.compiled, r.seconds) == ("selective:a", "the engine's", 3, 3.0)
+    assert [(c.policy, c.need_bytes, c.fits) for c in r.candidates] == [
+        ("none", 100, False),
+        ("full", 50, True),
+        ("selective:a", 80, True),
+    ]
+    same = fit_lib.with_choice(dataclasses.replace(table, chosen=policies.parse("selective:a")), choice)
+    assert same.reason == "the table's reason"  # the same plan: the table's own words stay
+
+
 # ---- the generic path loads no built-in model ------------------------------------------------------------------
 
 #: auto and fit on a user's own loss and model, in a fresh interpreter; prints the remat_kit wings then loaded.
 _USER_ONLY = """
 import sys
-import flax.linen as nn
 import jax, jax.numpy as jnp
-import remat_kit
+from remat_kit import policies
+from remat_kit.names import tag
+from remat_kit.planning import budget, engine, planner
 
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(8, name="up")(jnp.tanh(x))
+def make_loss(p):
+    layer = lambda w, x: jnp.tanh(tag(x @ w, "act"))
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (p(layer)(w, h), None), x, ws)
+        return jnp.sum(h ** 2)
+    return loss
 
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for i in range(2):
-            x = Block(name=f"layer_{i}")(x)
-        return x
-
-x = jnp.ones((2, 8))
-v = Net().init(jax.random.key(0), x)
-w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
-make_loss = lambda p: remat_kit.remat(lambda w, x: jnp.sum(jnp.sin(x @ w)), p)
-assert remat_kit.auto(make_loss, w, x, budget_bytes=10**9).chosen is not None
-assert remat_kit.fit(Net(), lambda m, v, x: jnp.sum(m.apply(v, x) ** 2), v, x, budget="1GB").policy
+ws, x = jax.ShapeDtypeStruct((2, 8, 8), jnp.float32), jax.ShapeDtypeStruct((2, 8), jnp.float32)
+pl = planner.StepPlanner(lambda p, b, s: (make_loss(p), ws, (x,)))
+assert budget.search(pl, [policies.none(), policies.full()], planner.Budget(10**9)).chosen is not None
+assert engine.plan(pl, planner.Budget(10**9)).chosen is not None
 print(" ".join(sorted(m for m in sys.modules if m.split(".")[:2] in (["remat_kit", "model"], ["remat_kit", "train"]))))
 """
 
 
-def test_auto_and_fit_of_a_user_loss_load_no_built_in_model_or_training():
+def test_the_generic_engine_on_a_user_loss_loads_no_built_in_model_or_training():
+    # The engine and the pool search import nothing of the built-in model; the entry (remat_kit.fit, remat_kit.auto)
+    # sits above both the engine and the built-in model's planning, so it loads that at import (no late import).
     import subprocess
     import sys
 

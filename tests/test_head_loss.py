@@ -185,3 +185,66 @@ def test_auto_chunks_divides_the_sequence():
     assert head_mod.auto_chunks(8 * 2**30, 1000) == 100  # 64 chunks of 128 MiB wanted: 100 divides 1000
     assert head_mod.auto_chunks(2**50, 1000) == 1000  # at most one position a chunk
     assert head_mod.auto_chunks(300 * 2**20, 12) == 3
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"], ids=["linen", "nnx"])
+def test_a_model_from_apply_keeps_its_policy_and_the_plain_gradients(kind):
+    # remat_kit.apply's model: the layers under its policy (fewer residuals kept), the head in chunks.
+    from remat_kit._jax_internals import saved_residuals
+
+    if kind == "linen":
+        model, variables = _linen(dict(tied=True))
+        applied = remat_kit.apply(model, "full", where=lambda m: type(m).__name__ == "GptBlock")
+        loss = lambda m: lambda v: remat_kit.head_loss(m, v, TOKENS, labels=LABELS, mask=MASK, chunks=2)
+        want = jax.grad(lambda v: plain(model.apply(v, TOKENS)[0]))(variables)
+    else:
+        plain_model = NnxLM(tied=True, rngs=nnx.Rngs(0))
+        applied = remat_kit.apply(plain_model, "full")
+        graphdef_p, variables, rest_p = nnx.split(plain_model, nnx.Param, ...)
+        want = jax.grad(lambda p: plain(nnx.merge(graphdef_p, p, rest_p)(TOKENS)))(variables)
+
+        def loss(m):
+            graphdef, _, rest = nnx.split(m, nnx.Param, ...)
+            return lambda p: remat_kit.head_loss(nnx.merge(graphdef, p, rest), TOKENS, labels=LABELS, mask=MASK)
+
+        model = plain_model
+    got = jax.jit(jax.grad(loss(applied)))(variables)
+    assert max_rel_err(got, want) <= RTOL_F32
+    kept = lambda m: sum(r.nbytes for r in saved_residuals(loss(m), variables) if not r.is_argument)
+    assert kept(applied) < kept(model)
+
+
+def test_an_unknown_nnx_head_is_named_before_tracing(monkeypatch):
+    model = NnxLM(rngs=nnx.Rngs(0))
+    monkeypatch.setattr(head_mod, "_loss", lambda *a: pytest.fail("traced"))
+    with pytest.raises(ValueError, match=r"head=.embedder.decode/x. names no module of the model; .*embedder"):
+        remat_kit.head_loss(model, TOKENS, labels=LABELS, head="embedder.decode/x")
+    with pytest.raises(TypeError, match="method is for a Linen module"):
+        remat_kit.head_loss(model, TOKENS, labels=LABELS, method="attend")
+
+
+class TwiceLM(nn.Module):
+    """The head applied twice on the way to the logits (two views averaged): no one call to chunk."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(V, D, name="embedder")(tokens)
+        head = nn.Dense(V, name="lm_head")
+        return (head(x) + head(jnp.tanh(x))) / 2
+
+
+def test_a_head_called_twice_on_the_way_to_the_logits_is_refused():
+    model = TwiceLM()
+    variables = model.init(jax.random.key(0), TOKENS)
+    with pytest.raises(ValueError, match=r"head='lm_head' is called 2 times on the way to the logits"):
+        remat_kit.head_loss(model, variables, TOKENS, labels=LABELS, head="lm_head")
+
+
+def test_nnx_rng_state_advances_as_the_plain_call_does():
+    # Dropout on: each call draws new masks from the module's RNG counts; head_loss writes them back, so two
+    # steps in a row see the plain model's two pairs of masks.
+    a, b = NnxLM(rngs=nnx.Rngs(0)), NnxLM(rngs=nnx.Rngs(0))
+    for _ in range(2):
+        want = plain(a(TOKENS, deterministic=False))
+        got = remat_kit.head_loss(b, TOKENS, deterministic=False, labels=LABELS, mask=MASK, chunks=2)
+        assert max_rel_err(got, want) <= RTOL_F32

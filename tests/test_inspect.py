@@ -13,7 +13,7 @@ from remat_kit import _jax_internals, policies
 from remat_kit.analysis import memory
 from remat_kit.cli import main
 from remat_kit.constants import DEFAULT_MARGIN
-from remat_kit.planning import budget
+from remat_kit.planning import fit
 
 F32 = 4
 L, B, S, D = M.LAYERS, M.BATCH, M.SEQ, M.D
@@ -120,7 +120,7 @@ def test_offload_on_cpu_counts_device_bytes_with_a_note():
 
 @pytest.fixture(scope="module")
 def auto_table():
-    return budget.auto(_make_loss, *ARGS, budget_bytes=10**12, exhaustive=True)
+    return fit.auto(_make_loss, *ARGS, budget_bytes=10**12, exhaustive=True)
 
 
 def test_auto_chooses_what_fits_and_nothing_cheaper_does(auto_table):
@@ -141,7 +141,7 @@ def test_auto_ample_budget_recomputes_nothing(auto_table):
 
 
 def test_auto_counts_the_optimizer_state(auto_table):
-    sgd = budget.auto(_make_loss, *ARGS, budget_bytes=10**12, candidates=["none"], optimizer="sgd")
+    sgd = fit.auto(_make_loss, *ARGS, budget_bytes=10**12, candidates=["none"], optimizer="sgd")
     adamw = next(c for c in auto_table.candidates if c.policy == "none")
     assert sgd.candidates[0].need_bytes < adamw.need_bytes  # AdamW keeps two moments per parameter
 
@@ -314,7 +314,7 @@ def _nnx_model(policy, layers=3, d=16):
 def test_an_nnx_model_with_its_own_policy_as_an_argument_is_a_clear_error(run):
     from flax import nnx
 
-    from remat_kit.planning.budget import auto
+    from remat_kit.planning.fit import auto
 
     model = nnx.eval_shape(lambda: _nnx_model("full")(nnx.Rngs(0)))
     x = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)

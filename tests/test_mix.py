@@ -14,7 +14,7 @@ from remat_kit import policies as P
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.names import tag
 from remat_kit.planning import analysis, builtin
-from remat_kit.planning import budget as A
+from remat_kit.planning import fit as fit_lib
 from remat_kit.planning import planner as planner_lib
 
 B, S, D, F = 2, 3, 8, 24
@@ -212,7 +212,7 @@ def _planner_and_needs():
 def test_auto_answers_a_mix_with_strictly_less_recompute_than_the_best_preset():
     planner, need = _planner_and_needs()
     budget = int((0.6 * need["none"] + 0.4 * need["full"]) * (1 + planner_lib.DEFAULT_MARGIN))
-    r = A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=budget, candidates=["none", "full"], planner=planner)
+    r = fit_lib.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=budget, candidates=["none", "full"], planner=planner)
     assert isinstance(r.chosen, P.Mix) and r.chosen.policies == (P.none(), P.full())
     rows = {c.policy: c for c in r.candidates}
     win, full = rows[str(r.chosen)], rows["full"]
@@ -225,7 +225,7 @@ def test_auto_answers_a_mix_with_strictly_less_recompute_than_the_best_preset():
     assert "costs less than full, the best single policy that fits" in r.reason
     assert r.mixed_front == (("none", "full", need["none"], need["full"], 0, full.recompute_flops),)
     # Without mixes, the answer is the preset.
-    plain = A.auto(
+    plain = fit_lib.auto(
         CFG, batch=BATCH, seq=SEQ, budget_bytes=budget, candidates=["none", "full"], planner=planner, mixes=False
     )
     assert plain.chosen == P.full()
@@ -233,5 +233,6 @@ def test_auto_answers_a_mix_with_strictly_less_recompute_than_the_best_preset():
 
 def test_auto_takes_no_mix_when_the_least_recompute_fits():
     planner, need = _planner_and_needs()
-    r = A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=2 * need["none"], candidates=["none", "full"], planner=planner)
+    kw = {"candidates": ["none", "full"], "planner": planner}
+    r = fit_lib.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=2 * need["none"], **kw)
     assert r.chosen == P.none() and all("*" not in c.policy for c in r.candidates)

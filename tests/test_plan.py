@@ -133,7 +133,7 @@ def test_plan_budget_chooses_and_writes_json(tmp_path, capsys):
             "--policies",
             "none,full",
             "--budget",
-            "1GB",
+            "30MB",
             "--limits",
             "chosen",
             "--json",
@@ -146,13 +146,35 @@ def test_plan_budget_chooses_and_writes_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "chosen: none" in text and "max batch" in text
     assert "batch 2 × seq 32 (preset tiny's default shape; --batch-size/--seq-len to plan yours)" in text
-    cap = TransformerConfig.preset("tiny").max_seq_len
-    assert f"{cap} (cap)" in text and f"(cap): the preset's max_seq_len ({cap})" in text
+    assert "max seq: plan --max-seq's longest sequence" in text
     payload = json.loads(out.read_text())
-    assert payload["chosen"] == "none" and payload["budget_bytes"] == 10**9
+    assert payload["chosen"] == "none" and payload["budget_bytes"] == 30 * 10**6
     rows = {r["policy"]: r for r in payload["candidates"]}
     assert rows["none"]["fits"] and rows["none"]["max_batch"] >= 2 and rows["full"]["max_batch"] is None
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_plan_budget_and_max_seq_print_the_same_longest_sequence(tmp_path, capsys):
+    # One computation (the levers by default): plan --budget's max seq column is plan --max-seq's answer.
+    common = ["plan", "--preset", "tiny", "--policies", "full", "--budget", "30MB", "--no-progress"]
+    budget_json, reach_json = tmp_path / "budget.json", tmp_path / "reach.json"
+    assert cli.main([*common, "--limits", "chosen", "--json", str(budget_json)]) == 0
+    assert cli.main([*common, "--max-seq", "--json", str(reach_json)]) == 0
+    row = next(r for r in json.loads(budget_json.read_text())["candidates"] if r["policy"] == "full")
+    edge = json.loads(reach_json.read_text())["policies"][0]["edges"][0]
+    assert row["max_seq"] == edge["seq"] > 32
+    assert f"{edge['seq']:,}" in capsys.readouterr().out
+
+
+def test_a_need_over_the_budget_shows_the_digits_that_tell_them_apart():
+    # "0.20 GB, over" against a 0.20 GB budget says nothing; the digits that differ say why.
+    from remat_kit.cli import plan_max_seq
+    from remat_kit.planning.limits import SeqEdge
+
+    edge = SeqEdge("full", 200_000_000, 0.0, 256, 199_900_000, 512, 200_300_000, 0, 256, 1024)
+    row = plan_max_seq.PolicyReach("full", 256, 150_000_000, None, 1.0, 0.0, (edge,))
+    (line,) = plan_max_seq.format_edges([row])
+    assert "256 needs 0.1999 GB; 512 needs 0.2003 GB, over" in line
 
 
 def test_plan_budget_nothing_fits_is_a_message_and_exit_1(capsys):

@@ -7,6 +7,7 @@ from remat_kit.analysis import memory
 from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import budget as A
 from remat_kit.planning import builtin, cost, tensors
+from remat_kit.planning import fit as F
 from remat_kit.planning import planner as planner_lib
 
 CFG = TransformerConfig.preset("tiny", num_layers=4)
@@ -47,7 +48,7 @@ def test_one_layer_prices_the_stack_per_layer(planner, spec):
 def test_per_tensor_fits_and_costs_no_more_than_the_best_preset_or_mix(planner, needs, f):
     # No baseline: auto's presets and mix are the search's seeds, so it cannot lose to them.
     budget = _budget(needs, f)
-    best = A.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=budget, planner=planner, hardware=HW, candidates=POOL)
+    best = F.auto(CFG, batch=BATCH, seq=SEQ, budget_bytes=budget, planner=planner, hardware=HW, candidates=POOL)
     win = next(c for c in best.candidates if c.policy == str(best.chosen))
     r = tensors.per_tensor(
         CFG,

@@ -269,7 +269,7 @@ def test_a_stack_under_a_jax_policy_has_the_plain_gradients():
 
 def test_compare_and_auto_take_jax_policies_as_rows():
     import remat_kit
-    from remat_kit.planning.budget import auto
+    from remat_kit.planning.fit import auto
 
     def make_loss(policy):
         layers = remat_kit.stack(GemmaStyleBlock, 3, policy)

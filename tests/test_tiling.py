@@ -54,6 +54,24 @@ def test_tiled_axis0_and_pytree_outputs():
     assert max_rel_err(g, jax.grad(lambda x: jnp.sum(fn(x)["a"] ** 2))(x)) <= RTOL_F32
 
 
+@pytest.mark.parametrize("policy", [None, "full", "offload"], ids=str)
+@pytest.mark.parametrize("argnums", [(0, 1, 2, 3), (1,), (0, 3)], ids=lambda a: "d" + "".join(map(str, a)))
+def test_tiles_that_keep_nothing_write_their_gradients_in_place(policy, argnums):
+    # Their own backward pass: x's gradient over the output gradient of its shape, c's over q's (same bytes per
+    # tile), w and the untiled bias summed, the integer input none; only what is differentiated is.
+    def fn(x, c, w, bias, n):
+        y = x + jnp.tanh(c @ w) * n[..., None] + bias[None, None, :]
+        return y, (c * 2.0).reshape(*c.shape[:2], 2, 4)
+
+    x, c = (jax.random.normal(jax.random.key(k), (2, 16, 8)) for k in (4, 5))
+    bias, n = jnp.linspace(0.0, 1.0, 8), jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
+    f = tiling.tiled(fn, 4, in_axes=(1, 1, None, None, 1), policy=None if policy is None else policies.parse(policy))
+    loss = lambda g: lambda *a: sum(jnp.sum(jnp.sin(o) * (k + 1)) for k, o in enumerate(g(*a, n)))
+    got = jax.jit(jax.grad(loss(f), argnums=argnums))(x, c, W1[:, :8], bias)
+    want = jax.grad(loss(fn), argnums=argnums)(x, c, W1[:, :8], bias)
+    assert max_rel_err(got, want) <= RTOL_F32
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 def test_tiled_reads_16_bit_inputs_as_words_bit_for_bit(dtype, monkeypatch):
     # A tile's 16-bit inputs are cut from their uint16 words (XLA:CPU would widen the whole input to float32
@@ -164,6 +182,23 @@ def _scan_lengths(cfg, params) -> list[int]:
 def test_model_tiles_run_as_a_scan_of_k_trips(params):
     assert 8 in _scan_lengths(dataclasses.replace(CFG, seq_tiles=8), params)
     assert 8 not in _scan_lengths(CFG, params)
+
+
+def test_model_tiles_run_one_batch_row_at_a_time(params):
+    # With tiles, a batch of 3 runs each layer as a scan of 3 rows (attention never mixes rows); untiled, not.
+    model = lambda cfg: Transformer(config=cfg, policy="full")
+    tokens = jax.random.randint(jax.random.key(1), (3, 32), 0, 256, dtype=jnp.int32)
+    lengths = lambda cfg: [
+        e.params["length"]
+        for e in iter_eqns(jax.make_jaxpr(jax.grad(lambda p: lm_loss(model(cfg), p, tokens)))(params))
+        if e.primitive.name == "scan"
+    ]
+    assert 3 in lengths(dataclasses.replace(CFG, seq_tiles=4))
+    assert 3 not in lengths(CFG)
+    loss1, g1 = _grads(CFG, "offload", params, tokens)
+    loss4, g4 = _grads(dataclasses.replace(CFG, seq_tiles=4), "offload", params, tokens)
+    assert abs(float(loss4) - float(loss1)) <= RTOL_F32 * abs(float(loss1))
+    assert max_rel_err(g4, g1) <= RTOL_F32
 
 
 def test_model_dropout_with_tiles_trains(params):

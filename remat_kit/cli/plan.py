@@ -58,6 +58,7 @@ def _model_command(args: argparse.Namespace) -> int:
     from remat_kit.analysis import inspection
     from remat_kit.cli.plan_report import format_explain, parse_model_policies
     from remat_kit.planning import budget, planner
+    from remat_kit.planning import fit as fit_lib
     from remat_kit.planning.user_model import load_factory, model_from_factory
 
     for flag in ("limits", "plot"):
@@ -112,7 +113,7 @@ def _model_command(args: argparse.Namespace) -> int:
             print(f"\nwrote {args.timeline}")
         payload = {"command": command_line("plan", args), "model": args.model, **comparison.to_dict()}
     else:
-        result = budget.auto(
+        result = fit_lib.auto(
             make_loss,
             *example,
             budget_bytes=budget_bytes,
@@ -190,7 +191,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.max_seq is not None:
         from remat_kit.cli import plan_max_seq
 
-        args.seq_step = 256 if args.seq_step is None else args.seq_step
+        args.seq_step = plan_max_seq.DEFAULT_STEP if args.seq_step is None else args.seq_step
         if args.model:
             with factory_errors():
                 return plan_max_seq.run_model(args)
@@ -440,9 +441,11 @@ def limit_policies(candidates, limits: str, chosen) -> list[str]:
 def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh) -> int:
     """``plan --budget``: every candidate's need against the budget, the choice, and the limits that fit."""
     from remat_kit import policies
+    from remat_kit.cli import plan_max_seq
     from remat_kit.cli.plan_report import compile_progress, format_per_tensor, maxtext_settings, parse_policies
     from remat_kit.model import lora
     from remat_kit.planning import budget, builtin, cost, tensors
+    from remat_kit.planning import fit as fit_lib
     from remat_kit.planning.builtin import Planner
     from remat_kit.planning.planner import DEFAULT_MARGIN, Budget
 
@@ -486,42 +489,21 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
     if not args.no_progress:
         say(f"[plan] compiling {len(pool)} candidates, {args.jobs} at a time ...")
     hardware = cost.calibrate(mesh.devices.flat[0].platform if mesh is not None else None) if args.calibrate else None
-    result = budget.auto(
+    # One call: the presets compiled side by side (the table) and, without --policies, the plan that fits chosen by
+    # the engine of remat_kit.fit (per tensor, mixes, sequence tiles when nothing fits untiled); with --policies, the
+    # best of that pool.
+    result = fit_lib.auto(
         config,
         batch=batch,
         seq=seq,
         budget_bytes=budget_bytes,
         margin=margin,
-        candidates=pool,
+        candidates=None if args.policies is None else pool,
         exhaustive=True,
         planner=planner,
         jobs=args.jobs,
         hardware=hardware,
-        tiles=(),  # the table is every preset compiled untiled; the engine below tries tiles when nothing fits
     )
-    # The choice is the engine's (remat_kit.fit's): the table above is every preset compiled; the engine adds the
-    # block's tags kept per tensor (without --policies) and mixes, and says which plan fits at least cost.
-    choice = tensors.config_choice(
-        config,
-        Budget(budget_bytes, margin),
-        batch=batch,
-        seq=seq,
-        planner=planner,
-        loss_chunks=args.loss_chunks,
-        presets=None if args.policies is None else pool,
-        hardware=result.hardware,
-    )
-    if (str(choice.chosen), choice.seq_tiles) != (str(result.chosen), result.seq_tiles):
-        # The engine's extra rows: per-tensor plans, mixes and (when nothing fits untiled) the tiled steps compiled.
-        shown = {(c.policy, c.seq_tiles) for c in result.candidates}
-        extra = tuple(c for c in choice.candidates if c.need_bytes is not None and (c.policy, c.seq_tiles) not in shown)
-        result = dataclasses.replace(
-            result,
-            chosen=choice.chosen,
-            seq_tiles=choice.seq_tiles,
-            candidates=result.candidates + extra,
-            reason=choice.reason,
-        )
     per = None
     if args.per_tensor:
         if not args.no_progress:
@@ -538,26 +520,30 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
             pool=pool,
             maxtext=args.maxtext,
         )
-    # The limits are the untiled step's (max_fit grows the shape, and a tile count must divide every length tried).
+    # The largest batch is the planned step's (untiled: max_fit grows the shape, and a tile count must divide every
+    # length tried); the longest sequence is plan --max-seq's own computation (the levers by default), so the two
+    # commands print the same length for the same preset and budget.
     untiled = [c for c in result.candidates if c.seq_tiles == 1]
     wanted = limit_policies(untiled, limits, result.chosen if result.seq_tiles == 1 else None)
     fit = {}
     if wanted and mesh is None:
-        # The searches' first compiles are known in advance (the batch line's two points, the sequence
-        # limit): compile them together, args.jobs at a time; each search then needs about two more.
+        # The batch searches' first compiles are known in advance (the line's two points): compile them together,
+        # args.jobs at a time; each search then needs about two more.
         planner.expect(2 * len(wanted))
         first = max(batch, 2)
-        shapes = [
-            (policies.parse(s), b, q)
-            for s in wanted
-            for b, q in ((first, seq), (2 * first, seq), (batch, config.max_seq_len))
-        ]
+        shapes = [(policies.parse(s), b, seq) for s in wanted for b in (first, 2 * first)]
         if not args.no_progress:
             say(f"[plan] largest batch and sequence that fit for {len(wanted)} policies ...")
         planner.precompile(shapes, jobs=args.jobs)
-    for spec in wanted:
+        seq_config, chunks = plan_max_seq.lever_config(args, config, plan_max_seq.DEFAULT_LIMIT)
+        seq_planner = Planner(seq_config, loss_chunks=chunks, progress=planner.progress, target=args.target)
+        step, limit = plan_max_seq.DEFAULT_STEP, plan_max_seq.DEFAULT_LIMIT
+        edge = {"batch": batch, "ref_seq": seq, "budget_bytes": budget_bytes, "margin": margin, "step": step}
+        edge.update(limit=limit, first=plan_max_seq.first_unit(chunks, batch, step))
+    for spec in wanted if mesh is None else ():
         kw = {"batch": batch, "seq": seq, "budget_bytes": budget_bytes, "margin": margin, "planner": planner}
-        fit[spec] = (builtin.max_fit(config, spec, dim="batch", **kw), builtin.max_fit(config, spec, dim="seq", **kw))
+        longest = plan_max_seq.longest(seq_planner, policies.parse(spec), **edge).seq
+        fit[spec] = (builtin.max_fit(config, spec, dim="batch", **kw), longest)
 
     where = f", mesh {args.mesh} (bytes per device)" if mesh is not None else ""
     print(
@@ -573,11 +559,18 @@ def _budget_command(args: argparse.Namespace, config, batch: int, seq: int, mesh
             f"{pb.frozen / config.num_params():.3f} byte per base parameter), adapters {fmt_bytes(pb.trainable)}"
         )
     print(budget.BUDGET_LEGEND)
-    # A sequence limit equal to the preset's max_seq_len is the model's cap, not what memory allows.
-    shown = {k: (b, f"{s} (cap)" if s == config.max_seq_len else s) for k, (b, s) in fit.items()}
+    # A sequence at --max-seq's limit is where the search stopped, not what memory allows.
+    cap = plan_max_seq.DEFAULT_LIMIT
+    shown = {k: (b, f"{s:,} (limit)" if s == cap else f"{s:,}") for k, (b, s) in fit.items()}
     print("\n".join(result.table(shown)))
-    if any(s == config.max_seq_len for _, s in fit.values()):
-        print(f"(cap): the preset's max_seq_len ({config.max_seq_len}); memory would allow more")
+    if fit:
+        note = (
+            f"max seq: plan --max-seq's longest sequence (multiples of {plan_max_seq.DEFAULT_STEP}, the chunked loss "
+            "and sequence tiles by default; --loss-chunks 0 --seq-tiles 1 opt out)"
+        )
+        if any(s == cap for _, s in fit.values()):
+            note += f"; (limit): --max-seq's limit ({cap:,}), memory would allow more"
+        print(note)
     tiles = f" in {result.seq_tiles} sequence tiles (--seq-tiles {result.seq_tiles})" if result.seq_tiles > 1 else ""
     print(f"\nchosen: {result.chosen}{tiles}" if result.chosen is not None else "")
     print(result.reason)  # when nothing fits, it says so (once)

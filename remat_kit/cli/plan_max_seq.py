@@ -1,6 +1,6 @@
 """``remat-kit plan --max-seq``: per policy, the longest sequence whose compiled step fits each budget.
 
-Each answer is found at its edge by compiling (:func:`remat_kit.planning.fit.longest_seq`): the longest
+Each answer is found at its edge by compiling (:func:`remat_kit.planning.limits.longest_seq`): the longest
 multiple of ``--seq-step`` that fits, and the next one, which does not. Beside it: the need at the reference
 length, the cost of one more position (the slope from the reference to the longest edge, whole batch) and the
 floor under it, what the policy's layer stack keeps per position (trace-only), with offloaded bytes counted on
@@ -19,8 +19,11 @@ from typing import Any
 from remat_kit.cli.common import check_writable, command_line, write_json
 from remat_kit.units import fmt_bytes, fmt_bytes_beside, fmt_count
 
-#: ``--max-seq`` without a value tries sequences up to this length.
+#: ``--max-seq`` without a value tries sequences up to this length (and ``plan --budget``'s max seq column).
 DEFAULT_LIMIT = 131_072
+
+#: ``--seq-step``'s default: lengths tried in multiples of this (``plan --budget``'s max seq column too).
+DEFAULT_STEP = 256
 
 #: ``--max-seq`` compares these by default on a preset (one of each kind that changes what a layer keeps).
 DEFAULT_POLICIES: tuple[str, ...] = ("none", "dots", "selective", "offload", "full")
@@ -85,7 +88,7 @@ class PolicyReach:
     per_position_bytes: float | None
     floor_per_position_bytes: float
     floor_host_per_position_bytes: float
-    edges: tuple[Any, ...]  # remat_kit.planning.fit.SeqEdge, one per budget
+    edges: tuple[Any, ...]  # remat_kit.planning.limits.SeqEdge, one per budget
 
     def to_dict(self) -> dict[str, Any]:
         row = {k: v for k, v in dataclasses.asdict(self).items() if k != "edges"}
@@ -93,32 +96,56 @@ class PolicyReach:
         return row
 
 
+def lever_config(args: argparse.Namespace, config, limit: int) -> tuple[Any, int | str]:
+    """``(config, loss_chunks)`` of the step whose longest sequence ``plan --max-seq`` and ``plan --budget``'s max
+    seq column both report, so the two agree: ``config`` up to ``limit`` positions with the levers by default, the
+    chunked loss (``auto`` unless ``--loss-chunks`` is typed) and sequence tiles (``auto`` unless ``--seq-tiles``
+    is given); flags opt out."""
+    from remat_kit.cli.common import DefaultChunks, check_seq_tiles_flag
+
+    tiles = check_seq_tiles_flag("auto" if getattr(args, "seq_tiles", None) is None else args.seq_tiles)
+    chunks = "auto" if type(args.loss_chunks) is DefaultChunks else args.loss_chunks
+    return dataclasses.replace(config, max_seq_len=limit, **tiles), chunks
+
+
+def first_unit(chunks, batch: int | None, step: int) -> int:
+    """The shortest length tried, in units of ``step``: a chunked loss's count may not exceed the token count."""
+    if isinstance(chunks, int) and chunks and batch:
+        return max(1, -(-chunks // (batch * step)))
+    return 1
+
+
+def longest(
+    planner, policy, *, batch, ref_seq: int, budget_bytes: int, margin: float, step: int, limit: int, first: int
+):
+    """The one computation of the longest sequence a policy fits at a budget (a
+    :class:`remat_kit.planning.limits.SeqEdge`), for ``--max-seq``'s rows and ``plan --budget``'s max seq column."""
+    from remat_kit.planning import limits
+
+    return limits.longest_seq(
+        planner,
+        policy,
+        batch=batch,
+        budget_bytes=budget_bytes,
+        margin=margin,
+        step=step,
+        limit=limit,
+        first=first,
+        probes=(ref_seq, 4 * ref_seq),
+    )
+
+
 def reach(planner, policy, *, batch, ref_seq: int, budgets, margin, step, limit, first, floor) -> PolicyReach:
     """A policy's :class:`PolicyReach` (compiles the reference shape and each budget's edge)."""
-    from remat_kit.planning import fit
-
     ref_need = planner.memory(policy, batch, ref_seq)[0]
-    probes = (ref_seq, 4 * ref_seq)
-    edges = tuple(
-        fit.longest_seq(
-            planner,
-            policy,
-            batch=batch,
-            budget_bytes=b,
-            margin=margin,
-            step=step,
-            limit=limit,
-            first=first,
-            probes=probes,
-        )
-        for b in budgets
-    )
-    longest = max(edges, key=lambda e: e.seq)
+    kw = {"batch": batch, "ref_seq": ref_seq, "margin": margin, "step": step, "limit": limit, "first": first}
+    edges = tuple(longest(planner, policy, budget_bytes=b, **kw) for b in budgets)
+    longest_edge = max(edges, key=lambda e: e.seq)
     per = None
-    if longest.seq > ref_seq:
-        per = (longest.need_bytes - ref_need) / (longest.seq - ref_seq)
-    elif longest.next_seq is not None and longest.next_seq != ref_seq:
-        per = (longest.next_need_bytes - ref_need) / (longest.next_seq - ref_seq)
+    if longest_edge.seq > ref_seq:
+        per = (longest_edge.need_bytes - ref_need) / (longest_edge.seq - ref_seq)
+    elif longest_edge.next_seq is not None and longest_edge.next_seq != ref_seq:
+        per = (longest_edge.next_need_bytes - ref_need) / (longest_edge.next_seq - ref_seq)
     device, host = floor
     return PolicyReach(str(policy), ref_seq, ref_need, per, device, host, edges)
 
@@ -155,9 +182,10 @@ def format_edges(rows: list[PolicyReach]) -> list[str]:
         for e in r.edges:
             where = f"  {r.policy:12} {fmt_bytes(e.budget_bytes)}: "
             if not e.seq:
-                lines.append(where + f"nothing fits: {e.step:,} needs {fmt_bytes(e.next_need_bytes * (1 + e.margin))}")
+                over = fmt_bytes_beside(e.next_need_bytes * (1 + e.margin), e.budget_bytes)
+                lines.append(where + f"nothing fits: {e.step:,} needs {over}")
                 continue
-            line = where + f"{e.seq:,} needs {fmt_bytes(e.need_bytes * (1 + e.margin))}"
+            line = where + f"{e.seq:,} needs {fmt_bytes_beside(e.need_bytes * (1 + e.margin), e.budget_bytes)}"
             if e.next_seq is None:
                 line += f"; {e.seq + e.step:,} is past --max-seq {e.limit:,}"
             else:
@@ -196,14 +224,14 @@ def run_preset(args: argparse.Namespace) -> int:
     """``plan --max-seq`` on the built-in model (a preset)."""
     from remat_kit import constants
     from remat_kit.analysis import memory
-    from remat_kit.cli.common import DefaultChunks, check_seq_tiles_flag, lora_overrides
+    from remat_kit.cli.common import lora_overrides
     from remat_kit.cli.plan_report import compile_progress, parse_policies
     from remat_kit.model.transformer import TransformerConfig
     from remat_kit.planning import analysis
     from remat_kit.planning.builtin import Planner
 
     budgets, margin, step, limit = check_args(args)
-    overrides: dict[str, Any] = {"max_seq_len": limit}
+    overrides: dict[str, Any] = {}
     for flag, field in (("dtype", "dtype"), ("param_dtype", "param_dtype"), ("attention", "attention")):
         if getattr(args, flag):
             overrides[field] = getattr(args, flag)
@@ -211,12 +239,10 @@ def run_preset(args: argparse.Namespace) -> int:
         overrides["num_layers"] = args.layers
     overrides.update(lora_overrides(args))
     # The levers by default: the longest sequence is what the chunked loss and sequence tiles give (flags opt out).
-    overrides.update(check_seq_tiles_flag("auto" if args.seq_tiles is None else args.seq_tiles))
-    config = TransformerConfig.preset(args.preset, **overrides)
+    config, chunks = lever_config(args, TransformerConfig.preset(args.preset, **overrides), limit)
     batch, ref = constants.PRESET_SHAPES.get(args.preset, (1, min(128, config.max_seq_len)))
     batch = batch if args.batch_size is None else args.batch_size
     ref = ref if args.seq_len is None else args.seq_len
-    chunks = "auto" if type(args.loss_chunks) is DefaultChunks else args.loss_chunks
     ref_chunks = chunks
     if chunks == "auto":
         from remat_kit.model.loss import auto_chunks
@@ -227,9 +253,7 @@ def run_preset(args: argparse.Namespace) -> int:
     planner = Planner(
         config, loss_chunks=chunks, progress=None if args.no_progress else compile_progress, target=args.target
     )
-    first = 1
-    if isinstance(chunks, int) and chunks:  # the chunk count may not exceed the token count
-        first = max(1, -(-chunks // (batch * step)))
+    first = first_unit(chunks, batch, step)
     rule = memory.host_offload(planner.device)
     rows = []
     for p in specs:

@@ -11,6 +11,9 @@ matrix is not differentiated, as a frozen LoRA base), which the backward pass wo
 first step anyway: the step's compiled peak is no higher than with the logits recomputed, its
 matmul FLOPs are the plain loss's (``benchmarks/results/plan_2b_loss_chunks8.txt``), and on CPU it
 spares the page faults of two ``[b·s, V]`` float32 buffers per step (``benchmarks/results/profile_notes.md``).
+The chunks, the fused gradients and the scaling are :func:`remat_kit.policies.loss_chunks.chunked_mean`, the
+one implementation :func:`remat_kit.head_loss` runs a model the user installed through; this module gives it
+the output projection (and, for a frozen matrix, its reading by vocabulary slice).
 
 ``loss_chunks="auto"`` (:func:`auto_chunks`, the training default) picks the fused loss once the full
 float32 logits reach :data:`AUTO_FUSED_FROM`, about :data:`AUTO_CHUNK_BYTES` of logits a chunk, and

@@ -124,7 +124,9 @@ class TransformerConfig:
         projection, the MLP, the residual adds) over the sequence in this many tiles, each under its own
         checkpoint (:func:`remat_kit.policies.tiling.tiled`), so a layer's recompute never holds their whole-sequence
         intermediates; 1 (default) untiled; ``"auto"``: :func:`auto_tiles` of the shape. Attention itself
-        cannot be tiled by position (it mixes them); it is chunked instead (``attention``).
+        cannot be tiled by position (it mixes them); it is chunked instead (``attention``). With tiles, a batch
+        of several rows runs each layer one row at a time (attention never mixes rows), so a layer's backward
+        pass holds one row's whole-sequence attention state.
     """
 
     vocab_size: int = 256
@@ -299,39 +301,54 @@ class Block(nn.Module):
         keys = (self.make_rng("dropout"), self.make_rng("dropout")) if drop else (None, None)
 
         tiles = resolve_tiles(cfg.seq_tiles, b, s)
+        # With sequence tiles (long context) the layer also runs one batch row at a time, under a scan over the
+        # rows: attention mixes positions within a row, never across rows, so a row's backward pass holds that
+        # row's whole-sequence q, k, v, attention output and their gradients, not the batch's (the 2B step for an
+        # H100 under offload: benchmarks/results/long_context_h100.txt).
+        rows = b if tiles > 1 and b > 1 and not self.is_initializing() else 1
 
-        def qkv(x, pos):  # per token: the attention norm, the q/k/v projections and q and k's rotation
-            y = names.tag(attn_norm(x), names.ATTN_NORM)
-            n = x.shape[1]
-            q = names.tag(q_proj(y).reshape(b, n, h, hd), names.Q_PROJ)
-            k = names.tag(k_proj(y).reshape(b, n, kv, hd), names.K_PROJ)
-            v = names.tag(v_proj(y).reshape(b, n, kv, hd), names.V_PROJ)
-            # A tile rotates by its own positions (kept by a policy that keeps everything); untiled, rope's
-            # own 0 .. s - 1, so nothing more is kept.
-            pos = pos if tiles > 1 else None
-            return attention.rope(q, cfg.rope_base, pos), attention.rope(k, cfg.rope_base, pos), v
+        def layer(x, pos, row):  # one row (rows > 1) or the whole batch
+            n_b = x.shape[0]
+            # Each row draws its own dropout masks: fold the row into the keys.
+            fold = rows > 1 and keys[0] is not None
+            row_keys = tuple(jax.random.fold_in(k, row[0, 0]) for k in keys) if fold else keys
 
-        def rest(x, context, pos):  # per token: attention's output projection, the MLP, both residual adds
-            attn = names.tag(attn_out(context), names.ATTN_OUT)
-            x = x + _dropout(attn, cfg.dropout, keys[0], pos)
-            y = names.tag(mlp_norm(x), names.MLP_NORM)
-            gate = names.tag(gate_proj(y), names.MLP_GATE)
-            up = names.tag(up_proj(y), names.MLP_UP)
-            act = names.tag(swiglu(gate, up), names.MLP_ACT)
-            out = names.tag(out_proj(act), names.MLP_OUT)
-            return x + _dropout(out, cfg.dropout, keys[1], pos)
+            def qkv(x, pos):  # per token: the attention norm, the q/k/v projections and q and k's rotation
+                y = names.tag(attn_norm(x), names.ATTN_NORM)
+                n = x.shape[1]
+                q = names.tag(q_proj(y).reshape(n_b, n, h, hd), names.Q_PROJ)
+                k = names.tag(k_proj(y).reshape(n_b, n, kv, hd), names.K_PROJ)
+                v = names.tag(v_proj(y).reshape(n_b, n, kv, hd), names.V_PROJ)
+                # A tile rotates by its own positions (kept by a policy that keeps everything); untiled, rope's
+                # own 0 .. s - 1, so nothing more is kept.
+                pos = pos if tiles > 1 else None
+                return attention.rope(q, cfg.rope_base, pos), attention.rope(k, cfg.rope_base, pos), v
 
-        if tiles > 1 and not self.is_initializing():  # init creates the same parameters untiled
-            qkv = tiling.tiled(qkv, tiles, policy=self.tile_policy)
-            rest = tiling.tiled(rest, tiles, policy=self.tile_policy)
-        # The positions ride along as a tiled input: a tile rotates q and k by its own positions, and its
-        # dropout key is folded with its first position.
+            def rest(x, context, pos):  # per token: attention's output projection, the MLP, both residual adds
+                attn = names.tag(attn_out(context), names.ATTN_OUT)
+                x = x + _dropout(attn, cfg.dropout, row_keys[0], pos)
+                y = names.tag(mlp_norm(x), names.MLP_NORM)
+                gate = names.tag(gate_proj(y), names.MLP_GATE)
+                up = names.tag(up_proj(y), names.MLP_UP)
+                act = names.tag(swiglu(gate, up), names.MLP_ACT)
+                out = names.tag(out_proj(act), names.MLP_OUT)
+                return x + _dropout(out, cfg.dropout, row_keys[1], pos)
+
+            if tiles > 1 and not self.is_initializing():  # init creates the same parameters untiled
+                qkv = tiling.tiled(qkv, tiles, policy=self.tile_policy)
+                rest = tiling.tiled(rest, tiles, policy=self.tile_policy)
+            # The positions ride along as a tiled input: a tile rotates q and k by its own positions, and its
+            # dropout key is folded with its first position.
+            q, k, v = qkv(x, pos)
+            # attend() tags the context itself (inside chunked attention's custom_vjp); flat, so the out
+            # projection's input is the very array attention's backward keeps, not a second copy.
+            context = attention.attend(q, k, v, kind=cfg.attention, block=cfg.attention_block, flat=True)
+            return rest(x, context, pos)
+
         pos = jnp.arange(s, dtype=jnp.int32)[None, :]
-        q, k, v = qkv(x, pos)
-        # attend() tags the context itself (inside chunked attention's custom_vjp); flat, so the out
-        # projection's input is the very array attention's backward keeps, not a second copy.
-        context = attention.attend(q, k, v, kind=cfg.attention, block=cfg.attention_block, flat=True)
-        return rest(x, context, pos)
+        if rows > 1:
+            layer = tiling.tiled(layer, rows, axis=0, in_axes=(0, None, 0), policy=self.tile_policy)
+        return layer(x, pos, jnp.arange(b, dtype=jnp.int32)[:, None])
 
 
 def _dropout(y, rate: float, key, pos):

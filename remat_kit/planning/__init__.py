@@ -6,7 +6,7 @@ Nothing here allocates a model or runs a step; every figure comes from a compile
 from remat_kit._lazy import face
 
 _LAZY = {
-    "auto": ("remat_kit.planning.budget", "auto"),
+    "auto": ("remat_kit.planning.fit", "auto"),
     "AutoResult": ("remat_kit.planning.budget", "AutoResult"),
     "analyze": ("remat_kit.planning.analysis", "analyze"),
     "Analysis": ("remat_kit.planning.analysis", "Analysis"),

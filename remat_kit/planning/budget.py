@@ -1,6 +1,7 @@
-"""The fastest policy that fits a memory budget, and what it takes to fit — compile-only.
+"""A pool of policies compiled side by side against a memory budget: the table's search, compile-only.
 
-:func:`auto` (also ``remat_kit.auto``) answers "I have X GB: which policy?". Every candidate
+:func:`search` is :func:`remat_kit.planning.fit.auto`'s (``remat_kit.auto``, the front that keeps the table of
+``plan --budget``; the plan that fits is :func:`remat_kit.fit`'s). Every candidate
 policy's training step is traced (cheap) and priced by the cost model (:mod:`remat_kit.planning.cost`):
 the estimated step time of every op it recomputes over ``none`` (softmax, norms and activations
 included, not matmuls alone) plus its exposed host transfers. Candidates are then compiled in order of
@@ -14,10 +15,12 @@ nothing (XLA:CPU) an offload candidate saves no memory and is never chosen.
 :meth:`AutoResult.table` and :meth:`AutoResult.plot` show the candidates. The compiles are
 :class:`remat_kit.planning.planner.StepPlanner`'s.
 
->>> from remat_kit.model.transformer import TransformerConfig
->>> r = auto(TransformerConfig.preset("tiny"), batch=2, seq=32, budget_bytes=parse_bytes("1GB"))
->>> str(r.chosen), r.candidates[0].cost_s  # ample budget: nothing recomputed
-('none', 0.0)
+>>> import jax, jax.numpy as jnp
+>>> make_loss = lambda policy: (lambda w, x: jnp.sum(policy(lambda w, x: jnp.tanh(x @ w))(w, x) ** 2))
+>>> w, x = jax.ShapeDtypeStruct((8, 8), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.float32)
+>>> planner = StepPlanner(lambda p, b, s: (make_loss(p), w, (x,)))
+>>> str(search(planner, [policies.none(), policies.full()], Budget(10**9)).chosen)
+'none'
 """
 
 from __future__ import annotations
@@ -29,15 +32,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import optax
 
 from remat_kit import constants, policies
 from remat_kit import names as names_lib
 from remat_kit.analysis import explain, inspection, memory
 from remat_kit.planning import cost
 from remat_kit.planning.pareto import pareto_front
-from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner, is_built_in
-from remat_kit.units import check_int, fmt_bytes, fmt_flops, fmt_seconds
+from remat_kit.planning.planner import Budget, StepPlanner
+from remat_kit.units import fmt_bytes, fmt_bytes_beside, fmt_flops, fmt_seconds
 from remat_kit.units import parse_bytes as parse_bytes  # re-exported: remat_kit.planning.budget.parse_bytes
 
 #: What the columns of :meth:`AutoResult.table` mean.
@@ -169,7 +171,7 @@ class AutoResult:
             row = (
                 f"{mark}{c.label:{width}} {fmt_flops(c.recompute_flops):>10} {fmt_seconds(c.cost_s):>10} "
                 f"{fmt_bytes(c.need_bytes) if compiled else '-':>10} "
-                f"{fmt_bytes(budget.with_margin(c.need_bytes)) if compiled else '-':>10} "
+                f"{fmt_bytes_beside(budget.with_margin(c.need_bytes), budget.bytes) if compiled else '-':>10} "
                 f"{fmt_bytes(c.host_bytes) if compiled else '-':>10} {fits:>5}"
             )
             if fit:  # the limits are the untiled step's
@@ -283,111 +285,9 @@ class AutoResult:
         }
 
 
-#: The policies :func:`auto` tries for a model it did not build (``make_loss(policy)``): those that need
-#: no tags and no knowledge of the depth.
+#: The policies :func:`remat_kit.planning.fit.auto` tries for a model it did not build (``make_loss(policy)``): those
+#: that need no tags and no knowledge of the depth.
 GENERIC_CANDIDATES: tuple[str, ...] = constants.GENERIC_CANDIDATES
-
-
-def auto(
-    model: Any,
-    *args,
-    budget_bytes: int,
-    optimizer: str | optax.GradientTransformation = "adamw",
-    candidates: Sequence[policies.Policy | str] | None = None,
-    margin: float = DEFAULT_MARGIN,
-    exhaustive: bool = False,
-    planner: StepPlanner | None = None,
-    jobs: int = 1,
-    batch: int | None = None,
-    seq: int | None = None,
-    loss_chunks: int = 0,
-    mixes: bool = True,
-    hardware: cost.Hardware | None = None,
-    tiles: Sequence[int] | None = None,
-    target=None,
-) -> AutoResult:
-    """Choose the policy with the least estimated recompute time whose training step fits ``budget_bytes``.
-
-    Two forms, told apart by the first argument:
-
-    * ``auto(make_loss, params, *batch_args, budget_bytes=...)``: any model. ``make_loss(policy)``
-      returns ``loss_fn(params, *batch_args) -> scalar``; the inputs may be ShapeDtypeStructs.
-    * ``auto(config, batch=..., seq=..., budget_bytes=...)``: the built-in Transformer (a
-      convenience over the first form; ``loss_chunks`` selects the chunked loss).
-
-    The step planned is the one ``train`` runs (:mod:`remat_kit.step.update`): gradient, clipping and the
-    optimizer update, parameters and optimizer state donated. A candidate's need is the compiled
-    step's peak (arguments + outputs − aliased + temp), never its saved bytes alone.
-
-    Args:
-      budget_bytes: device memory available, in bytes (see :func:`parse_bytes`).
-      optimizer: its state counts toward the budget; a name in :data:`OPTIMIZERS` or an optax one.
-      candidates: what to consider (default: :func:`remat_kit.planning.builtin.candidates_for` for a config,
-        :data:`GENERIC_CANDIDATES` otherwise).
-      margin: safety margin: a candidate fits when ``need · (1 + margin) <= budget``.
-      exhaustive: compile every candidate instead of stopping at the cheapest fitting group
-        (same answer; for checking the search and for full tables).
-      planner: reuse a :class:`StepPlanner`'s memoized compiles.
-      jobs: candidates compiled at once when ``exhaustive``.
-      mixes: for a config, also consider mixes (:func:`remat_kit.policies.mix`) of two Pareto-optimal
-        candidates on either side of the budget (see :func:`best_mix`): between two presets' needs the
-        answer is then the mix with the least recompute that fits, measured by one more compile or a few.
-      hardware: what recompute is priced against (default: :func:`remat_kit.planning.cost.default_hardware`
-        of the backend; :func:`remat_kit.planning.cost.calibrate` measures this machine).
-      tiles: for a config whose ``seq_tiles`` is 1, the sequence-tile counts tried when nothing fits untiled
-        (default :func:`remat_kit.planning.tiles.tile_counts`; ``()`` tries none): the search runs again with the
-        blocks in each, most tiles first, every tiled candidate priced over the untiled ``none``, and
-        :attr:`AutoResult.seq_tiles` says the count chosen. A budget that fits untiled tries no tiles (they add time).
-      target: the device planned for (:func:`remat_kit.target.parse`; default ``"local"``): on a GPU target every
-        need is XLA:GPU's own, offloaded bytes leave the device, and the host copies are priced by its link.
-
-    Returns:
-      An :class:`AutoResult`; ``chosen`` (a Policy or a Mix) is None when nothing fits, and ``reason`` then says what is
-      needed, what was given and which levers remain.
-
-    Raises:
-      TypeError/ValueError: bad budget, margin, jobs, inputs or policies (an empty ``candidates`` too), before
-        anything is compiled; an NNX module among the inputs that holds a policy of its own (every row would
-        measure that one: :func:`remat_kit.analysis.inspection.refuse_baked_nnx`).
-    """
-    budget = Budget(budget_bytes, margin)
-    check_int("jobs", jobs)
-    if candidates is not None and not isinstance(candidates, str) and len(candidates) == 0:
-        # Not "the default candidates": an empty list would be read as None, and `none` chosen unasked.
-        raise ValueError("candidates=[] names no policy; give at least one, or None for the default candidates")
-    wanted = candidates
-    if is_built_in(model, "TransformerConfig"):
-        from remat_kit.planning import builtin  # late: the built-in model is loaded only when it is planned
-
-        return builtin.auto_config(
-            model,
-            args,
-            budget,
-            candidates=wanted,
-            optimizer=optimizer,
-            planner=planner,
-            batch=batch,
-            seq=seq,
-            loss_chunks=loss_chunks,
-            exhaustive=exhaustive,
-            jobs=jobs,
-            hardware=hardware,
-            mixes=mixes,
-            tiles=tiles,
-            target=target,
-        )
-    if not callable(model):
-        raise TypeError(f"auto's first argument must be a TransformerConfig or make_loss(policy), got {model!r}")
-    if batch is not None or seq is not None or loss_chunks:
-        raise TypeError("batch=, seq= and loss_chunks= belong to auto(config, ...); give make_loss its inputs")
-    if not args:
-        raise TypeError("auto(make_loss, params, *batch_args, ...) needs the loss's inputs (params first)")
-    inspection.refuse_baked_nnx(args, "auto")
-    inputs = inspection.abstract(args)
-    pool = [policies.parse(p) for p in (wanted or GENERIC_CANDIDATES)]
-    inspection.check_loss(make_loss_checked(model, pool[0]), inputs)
-    planner = planner or StepPlanner(lambda p, b, s: (model(p), inputs[0], inputs[1:]), optimizer, target=target)
-    return search(planner, pool, budget, exhaustive=exhaustive, jobs=jobs, hardware=hardware)
 
 
 def _kind(spec: str) -> str:
@@ -420,7 +320,7 @@ def search(
     num_layers: int | None = None,
     hardware: cost.Hardware | None = None,
 ) -> AutoResult:
-    """:func:`auto`'s search over ``pool`` with ``planner`` at one shape: candidates in order of
+    """:func:`remat_kit.planning.fit.auto`'s search over ``pool`` with ``planner`` at one shape: candidates in order of
     estimated cost (traced, cheap), compiled group by group until the cheapest group that fits; then, given
     the stack's ``num_layers``, the best mix of two compiled Pareto-optimal candidates (:func:`best_mix`)."""
     start = time.perf_counter()
@@ -761,7 +661,8 @@ def why_chosen(chosen, table: Sequence[Candidate], budget: Budget, loss_chunks: 
     ]
     return (
         f"nothing fits: the leanest candidate, {least.policy}, needs {fmt_bytes(least.need_bytes)} "
-        f"(+{margin:.0%} margin: {fmt_bytes(budget.with_margin(least.need_bytes))}) but the budget is "
+        f"(+{margin:.0%} margin: {fmt_bytes_beside(budget.with_margin(least.need_bytes), budget.bytes)}) but the "
+        "budget is "
         f"{fmt_bytes(budget.bytes)}. "
         f"Next levers: {'; '.join(levers)}."
     )

@@ -1,9 +1,9 @@
 """Planning the built-in Transformer: its planner, its candidates, and auto and max_fit of a config.
 
 The generic engine (:mod:`remat_kit.planning.planner`, :mod:`remat_kit.planning.budget`,
-:mod:`remat_kit.planning.fit`) plans any loss and imports no model; this module is the built-in model's side of it,
-loaded only when a :class:`remat_kit.model.transformer.TransformerConfig` is planned (its per-tensor choice, and
-``fit`` of a ``Transformer``, are :mod:`remat_kit.planning.tensors`').
+:mod:`remat_kit.planning.engine`) plans any loss and imports no model; this module is the built-in model's side of
+it (its per-tensor choice, and ``fit`` of a ``Transformer``, are :mod:`remat_kit.planning.tensors`'), imported by
+the entry (:mod:`remat_kit.planning.fit`) above both.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis, cost
 from remat_kit.planning import tiles as tiles_lib
 from remat_kit.planning.budget import AutoResult, search, why_chosen
-from remat_kit.planning.fit import _boundary
+from remat_kit.planning.limits import boundary
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
 from remat_kit.step import mesh as mesh_lib
 from remat_kit.step import update as step_lib
@@ -95,7 +95,7 @@ class Planner(StepPlanner):
 
 
 def candidates_for(config: TransformerConfig, *, offload: bool | None = None) -> tuple[policies.Policy, ...]:
-    """The policies :func:`auto` considers for ``config``, without duplicates.
+    """The policies :func:`remat_kit.planning.fit.auto` considers for ``config``, without duplicates.
 
     ``none``; the selective presets and subsets of the matmul outputs; ``dots``; ``every_n(n)`` for
     n in 2, 3, 4, 8 (at most the depth); ``segments(k)`` for k in 2, 4 and ``sqrt_n``; ``full``; and,
@@ -141,7 +141,7 @@ def auto_config(
     tiles: Sequence[int] | None = None,
     target=None,
 ) -> AutoResult:
-    """:func:`remat_kit.planning.budget.auto` of the built-in Transformer (``auto(config, batch=, seq=, ...)``), its
+    """:func:`remat_kit.planning.fit.auto` of the built-in Transformer (``auto(config, batch=, seq=, ...)``), its
     arguments checked before anything is compiled: the candidates of :func:`candidates_for` (or ``candidates``)
     searched untiled, then, when nothing fits and ``config.seq_tiles`` is 1, in sequence tiles
     (:func:`search_tiled`)."""
@@ -177,7 +177,7 @@ def search_tiled(
     loss_chunks: int,
     **kw,
 ) -> AutoResult:
-    """:func:`remat_kit.planning.budget.auto`'s tile lever, when nothing fits untiled: :func:`search` again with
+    """:func:`remat_kit.planning.fit.auto`'s tile lever, when nothing fits untiled: :func:`search` again with
     the blocks in each of ``counts`` sequence tiles (most first, until a count where nothing fits: fewer tiles hold
     more), every tiled candidate priced over the untiled ``none`` (:func:`remat_kit.planning.tiles.tiles_cost_s`);
     the fitting (tiles, policy) with the least estimated cost wins."""
@@ -249,7 +249,7 @@ def max_fit(
     limit: the model's ``max_seq_len`` for ``seq``, ``limit`` or 2**20 for ``batch``). Compile-only,
     and few compiles: the step's bytes are affine in the batch (a quadratic at most in the sequence,
     through attention), so two compiles give the line, the line names the answer and two more confirm
-    it (:func:`_boundary`); a sequence limit that fits is checked first (one compile).
+    it (:func:`boundary`); a sequence limit that fits is checked first (one compile).
     """
     if dim not in ("batch", "seq"):
         raise ValueError(f"dim must be 'batch' or 'seq', got {dim!r}")
@@ -267,7 +267,7 @@ def max_fit(
         if need(cap) <= target:
             return cap
         # The parabola through the given length, twice it and the limit names the answer.
-        return _boundary(need, target, first, cap, probes=(start, 2 * start), degree=2, known={cap: need(cap)})
+        return boundary(need, target, first, cap, probes=(start, 2 * start), degree=2, known={cap: need(cap)})
     # Bytes at batch 1 may not lie on the line (XLA's layout differs there): the line starts at 2 or more.
     p0 = max(start, 2 * first, 2) if cap >= 2 else start
-    return _boundary(need, target, first, cap, probes=(p0, 2 * p0), degree=1)
+    return boundary(need, target, first, cap, probes=(p0, 2 * p0), degree=1)

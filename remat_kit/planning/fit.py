@@ -1,19 +1,17 @@
-"""How far a policy stretches, and which plan fits: the longest sequence that fits a budget, exactly, and ``fit``.
+"""The one public way to fit a budget: :func:`fit` (and :func:`auto`, a front kept for its table).
 
-:func:`longest_seq` (and :func:`remat_kit.planning.builtin.max_fit`, its built-in model's twin) compiles the step
-(compile-only, from shapes) at a few sizes with a :class:`remat_kit.planning.planner.StepPlanner`: the step's
-bytes are affine in the batch and at most quadratic in the sequence, so a line (or parabola) through the measured
-points names the answer and two compiles confirm it (:func:`_boundary`). :func:`fit` is the public way to fit a
-budget: its engine is :func:`remat_kit.planning.engine.plan` (the model as given first, one trace priced, an exact
-solve, at most three compiles); :func:`choose` remains the search over a pool of presets given by hand
-(``plan --budget --policies``).
+A reader follows ``fit`` through a handful of modules: this one (the entry: its checks, and which stack a model
+plans on), :mod:`remat_kit.planning.engine` (the model as given, one trace priced, at most three compiles),
+:mod:`remat_kit.planning.solve` (the exact DP) and :mod:`remat_kit.planning.planner` (the compiles themselves). The
+built-in Transformer is one more model here: :mod:`remat_kit.planning.tensors` gives the engine its stack and its
+levers (sequence tiles, loss chunks). This module sits above the generic engine and the built-in model's planner
+alike, so nothing below it imports it and no import is late.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,120 +23,17 @@ from flax import nnx
 from remat_kit import policies
 from remat_kit.analysis import inspection
 from remat_kit.planning import budget as budget_lib
-from remat_kit.planning import cost, engine
-from remat_kit.planning.budget import Candidate, Pricer
-from remat_kit.planning.engine import LEVERS, Choice
-from remat_kit.planning.engine import emitted_bytes as emitted_bytes  # re-exported: tensors, tests
+from remat_kit.planning import builtin, cost, engine, tensors
+from remat_kit.planning.budget import GENERIC_CANDIDATES, AutoResult, make_loss_checked
+from remat_kit.planning.engine import Choice
 from remat_kit.planning.engine import group_names as group_names  # re-exported
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner, get_optimizer, is_built_in
 from remat_kit.policies import findings
 from remat_kit.unedited import entry as unedited_lib
-from remat_kit.units import check_int, fmt_bytes, fmt_seconds, parse_bytes
-
-
-def _boundary(need, target: float, first: int, cap: int, probes=(), degree: int = 1, known=None) -> int:
-    """The largest n in [first, cap] with ``need(n) <= target`` (``need`` increasing), or 0 if none.
-
-    ``probes`` are compiled first (where they lie inside the bracket). Then each next probe is where a
-    model of the measured points meets the target — a line (``degree=1``) through the bracket's ends
-    (or, before an upper end is known, through the highest fitting point and the farthest one below),
-    or (``degree=2``) a parabola through the bracket's ends and the nearest other point — just above the last
-    fitting point when the model says that point is the answer, so the next compile confirms it. After
-    three model probes in a row on the same side, one bisects (or doubles, with no upper end yet), so a
-    poor model costs a few compiles, never a scan.
-
-    Returns:
-      The answer: ``need(answer) <= target < need(answer + 1)`` (or the answer is ``cap``), both measured.
-    """
-    seen: dict[int, float] = dict(known or {})
-    lo, hi = first - 1, cap + 1  # lo: largest known to fit (first - 1: none yet); hi: smallest known not to
-    for n, v in seen.items():
-        if v <= target:
-            lo = max(lo, n)
-        else:
-            hi = min(hi, n)
-    queue = list(probes)
-    streak: list[bool] = []  # sides of the model's probes since it last changed side
-    while hi - lo > 1:
-        probe = None
-        while queue and probe is None:
-            q = queue.pop(0)
-            probe = q if lo < q < hi and q not in seen else None
-        modelled = probe is None
-        if modelled:
-            probe = _model_probe(seen, lo, hi, cap, target, first, degree)
-            # The model keeps missing on one side: halve the bracket instead (never instead of a confirmation).
-            if len(streak) >= 3 and probe > lo + 1:
-                probe, streak = ((lo + hi) // 2 if hi <= cap else min(cap, 2 * max(lo, 1))), []
-        probe = min(max(probe, lo + 1), hi - 1)
-        seen[probe] = need(probe)
-        fits = seen[probe] <= target
-        if modelled:
-            streak = [*streak, fits] if streak and streak[-1] == fits else [fits]
-        if fits:
-            lo = probe
-        else:
-            hi = probe
-    return lo if lo >= first else 0
-
-
-def _model_probe(seen: dict[int, float], lo: int, hi: int, cap: int, target: float, first: int, degree: int) -> int:
-    """Where the measured points' line (or parabola) reaches ``target``, rounded down; lo + 1 when that
-    is lo (to confirm it), the smallest shape when nothing fits yet."""
-    if lo < first:
-        return first
-    xs = sorted(seen)
-    if hi <= cap:  # a bracket: its ends, plus the nearest other point for a parabola
-        pts = [lo, hi]
-        others = sorted((x for x in xs if x not in pts), key=lambda x: min(abs(x - lo), abs(x - hi)))
-        pts += others[: degree - 1]
-    else:  # no upper end yet: the highest fitting point and the farthest below it (the longest baseline)
-        below = [x for x in xs if x < lo]
-        if not below:
-            return min(cap, 2 * lo)
-        pts = [lo, below[0]] + ([below[len(below) // 2]] if degree == 2 and len(below) > 1 else [])
-    guess = _solve(sorted(set(pts)), seen, target, lo)
-    if guess is None or not math.isfinite(guess):
-        return (lo + hi) // 2 if hi <= cap else min(cap, 2 * lo)
-    n = math.floor(guess)
-    return n if n > lo else lo + 1
-
-
-def _solve(pts: list[int], seen: dict[int, float], target: float, lo: int) -> float | None:
-    """The x >= lo where the interpolant through ``pts`` equals ``target`` (line for two points,
-    parabola for three; the line through the outer two when the parabola has no such root)."""
-    if len(pts) == 3:
-        (x0, x1, x2), (y0, y1, y2) = pts, [seen[x] for x in pts]
-        d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
-        a = (d12 - d01) / (x2 - x0)  # y = y0 + d01 (x - x0) + a (x - x0)(x - x1)
-        b = d01 - a * (x0 + x1)
-        c = y0 - d01 * x0 + a * x0 * x1 - target
-        if a != 0:
-            disc = b * b - 4 * a * c
-            if disc >= 0:
-                roots = [(-b + sgn * math.sqrt(disc)) / (2 * a) for sgn in (1, -1)]
-                roots = [r for r in roots if r >= lo - 1e-9]
-                if roots:
-                    return min(roots)
-        pts = [x0, x2]
-    x0, x1 = pts[0], pts[-1]
-    slope = (seen[x1] - seen[x0]) / (x1 - x0)
-    if slope <= 0:
-        return None
-    return x0 + (target - seen[x0]) / slope
-
-
-# ---- fit: the policy that fits a budget, chosen per tensor from the model's own names --------------------------
+from remat_kit.units import check_int, parse_bytes
 
 #: The compiles :func:`fit` spends at most (:data:`remat_kit.planning.engine.MAX_COMPILES`).
 MAX_COMPILES = engine.MAX_COMPILES
-
-#: The compiles :func:`choose` (the preset search ``plan --budget`` runs over a given pool) may spend.
-SEARCH_COMPILES = 12
-
-#: A candidate whose predicted need exceeds the target by more than this share is not compiled: the prediction
-#: (a line in kept bytes through the compiled points) is a guide for what to compile, never the answer.
-PREDICTION_SLACK = 0.03
 
 
 class NothingFits(ValueError):
@@ -153,179 +48,155 @@ class NothingFits(ValueError):
         self.need_bytes, self.leanest = need_bytes, leanest
 
 
-def tensor_candidates(
-    price: Pricer, groups: Sequence[tuple[tuple[str, ...], int]], keep: Sequence[str] = ()
-) -> list[policies.Policy]:
-    """The per-tensor candidates: each group kept alone, and the greedy chain of the groups by recompute time saved
-    per byte kept (each alone, priced on the whole step: one trace each), every prefix of it. ``keep``: names every
-    candidate keeps (``layer_input``, which every rematerialized layer keeps anyway)."""
-    full = price.estimate(policies.full()).cost_s
-    singles = [(policies.selective([*keep, *g[0]]), g) for g in groups]
-    saved = sorted(
-        singles, key=lambda pg: -(full - price.estimate(pg[0]).cost_s) / max(pg[1][1], 1)
-    )  # most seconds saved per byte first
-    chain, kept = [], list(keep)
-    for _, (names, _) in saved[:-1]:  # the whole chain is `none` but for the names' neighbours: left to `none`
-        kept.extend(names)
-        chain.append(policies.selective(list(kept)))
-    return list(dict.fromkeys([p for p, _ in singles] + chain))
-
-
-def choose(
-    planner: StepPlanner,
-    budget: Budget,
-    *,
-    presets: Sequence[policies.Policy],
-    groups: Sequence[tuple[tuple[str, ...], int]] = (),
-    keep: Sequence[str] = (),
-    num_layers: int | None = None,
-    depth: int | None = None,
+def auto(
+    model: Any,
+    *args,
+    budget_bytes: int,
+    optimizer: str | optax.GradientTransformation = "adamw",
+    candidates: Sequence[policies.Policy | str] | None = None,
+    margin: float = DEFAULT_MARGIN,
+    exhaustive: bool = False,
+    planner: StepPlanner | None = None,
+    jobs: int = 1,
     batch: int | None = None,
     seq: int | None = None,
+    loss_chunks: int = 0,
+    mixes: bool = True,
     hardware: cost.Hardware | None = None,
-    max_compiles: int = SEARCH_COMPILES,
-    levers: str = "",
-) -> Choice:
-    """The engine of :func:`fit`, ``plan --budget`` and ``train --budget``: the fitting plan with the least estimated
-    step time, keeping, recomputing (or, where the backend moves memory, offloading) per tensor.
+    tiles: Sequence[int] | None = None,
+    target=None,
+) -> AutoResult:
+    """``plan --budget``'s table: a pool of whole-step policies compiled side by side against a budget; a front.
 
-    The pool: ``presets`` and the per-tensor candidates of ``groups`` (:func:`tensor_candidates`), every one priced
-    by the cost model (a trace each, no compile). ``none`` is compiled first (it fits: the answer), then ``full``
-    (the leanest; if it does not fit, the leaner presets, then the refusal). Then, cheapest first, the next candidate
-    cheaper than the best compiled answer whose need a line in kept bytes (through every compiled ``none``, ``full``
-    and per-tensor point) predicts to fit is compiled, until none is left or ``max_compiles``; presets without a
-    kept-bytes figure are compiled when their turn comes. Given ``num_layers`` (a stack), the best mix of two
-    compiled Pareto-optimal candidates (:func:`remat_kit.planning.budget.best_mix`) with what compiles remain.
-    The answer is always a compiled need: "fits" is ``need · (1 + margin) <= budget``.
+    ``auto`` is no second way to fit a budget: with the default candidates, its answer (``.chosen``, ``.seq_tiles``,
+    ``.reason``) is :func:`fit`'s engine's (:func:`remat_kit.planning.engine.plan`; on the built-in model through
+    :func:`remat_kit.planning.tensors.config_choice`, sequence tiles its lever; on a ``make_loss`` whose
+    rematerialized blocks name values, uniform over the layers), the pool's rows beside it as the table. What
+    ``auto`` adds is the comparison: every candidate of a pool priced by the cost model and compiled against the
+    budget, for a table and a plot (:meth:`~remat_kit.planning.budget.AutoResult.plot`). A pool you give
+    (``candidates=``) is searched as a pool (:func:`remat_kit.planning.budget.search`, the one search of a pool
+    given by hand), as is a ``make_loss`` that names nothing. Migration: ``auto(...).chosen`` is
+    ``fit(...).policy`` when what you want is the plan that fits; write ``fit``.
+
+    Two forms, told apart by the first argument:
+
+    * ``auto(make_loss, params, *batch_args, budget_bytes=...)``: any model. ``make_loss(policy)``
+      returns ``loss_fn(params, *batch_args) -> scalar``; the inputs may be ShapeDtypeStructs.
+    * ``auto(config, batch=..., seq=..., budget_bytes=...)``: the built-in Transformer (a
+      convenience over the first form; ``loss_chunks`` selects the chunked loss).
+
+    The step planned is the one ``train`` runs (:mod:`remat_kit.step.update`): gradient, clipping and the
+    optimizer update, parameters and optimizer state donated. A candidate's need is the compiled
+    step's peak (arguments + outputs − aliased + temp), never its saved bytes alone.
+
+    Args:
+      budget_bytes: device memory available, in bytes (see :func:`remat_kit.units.parse_bytes`).
+      optimizer: its state counts toward the budget; a name in :data:`OPTIMIZERS` or an optax one.
+      candidates: what to consider (default: :func:`remat_kit.planning.builtin.candidates_for` for a config,
+        :data:`GENERIC_CANDIDATES` otherwise).
+      margin: safety margin: a candidate fits when ``need · (1 + margin) <= budget``.
+      exhaustive: compile every candidate instead of stopping at the cheapest fitting group
+        (same answer; for checking the search and for full tables).
+      planner: reuse a :class:`StepPlanner`'s memoized compiles.
+      jobs: candidates compiled at once when ``exhaustive``.
+      mixes: for a config, also consider mixes (:func:`remat_kit.policies.mix`) of two Pareto-optimal
+        candidates on either side of the budget (see :func:`best_mix`): between two presets' needs the
+        answer is then the mix with the least recompute that fits, measured by one more compile or a few.
+      hardware: what recompute is priced against (default: :func:`remat_kit.planning.cost.default_hardware`
+        of the backend; :func:`remat_kit.planning.cost.calibrate` measures this machine).
+      tiles: for a config whose ``seq_tiles`` is 1, the sequence-tile counts tried when nothing fits untiled
+        (default :func:`remat_kit.planning.tiles.tile_counts`; ``()`` tries none): the search runs again with the
+        blocks in each, most tiles first, every tiled candidate priced over the untiled ``none``, and
+        :attr:`AutoResult.seq_tiles` says the count chosen. A budget that fits untiled tries no tiles (they add time).
+      target: the device planned for (:func:`remat_kit.target.parse`; default ``"local"``): on a GPU target every
+        need is XLA:GPU's own, offloaded bytes leave the device, and the host copies are priced by its link.
 
     Returns:
-      A :class:`Choice` (``chosen`` None, ``reason`` the refusal, when nothing fits).
+      An :class:`remat_kit.planning.budget.AutoResult`; ``chosen`` (a Policy or a Mix) is None when nothing fits, and
+      ``reason`` then says what is needed, what was given and which levers remain.
+
+    Raises:
+      TypeError/ValueError: bad budget, margin, jobs, inputs or policies (an empty ``candidates`` too), before
+        anything is compiled; an NNX module among the inputs that holds a policy of its own (every row would
+        measure that one: :func:`remat_kit.analysis.inspection.refuse_baked_nnx`).
+
+    >>> from remat_kit.model.transformer import TransformerConfig
+    >>> r = auto(TransformerConfig.preset("tiny"), batch=2, seq=32, budget_bytes=parse_bytes("1GB"))
+    >>> str(r.chosen), r.candidates[0].cost_s  # ample budget: nothing recomputed
+    ('none', 0.0)
     """
-    start, before = time.perf_counter(), planner.compiles
-    hardware = hardware or planner.hardware
-    price = Pricer(planner, hardware, batch, seq)
-    rows: dict[str, Candidate] = {}
-
-    def measure(p) -> Candidate:
-        if str(p) not in rows:
-            rows[str(p)] = price.candidate(p, budget)
-        return rows[str(p)]
-
-    def spent() -> int:
-        return planner.compiles - before
-
-    none, full = policies.none(), policies.full()
-    measure(none)
-    # A budget none fits needs nothing else priced.
-    pool = [none] if rows["none"].fits else [none, *presets, *tensor_candidates(price, groups, keep), full]
-    pool = [p for p in dict.fromkeys(pool) if price.choosable(p)]
-    sizes = {n: b for names, b in groups for n in names}
-    if not rows["none"].fits:
-        measure(full)
-        if not rows["full"].fits:  # leaner than full: the nested and offload presets, then the refusal
-            for p in pool:
-                if p.kind in ("segments", "sqrt_n", "offload") and spent() < max_compiles:
-                    measure(p)
-
-    def kept(p) -> int | None:
-        """Bytes per block a selective candidate keeps beyond full (None: no such figure)."""
-        if (
-            isinstance(p, policies.Mix)
-            or p.kind not in ("selective", "full")
-            or not set(p.save) - set(keep) <= set(sizes)
-        ):
-            return None
-        return sum(sizes[n] for n in set(p.save) - set(keep))
-
-    total = sum(b for _, b in groups)
-
-    def predict(p) -> float | None:
-        k = kept(p)
-        if k is None:
-            if not isinstance(p, policies.Mix) and p.kind == "every_n" and "full" in rows:
-                span = rows["none"].need_bytes - rows["full"].need_bytes
-                return rows["full"].need_bytes + span * (p.period - 1) / p.period
-            return None
-        base = rows["full"].need_bytes
-        pts = [(kept(policies.parse(s)), c.need_bytes) for s, c in rows.items() if c.need_bytes is not None]
-        pts = [(x, y - base) for x, y in pts if x]
-        if pts:  # least squares through full's point
-            return base + k * sum(x * y for x, y in pts) / sum(x * x for x, _ in pts)
-        # Nothing compiled yet: every block keeps its bytes (a lower bound: compiling too much, never skipping a fit);
-        # without a depth, none's need over every group's bytes.
-        slope = depth or (rows["none"].need_bytes - base) / max(total, 1)
-        return base + slope * k
-
-    def best() -> Candidate | None:
-        fitting = [c for s, c in rows.items() if c.fits and price.choosable(policies.parse(s))]
-        return min(fitting, key=lambda c: (c.rank, c.need_bytes)) if fitting else None
-
-    order = sorted(pool, key=price.rank)
-    while best() is not None and best().policy != "none" and spent() < max_compiles:
-        bound = best().rank
-        nxt = None
-        for p in order:
-            if price.rank(p) >= bound:
-                break
-            if str(p) in rows:
-                continue
-            guess = predict(p)
-            if guess is None or guess <= budget.target * (1 + PREDICTION_SLACK):
-                nxt = p
-                break
-        if nxt is None:
-            break
-        measure(nxt)
-
-    chosen = best()
-    table = tuple(rows.values())
-    if chosen is not None and num_layers is not None and chosen.policy != "none" and spent() < max_compiles:
-        mix, tried, _ = budget_lib.best_mix(
-            planner,
-            table,
-            chosen,
-            num_layers,
+    budget = Budget(budget_bytes, margin)
+    check_int("jobs", jobs)
+    if candidates is not None and not isinstance(candidates, str) and len(candidates) == 0:
+        # Not "the default candidates": an empty list would be read as None, and `none` chosen unasked.
+        raise ValueError("candidates=[] names no policy; give at least one, or None for the default candidates")
+    wanted = candidates
+    if is_built_in(model, "TransformerConfig"):
+        planner = planner or builtin.Planner(model, optimizer, loss_chunks, target=target)
+        kw = {"optimizer": optimizer, "planner": planner, "batch": batch, "seq": seq, "loss_chunks": loss_chunks}
+        kw.update(exhaustive=exhaustive, jobs=jobs, hardware=hardware, mixes=mixes, target=target)
+        if wanted is not None:  # a pool given by hand: its own search (tiles when nothing fits)
+            return builtin.auto_config(model, args, budget, candidates=wanted, tiles=tiles, **kw)
+        # The presets side by side (untiled), and the plan that fits: the engine's, as for fit (tiles its lever).
+        table = builtin.auto_config(model, args, budget, candidates=None, tiles=(), **kw)
+        choice = tensors.config_choice(
+            model,
             budget,
             batch=batch,
             seq=seq,
-            max_compiles=max_compiles - spent(),
-            price=price,
+            planner=planner,
+            loss_chunks=loss_chunks,
+            hardware=table.hardware,
+            tiles=tiles,
         )
-        table += tuple(c for c in tried if c.policy not in rows)
-        if mix is not None:
-            chosen = next(c for c in table if c.policy == str(mix))
-    table += tuple(price.candidate(p, None) for p in pool if str(p) not in {c.policy for c in table})
-    base_s = price._base.seconds(hardware)
-    if chosen is None:
-        compiled = [c for c in table if c.need_bytes is not None]
-        least = min(compiled, key=lambda c: c.need_bytes)
-        reason = (
-            f"nothing fits the {fmt_bytes(budget.bytes)} budget: the leanest plan found, {least.policy}, needs "
-            f"{fmt_bytes(least.need_bytes)} ({fmt_bytes(budget.with_margin(least.need_bytes))} with the "
-            f"{budget.margin:.0%} margin); remat cannot shrink the parameters and optimizer state, the logits or the "
-            f"batch: {levers or LEVERS}"
-        )
-        policy = None
-    else:
-        policy = policies.parse(chosen.policy)
-        why = [c for c in table if c.rank < chosen.rank and c.need_bytes is not None]
-        reason = (
-            f"{chosen.policy} needs {fmt_bytes(chosen.need_bytes)} (+{budget.margin:.0%} margin: "
-            f"{fmt_bytes(budget.with_margin(chosen.need_bytes))}) of {fmt_bytes(budget.bytes)} at an estimated "
-            f"{fmt_seconds(chosen.cost_s)} per step over none"
-            + (f"; the {len(why)} cheaper ones compiled need more" if why else "")
-            + "."
-        )
-    return Choice(
-        chosen=policy,
-        need_bytes=None if chosen is None else chosen.need_bytes,
-        est_step_time_s=None if chosen is None else base_s + chosen.cost_s,
-        candidates=table,
-        budget=budget,
-        compiles=spent(),
-        seconds=time.perf_counter() - start,
-        reason=reason,
-        groups=tuple(names for names, _ in groups),
+        return with_choice(table, choice)
+    if not callable(model):
+        raise TypeError(f"auto's first argument must be a TransformerConfig or make_loss(policy), got {model!r}")
+    if batch is not None or seq is not None or loss_chunks:
+        raise TypeError("batch=, seq= and loss_chunks= belong to auto(config, ...); give make_loss its inputs")
+    if not args:
+        raise TypeError("auto(make_loss, params, *batch_args, ...) needs the loss's inputs (params first)")
+    inspection.refuse_baked_nnx(args, "auto")
+    inputs = inspection.abstract(args)
+    pool = [policies.parse(p) for p in (wanted or GENERIC_CANDIDATES)]
+    inspection.check_loss(make_loss_checked(model, pool[0]), inputs)
+    planner = planner or StepPlanner(lambda p, b, s: (model(p), inputs[0], inputs[1:]), optimizer, target=target)
+    table = budget_lib.search(planner, pool, budget, exhaustive=exhaustive, jobs=jobs, hardware=hardware)
+    if wanted is not None:
+        return table
+    # The plan that fits is the engine's where the loss's rematerialized blocks name values to keep (per tensor,
+    # uniform over the layers: a make_loss need not run a mix); a loss that names none is answered from the pool.
+    try:
+        choice = engine.plan(planner, budget, mixes=False, hardware=table.hardware)
+    except ValueError:
+        return table
+    return with_choice(table, choice)
+
+
+def with_choice(table: AutoResult, choice: Choice) -> AutoResult:
+    """``table`` (the presets compiled side by side) answering with the engine's ``choice``: its plan, tile count and
+    reason where they differ from the table's best, and the plans the engine compiled as rows (a row the table
+    priced but did not compile takes the engine's compiled figures)."""
+    rows = list(table.candidates)
+    at = {(c.policy, c.seq_tiles): i for i, c in enumerate(rows)}
+    for c in choice.candidates:
+        if c.need_bytes is None:
+            continue
+        i = at.get((c.policy, c.seq_tiles))
+        if i is None:
+            at[(c.policy, c.seq_tiles)] = len(rows)
+            rows.append(c)
+        elif rows[i].need_bytes is None:
+            rows[i] = dataclasses.replace(rows[i], need_bytes=c.need_bytes, host_bytes=c.host_bytes, fits=c.fits)
+    same = (str(choice.chosen), choice.seq_tiles) == (str(table.chosen), table.seq_tiles)
+    return dataclasses.replace(
+        table,
+        chosen=choice.chosen,
+        seq_tiles=choice.seq_tiles,
+        candidates=tuple(rows),
+        reason=table.reason if same else choice.reason,
+        compiled=table.compiled + choice.compiles,
+        seconds=table.seconds + choice.seconds,
     )
 
 
@@ -510,8 +381,6 @@ def fit(
     start = time.perf_counter()
     found: list[str] = []
     if is_built_in(model, "Transformer"):  # the built-in model: its own policy field, its own stack and tags
-        from remat_kit.planning import tensors  # late: the built-in model is loaded only when it is planned
-
         choice, applied = tensors.fit_transformer(
             model,
             loss_fn,
@@ -573,69 +442,3 @@ def fit(
         seq_tiles=choice.seq_tiles,
         findings=tuple(found),
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class SeqEdge:
-    """The longest sequence whose compiled step fits one budget under one policy, and the compiled edge.
-
-    Attributes:
-      policy: the policy spec.
-      budget_bytes, margin: the budget (a step fits when its need × (1 + margin) is at most the budget).
-      seq: the longest multiple of ``step`` that fits (0: not even ``step`` fits), compiled.
-      need_bytes: its compiled device need (None when nothing fits).
-      next_seq, next_need_bytes: ``seq + step``, compiled and shown not to fit; None when ``seq`` is the limit.
-      host_bytes: host memory the step at ``seq`` needs (offloaded residuals; 0 where offload moves nothing).
-      step, limit: the granularity and the longest length tried.
-    """
-
-    policy: str
-    budget_bytes: int
-    margin: float
-    seq: int
-    need_bytes: int | None
-    next_seq: int | None
-    next_need_bytes: int | None
-    host_bytes: int
-    step: int
-    limit: int
-
-
-def longest_seq(
-    planner,
-    policy: policies.Policy | str,
-    *,
-    batch: int | None,
-    budget_bytes: int,
-    margin: float = DEFAULT_MARGIN,
-    step: int = 256,
-    limit: int,
-    first: int = 1,
-    probes: tuple[int, ...] = (),
-) -> SeqEdge:
-    """The longest multiple of ``step`` (at most ``limit``) whose compiled step fits, found at its edge.
-
-    The answer is compiled and fits, and the next multiple of ``step`` is compiled and does not (or the
-    answer is ``limit``). Few compiles: the need is affine (chunked attention) or at most quadratic in the
-    sequence, so a parabola through the measured points names the answer (:func:`_boundary`).
-
-    Args:
-      planner: a :class:`~remat_kit.planning.planner.StepPlanner` whose ``memory(policy, batch, seq)`` compiles.
-      batch: the batch size (None for a model whose factory fixes it).
-      step: the granularity in positions; limit: the longest sequence tried (a multiple of ``step``).
-      first: the shortest multiple of ``step`` allowed (in units of ``step``).
-      probes: lengths (in positions) to compile first, e.g. the reference shape.
-    """
-    check_int("step", step)
-    check_int("limit", limit, step)
-    budget = Budget(budget_bytes, margin)
-    policy = policies.parse(policy)
-    cap = limit // step
-    need = lambda n: planner.memory(policy, batch, n * step)[0]
-    units = tuple(p // step for p in probes if p % step == 0 and first <= p // step <= cap)
-    n = _boundary(need, budget.target, first, cap, probes=units, degree=2)
-    seq = n * step
-    got = planner.memory(policy, batch, seq) if n else (None, 0)
-    nxt = (n + 1) * step if n < cap else None
-    nxt_need = need(n + 1) if nxt is not None else None
-    return SeqEdge(str(policy), budget_bytes, margin, seq, got[0], nxt, nxt_need, got[1], step, limit)

@@ -33,7 +33,7 @@ priced. What the search is, exactly:
   cheapest plan the model says fits is compiled (a mix's uncompiled part first, which refits the
   line), and the search goes on while a plan cheaper than the best compiled answer is predicted to
   fit, at most ``max_compiles`` compiles.
-* **Seeds: the presets.** Before it starts, :func:`remat_kit.planning.budget.auto`'s own search runs
+* **Seeds: the presets.** Before it starts, :func:`remat_kit.planning.fit.auto`'s own search runs
   on the same planner over the preset pool (compiles memoized there): its compiled presets and its
   best mix are known points of the memory model and candidate answers. The answer is the fitting
   compiled policy with the least estimated cost on the full step (ties to less recompute, then to
@@ -43,7 +43,7 @@ The answer is an ordinary :class:`remat_kit.policies.Policy` or :class:`remat_ki
 round-tripping through :func:`remat_kit.policies.parse`. ``maxtext=True`` keeps to what MaxText's
 ``custom`` remat can name (:func:`remat_kit.policies.to_maxtext`), part by part for a mix.
 
-:func:`config_choice` is the engine of :func:`remat_kit.fit` (:func:`remat_kit.planning.fit.choose`) on the
+:func:`config_choice` is the engine of :func:`remat_kit.fit` (:func:`remat_kit.planning.engine.plan`) on the
 built-in Transformer: its presets, its tags as groups, mixes over its layers; ``plan --budget``, ``train --budget``
 and ``fit`` of a ``Transformer`` (:func:`fit_transformer`) run it.
 
@@ -70,9 +70,9 @@ from remat_kit import names as _names
 from remat_kit.model.transformer import Transformer, TransformerConfig
 from remat_kit.planning import analysis, cost, engine
 from remat_kit.planning import tiles as tiles_lib
-from remat_kit.planning.budget import Pricer, search
+from remat_kit.planning.budget import AutoResult, Pricer, search
 from remat_kit.planning.builtin import Planner, candidates_for, retiled
-from remat_kit.planning.fit import MAX_COMPILES, SEARCH_COMPILES, Choice, choose, emitted_bytes
+from remat_kit.planning.engine import MAX_COMPILES, Choice, emitted_bytes
 from remat_kit.planning.pareto import pareto_front
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
 from remat_kit.units import fmt_bytes, fmt_seconds
@@ -260,7 +260,7 @@ def per_tensor(
     more (estimated) than the best preset or mix of ``pool`` at this budget.
 
     Args:
-      config, batch, seq, loss_chunks, optimizer: the step planned (as :func:`remat_kit.planning.budget.auto`).
+      config, batch, seq, loss_chunks, optimizer: the step planned (as :func:`remat_kit.planning.fit.auto`).
       budget_bytes, margin: the budget (:class:`remat_kit.planning.planner.Budget`).
       planner: reuse a :class:`Planner`'s memoized compiles (of this config).
       hardware: what recompute is priced against (default: the backend's
@@ -525,13 +525,13 @@ def config_choice(
     retile: Callable[[int], StepPlanner] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Choice:
-    """:func:`choose` for the built-in Transformer at one shape: the presets of
-    :func:`remat_kit.planning.builtin.candidates_for` (or ``presets``, then without per-tensor candidates), the block's
-    tags as groups (:func:`default_groups`), mixes over its layers. What ``plan --budget``, ``train --budget`` and
-    :func:`remat_kit.fit` of the built-in model run.
+    """The engine of :func:`remat_kit.fit` for the built-in Transformer at one shape
+    (:func:`remat_kit.planning.engine.plan`: the block's tags kept, recomputed or offloaded per tensor, mixed over
+    its layers), or with ``presets`` given, the pool search over them alone. What ``plan --budget``, ``train
+    --budget``, :func:`remat_kit.fit` and :func:`remat_kit.auto` of the built-in model run.
 
     Sequence tiles are a lever like the others: when no plan fits untiled and ``config.seq_tiles`` is 1 (a tile
-    count or ``"auto"`` given is kept as given), :func:`choose` runs again with the blocks in each of ``tiles``
+    count or ``"auto"`` given is kept as given), the search runs again with the blocks in each of ``tiles``
     sequence tiles (default :func:`remat_kit.planning.tiles.tile_counts`; ``()`` tries none), most tiles first,
     until a count where nothing fits (fewer tiles hold more). Every tiled candidate is priced over the untiled
     ``none``: its own cost plus the tiles' (:attr:`remat_kit.planning.budget.Candidate.tiles_s`: the extra loop
@@ -633,7 +633,8 @@ def _config_choice_at(
     progress: Callable[[str], None] | None = None,
 ) -> Choice:
     """:func:`config_choice` at one tile count: the engine (:func:`remat_kit.planning.engine.plan`), or with
-    ``presets`` given, :func:`choose` over them alone."""
+    ``presets`` given, the pool search over them alone (:func:`remat_kit.planning.budget.search`, the one search of a
+    pool given by hand: ``remat_kit.auto``'s and ``plan --budget --policies``')."""
     levers = (
         "train LoRA adapters over a quantized base (--lora-rank R --quantize nf4), chunk the loss "
         "(--loss-chunks 8), shard over a mesh (--mesh fsdp=N) or take a smaller batch"
@@ -650,17 +651,26 @@ def _config_choice_at(
             progress=progress,
             depth=config.num_layers,  # its stack's custom VJP holds the block twice in the jaxpr
         )
-    return choose(
-        planner,
-        budget,
-        presets=presets,
-        num_layers=config.num_layers,
-        depth=config.num_layers,
-        batch=batch,
-        seq=seq,
-        hardware=hardware,
-        max_compiles=max(max_compiles, SEARCH_COMPILES),
-        levers=levers,
+    hardware = hardware or planner.hardware
+    kw = {"batch": batch, "seq": seq, "loss_chunks": loss_chunks, "num_layers": config.num_layers}
+    return choice_of(search(planner, presets, budget, hardware=hardware, **kw), planner, budget)
+
+
+def choice_of(result: AutoResult, planner: StepPlanner, budget: Budget) -> Choice:
+    """The pool search's answer (``result``, :func:`remat_kit.planning.budget.search`) as the engine's
+    :class:`~remat_kit.planning.engine.Choice`: the same fields, the whole step's estimate from ``none``'s."""
+    won = next((c for c in result.candidates if result.is_chosen(c)), None)
+    base_s = planner.work(policies.none(), result.batch, result.seq).seconds(result.hardware)
+    return Choice(
+        chosen=result.chosen,
+        need_bytes=None if won is None else won.need_bytes,
+        est_step_time_s=None if won is None else base_s + won.cost_s,
+        candidates=result.candidates,
+        budget=budget,
+        compiles=result.compiled,
+        seconds=result.seconds,
+        reason=result.reason,
+        seq_tiles=result.seq_tiles,
     )
 
 

@@ -1,7 +1,7 @@
 """Sequence tiles as a planning lever: which tile counts to try and what tiles cost.
 
 When no plan fits a budget untiled, the planners (:func:`remat_kit.planning.tensors.config_choice`, which ``plan
---budget``, ``train --budget`` and :func:`remat_kit.fit` run, and :func:`remat_kit.planning.budget.auto`) search
+--budget``, ``train --budget`` and :func:`remat_kit.fit` run, and :func:`remat_kit.planning.fit.auto`) search
 again with the built-in model's blocks in sequence tiles
 (:attr:`remat_kit.model.transformer.TransformerConfig.seq_tiles`). A tiled candidate is priced over the *untiled*
 ``none``: its own cost over the tiled ``none`` plus what the tiles cost (:func:`tiles_cost_s`: the tiled

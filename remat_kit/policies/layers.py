@@ -29,12 +29,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from remat_kit import _jax_internals
 from remat_kit import names as _names
-from remat_kit.policies import Mix, Policy, keep_activations, none, tags, words
+from remat_kit.policies import Mix, Policy, keep_activations, none, tags, tiling, words
 from remat_kit.units import check_int
 
 #: ``step(layer_variables, h, i) -> (h, ys)``: one layer; ``h`` keeps its type, ``ys`` is stacked.
@@ -462,19 +461,13 @@ def _packed_bwd(fn, num_layers, residuals, g):
     zeros = [jnp.zeros_like(consts[k]) for k in c_diff]
     xs = (variables, stack, jnp.arange(num_layers, dtype=jnp.int32))
     (dx, dcs), dvs = jax.lax.scan(body, (g, zeros), xs, reverse=True)
-    out_v = [_zero_cotangent(a) for a in v_leaves]
+    out_v = [tiling.zero_cotangent(a) for a in v_leaves]
     for k, a in zip(v_diff, dvs, strict=True):
         out_v[k] = a
-    out_c = [_zero_cotangent(a) for a in consts]
+    out_c = [tiling.zero_cotangent(a) for a in consts]
     for k, a in zip(c_diff, dcs, strict=True):
         out_c[k] = a
     return (jax.tree.unflatten(v_tree, out_v), dx, *out_c)
-
-
-def _zero_cotangent(a):
-    if jnp.issubdtype(a.dtype, jnp.inexact):
-        return jnp.zeros(a.shape, a.dtype)
-    return np.zeros(a.shape, jax.dtypes.float0)
 
 
 _packed.defvjp(_packed_fwd, _packed_bwd)

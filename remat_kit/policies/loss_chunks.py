@@ -84,6 +84,13 @@ def chunked_mean(spec: Chunk, blocked: tuple, whole: Any, labels, mask, chunks: 
 
     Raises:
       ValueError/TypeError: a bad ``chunks`` or ``axis``, blocked inputs of another length, named.
+
+    >>> h, w, t = jnp.ones((8, 4)), jnp.eye(4, 6), jnp.arange(8) % 6
+    >>> spec = Chunk(lambda i, blocked, w: blocked[0] @ w)
+    >>> g = jax.grad(lambda h, w: chunked_mean(spec, (h,), w, t, jnp.ones(8), 4), (0, 1))(h, w)
+    >>> want = jax.grad(lambda h, w: jnp.mean(token_losses(h @ w, t)), (0, 1))(h, w)
+    >>> all(bool(jnp.allclose(a, b)) for a, b in zip(g, want))
+    True
     """
     check_int("chunks", chunks)
     check_int("axis", axis, 0)

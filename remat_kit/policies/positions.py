@@ -70,8 +70,8 @@ _CALLS = _words("jit pjit closed_call core_call remat2 checkpoint custom_jvp_cal
 _PLAIN_CALLS = _words("jit pjit closed_call core_call remat2 checkpoint")
 
 
-def _body(eqn) -> tuple[Any, list[Any]]:
-    """A call-like equation's body as ``(jaxpr, consts)``."""
+def body_of(eqn) -> tuple[Any, list[Any]]:
+    """A call-like equation's body as ``(jaxpr, consts)`` (``jit``, ``remat2``, ``custom_jvp_call``, ...)."""
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         sub = eqn.params.get(key)
         if isinstance(sub, jcore.ClosedJaxpr):
@@ -99,13 +99,67 @@ class _Block:
     full: int
 
 
-def _cut(x, axis: int, block: _Block):
-    """A whole value cut to the block where it meets a blocked one (shapes match on ``axis``, or it is 1 there)."""
-    if x.shape[axis] == 1 and block.full != 1:
-        return x  # broadcast along the axis (a Dense bias reshaped to [1, 1, n]): the same at every position
+def _slice(x, axis: int, block: _Block):
+    """A whole value's block on ``axis`` (shapes match there, or it is 1: a broadcast)."""
+    if x.shape[axis] == 1:  # broadcast along the axis (lax lets a size-1 dimension meet any size)
+        return x
     if x.shape[axis] != block.full:
         raise NotPerPosition(f"a whole value of shape {x.shape} meets the blocked axis {axis} of length {block.full}")
     return jax.lax.dynamic_slice_in_dim(x, block.start, block.size, axis)
+
+
+class _Cutter:
+    """Whole values cut to the block where they meet blocked ones, recomputed at the block's size from what
+    made them (a mask from ``iota``, its broadcast to the scores' shape) rather than sliced from a whole
+    ``[.., S, .., S]`` copy: only inputs and values of other making are sliced."""
+
+    def __init__(self, env, block: _Block):
+        self.env, self.block = env, block
+        self.made: dict[Any, Any] = {}
+        self.memo: dict[tuple[Any, int], Any] = {}
+
+    def __call__(self, var, axis: int):
+        if isinstance(var, jcore.Literal):
+            return var.val
+        value = self.env[var][0]
+        if jnp.ndim(value) <= axis or value.shape[axis] == 1:
+            return value
+        key = (var, axis)
+        if key not in self.memo:
+            self.memo[key] = self._remake(var, axis, value)
+        return self.memo[key]
+
+    def _remake(self, var, axis: int, value):
+        eqn, b = self.made.get(var), self.block
+        if eqn is None or len(eqn.outvars) != 1:
+            return _slice(value, axis, b)
+        name, p = eqn.primitive.name, eqn.params
+        if name == "iota":
+            shape = _resized(p["shape"], axis, b.size)
+            if p["dimension"] != axis:
+                return _bind(eqn, [], shape=shape)[0]
+            start = jnp.asarray(b.start).astype(p["dtype"])
+            return _bind(eqn, [], shape=shape)[0] + start
+        if name in ELEMENTWISE:
+            ins = [self(v, axis) if jnp.ndim(self._val(v)) == jnp.ndim(value) else self._val(v) for v in eqn.invars]
+            return _bind(eqn, ins)[0]
+        if name == "broadcast_in_dim" and len(eqn.invars) == 1:
+            dims = list(p["broadcast_dimensions"])
+            operand = self(eqn.invars[0], dims.index(axis)) if axis in dims else self._val(eqn.invars[0])
+            return _bind(eqn, [operand], shape=_resized(p["shape"], axis, b.size))[0]
+        if name == "convert_element_type" or name == "reduce_precision":
+            return _bind(eqn, [self(eqn.invars[0], axis)])[0]
+        if name == "transpose":
+            return _bind(eqn, [self(eqn.invars[0], p["permutation"][axis])])[0]
+        if name == "reshape" and p.get("dimensions") is None:
+            j = _reshaped_axis(list(p["new_sizes"]), axis, list(self._val(eqn.invars[0]).shape))
+            if j is not None:
+                new = _resized(p["new_sizes"], axis, b.size)
+                return _bind(eqn, [self(eqn.invars[0], j)], new_sizes=new)[0]
+        return _slice(value, axis, b)
+
+    def _val(self, v):
+        return v.val if isinstance(v, jcore.Literal) else self.env[v][0]
 
 
 def _eval(jaxpr, consts, args, axes, block: _Block) -> tuple[list[Any], list[int | None]]:
@@ -115,6 +169,7 @@ def _eval(jaxpr, consts, args, axes, block: _Block) -> tuple[list[Any], list[int
         env[v] = (c, None)
     for v, a, ax in zip(jaxpr.invars, args, axes, strict=True):
         env[v] = (a, ax)
+    cutter = _Cutter(env, block)
 
     def read(v):
         return (v.val, None) if isinstance(v, jcore.Literal) else env[v]
@@ -123,15 +178,17 @@ def _eval(jaxpr, consts, args, axes, block: _Block) -> tuple[list[Any], list[int
         vals, ins = zip(*map(read, eqn.invars), strict=True) if eqn.invars else ((), ())
         if all(a is None for a in ins):
             outs, out_axes = _bind(eqn, vals), [None] * len(eqn.outvars)
+            cutter.made.update(dict.fromkeys(eqn.outvars, eqn))
         else:
-            outs, out_axes = _rule(eqn, list(vals), list(ins), block)
+            cut = lambda i, axis, eqn=eqn: cutter(eqn.invars[i], axis)
+            outs, out_axes = _rule(eqn, list(vals), list(ins), block, cut)
         for v, o, a in zip(eqn.outvars, outs, out_axes, strict=True):
             env[v] = (o, a)
     outs = [read(v) for v in jaxpr.outvars]
     return [o for o, _ in outs], [a for _, a in outs]
 
 
-def _rule(eqn, vals: list[Any], axes: list[int | None], block: _Block) -> tuple[list[Any], list[int | None]]:
+def _rule(eqn, vals: list[Any], axes: list[int | None], block: _Block, cut) -> tuple[list[Any], list[int | None]]:
     """One equation with at least one blocked operand: its blocked outputs and their axes."""
     name, p = eqn.primitive.name, eqn.params
     carried = {a for a in axes if a is not None}
@@ -139,10 +196,10 @@ def _rule(eqn, vals: list[Any], axes: list[int | None], block: _Block) -> tuple[
         if len(carried) != 1:
             raise NotPerPosition(f"{_where(eqn)} combines values blocked on different axes {sorted(carried)}")
         (a,) = carried
-        vals = [_cut(v, a, block) if ax is None and jnp.ndim(v) > a else v for v, ax in zip(vals, axes, strict=True)]
+        vals = [cut(i, a) if ax is None else v for i, (v, ax) in enumerate(zip(vals, axes, strict=True))]
         return _bind(eqn, vals), [a] * len(eqn.outvars)
     if name in _CALLS:
-        body, consts = _body(eqn)
+        body, consts = body_of(eqn)
         return _eval(body, consts, vals, axes, block)
     if name in ("optimization_barrier", "sharding_constraint"):
         return _bind(eqn, vals), list(axes)
@@ -181,9 +238,9 @@ def _rule(eqn, vals: list[Any], axes: list[int | None], block: _Block) -> tuple[
             raise NotPerPosition(f"{_where(eqn)} reverses the blocked axis")
         return _bind(eqn, vals), [a]
     if name == "dot_general":
-        return _dot(eqn, vals, axes, block)
+        return _dot(eqn, vals, axes, cut)
     if name in ("concatenate", "split"):
-        return _concat_split(eqn, vals, axes, block)
+        return _concat_split(eqn, vals, axes, cut)
     if name == "slice":
         if a is None:
             raise NotPerPosition(f"{_where(eqn)}: one operand expected")
@@ -215,7 +272,7 @@ def _reshaped_axis(full: list[int], a: int, new: list[int]) -> int | None:
     return None
 
 
-def _dot(eqn, vals, axes, block: _Block):
+def _dot(eqn, vals, axes, cut):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     la, ra = axes
     if (la is not None and la in lc) or (ra is not None and ra in rc):
@@ -230,15 +287,15 @@ def _dot(eqn, vals, axes, block: _Block):
     if la is not None:
         if la in lb:
             i = lb.index(la)
-            return _bind(eqn, [lhs, _cut(rhs, rb[i], block)]), [i]
+            return _bind(eqn, [lhs, cut(1, rb[i])]), [i]
         return _bind(eqn, vals), [len(lb) + lfree.index(la)]
     if ra in rb:
         i = rb.index(ra)
-        return _bind(eqn, [_cut(lhs, lb[i], block), rhs]), [i]
+        return _bind(eqn, [cut(0, lb[i]), rhs]), [i]
     return _bind(eqn, vals), [len(lb) + len(lfree) + rfree.index(ra)]
 
 
-def _concat_split(eqn, vals, axes, block: _Block):
+def _concat_split(eqn, vals, axes, cut):
     p = eqn.params
     along = p.get("dimension", p.get("axis"))
     carried = {a for a in axes if a is not None}
@@ -247,7 +304,7 @@ def _concat_split(eqn, vals, axes, block: _Block):
     (a,) = carried
     if along == a:
         raise NotPerPosition(f"{_where(eqn)} joins or splits along the blocked axis")
-    vals = [_cut(v, a, block) if ax is None else v for v, ax in zip(vals, axes, strict=True)]
+    vals = [cut(i, a) if ax is None else v for i, (v, ax) in enumerate(zip(vals, axes, strict=True))]
     return _bind(eqn, vals), [a] * len(eqn.outvars)
 
 
@@ -261,8 +318,9 @@ def _length(closed, in_axes) -> int:
     return lengths.pop()
 
 
-def _block_fn(closed, in_axes, length: int, size: int) -> Callable:
-    """The program on one block: ``fn(start, *args)`` with the blocked args cut to the block."""
+def block_fn(closed, in_axes, length: int, size: int) -> Callable:
+    """The program on one block of ``size`` positions: ``fn(start, *args) -> (outputs, their axes)``, the
+    blocked args already cut to the block that starts at ``start`` (a traced int)."""
 
     def fn(start, *args):
         block = _Block(start, size, length)
@@ -290,7 +348,7 @@ def check(closed, in_axes: Sequence[int | None], blocks: int = 2) -> tuple[int, 
     """
     length = _length(closed, in_axes)
     check_tiles(blocks, length, what="blocks")
-    fn = _block_fn(closed, in_axes, length, length // blocks)
+    fn = block_fn(closed, in_axes, length, length // blocks)
     args = [
         jax.ShapeDtypeStruct(_resized(av.shape, a, length // blocks) if a is not None else av.shape, av.dtype)
         for av, a in zip(closed.in_avals, in_axes, strict=True)
@@ -312,7 +370,7 @@ def blocked(closed, in_axes: Sequence[int | None], blocks: int) -> Callable:
     out_axes = check(closed, in_axes, blocks)
     length = _length(closed, in_axes)
     size = length // blocks
-    fn = _block_fn(closed, in_axes, length, size)
+    fn = block_fn(closed, in_axes, length, size)
 
     def on_axis_1(pos, *args):
         # tiled's convention: every tiled input and output carries the axis at 1; move ours there and back.
@@ -341,7 +399,7 @@ def inline(closed) -> jcore.ClosedJaxpr:
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
         for eqn in jaxpr.eqns:
             vals = [read(v) for v in eqn.invars]
-            outs = ev(*_body(eqn), vals) if eqn.primitive.name in _PLAIN_CALLS else _bind(eqn, vals)
+            outs = ev(*body_of(eqn), vals) if eqn.primitive.name in _PLAIN_CALLS else _bind(eqn, vals)
             env.update(zip(eqn.outvars, outs, strict=True))
         return [read(v) for v in jaxpr.outvars]
 
@@ -351,9 +409,12 @@ def inline(closed) -> jcore.ClosedJaxpr:
 
 @dataclasses.dataclass(frozen=True)
 class Region:
-    """An attention region of a flat program: equation indices, its inputs and outputs, the query input."""
+    """An attention region of a flat program: the equations it replaces, those it runs per block (they and
+    what makes its ``[.., S, .., S]`` inputs, a mask, so that is made per block too), its inputs and outputs,
+    the query input's axis."""
 
     eqns: tuple[int, ...]
+    body: tuple[int, ...]
     inputs: tuple[Any, ...]
     outputs: tuple[Any, ...]
     in_axes: tuple[int | None, ...]
@@ -418,14 +479,50 @@ def attention_regions(closed, length: int) -> list[Region]:
     return regions
 
 
-def _region(closed, inside: list[int], start: int, ends: set[int], users, length: int) -> Region:
-    jaxpr, eqns = closed.jaxpr, closed.jaxpr.eqns
-    defined = {v for i in inside for v in eqns[i].outvars}
+def program(eqns, inputs, outputs) -> jcore.ClosedJaxpr:
+    """Some equations of a program as a program of their own over ``inputs`` (vars of the program), returning
+    ``outputs``; traced anew, so JAX makes it whole (a hand-built Jaxpr lacks the debug info JAX now wants).
+
+    >>> import jax, jax.numpy as jnp
+    >>> j = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0).jaxpr
+    >>> program(j.eqns[1:], [j.eqns[0].outvars[0]], j.outvars).in_avals[0].shape
+    ()
+    """
+
+    def fn(*args):
+        env = dict(zip(inputs, args, strict=True))
+        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+        for eqn in eqns:
+            env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars]), strict=True))
+        return [read(v) for v in outputs]
+
+    return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs))
+
+
+def inputs_of(eqns) -> list[Any]:
+    """The vars ``eqns`` read that none of them makes, in the order first read."""
+    defined = {v for e in eqns for v in e.outvars}
     inputs: list[Any] = []
-    for i in inside:
-        for v in eqns[i].invars:
+    for e in eqns:
+        for v in e.invars:
             if not isinstance(v, jcore.Literal) and v not in defined and v not in inputs:
                 inputs.append(v)
+    return inputs
+
+
+def _region(closed, inside: list[int], start: int, ends: set[int], users, length: int) -> Region:
+    jaxpr, eqns = closed.jaxpr, closed.jaxpr.eqns
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    # A mask made outside the region at [.., S, .., S] would be a whole copy per head: its making (iota,
+    # compare, broadcast) runs inside, per block, instead; the outer program keeps its own copy if it uses one.
+    body, todo = set(inside), [v for v in inputs_of([eqns[i] for i in inside]) if _quadratic(v, length)]
+    while todo:
+        i = producer.get(todo.pop())
+        if i is not None and i not in body:
+            body.add(i)
+            todo.extend(v for v in eqns[i].invars if not isinstance(v, jcore.Literal) and _quadratic(v, length))
+    body = sorted(body)
+    inputs = inputs_of([eqns[i] for i in body])
     escaping = [
         v
         for i in inside
@@ -437,7 +534,7 @@ def _region(closed, inside: list[int], start: int, ends: set[int], users, length
         if not any(v in eqns[e].outvars for e in ends):
             raise NotPerPosition(f"the attention at {where}: a value of shape {v.aval.shape} leaves its region")
     # The region's inputs (the outer program's constants among them) become the inputs of its own program.
-    sub = jcore.ClosedJaxpr(jcore.Jaxpr([], inputs, escaping, [eqns[i] for i in inside]), [])
+    sub = program([eqns[i] for i in body], inputs, escaping)
     tried = []
     for operand in eqns[start].invars:
         if operand not in inputs:
@@ -451,7 +548,7 @@ def _region(closed, inside: list[int], start: int, ends: set[int], users, length
         except NotPerPosition as e:
             tried.append(str(e))
             continue
-        return Region(tuple(inside), tuple(inputs), tuple(escaping), in_axes, where)
+        return Region(tuple(inside), tuple(body), tuple(inputs), tuple(escaping), in_axes, where)
     raise NotPerPosition(f"the attention at {where} is not independent along its queries: {'; '.join(tried)}")
 
 
@@ -461,7 +558,7 @@ def run_regions(closed, regions: Sequence[Region], blocks: int) -> Callable:
     owner = {i: r for r in regions for i in r.eqns}
     runners = {
         id(r): blocked(
-            jcore.ClosedJaxpr(jcore.Jaxpr([], list(r.inputs), list(r.outputs), [jaxpr.eqns[i] for i in r.eqns]), []),
+            program([jaxpr.eqns[i] for i in r.body], r.inputs, r.outputs),
             r.in_axes,
             blocks,
         )

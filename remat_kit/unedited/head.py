@@ -22,11 +22,16 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
+from remat_kit import _jax_internals
 from remat_kit.policies import loss_chunks, positions
 from remat_kit.policies.tiling import check_tiles
+from remat_kit.unedited.linen import Applied
 from remat_kit.units import check_int
 
 _IN, _OUT = "remat_kit.head_in/", "remat_kit.head_out/"
+#: Calls flattened to reach the head's marks: a jit (an NNX ``nnx.jit`` method, a helper) changes no value inside
+#: the caller's trace; a checkpoint or scan around the head would, and is left alone.
+_JITS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 #: "auto" chunks aim at about this many bytes of float32 logits a chunk (the built-in loss's figure).
 CHUNK_BYTES = 128 * 2**20
 
@@ -55,16 +60,21 @@ def head_loss(
     The full ``[..., positions, vocab]`` logits and their gradient never exist: the head and the loss run
     ``chunks`` slices of positions at a time, each slice's gradients taken as it runs
     (:mod:`remat_kit.policies.loss_chunks`). Equal to the plain loss over the model's logits, and its
-    gradients, up to float rounding. Other outputs of the model (a cache) are dropped.
+    gradients, up to float rounding. Other outputs of the model (a cache) are dropped. State an NNX call updates
+    (dropout's RNG counts) is written back to the module as its own call would; Linen's mutable collections are
+    not (``apply`` runs without ``mutable``).
 
     Args:
-      model: a Linen module (then ``args[0]`` is its variables) or an NNX module.
+      model: a Linen module (then ``args[0]`` is its variables) or an NNX module, or what
+        :func:`remat_kit.apply` made of either (its policy then applies to the layers).
       *args, **kwargs: the model's call arguments (Linen: after the variables).
       labels: integer ids shaped as the logits without their vocabulary axis (``[batch, seq]``); the
         positions are its last axis.
       mask: 1 where a position counts (default: all); the loss is the mean over those.
       head: the head's module path and method: ``"lm_head"``, ``"embedder.decode"``, ``"transformer/wte.attend"``.
-        None: found, the last module call from hidden states to vocabulary-wide outputs.
+        None: found, the last module call from hidden states to vocabulary-wide outputs. A Linen path is
+        checked against the variables before tracing, so a head holding none of its own (Hugging Face GPT-2's
+        tied ``lm_head``, applied with the embedding) is left to be found.
       chunks: the slices of positions, a divisor of the sequence length, or ``"auto"`` (about
         :data:`CHUNK_BYTES` of float32 logits a slice).
       method: Linen only, the method to apply (as ``Module.apply``'s).
@@ -106,17 +116,19 @@ def head_loss(
         graphdef, state = nnx.split(model)
         run = lambda st, a, kw, marks: _nnx_call(graphdef, st, a, kw, marks)
         bound = state
-    elif isinstance(model, nn.Module):
+        write_back = lambda new: nnx.update(model, new)
+    elif isinstance(model, (nn.Module, Applied)):
         if not args or not isinstance(args[0], Mapping):
             raise TypeError(
                 f"a Linen model takes its variables first (a mapping), got {type(args[0] if args else None)}"
             )
         bound, args = args[0], args[1:]
         spec = _split_head(head, _linen_paths(bound)) if head is not None else None
-        run = lambda v, a, kw, marks: _linen_call(model, v, a, kw, marks, method)
+        run = lambda v, a, kw, marks: (_linen_call(model, v, a, kw, marks, method), None)
+        write_back = None
     else:
         raise TypeError(f"model must be a Linen module (with its variables) or an NNX module, got {type(model)}")
-    return _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks)
+    return _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks, write_back)
 
 
 # ---- checks ------------------------------------------------------------------------------------------------
@@ -218,6 +230,12 @@ def _linen_call(model, variables, args, kwargs, marks: _Marks, method):
         name = path if context.method_name == "__call__" else f"{path}.{context.method_name}"
         return marks.wrap(name, next_fun, a, kw)
 
+    # nn.jit (gm.nn's __call__) replays a trace cached before the interceptor was set: run the method plainly,
+    # which inside the caller's jit changes no value (as remat_kit.apply does).
+    plain = model.module if isinstance(model, Applied) else model  # remat_kit.apply's: its apply, the model's methods
+    fn = getattr(type(plain), method or "__call__", None) if method is None or isinstance(method, str) else method
+    if _jax_internals.linen_transform(fn) == "jit":
+        method = _jax_internals.linen_see_through_jit(fn)
     with nn.intercept_methods(interceptor):
         return model.apply(variables, *args, method=method, **kwargs)
 
@@ -234,7 +252,8 @@ def _nnx_call(graphdef, state, args, kwargs, marks: _Marks):
         methods = [m for m in methods if marks.wanted(path, m) and callable(getattr(type(node), m, None))]
         if methods:
             _swap(node, path, methods, marks)
-    return copy(*args, **kwargs)
+    out = copy(*args, **kwargs)
+    return out, nnx.state(copy)  # what the call updated (RNG counts), written back as the model's call would
 
 
 def _own_methods(cls) -> list[str]:
@@ -283,17 +302,24 @@ def _arrays(out) -> list:
     return [a for a in jax.tree.leaves(out) if isinstance(a, (jax.Array, np.ndarray))]
 
 
-def _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks):
+def _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks, write_back):
     leaves, tree = jax.tree.flatten((bound, args, kwargs))
     dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
     marks = _Marks(spec, tuple(labels.shape))
+    state_tree: list = []  # the structure of the state the call updates (NNX), set while tracing
+    n_out: list[int] = []  # how many of the traced outputs are the model's, before that state
 
     def traced(*values):
         full = list(leaves)
         for i, v in zip(dynamic, values, strict=True):
             full[i] = v
         b, a, kw = jax.tree.unflatten(tree, full)
-        return _arrays(run(b, a, kw, marks))
+        out, new = run(b, a, kw, marks)
+        outs = _arrays(out)
+        state, structure = jax.tree.flatten(new)
+        state_tree.append(structure)
+        n_out.append(len(outs))
+        return outs + state
 
     avals = [jax.ShapeDtypeStruct(jnp.shape(leaves[i]), jnp.result_type(leaves[i])) for i in dynamic]
     closed = jax.make_jaxpr(traced)(*avals)
@@ -306,7 +332,8 @@ def _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks):
         )
     names = {f"{_IN}{k}" for k in range(len(marks.calls))} | {f"{_OUT}{k}" for k in range(len(marks.calls))}
     flat = _lift(closed, names)
-    k, logits_at, tail, inputs = _tail(flat, marks, labels.shape, head, what)
+    k, logits_at, tail, inputs = _tail(flat, marks, labels.shape, head, what, n_out[-1])
+    updated = flat.jaxpr.outvars[n_out[-1] :]
     axis = labels.ndim - 1
     length = labels.shape[-1]
     vocab = flat.jaxpr.outvars[logits_at].aval.shape[-1]
@@ -321,14 +348,20 @@ def _loss(run, bound, args, kwargs, labels, mask, spec, head, chunks):
         ) from None
     if out_axes != (axis,):
         raise ValueError(f"the logits after the head {marks.calls[k].name!r} carry the positions on {out_axes}")
-    front = jcore.ClosedJaxpr(
-        jcore.Jaxpr(flat.jaxpr.constvars, flat.jaxpr.invars, list(inputs), _front_eqns(flat.jaxpr, inputs)),
-        flat.consts,
-    )
+    front_in = [*flat.jaxpr.constvars, *flat.jaxpr.invars]
+    front = positions.program(_front_eqns(flat.jaxpr, [*inputs, *updated]), front_in, [*inputs, *updated])
     size = length // chunks
-    block = positions._block_fn(tail, in_axes, length, size)
+    block = positions.block_fn(tail, in_axes, length, size)
     chunk = loss_chunks.Chunk(lambda i, blocked, whole: block(i * size, blocked[0], *whole)[0][0])
-    h, *whole = jcore.jaxpr_as_fun(front)(*[leaves[i] for i in dynamic])
+    given = [leaves[i] for i in dynamic]
+    values = jcore.jaxpr_as_fun(front)(*flat.consts, *given)
+    h, *whole = values[: len(inputs)]
+    new = values[len(inputs) :]
+    # Written back only when the call changed some state (dropout's RNG counts), as the plain call would
+    # mutate it; an unchanged leaf comes back as the very input it was.
+    seen = {id(g) for g in given}
+    if write_back is not None and any(id(n) not in seen for n in new):
+        write_back(jax.tree.unflatten(state_tree[-1], new))
     return loss_chunks.chunked_mean(chunk, (h,), tuple(whole), labels, mask, chunks, axis=axis)
 
 
@@ -364,29 +397,27 @@ def _subjaxprs(params) -> list:
 
 
 def _lift(closed, names: set[str]):
-    """``closed`` with the plain calls (a ``jit``, a model's own ``checkpoint``) that hold a mark flattened into
-    it, so the marks stand in its top level; other calls (the layers' checkpoints and scans) are kept as
-    they are, their memory savings with them."""
+    """``closed`` with the jit calls that hold a mark flattened into it, so the marks stand in its top level;
+    checkpoints and scans (the layers', a policy's) are kept as they are, their memory savings with them, and
+    a mark inside one is not reached."""
 
     def ev(jaxpr, consts, args):
         env = dict(zip(jaxpr.constvars, consts, strict=True)) | dict(zip(jaxpr.invars, args, strict=True))
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
         for eqn in jaxpr.eqns:
             vals = [read(v) for v in eqn.invars]
-            lift = eqn.primitive.name in positions._PLAIN_CALLS and _contains(positions._body(eqn)[0], names)
-            outs = ev(*positions._body(eqn), vals) if lift else positions._bind(eqn, vals)
+            lift = eqn.primitive.name in _JITS and _contains(positions.body_of(eqn)[0], names)
+            outs = ev(*positions.body_of(eqn), vals) if lift else _jax_internals.rebind(eqn, vals)
             env.update(zip(eqn.outvars, outs, strict=True))
         return [read(v) for v in jaxpr.outvars]
 
-    if not any(
-        _contains(positions._body(e)[0], names) for e in closed.jaxpr.eqns if e.primitive.name in positions._PLAIN_CALLS
-    ):
+    if not any(_contains(positions.body_of(e)[0], names) for e in closed.jaxpr.eqns if e.primitive.name in _JITS):
         return closed
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
     return jax.make_jaxpr(lambda *a: ev(closed.jaxpr, closed.consts, a))(*args)
 
 
-def _tail(flat, marks: _Marks, lead, head, what):
+def _tail(flat, marks: _Marks, lead, head, what, n_out: int):
     """The marked call whose output reaches the logits, and the program from its input to them."""
     jaxpr = flat.jaxpr
     eqns = jaxpr.eqns
@@ -409,7 +440,7 @@ def _tail(flat, marks: _Marks, lead, head, what):
         # logits too, but give hidden states).
         outs = [
             j
-            for j, v in enumerate(jaxpr.outvars)
+            for j, v in enumerate(jaxpr.outvars[:n_out])
             if v in produced
             and tuple(v.aval.shape[:-1]) == tuple(lead)
             and v.aval.ndim == len(lead) + 1
@@ -420,7 +451,8 @@ def _tail(flat, marks: _Marks, lead, head, what):
     if not hits:
         seen = ", ".join(sorted({c.name for c in marks.calls})[:8])
         raise ValueError(
-            f"the head ({what}) does not reach the model's logits shaped {(*lead, 'vocab')}; calls: {seen}"
+            f"the head ({what}) reaches no output shaped as logits {(*lead, 'vocab')} from the model's top level "
+            f"(not inside a checkpoint or scan); calls: {seen}"
         )
     if head is not None and len(hits) > 1:
         names = ", ".join(marks.calls[k].name for _, k, _ in hits)
@@ -440,13 +472,9 @@ def _tail(flat, marks: _Marks, lead, head, what):
         back.add(i)
         stack.extend(producer[v] for v in eqns[i].invars if not isinstance(v, jcore.Literal) and v in producer)
     inside = sorted(back)
-    defined = {v for i in inside for v in eqns[i].outvars}
-    inputs = [h]
-    for i in inside:
-        for v in eqns[i].invars:
-            if not isinstance(v, jcore.Literal) and v not in defined and v not in inputs:
-                inputs.append(v)
-    tail = jcore.ClosedJaxpr(jcore.Jaxpr([], inputs, [logits], [eqns[i] for i in inside]), [])
+    body = [eqns[i] for i in inside]
+    inputs = [h, *(v for v in positions.inputs_of(body) if v is not h)]
+    tail = positions.program(body, inputs, [logits])
     return k, outs[0], tail, inputs
 
 
@@ -464,7 +492,7 @@ def _forward(eqns, users, start: int) -> set[int]:
 def _front_eqns(jaxpr, outputs) -> list:
     """The equations that compute ``outputs`` (the tail's inputs), in order."""
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    need, stack = set(), [producer[v] for v in outputs if v in producer]
+    need, stack = set(), [producer[v] for v in outputs if not isinstance(v, jcore.Literal) and v in producer]
     while stack:
         i = stack.pop()
         if i in need:

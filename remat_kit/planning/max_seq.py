@@ -5,7 +5,7 @@ A user's model, unedited, and its loss; ``args_at(seq)`` gives the loss's exampl
 (the loss's gradient, clipping and the optimizer update; :class:`remat_kit.planning.planner.StepPlanner`),
 compile-only: nothing is allocated. Lengths are multiples of ``step``: doubled from ``start`` until one does not
 fit, then the bracket is closed by bisection guided by a parabola through the needs measured
-(:func:`remat_kit.planning.fit._boundary`: the need is at most quadratic in the sequence). The answer is compiled
+(:func:`remat_kit.planning.limits.boundary`: the need is at most quadratic in the sequence). The answer is compiled
 at its edge: it fits, the next multiple of ``step`` is compiled too and does not.
 
 The levers, all on by default and each with its opt-out:
@@ -40,7 +40,8 @@ from remat_kit import policies
 from remat_kit import target as target_lib
 from remat_kit.analysis import inspection
 from remat_kit.analysis import memory as memory_lib
-from remat_kit.planning.fit import _boundary, budget_bytes_of, check_convention
+from remat_kit.planning.fit import budget_bytes_of, check_convention
+from remat_kit.planning.limits import boundary
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner, get_optimizer
 from remat_kit.unedited import entry as unedited_lib
 from remat_kit.units import fmt_bytes
@@ -232,7 +233,7 @@ class Search:
                 if known[n] > budget.target or n == cap:
                     break
                 n = min(cap, 2 * n)
-        n = _boundary(need, budget.target, 1, cap, degree=2, known=known)
+        n = boundary(need, budget.target, 1, cap, degree=2, known=known)
         seq = n * step
         got = need(n) if n else None
         nxt = (n + 1) * step if n < cap else None

@@ -118,7 +118,17 @@ def gemma():
         picked = jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0]
         return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
 
-    return model, gemma_loss, lambda seq: (variables, jax.ShapeDtypeStruct((1, seq), jnp.int32))
+    def gemma_head_loss(m, v, tokens, *, loss_chunks):
+        import remat_kit
+
+        if loss_chunks == 0:
+            return gemma_loss(m, v, tokens)
+        labels = jnp.roll(tokens, -1, axis=1)
+        counts = jnp.broadcast_to(jnp.arange(tokens.shape[1]) < tokens.shape[1] - 1, tokens.shape).astype(jnp.float32)
+        return remat_kit.head_loss(m, v, tokens, labels=labels, mask=counts, chunks=loss_chunks, head="embedder.decode")
+
+    at = lambda seq: (variables, jax.ShapeDtypeStruct((1, seq), jnp.int32))
+    return model, (gemma_loss, gemma_head_loss), at
 
 
 def factory(policy):
@@ -167,9 +177,9 @@ def plan_rows(args) -> None:
         what = "tunix Llama 3 llama3p2_1b()"
         model, losses, at = _bf16(make), {"levers": head_loss}, args_at
     else:
-        model, plain_loss, at = gemma()
+        model, (plain_loss, chunked), at = gemma()
         layers, width, what = 26, 1152, "gemma gm.nn Gemma3_1B"
-        losses = {}  # head_loss takes a Linen module, not apply's wrapper: the levers row runs the plain loss
+        losses = {"levers": chunked}
     budgets = [parse_bytes(b) for b in args.budgets.split(",")]
     fixed = _fixed_bytes(model) if args.family == "tunix" else _fixed_of(at(args.step)[0])
     floor = max_seq_lib.layer_input_floor(layers, width, 2)

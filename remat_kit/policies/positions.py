@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from remat_kit._jax_internals import eqn_source, rebind
+from remat_kit._jax_internals import eqn_source, own_nothing_saveable, rebind
 from remat_kit.policies.tiling import check_tiles, tiled
 
 
@@ -137,7 +137,11 @@ def _rule(eqn, vals: list[Any], axes: list[int | None], block: _Block) -> tuple[
         if len(carried) != 1:
             raise NotPerPosition(f"{_where(eqn)} combines values blocked on different axes {sorted(carried)}")
         (a,) = carried
-        vals = [_cut(v, a, block) if ax is None and jnp.ndim(v) > a else v for v, ax in zip(vals, axes, strict=True)]
+        # A whole operand of size 1 on the axis broadcasts (lax's implicit size-1 broadcasting): it stays whole.
+        vals = [
+            _cut(v, a, block) if ax is None and jnp.ndim(v) > a and jnp.shape(v)[a] != 1 else v
+            for v, ax in zip(vals, axes, strict=True)
+        ]
         return _bind(eqn, vals), [a] * len(eqn.outvars)
     if name in _CALLS:
         body, consts = _body(eqn)
@@ -321,7 +325,9 @@ def blocked(closed, in_axes: Sequence[int | None], blocks: int) -> Callable:
     def run(*args):
         moved = [jnp.moveaxis(x, a, 1) if a is not None else x for x, a in zip(args, in_axes, strict=True)]
         pos = jnp.arange(length, dtype=jnp.int32)[None]
-        outs = tiled(on_axis_1, blocks, in_axes=(1, *(1 if a is not None else None for a in in_axes)))(pos, *moved)
+        # The blocks' checkpoints are remat_kit's own (inside apply's block, not a model's that would override it).
+        axes = (1, *(1 if a is not None else None for a in in_axes))
+        outs = tiled(on_axis_1, blocks, in_axes=axes, policy=own_nothing_saveable)(pos, *moved)
         return [jnp.moveaxis(o, 1, a) for o, a in zip(outs, out_axes, strict=True)]
 
     return run

@@ -70,7 +70,11 @@ def check_blocks(what: str, value: Any) -> int | str | None:
 
 
 def blocks_for(what: str, value: int | str, length: int) -> int:
-    """The blocks for ``length`` positions: ``"auto"`` (:func:`auto_blocks`) or ``value`` when it divides it."""
+    """The blocks for ``length`` positions: ``"auto"`` (:func:`auto_blocks`) or ``value`` when it divides it.
+
+    >>> blocks_for("query_blocks", "auto", 2048), blocks_for("seq_tiles", 4, 2048)
+    (2, 4)
+    """
     return auto_blocks(length) if value == "auto" else check_tiles(value, length, what=what)
 
 
@@ -83,7 +87,11 @@ class Long:
 
 
 def make_long(query_blocks: Any, seq_tiles: Any) -> Long | None:
-    """A :class:`Long` from :func:`remat_kit.apply`'s arguments (None when neither is asked), checked."""
+    """A :class:`Long` from :func:`remat_kit.apply`'s arguments (None when neither is asked), checked.
+
+    >>> make_long(None, None) is None, make_long("auto", 4)
+    (True, Long(query_blocks='auto', seq_tiles=4))
+    """
     long = Long(check_blocks("query_blocks", query_blocks), check_blocks("seq_tiles", seq_tiles))
     return None if long == Long() else long
 
@@ -97,7 +105,7 @@ class Part:
     why: str
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Block:
     """The block call being run: what was asked, its sequence length, and what each submodule turned out to be."""
 
@@ -117,7 +125,11 @@ _RETRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_kit_lon
 
 
 def seq_length(args: tuple, kwargs: dict) -> int | None:
-    """A block call's sequence length: axis 1 of its first array argument with two axes or more (else None)."""
+    """A block call's sequence length: axis 1 of its first array argument with two axes or more (else None).
+
+    >>> seq_length((None, np.ones((2, 16, 4))), {})
+    16
+    """
     for leaf in jax.tree.leaves((args, kwargs)):
         if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)) and np.ndim(leaf) >= 2:
             return int(np.shape(leaf)[1])
@@ -173,6 +185,13 @@ def run_part(path: str, fn: Callable, state: list, args: tuple, kwargs: dict, pl
       state: the submodule's variables as leaves (arrays or tracers).
       args, kwargs: the call's arguments; array leaves are traced, the others (None caches, flags) closed over.
       plain: the call as written.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.ones((1, 4, 2))
+    >>> with block_scope(Long(seq_tiles=2), (x,), {}, "demo") as block:
+    ...     y = run_part("act", lambda state, a, k: (jnp.tanh(a[0]), None), [], (x,), {}, lambda: None)
+    >>> y.shape, block.parts[0].kind
+    ((1, 4, 2), 'per-token')
     """
     from remat_kit.unedited.engine import split_arrays  # engine imports the front door's halves
 

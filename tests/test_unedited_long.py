@@ -81,6 +81,12 @@ def test_names_of_says_which_submodules_are_attention_and_per_token(kind):
     assert re.search(r"^  attn +attention +1 region\(s\): dot_general", str(table), re.M)
 
 
+def test_a_submodule_that_draws_random_numbers_runs_as_written():
+    table = remat_kit.names_of(NnxModel(rngs=nnx.Rngs(0)), X, deterministic=False)
+    dropout = next(p for p in table.parts if p.path == "dropout")
+    assert dropout.kind == "neither" and "updates its state" in dropout.why
+
+
 class CumsumMix(nn.Module):
     """Mixes positions along the sequence (a running sum): never per-token."""
 

@@ -288,8 +288,12 @@ def _call_block(original, inner: nnx.Module, args: tuple, kwargs: dict, long_pla
     for path, node in graph:
         # A direct submodule: no module but a container (nnx.List/Dict) between it and the block.
         if path in owners and not any(path[:i] in owners for i in range(1, len(path))):
+            try:
+                cls = _part_class(type(node))
+            except ValueError:  # an NNX transform on its __call__ (nnx.remat ...): it runs as written
+                continue
             object.__setattr__(node, _PART_ATTR, join(path))
-            node.__class__ = _part_class(type(node))
+            node.__class__ = cls
     with long.block_scope(long_plan, args, kwargs, where, collect):
         return call_naming_submodules(original, inner, args, kwargs)
 

@@ -14,6 +14,7 @@ from flax import nnx
 from unedited_models import InlineModel, NnxModel
 
 import remat_kit
+from remat_kit.policies import positions
 from remat_kit.unedited.long import auto_blocks
 
 RTOL = 1e-5  # float32, the same math in another order (blocks of queries, tiles)
@@ -172,3 +173,28 @@ def test_query_blocks_cut_the_backward_temp_bytes_at_a_longer_sequence():
     full = _temp_bytes(remat_kit.apply(model, "full"), variables, x)
     blocked = _temp_bytes(remat_kit.apply(model, "full", query_blocks=8), variables, x)
     assert blocked < 0.5 * full, (blocked, full)
+
+
+def test_a_projection_as_wide_as_the_length_does_not_hide_the_attention():
+    # Llama 3 1B at 2,048 positions: 32 heads x 64 = 2,048, so the q projection's output is [B, S, S] by shape and
+    # starts a second, larger region around the real one (not per-query: its input has two axes of S).
+    heads, hd = 4, 6  # 4 x 6 = S = 24
+
+    def attention(x, wq, wk, wv):
+        q = (x @ wq).reshape(2, S, heads, hd)
+        k, v = (x @ wk).reshape(2, S, 1, hd), (x @ wv).reshape(2, S, 1, hd)
+        s = jnp.einsum("bthd,bsgd->bhts", q, k) / hd**0.5
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -1e9)
+        return jnp.einsum("bhts,bsgd->bthd", jax.nn.softmax(s), v).reshape(2, S, S)
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    widths = (S, hd, hd)  # q, k, v
+    args = [jax.random.normal(keys[0], (2, S, 8))]
+    args += [jax.random.normal(k, (8, n)) for k, n in zip(keys[1:], widths, strict=True)]
+    flat = positions.inline(jax.make_jaxpr(attention)(*args))
+    regions = positions.attention_regions(flat, S)
+    assert len(regions) == 1
+    run = positions.run_regions(flat, regions, 4)
+    got = jax.grad(lambda a: jnp.sum(run(*a)[0] * T[..., :1]), argnums=0)(args)
+    want = jax.grad(lambda a: jnp.sum(attention(*a) * T[..., :1]), argnums=0)(args)
+    assert max_rel_err(got, want) <= RTOL

@@ -391,7 +391,8 @@ def attention_regions(closed, length: int) -> list[Region]:
         and _quadratic(e.outvars[0], length)
         and not any(_quadratic(v, length) for v in e.invars)
     ]
-    regions = []
+    regions: list[Region] = []
+    failed: list[tuple[set[int], NotPerPosition]] = []
     for s in starts:
         fwd, stack = {s}, [s]
         while stack:
@@ -418,8 +419,21 @@ def attention_regions(closed, length: int) -> list[Region]:
                     back.add(i)
                     stack.append(i)
         inside = sorted(back | {s})
-        regions.append(_region(closed, inside, s, set(ends), users, length))
-    return regions
+        try:
+            regions.append(_region(closed, inside, s, set(ends), users, length))
+        except NotPerPosition as err:
+            failed.append((set(inside), err))
+    # A projection whose width happens to equal the length (2,048 heads x head_dim at 2,048 positions) starts a
+    # region around the real one: keep disjoint regions, the larger first, and refuse a region that is not
+    # per-query only where no kept region covers it.
+    kept: list[Region] = []
+    for r in sorted(regions, key=lambda r: -len(r.eqns)):
+        if not any(set(r.eqns) & set(k.eqns) for k in kept):
+            kept.append(r)
+    for inside, err in failed:
+        if not any(inside & set(k.eqns) for k in kept):
+            raise err
+    return sorted(kept, key=lambda r: r.eqns[0])
 
 
 def _region(closed, inside: list[int], start: int, ends: set[int], users, length: int) -> Region:

@@ -245,6 +245,26 @@ def _classify(program, first: int | None, block: _Block) -> tuple[str, str, Call
     want_tiles = long is None or long.seq_tiles is not None
     proof_blocks = 2 if length % 2 == 0 else 1  # the proof is by rules, not by size: any divisor will do
     reasons = []
+    # Per-token first: an MLP whose width happens to equal the length looks like scores by shape alone.
+    shape = None if first is None else program.in_avals[first].shape
+    if shape is None:
+        reasons.append("no array argument with a sequence axis")
+    elif shape[1] != length:
+        reasons.append(f"axis 1 of its first array argument is {shape[1]}, not the sequence length {length}")
+    else:
+        in_axes = tuple(1 if i == first else None for i in range(len(program.in_avals)))
+        try:
+            positions.check(program, in_axes, proof_blocks)
+        except NotPerPosition as err:
+            reasons.append(str(err))
+        else:
+            if not want_tiles:
+                return PER_TOKEN, "proven per-token along the sequence (seq_tiles= not asked)", None
+            if long is None:
+                return PER_TOKEN, "proven per-token along the sequence", None
+            k = blocks_for("seq_tiles", long.seq_tiles, length)
+            why = f"proven per-token along the sequence, in {k} tiles"
+            return PER_TOKEN, why, positions.blocked(program, in_axes, k) if k > 1 else None
     if want_attention:
         flat = positions.inline(program)
         try:
@@ -262,22 +282,4 @@ def _classify(program, first: int | None, block: _Block) -> tuple[str, str, Call
             k = blocks_for("query_blocks", long.query_blocks, length)
             why = f"{len(regions)} region(s) in {k} query blocks: {where}"
             return ATTENTION, why, positions.run_regions(flat, regions, k) if k > 1 else None
-    if want_tiles:
-        shape = None if first is None else program.in_avals[first].shape
-        if shape is None:
-            reasons.append("no array argument with a sequence axis")
-        elif shape[1] != length:
-            reasons.append(f"axis 1 of its first array argument is {shape[1]}, not the sequence length {length}")
-        else:
-            in_axes = tuple(1 if i == first else None for i in range(len(program.in_avals)))
-            try:
-                positions.check(program, in_axes, proof_blocks)
-            except NotPerPosition as err:
-                reasons.append(str(err))
-            else:
-                if long is None:
-                    return PER_TOKEN, "proven per-token along the sequence", None
-                k = blocks_for("seq_tiles", long.seq_tiles, length)
-                why = f"proven per-token along the sequence, in {k} tiles"
-                return PER_TOKEN, why, positions.blocked(program, in_axes, k) if k > 1 else None
     return NEITHER, "; ".join(reasons), None

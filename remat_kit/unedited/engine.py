@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from remat_kit import _jax_internals
@@ -22,6 +21,7 @@ from remat_kit import names as _names
 from remat_kit.nnx.paths import call_naming_submodules as call_naming_submodules  # apply's NNX naming
 from remat_kit.policies import Mix, Policy, full, parse, tags
 from remat_kit.policies.tags import name_tree as name_tree  # apply names a tree as the stacks do
+from remat_kit.unedited.arrays import split_arrays as split_arrays  # the halves split calls as apply does
 from remat_kit.unedited.long import Long, Part, make_long
 from remat_kit.unedited.paths import BlockName, NameTable, Where, parse_where
 
@@ -208,26 +208,6 @@ def split_static(fn: Callable, args: tuple, kwargs: dict, static_argnames: froze
         return full_args, {**static_kw, **dkwargs}
 
     return rebuild, dyn_args, dyn_kwargs
-
-
-def split_arrays(args: tuple, kwargs: dict) -> tuple[list, Callable]:
-    """A call's array leaves (arrays, tracers, ShapeDtypeStructs) and ``rebuild(arrays) -> (args, kwargs)``.
-
-    >>> import jax.numpy as jnp
-    >>> arrays, rebuild = split_arrays((jnp.ones(2), "tanh"), {"train": False})
-    >>> len(arrays), rebuild([jnp.zeros(2)])[0][1]
-    (1, 'tanh')
-    """
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))]
-
-    def rebuild(arrays):
-        full = list(leaves)
-        for i, a in zip(at, arrays, strict=True):
-            full[i] = a
-        return jax.tree.unflatten(treedef, full)
-
-    return [leaves[i] for i in at], rebuild
 
 
 def trace_only(fn: Callable, args: tuple, kwargs: dict, *, keep: bool = False) -> Any:

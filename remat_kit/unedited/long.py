@@ -34,6 +34,7 @@ from jax.extend import core as jcore
 from remat_kit.policies import positions
 from remat_kit.policies.positions import NotPerPosition
 from remat_kit.policies.tiling import check_tiles
+from remat_kit.unedited.arrays import split_arrays
 
 #: ``"auto"`` aims a block at this many positions (the one definition; 512 to 2048 where a divisor allows).
 AUTO_BLOCK = 1024
@@ -193,8 +194,6 @@ def run_part(path: str, fn: Callable, state: list, args: tuple, kwargs: dict, pl
     >>> y.shape, block.parts[0].kind
     ((1, 4, 2), 'per-token')
     """
-    from remat_kit.unedited.engine import split_arrays  # engine imports the front door's halves
-
     block = _BLOCK.get()
     arrays, rebuild = split_arrays(args, kwargs)
     n = len(state)

@@ -515,8 +515,23 @@ def own_checkpoint(fn: Callable, policy: Callable | None, *, prevent_cse: bool =
     return run
 
 
+def own_nothing_saveable(*_: Any, **__: Any) -> bool:
+    """``nothing_saveable`` that marks its checkpoint as remat_kit's (:func:`is_own_remat`) where no named scope
+    can: a checkpoint made inside a scan body (a tile's, :func:`remat_kit.policies.positions.blocked`), whose
+    equation's name stack starts afresh in the body.
+
+    >>> f = jax.checkpoint(jnp.sin, policy=own_nothing_saveable)
+    >>> [is_own_remat(e) for e in jax.make_jaxpr(f)(1.0).eqns]
+    [True]
+    """
+    return False
+
+
 def is_own_remat(eqn) -> bool:
-    """Whether a rematerialized-call equation is one :func:`own_checkpoint` made."""
+    """Whether a rematerialized-call equation is one :func:`own_checkpoint` made (or a tile's, marked by its
+    policy :func:`own_nothing_saveable`)."""
+    if eqn.params.get("policy") is own_nothing_saveable:
+        return True
     return str(eqn.source_info.name_stack).rsplit("/", 1)[-1] == OWN_SCOPE
 
 

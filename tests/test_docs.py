@@ -174,6 +174,15 @@ def _unedited_kinds(ns):
     assert kept == {"attn", "rec"}
 
 
+def _unedited_long(ns):
+    """Query blocks and tiles on an unedited Linen model: the plain model's gradients; names_of says which is which."""
+    parts = {p.path: p.kind for p in ns["remat_kit"].names_of(ns["model"], ns["x"]).parts}
+    assert parts == {"attn_norm": "per-token", "attn": "attention", "mlp_norm": "per-token", "mlp": "per-token"}
+    model, x = ns["model"], ns["x"]
+    want = jax.grad(lambda v: jnp.sum(model.apply(v, x) * x))(ns["variables"])
+    assert max_rel_err(ns["grads"], want) <= 1e-5
+
+
 CHECKS = {
     "your-model.md": {
         "RematBlock = policy(MyBlock": _linen_loop,
@@ -187,6 +196,7 @@ CHECKS = {
         "per_kind = remat_kit.apply(Model(), {Block": _unedited_kinds,
         'remat_kit.compare(make_loss, ["none", "selective:up", "full"]': _unedited_compare,
         "return make_loss(policy), (variables, x)": _unedited_factory,
+        'remat_kit.apply(model, "full", query_blocks=4, seq_tiles=4)': _unedited_long,
     },
     "policies.md": {"policies.from_maxtext(": _maxtext},
     "planning.md": {

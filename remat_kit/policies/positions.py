@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from remat_kit._jax_internals import eqn_source, rebind
+from remat_kit._jax_internals import eqn_source, own_nothing_saveable, rebind
 from remat_kit.policies.tiling import check_tiles, tiled
 
 
@@ -381,7 +381,9 @@ def blocked(closed, in_axes: Sequence[int | None], blocks: int) -> Callable:
     def run(*args):
         moved = [jnp.moveaxis(x, a, 1) if a is not None else x for x, a in zip(args, in_axes, strict=True)]
         pos = jnp.arange(length, dtype=jnp.int32)[None]
-        outs = tiled(on_axis_1, blocks, in_axes=(1, *(1 if a is not None else None for a in in_axes)))(pos, *moved)
+        # The blocks' checkpoints are remat_kit's own (inside apply's block, not a model's that would override it).
+        axes = (1, *(1 if a is not None else None for a in in_axes))
+        outs = tiled(on_axis_1, blocks, in_axes=axes, policy=own_nothing_saveable)(pos, *moved)
         return [jnp.moveaxis(o, 1, a) for o, a in zip(outs, out_axes, strict=True)]
 
     return run
@@ -448,7 +450,8 @@ def attention_regions(closed, length: int) -> list[Region]:
         and _quadratic(e.outvars[0], length)
         and not any(_quadratic(v, length) for v in e.invars)
     ]
-    regions = []
+    regions: list[Region] = []
+    failed: list[tuple[set[int], NotPerPosition]] = []
     for s in starts:
         fwd, stack = {s}, [s]
         while stack:
@@ -475,8 +478,21 @@ def attention_regions(closed, length: int) -> list[Region]:
                     back.add(i)
                     stack.append(i)
         inside = sorted(back | {s})
-        regions.append(_region(closed, inside, s, set(ends), users, length))
-    return regions
+        try:
+            regions.append(_region(closed, inside, s, set(ends), users, length))
+        except NotPerPosition as err:
+            failed.append((set(inside), err))
+    # A projection whose width happens to equal the length (2,048 heads x head_dim at 2,048 positions) starts a
+    # region around the real one: keep disjoint regions, the larger first, and refuse a region that is not
+    # per-query only where no kept region covers it.
+    kept: list[Region] = []
+    for r in sorted(regions, key=lambda r: -len(r.eqns)):
+        if not any(set(r.eqns) & set(k.eqns) for k in kept):
+            kept.append(r)
+    for inside, err in failed:
+        if not any(inside & set(k.eqns) for k in kept):
+            raise err
+    return sorted(kept, key=lambda r: r.eqns[0])
 
 
 def program(eqns, inputs, outputs) -> jcore.ClosedJaxpr:

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from remat_kit import _jax_internals
@@ -22,6 +21,8 @@ from remat_kit import names as _names
 from remat_kit.nnx.paths import call_naming_submodules as call_naming_submodules  # apply's NNX naming
 from remat_kit.policies import Mix, Policy, full, parse, tags
 from remat_kit.policies.tags import name_tree as name_tree  # apply names a tree as the stacks do
+from remat_kit.unedited.arrays import split_arrays as split_arrays  # the halves split calls as apply does
+from remat_kit.unedited.long import Long, Part, make_long
 from remat_kit.unedited.paths import BlockName, NameTable, Where, parse_where
 
 
@@ -34,12 +35,15 @@ class Plan:
       where: which modules are blocks; None: the repeated block class, found on the first call.
       static_argnames: block call arguments always treated as static (non-array ones always are).
       scan: run consecutive identical blocks as one ``lax.scan`` (see :mod:`remat_kit.unedited.scan`).
+      long: query blocks for attention and sequence tiles for per-token submodules inside each block
+        (:mod:`remat_kit.unedited.long`); None: neither.
     """
 
     policy: Policy | PerKind
     where: Where | None
     static_argnames: frozenset[str]
     scan: bool = False
+    long: Long | None = None
 
     def policy_for(self, index: int, module: Any = None, path: str = "") -> Policy | None:
         """The policy block number ``index`` (call order; ``module`` at ``path``) runs under; None: run it plainly."""
@@ -83,10 +87,19 @@ class PerKind:
         return "{" + ", ".join(f"{w}: {p}" for w, p in self.parts) + "}"
 
 
-def make_plan(policy: Any, where: Any, static_argnames: Any, scan: bool, base: type) -> Plan:
+def make_plan(
+    policy: Any,
+    where: Any,
+    static_argnames: Any,
+    scan: bool,
+    base: type,
+    query_blocks: Any = None,
+    seq_tiles: Any = None,
+) -> Plan:
     """Parse :func:`apply`'s arguments into a :class:`Plan` (every error before any tracing)."""
+    long = make_long(query_blocks, seq_tiles)
     if isinstance(policy, Mapping):
-        return _per_kind_plan(policy, where, static_argnames, scan, base)
+        return dataclasses.replace(_per_kind_plan(policy, where, static_argnames, scan, base), long=long)
     parsed = parse(policy)
     if (isinstance(parsed, Mix) or parsed.kind in ("segments", "sqrt_n")) and not scan:
         raise ValueError(
@@ -106,7 +119,7 @@ def make_plan(policy: Any, where: Any, static_argnames: Any, scan: bool, base: t
         )
     if not isinstance(scan, bool):
         raise TypeError(f"scan must be True or False, got {scan!r}")
-    return Plan(parsed, parse_where(where, base), frozenset(names), scan)
+    return Plan(parsed, parse_where(where, base), frozenset(names), scan, long)
 
 
 def _per_kind_plan(policy: Mapping, where: Any, static_argnames: Any, scan: bool, base: type) -> Plan:
@@ -197,26 +210,6 @@ def split_static(fn: Callable, args: tuple, kwargs: dict, static_argnames: froze
     return rebuild, dyn_args, dyn_kwargs
 
 
-def split_arrays(args: tuple, kwargs: dict) -> tuple[list, Callable]:
-    """A call's array leaves (arrays, tracers, ShapeDtypeStructs) and ``rebuild(arrays) -> (args, kwargs)``.
-
-    >>> import jax.numpy as jnp
-    >>> arrays, rebuild = split_arrays((jnp.ones(2), "tanh"), {"train": False})
-    >>> len(arrays), rebuild([jnp.zeros(2)])[0][1]
-    (1, 'tanh')
-    """
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))]
-
-    def rebuild(arrays):
-        full = list(leaves)
-        for i, a in zip(at, arrays, strict=True):
-            full[i] = a
-        return jax.tree.unflatten(treedef, full)
-
-    return [leaves[i] for i in at], rebuild
-
-
 def trace_only(fn: Callable, args: tuple, kwargs: dict, *, keep: bool = False) -> Any:
     """``fn(*args, **kwargs)`` under ``jax.eval_shape``: array leaves (or ShapeDtypeStructs) traced, others as given.
 
@@ -275,6 +268,10 @@ class Collector:
 
     blocks: dict[str, list[BlockName]] = dataclasses.field(default_factory=dict)
     why: str = ""  # how the blocks were found (remat_kit.unedited.blocks.Choice.why)
+    parts: dict[str, tuple[Part, ...]] = dataclasses.field(default_factory=dict)  # each block's direct submodules
+
+    def add_parts(self, where: str, parts: list[Part]) -> None:
+        self.parts.setdefault(where, tuple(parts))
 
     def add(self, where: str, jaxpr: Any, module_names: set[str], param_names: set[str]) -> None:
         rows = []
@@ -300,7 +297,7 @@ class Collector:
             else dataclasses.replace(r, blocks=tuple(emitted_by[r.name]))
             for r in seen.values()
         )
-        return NameTable(first, rows, self.why)
+        return NameTable(first, rows, self.why, self.parts.get(first, next(iter(self.parts.values()), ())))
 
 
 @dataclasses.dataclass

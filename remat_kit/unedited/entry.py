@@ -61,7 +61,16 @@ from remat_kit.unedited.linen import Applied
 from remat_kit.unedited.paths import NameTable
 
 
-def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = None, scan: bool = False) -> Any:
+def apply(
+    model: Any,
+    policy: Any,
+    *,
+    where: Any = None,
+    static_argnames: Any = None,
+    scan: bool = False,
+    query_blocks: int | str | None = None,
+    seq_tiles: int | str | None = None,
+) -> Any:
     """Rematerialize the blocks of an existing Flax model (Linen or NNX) under ``policy``, unedited.
 
     Args:
@@ -81,6 +90,15 @@ def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = 
         ones whose class, attributes or static flags alternate) as one ``lax.scan`` over their stacked
         parameters, one step per period (the model's own parameter layout is kept; a grouping policy
         counts periods); a model that cannot be scanned unedited is a ValueError saying why.
+      query_blocks: inside each block, a submodule whose traced program holds attention (scores -> softmax ->
+        weighted sum, checked independent along its queries) runs that region this many blocks of queries at a
+        time, each under its own checkpoint: the backward holds one block's ``S x S`` scores, not all of them.
+        An int dividing the block input's sequence length (axis 1), ``"auto"`` (blocks of about 1,024
+        positions, :func:`remat_kit.unedited.long.auto_blocks`) or None. A block where no submodule holds
+        attention is a ValueError naming the submodules looked at (:func:`names_of` lists them).
+      seq_tiles: inside each block, a submodule proven per-token along the sequence (the MLP, the norms) runs
+        this many sequence tiles at a time, each under its own checkpoint; one that mixes positions (attention,
+        a cumsum) is never tiled. An int, ``"auto"`` or None, as ``query_blocks``.
 
     Returns:
       Linen: an :class:`Applied` with the model's ``init``/``apply``/``init_with_output``. NNX: a copy
@@ -92,6 +110,8 @@ def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = 
 
     Raises:
       TypeError: ``model`` is not a Flax module instance, or a bad ``where``.
+      TypeError/ValueError: ``query_blocks``/``seq_tiles`` not a positive int, ``"auto"`` or None (before any
+        trace); on the first call, one that does not divide the sequence length.
       ValueError: a policy that needs a stack (``segments``, ``sqrt_n``, a mix) without ``scan=True``;
         no repeated block; (on the first call) a ``where`` that matches nothing, a name that no block
         emits, blocks that do no matmul, the model's own remat inside a loop around the blocks, or
@@ -101,7 +121,8 @@ def apply(model: Any, policy: Any, *, where: Any = None, static_argnames: Any = 
     >>> type(apply(nn.Sequential([nn.Dense(2)]), "full", where=nn.Dense)).__name__
     'Applied'
     """
-    plan = make_plan(policy, where, static_argnames, scan, nnx.Module if isinstance(model, nnx.Module) else nn.Module)
+    base = nnx.Module if isinstance(model, nnx.Module) else nn.Module
+    plan = make_plan(policy, where, static_argnames, scan, base, query_blocks, seq_tiles)
     if isinstance(model, nnx.Module):
         return unedited_nnx.apply(model, plan)
     if isinstance(model, Applied):
@@ -132,7 +153,10 @@ def names_of(model: Any, *example_args: Any, where: Any = None, **example_kwargs
       where: the blocks (see :func:`apply`).
 
     Returns:
-      A :class:`remat_kit.unedited.paths.NameTable`: ``.names``, ``.rows`` and a printable table.
+      A :class:`remat_kit.unedited.paths.NameTable`: ``.names``, ``.rows`` and a printable table; ``.parts``:
+      the block's direct submodules, each ``attention`` (what ``apply(..., query_blocks=)`` runs in query
+      blocks), ``per-token`` (what ``seq_tiles=`` tiles) or ``neither``, with why (the equation that mixes
+      positions).
 
     >>> import jax.numpy as jnp, flax.linen as nn
     >>> names_of(nn.Sequential([nn.Dense(3), nn.Dense(3)]), jnp.ones((1, 3)), where=nn.Dense).names

@@ -28,7 +28,7 @@ from remat_kit import _jax_internals
 from remat_kit.policies import Policy, tags
 from remat_kit.policies import layers as _layers
 from remat_kit.policies.static import is_static
-from remat_kit.unedited import blocks, guard
+from remat_kit.unedited import blocks, guard, long
 from remat_kit.unedited.engine import (
     Collector,
     Plan,
@@ -76,6 +76,7 @@ class _Run:
     lifted: dict = dataclasses.field(default_factory=dict)  # path -> Flax transforms its call ran inside
     ran: int = 0  # blocks this call handed to the policy (0 after an apply: nothing was rematerialized)
     scan: LinenScan | None = None  # scan=True: the runs of blocks this call scans
+    retrace: tuple[str, ...] | None = None  # a block's submodule traced on its own (long.run_part): its path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,10 +330,21 @@ def _intercept(next_fun, args, kwargs, context):
         if run.entering and method == "__call__":
             run.entering, run.block = False, tuple(module.path)
             return next_fun(*args, **kwargs)
-        out = next_fun(*args, **kwargs)
         path = tuple(module.path)
+        if run.retrace is not None:  # a submodule's own trace (long.run_part): paths are relative to it
+            out = next_fun(*args, **kwargs)
+            if method == "__call__" and path:
+                name = join(run.retrace + path)
+                run.module_names.add(name)
+                out = name_tree(out, name)
+            return out
         depth = len(run.block)
-        if method == "__call__" and len(path) > depth and path[:depth] == run.block:
+        inside = method == "__call__" and len(path) > depth and path[:depth] == run.block
+        if inside and len(path) == depth + 1 and long.active() and not module.is_initializing():
+            out = _long_part(run, module, path[depth:], next_fun, args, kwargs)
+        else:
+            out = next_fun(*args, **kwargs)
+        if inside:
             name = join(path[depth:])
             run.module_names.add(name)
             out = name_tree(out, name)
@@ -351,25 +363,56 @@ def _intercept(next_fun, args, kwargs, context):
 def _remat_block(run: _Run, module: nn.Module, path, next_fun, args: tuple, kwargs: dict):
     index, run.index = run.index, run.index + 1
     policy = run.plan.policy_for(index, module, join(path))
+    where = f"{type(module).__name__} block {join(path)}"
     if policy is None and run.collect is None:
-        return next_fun(*args, **kwargs)
+        if run.plan.long is None:
+            return next_fun(*args, **kwargs)
+        # Not rematerialized, yet its attention still runs in query blocks: the scores are as big here.
+        outer = run.block
+        run.block = path
+        try:
+            with long.block_scope(run.plan.long, args, kwargs, where):
+                return next_fun(*args, **kwargs)
+        finally:
+            run.block = outer
     rebuild, dyn_args, dyn_kwargs = split_static(
         type(module).__call__, args, kwargs, run.plan.static_argnames, is_static
     )
-    where = f"{type(module).__name__} block {join(path)}"
 
     def call(mdl, dargs, dkwargs):
         full_args, full_kwargs = tag_input(type(module).__call__, *rebuild(dargs, dkwargs))
         outer = run.block
         run.block, run.entering = path, True
         try:
-            return mdl(*full_args, **full_kwargs)
+            with long.block_scope(run.plan.long, full_args, full_kwargs, where, run.collect):
+                return mdl(*full_args, **full_kwargs)
         finally:
             run.block, run.entering = outer, False
 
     call.__name__ = "remat_kit_block"
     lifted = nn.transforms.lift_transform(_lifted, call, run=run, policy=policy, where=where)
     return lifted(module, dyn_args, dyn_kwargs)
+
+
+def _long_part(run: _Run, module: nn.Module, rel: tuple, next_fun, args: tuple, kwargs: dict):
+    """A direct submodule of the block traced on its own with its current variables as inputs
+    (:func:`remat_kit.unedited.long.run_part`): in query blocks, in tiles, or as written."""
+    variables = module.variables
+    leaves, tree = jax.tree.flatten(variables)
+    clone = module.clone(parent=None)
+    mutable = module.scope.mutable
+
+    def fn(state, a, k):
+        outer, run.retrace = run.retrace, rel
+        try:
+            if mutable is False:
+                return clone.apply(jax.tree.unflatten(tree, state), *a, **k), None
+            out, written = clone.apply(jax.tree.unflatten(tree, state), *a, mutable=mutable, **k)
+            return out, jax.tree.leaves(written)
+        finally:
+            run.retrace = outer
+
+    return long.run_part(join(rel), fn, leaves, args, kwargs, lambda: next_fun(*args, **kwargs))
 
 
 def _linen_leaf_names(args: tuple) -> list[str | None]:
@@ -594,13 +637,17 @@ def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dic
         ]
 
     out_at: dict[int, int | None] = {}
+    wheres = [f"{type(blocks[j]).__name__} block {join(paths[j])}" for j in range(period)]
 
     def layer_call(j, layer_vars, h, i):
         full_args, full_kwargs = spec.calls[j].fill((_layers.tag_input(h), *rest), dyn_kwargs)  # the layer input
         outer = run.block
         run.block, run.entering = (), True  # the layer's submodules are named by their path in it
         try:
-            with _jax_internals.linen_layer_rngs(prefixes, i):
+            with (
+                _jax_internals.linen_layer_rngs(prefixes, i),
+                long.block_scope(run.plan.long, full_args, full_kwargs, wheres[j]),
+            ):
                 res = blocks[j].apply(dict(layer_vars), *full_args, rngs=rngs, mutable=mutable, **full_kwargs)
         finally:
             run.block, run.entering = outer, False
@@ -630,7 +677,6 @@ def _linen_scan(run, module: nn.Module, spec: LinenRun, args: tuple, kwargs: dic
             functools.partial(layer_call, j), names_for(j, x), first, x, jnp.int32(j)
         )[1]
 
-    wheres = [f"{type(blocks[j]).__name__} block {join(paths[j])}" for j in range(period)]
     policy, positions = position_policies(run.plan.policy, len(paths) // period, traced, wheres)
     steps = [make_step(j) for j in range(period)]
     _, ys = _layers.run_periods(policy, len(paths) // period, steps, stacked, x, positions)

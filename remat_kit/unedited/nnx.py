@@ -32,7 +32,7 @@ from remat_kit import _jax_internals
 from remat_kit.policies import layers as _layers
 from remat_kit.policies import tags
 from remat_kit.policies.static import is_static
-from remat_kit.unedited import blocks, guard
+from remat_kit.unedited import blocks, guard, long
 from remat_kit.unedited.engine import (
     Collector,
     Plan,
@@ -123,7 +123,7 @@ def apply(model: nnx.Module, plan: Plan) -> nnx.Module:
     else:
         for index, (path, block) in enumerate(found):
             policy = plan.policy_for(index, block, join(path))
-            block.__class__ = remat_class(type(block), policy, plan.static_argnames, plan.policy)
+            block.__class__ = remat_class(type(block), policy, plan.static_argnames, plan.policy, plan.long)
     label = str(plan.where) if plan.where is not None else " or ".join(sorted({type(b).__name__ for _, b in found}))
     copy.__class__ = _root_class(type(copy), plan, nnx.graphdef(model), f"{label} blocks", why)
     return copy
@@ -200,20 +200,21 @@ def _plain_call(model: nnx.Module, *args, **kwargs):
     return type(model).__call__(model, *args, **kwargs)
 
 
-def remat_class(cls: type, policy, static_argnames: frozenset[str], applied=None) -> type:
-    """``cls`` with a ``__call__`` that runs the original under ``policy`` (None: plainly, names only).
+def remat_class(cls: type, policy, static_argnames: frozenset[str], applied=None, long_plan=None) -> type:
+    """``cls`` with a ``__call__`` that runs the original under ``policy`` (None: plainly, names only), its
+    submodules in query blocks or tiles as ``long_plan`` asks (:mod:`remat_kit.unedited.long`).
 
     The class records ``applied`` (the policy :func:`remat_kit.apply` was given) as ``_remat_kit_policy``:
     ``compare``/``auto`` refuse a model whose blocks carry one (:func:`remat_kit.analysis.inspection.refuse_baked_nnx`).
     """
-    key = (cls, policy, static_argnames, applied)
+    key = (cls, policy, static_argnames, applied, long_plan)
     if key not in _REMAT_CLASSES:
         original = nnx_plain_call(cls)
 
         def __call__(self, *args, **kwargs):
-            if policy is None and _COLLECT.get() is None:
+            if policy is None and _COLLECT.get() is None and long_plan is None:
                 return original(self, *args, **kwargs)
-            return run_block(self, original, policy, static_argnames, args, kwargs)
+            return run_block(self, original, policy, static_argnames, args, kwargs, long_plan)
 
         __call__.__doc__ = original.__doc__
         _REMAT_CLASSES[key] = type(cls)(
@@ -229,8 +230,11 @@ def remat_class(cls: type, policy, static_argnames: frozenset[str], applied=None
     return _REMAT_CLASSES[key]
 
 
-def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[str], args: tuple, kwargs: dict):
-    """Run ``original(block, *args, **kwargs)`` on the block's state under ``policy`` (see the module doc)."""
+def run_block(
+    block: nnx.Module, original, policy, static_argnames: frozenset[str], args: tuple, kwargs: dict, long_plan=None
+):
+    """Run ``original(block, *args, **kwargs)`` on the block's state under ``policy`` (see the module doc), its
+    submodules in query blocks or tiles as ``long_plan`` asks."""
     rebuild, dyn_args, dyn_kwargs = split_static(original, args, kwargs, static_argnames, is_static)
     # Graph nodes among the arguments (call-time nnx.Rngs) travel as state with the block.
     flat, treedef = jax.tree.flatten((dyn_args, dyn_kwargs), is_leaf=nnx.graph.is_graph_node)
@@ -251,7 +255,7 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
         call_flat = [next(it_nodes) if i in node_at else next(it_arrays) for i in range(len(flat))]
         dargs, dkwargs = jax.tree.unflatten(treedef, call_flat)
         full_args, full_kwargs = tag_input(original, *rebuild(dargs, dkwargs))
-        out = call_naming_submodules(original, inner, full_args, full_kwargs)
+        out = _call_block(original, inner, full_args, full_kwargs, long_plan, where)
         # A State, not leaves: the call may add variables (a first ``sow``), changing the tree.
         _, _, new_rest = nnx.split(merged, nnx.Param, ...)
         return out, new_rest
@@ -271,6 +275,53 @@ def run_block(block: nnx.Module, original, policy, static_argnames: frozenset[st
         out, new_rest = checkpointed(policy, where, named, jaxpr, all_args)
     nnx.update(nodes, new_rest)
     return out
+
+
+def _call_block(original, inner: nnx.Module, args: tuple, kwargs: dict, long_plan, where: str):
+    """``original(inner, ...)`` with its submodules named (:func:`call_naming_submodules`) and its direct ones
+    run in query blocks or tiles as ``long_plan`` asks (classified only under :func:`names_of`)."""
+    collect = _COLLECT.get()
+    if long_plan is None and collect is None:
+        return call_naming_submodules(original, inner, args, kwargs)
+    graph = [(tuple(p), n) for p, n in nnx.iter_graph(inner) if p and isinstance(n, nnx.Module)]
+    owners = {p for p, n in graph if not isinstance(n, (nnx.List, nnx.Dict))}
+    for path, node in graph:
+        # A direct submodule: no module but a container (nnx.List/Dict) between it and the block.
+        if path in owners and not any(path[:i] in owners for i in range(1, len(path))):
+            try:
+                cls = _part_class(type(node))
+            except ValueError:  # an NNX transform on its __call__ (nnx.remat ...): it runs as written
+                continue
+            object.__setattr__(node, _PART_ATTR, join(path))
+            node.__class__ = cls
+    with long.block_scope(long_plan, args, kwargs, where, collect):
+        return call_naming_submodules(original, inner, args, kwargs)
+
+
+#: A direct submodule of a block under long context carries its path in the block here.
+_PART_ATTR = "_remat_kit_part"
+
+
+def _part_class(cls: type) -> type:
+    """``cls`` whose calls, inside a block under :func:`long.block_scope`, go through :func:`long.run_part`."""
+    original = nnx_plain_call(cls)
+
+    def __call__(self, *args, **kwargs):
+        path = getattr(self, _PART_ATTR, None)
+        nodes = jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node)
+        if path is None or not long.active() or any(nnx.graph.is_graph_node(a) for a in nodes):
+            return original(self, *args, **kwargs)
+        graphdef, state = nnx.split(self)
+        leaves, tree = jax.tree.flatten(state)
+
+        def fn(state_leaves, a, k):
+            # A merged copy with the leaves as inputs: nothing of the module captured, so gradients reach it.
+            copy = nnx.merge(graphdef, jax.tree.unflatten(tree, state_leaves))
+            return original(copy, *a, **k), jax.tree.leaves(nnx.state(copy))
+
+        return long.run_part(path, fn, leaves, args, kwargs, lambda: original(self, *args, **kwargs))
+
+    return _subclass("part", cls, __call__)
 
 
 def _param_name(keypath) -> str | None:
@@ -578,7 +629,7 @@ def _block_class(cls: type, plan: Plan) -> type:
             policy = plan.policy_for(mark.index)
             if policy is None:
                 return original(self, *args, **kwargs)
-            return run_block(self, original, policy, plan.static_argnames, args, kwargs)
+            return run_block(self, original, policy, plan.static_argnames, args, kwargs, plan.long)
         run, k = state.runs[mark.rel]
         call = template(original, args, kwargs, plan.static_argnames)
         if not call.same(run.calls[k % run.period]):
@@ -660,7 +711,7 @@ def _scan(layers: list[nnx.Module], originals: list, plan: Plan, run: NnxRun, x,
         full = [carry[at] if at is not None else next(it_s) for at in carry_at[j]]
         layer = nnx.merge(graphdefs[j], jax.tree.unflatten(treedefs[j], full))
         args, kwargs = run.calls[j].fill((_layers.tag_input(h), *rest[0]), rest[1])  # apply owns the layer input
-        y = call_naming_submodules(originals[j], layer, args, kwargs)
+        y = _call_block(originals[j], layer, args, kwargs, plan.long, f"{type(layers[j]).__name__} block")
         out_at[j] = carry_index(y, h, f"{type(layers[j]).__name__} block {join(run.rels[j])}")
         # By path, not position: the call may add variables (a first sow), shifting the leaves after them.
         new = dict(nnx.to_flat_state(nnx.state(layer)))

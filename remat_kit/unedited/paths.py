@@ -112,11 +112,15 @@ class NameTable:
       block: the block (class name and the path of the first one).
       rows: one :class:`BlockName` per name.
       why: how the blocks were found (which modules carry the compute), when ``where=`` was not given.
+      parts: the block's direct submodules, each ``attention`` (``apply(..., query_blocks=)`` runs it in query
+        blocks), ``per-token`` (``seq_tiles=`` runs it in tiles) or ``neither``, and why
+        (:class:`remat_kit.unedited.long.Part`).
     """
 
     block: str
     rows: tuple[BlockName, ...]
     why: str = ""
+    parts: tuple = ()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -142,4 +146,8 @@ class NameTable:
             shape = "[" + ", ".join(map(str, r.shape)) + "]"
             where = f"  {', '.join(r.blocks) or 'every block'}" if partial else ""
             lines.append(f"{r.name:<{width}}  {shape:<18} {r.dtype:<9} {fmt_bytes(r.nbytes):>10}  {r.source:<6}{where}")
+        if self.parts:
+            lines.append("submodules (attention: query_blocks=, per-token: seq_tiles=):")
+            pw = max(len(p.path) for p in self.parts)
+            lines += [f"  {p.path:<{pw}}  {p.kind:<9}  {p.why}" for p in self.parts]
         return "\n".join(lines)

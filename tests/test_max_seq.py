@@ -31,9 +31,10 @@ def _nnx():
     return model, (lambda m, x: jnp.mean(m(x, deterministic=True) ** 2)), args_at
 
 
-def _independent_need(model, loss, args_at, seq, scan=True):
-    """The step's need at ``seq`` under full (scanned), compiled by a planner of its own (not the search's)."""
-    make = remat_kit.apply_factory(model, loss, scan=scan)
+def _independent_need(model, loss, args_at, seq, levers):
+    """The step's need at ``seq`` under ``levers``, compiled by a planner of its own (not the search's)."""
+    kwargs = {k: getattr(levers, k) for k in ("query_blocks", "seq_tiles") if getattr(levers, k) != 1}
+    make = remat_kit.apply_factory(model, loss, scan=levers.scan, **kwargs)
     args = args_at(seq)
     if isinstance(model, nnx.Module):
         params, batch = nnx.state(model, nnx.Param), args
@@ -52,8 +53,8 @@ def test_the_answer_fits_and_the_next_step_does_not(make):
     assert r.levers.policy == "full" and r.levers.scan
     assert r.need_bytes * 1.1 <= budget < r.next_need_bytes * 1.1
     # The edge, compiled again by a planner that shares nothing with the search.
-    assert _independent_need(model, loss, args_at, r.seq) * 1.1 <= budget
-    assert _independent_need(model, loss, args_at, r.seq + 64) * 1.1 > budget
+    assert _independent_need(model, loss, args_at, r.seq, r.levers) * 1.1 <= budget
+    assert _independent_need(model, loss, args_at, r.seq + 64, r.levers) * 1.1 > budget
     assert dict(r.needs)[r.seq] == r.need_bytes and r.compiles == len(r.needs)
     assert "longest sequence" in r.summary() and "levers: full, scan" in r.summary()
 
@@ -152,6 +153,24 @@ def test_a_count_for_a_lever_this_apply_lacks_is_refused(monkeypatch):
     )
     assert (levers.query_blocks, levers.seq_tiles) == (1, 1)
     assert [u.split(":")[0] for u in unavailable] == ["query_blocks", "seq_tiles", "offload"]
+
+
+def test_the_levers_this_apply_has_are_on_by_default():
+    model, loss, _ = _linen()
+    levers, _ = max_seq_lib.resolve_levers(
+        model,
+        loss,
+        policy="full",
+        scan=True,
+        query_blocks="auto",
+        seq_tiles="auto",
+        loss_chunks="auto",
+        offload=None,
+        step=256,
+        target=None,
+    )
+    has = max_seq_lib._apply_levers()
+    assert {k for k in ("query_blocks", "seq_tiles") if getattr(levers, k) == "auto"} == has
 
 
 def test_cli_plan_max_seq_model_runs_the_same_engine(tmp_path, capsys):

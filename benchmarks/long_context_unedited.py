@@ -39,6 +39,7 @@ ROWS = {
         dict(policy="none", scan=False, query_blocks=1, seq_tiles=1, loss_chunks=0),
     ),
     "full": ('apply(model, "full", scan=True), plain loss', dict(query_blocks=1, seq_tiles=1, loss_chunks=0)),
+    "blocks": ("query blocks and tiles (auto), plain loss", dict(loss_chunks=0)),
     "levers": ("every lever (max_seq's defaults), the loss through remat_kit.head_loss", {}),
 }
 

@@ -53,6 +53,28 @@ def auto_blocks(length: int) -> int:
     return min(divisors, key=lambda k: (abs(math.log(length / k / AUTO_BLOCK)), k))
 
 
+#: ``query_blocks="auto"`` sizes a block so its float32 scores (every head, every key) stay under this: a
+#: block's scores, a few copies of them live in its backward, are then a fixed cost, not one per position.
+AUTO_SCORES_BYTES = 64 * 2**20
+#: ... but never fewer queries per block than this (tiny matmuls; the scan's trip count).
+MIN_QUERY_BLOCK = 16
+
+
+def auto_query_blocks(length: int, row_bytes: int) -> int:
+    """The number of query blocks ``"auto"`` cuts ``length`` queries into when one query's scores (all heads,
+    all keys, float32) take ``row_bytes``: the fewest whose block is at most :data:`AUTO_BLOCK` queries and
+    keeps a block's scores under :data:`AUTO_SCORES_BYTES` (blocks of at least :data:`MIN_QUERY_BLOCK`).
+
+    >>> auto_query_blocks(16384, 32 * 16384 * 4)  # Llama 3 1B's 32 heads at 16K: blocks of 32 queries
+    512
+    >>> auto_query_blocks(2048, 4 * 2048 * 4)  # 4 heads at 2K: AUTO_BLOCK decides
+    2
+    """
+    cap = min(AUTO_BLOCK, max(MIN_QUERY_BLOCK, AUTO_SCORES_BYTES // max(row_bytes, 1)))
+    sizes = [b for b in range(1, min(cap, length) + 1) if length % b == 0]
+    return length // max(sizes)
+
+
 def check_blocks(what: str, value: Any) -> int | str | None:
     """``query_blocks``/``seq_tiles`` as given, once it is None, ``"auto"`` or a positive int (before any trace).
 
@@ -70,13 +92,16 @@ def check_blocks(what: str, value: Any) -> int | str | None:
     return int(value)
 
 
-def blocks_for(what: str, value: int | str, length: int) -> int:
-    """The blocks for ``length`` positions: ``"auto"`` (:func:`auto_blocks`) or ``value`` when it divides it.
+def blocks_for(what: str, value: int | str, length: int, row_bytes: int | None = None) -> int:
+    """The blocks for ``length`` positions: ``"auto"`` (:func:`auto_blocks`; with ``row_bytes``, one query's
+    scores, :func:`auto_query_blocks`) or ``value`` when it divides it.
 
     >>> blocks_for("query_blocks", "auto", 2048), blocks_for("seq_tiles", 4, 2048)
     (2, 4)
     """
-    return auto_blocks(length) if value == "auto" else check_tiles(value, length, what=what)
+    if value != "auto":
+        return check_tiles(value, length, what=what)
+    return auto_blocks(length) if row_bytes is None else auto_query_blocks(length, row_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +303,8 @@ def _classify(program, first: int | None, block: _Block) -> tuple[str, str, Call
             where = ", ".join(r.where for r in regions)
             if long is None:
                 return ATTENTION, f"{len(regions)} region(s): {where}", None
-            k = blocks_for("query_blocks", long.query_blocks, length)
+            scores = max(flat.jaxpr.eqns[r.eqns[0]].outvars[0].aval.size for r in regions)  # r.eqns[0]: the scores
+            k = blocks_for("query_blocks", long.query_blocks, length, row_bytes=scores // length * 4)
             why = f"{len(regions)} region(s) in {k} query blocks: {where}"
             return ATTENTION, why, positions.run_regions(flat, regions, k) if k > 1 else None
     return NEITHER, "; ".join(reasons), None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import platform
 import sys
@@ -137,9 +138,15 @@ def factory(policy):
     import remat_kit
 
     seq = int(os.environ["LONG_CONTEXT_SEQ"])
+    levers = os.environ.get("LONG_CONTEXT_LEVERS") == "1"
     _, make = llama(small=True)
     model = _bf16(make)
-    make_loss = remat_kit.apply_factory(model, loss, scan=str(policy) != "none")
+    if levers:  # max_seq's defaults: query blocks, tiles, the loss at the head in chunks
+        chunked = functools.partial(head_loss, loss_chunks="auto")
+        kw = dict(query_blocks="auto", seq_tiles="auto")
+        make_loss = remat_kit.apply_factory(model, chunked, scan=str(policy) != "none", **kw)
+    else:
+        make_loss = remat_kit.apply_factory(model, loss, scan=str(policy) != "none")
     tokens = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32) % 2048, (1, seq))
     mask = jnp.tril(jnp.ones((seq, seq), bool))[None]
     return make_loss(policy), (nnx.state(model, nnx.Param), tokens, tokens, mask)
@@ -232,20 +239,20 @@ def real_step(args) -> None:
     _, make = llama(small=True)
     model = _bf16(make)
     budget = parse_bytes(args.budget)
+    levers = {} if args.levers else dict(query_blocks=1, seq_tiles=1, loss_chunks=0)
     r = max_seq_lib.max_seq(
         model,
-        loss,
+        head_loss if args.levers else loss,
         args_at,
         budget=budget,
         step=args.step,
         limit=args.limit,
-        query_blocks=1,
-        seq_tiles=1,
-        loss_chunks=0,
         margin=args.margin,
+        **levers,
     )
     print(f"small Llama 3 (2 x 256, vocabulary 2,048), bf16 parameters, batch 1; plan: {r.summary()}")
     os.environ["LONG_CONTEXT_SEQ"] = str(r.seq)
+    os.environ["LONG_CONTEXT_LEVERS"] = "1" if args.levers else "0"
     records = run_bench(
         TransformerConfig.preset("tiny"),
         1,
@@ -284,6 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=131072)
     ap.add_argument("--real-step", action="store_true")
     ap.add_argument("--budget", default="200MB", help="with --real-step")
+    ap.add_argument("--levers", action="store_true", help="with --real-step: every lever (max_seq's defaults)")
     ap.add_argument("--steps", type=int, default=2)
     args = ap.parse_args(argv)
     with jax.numpy_rank_promotion("allow"):  # tunix broadcasts ranks implicitly

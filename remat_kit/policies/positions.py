@@ -409,6 +409,28 @@ def inline(closed) -> jcore.ClosedJaxpr:
     return jax.make_jaxpr(lambda *a: ev(closed.jaxpr, closed.consts, a))(*args)
 
 
+def users_of(eqns) -> dict[Any, list[int]]:
+    """Each var -> the indices of the equations that read it."""
+    users: dict[Any, list[int]] = {}
+    for i, e in enumerate(eqns):
+        for v in e.invars:
+            if not isinstance(v, jcore.Literal):
+                users.setdefault(v, []).append(i)
+    return users
+
+
+def forward_of(eqns, users: dict[Any, list[int]], start: int) -> set[int]:
+    """The indices of ``start`` and every equation that depends on it (:func:`users_of` gives ``users``)."""
+    fwd, stack = {start}, [start]
+    while stack:
+        for v in eqns[stack.pop()].outvars:
+            for u in users.get(v, ()):
+                if u not in fwd:
+                    fwd.add(u)
+                    stack.append(u)
+    return fwd
+
+
 @dataclasses.dataclass(frozen=True)
 class Region:
     """An attention region of a flat program: the equations it replaces, those it runs per block (they and
@@ -438,11 +460,7 @@ def attention_regions(closed, length: int) -> list[Region]:
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
-    users: dict[Any, list[int]] = {}
-    for i, e in enumerate(eqns):
-        for v in e.invars:
-            if not isinstance(v, jcore.Literal):
-                users.setdefault(v, []).append(i)
+    users = users_of(eqns)
     starts = [
         i
         for i, e in enumerate(eqns)
@@ -453,13 +471,7 @@ def attention_regions(closed, length: int) -> list[Region]:
     regions: list[Region] = []
     failed: list[tuple[set[int], NotPerPosition]] = []
     for s in starts:
-        fwd, stack = {s}, [s]
-        while stack:
-            for v in eqns[stack.pop()].outvars:
-                for u in users.get(v, ()):
-                    if u not in fwd:
-                        fwd.add(u)
-                        stack.append(u)
+        fwd = forward_of(eqns, users, s)
         ends = [
             i
             for i in sorted(fwd)

@@ -425,16 +425,12 @@ def _tail(flat, marks: _Marks, lead, head, what, n_out: int):
     for i, e in enumerate(eqns):
         if e.primitive.name == "name" and str(e.params.get("name", "")).startswith("remat_kit.head_"):
             at[e.params["name"]] = i
-    users: dict[Any, list[int]] = {}
-    for i, e in enumerate(eqns):
-        for v in e.invars:
-            if not isinstance(v, jcore.Literal):
-                users.setdefault(v, []).append(i)
+    users = positions.users_of(eqns)
     hits = []
     for k, call in enumerate(marks.calls):
         if f"{_IN}{k}" not in at or f"{_OUT}{k}" not in at:
             continue
-        reach = _forward(eqns, users, at[f"{_OUT}{k}"])
+        reach = positions.forward_of(eqns, users, at[f"{_OUT}{k}"])
         produced = {v for i in reach for v in eqns[i].outvars} | set(eqns[at[f"{_OUT}{k}"]].outvars)
         # A logits-shaped output it reaches, its own output as wide (the layers before the head reach the
         # logits too, but give hidden states).
@@ -462,7 +458,7 @@ def _tail(flat, marks: _Marks, lead, head, what, n_out: int):
         raise ValueError(f"the head {marks.calls[k].name!r} reaches {len(outs)} outputs shaped as logits")
     logits = jaxpr.outvars[outs[0]]
     h = eqns[start].outvars[0]
-    fwd = _forward(eqns, users, start)
+    fwd = positions.forward_of(eqns, users, start)
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     back, stack = set(), [producer[logits]] if logits in producer else []
     while stack:
@@ -476,17 +472,6 @@ def _tail(flat, marks: _Marks, lead, head, what, n_out: int):
     inputs = [h, *(v for v in positions.inputs_of(body) if v is not h)]
     tail = positions.program(body, inputs, [logits])
     return k, outs[0], tail, inputs
-
-
-def _forward(eqns, users, start: int) -> set[int]:
-    fwd, stack = {start}, [start]
-    while stack:
-        for v in eqns[stack.pop()].outvars:
-            for u in users.get(v, ()):
-                if u not in fwd:
-                    fwd.add(u)
-                    stack.append(u)
-    return fwd
 
 
 def _front_eqns(jaxpr, outputs) -> list:

@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -162,12 +163,16 @@ def seq_length(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+_SAID: set[str] = set()  # query_blocks="auto" without attention: each block kind said once per process
+
+
 @contextlib.contextmanager
 def block_scope(long: Long | None, args: tuple, kwargs: dict, where: str, collect: Any = None) -> Iterator[Any]:
     """Context: one block call whose direct submodules :func:`run_part` may run in blocks.
 
     Yields the block's state (None when nothing is asked: no ``long`` and no ``collect``). On a clean exit with
-    ``query_blocks`` asked, a block where no submodule held an attention region is a ValueError naming them.
+    ``query_blocks`` asked, a block where no submodule held an attention region is a ValueError naming them (a
+    warning, once, under ``"auto"``).
     ``collect``: :func:`remat_kit.names_of`'s collector, given each submodule's :class:`Part`.
     """
     length = seq_length(args, kwargs)
@@ -184,10 +189,16 @@ def block_scope(long: Long | None, args: tuple, kwargs: dict, where: str, collec
         collect.add_parts(where, block.parts)
     if long is not None and long.query_blocks is not None and not any(p.kind == ATTENTION for p in block.parts):
         looked = "; ".join(f"{p.path} ({p.why})" for p in block.parts) or "none was called"
-        raise ValueError(
+        message = (
             f"query_blocks={long.query_blocks}: no attention region (scores -> softmax -> weighted sum) in "
             f"{where}'s submodules: {looked}"
         )
+        if long.query_blocks != "auto":
+            raise ValueError(message)
+        # "auto" is a default (max_seq's): a model without attention runs as written, said once (every layer alike).
+        if looked not in _SAID:
+            _SAID.add(looked)
+            warnings.warn(message + "; they run as written", UserWarning, stacklevel=2)
 
 
 def active() -> bool:

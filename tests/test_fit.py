@@ -389,3 +389,21 @@ def test_the_memory_slope_is_calibrated_on_none_only_on_the_same_stack(none, ful
     from remat_kit.planning import engine
 
     assert engine._slope(none, full, named, same) == pytest.approx(slope)
+
+
+def test_an_unedited_model_gets_query_blocks_and_tiles_when_nothing_fits_without_them():
+    """Issue 48: fit prices apply's long-context levers (no code edited) when no plan fits the model as written."""
+    seq = 4096  # query_blocks="auto" cuts 4,096 queries into 4 blocks; at 1,024 it would leave them whole
+    model = um.InlineModel()
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones((2, 8, 8))))
+    x = jax.ShapeDtypeStruct((2, seq, 8), jnp.float32)
+    loss = lambda m, v, x: jnp.mean(m.apply(v, x) ** 2)
+    lines: list[str] = []
+    r = remat_kit.fit(model, loss, variables, x, budget="300MB", progress=lines.append)
+    assert r.long == fit_lib.LONG_LEVERS
+    assert r.need_bytes * (1 + DEFAULT_MARGIN) <= 300e6
+    assert any("nothing fits as written" in line for line in lines)
+    assert r.model.plan.long is not None  # the model returned runs under the levers
+    # Nothing fits even so: the refusal names the levers' leanest plan (0.14 GB), not full as written (0.86 GB).
+    with pytest.raises(fit_lib.NothingFits, match=r"the leanest plan, full, needs 0\.1\d GB"):
+        remat_kit.fit(model, loss, variables, x, budget="150MB")

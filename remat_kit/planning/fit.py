@@ -214,8 +214,10 @@ class FitResult:
       findings: what apply's guard found on a candidate (:mod:`remat_kit.unedited.guard`: a policy that changes
         nothing the backward pass keeps), one line each.
       seq_tiles: the sequence tiles the built-in model's blocks run in under the plan (1: untiled); ``model``'s
-        config carries them. Always 1 for a user's model: fit inserts no tiles there (:func:`remat_kit.tiled` is the
-        user's to place).
+        config carries them. Always 1 for a user's model (see ``long``).
+      long: for a model remat_kit did not build, the long-context levers the plan needed (``{"query_blocks":
+        "auto", "seq_tiles": "auto"}``: :func:`remat_kit.apply`'s attention in query blocks and per-token
+        submodules in tiles, tried only when no plan fits without them), or None; ``model`` carries them.
     """
 
     model: Any
@@ -226,6 +228,7 @@ class FitResult:
     choice: Choice
     seq_tiles: int = 1
     findings: tuple[str, ...] = ()
+    long: dict | None = None
 
     def table(self) -> str:
         """The candidates priced, their compiled needs and the choice (:meth:`Choice.table`)."""
@@ -293,6 +296,81 @@ def check_convention(model: Any, loss_fn: Callable, example_args: tuple) -> None
         ) from None
 
 
+#: The long-context levers fit offers an unedited model when no plan fits without them (issue 48):
+#: attention in blocks of queries and the per-token submodules in sequence tiles, through :func:`remat_kit.apply`.
+LONG_LEVERS = {"query_blocks": "auto", "seq_tiles": "auto"}
+
+
+def _fit_unedited(
+    model, loss_fn, inputs, B, optimizer, scan, where, static_argnames, hardware, max_compiles, target, progress
+):
+    """fit on a model remat_kit did not build: the engine over its blocks' names; when nothing fits, once more with
+    :data:`LONG_LEVERS` (their compiles on top: the one case, with the built-in model's tiles, past three)."""
+    is_nnx = isinstance(model, nnx.Module)
+    params = nnx.state(model, nnx.Param) if is_nnx else inputs[0]
+    params = inspection.abstract((params,))[0]
+    batch_args = inputs if is_nnx else inputs[1:]
+
+    def run(long: dict):
+        kwargs = {"where": where, "static_argnames": static_argnames, **long}
+        planner_of = lambda s: StepPlanner(
+            lambda p, b, q: (unedited_lib.apply_factory(model, loss_fn, scan=s, **kwargs)(p), params, batch_args),
+            optimizer,
+            target=target,
+        )
+        scanned = [scan]
+
+        def stack() -> StepPlanner:
+            """The blocks rematerialized: scanned where they can be (on CPU XLA removes a Python loop's recompute)."""
+            for s in [True, False] if scan is None else [scan]:
+                planner = planner_of(s)
+                try:
+                    planner.prepare(policies.full())
+                except ValueError:
+                    if s is False or scan is not None:
+                        raise
+                    continue
+                scanned[0] = s
+                return planner
+            raise AssertionError("unreachable")
+
+        with findings.collect() as found:  # apply's guard on a candidate: a line of the result, not an error
+            choice = engine.plan(
+                stack,
+                B,
+                plain=planner_of(False),
+                hardware=hardware,
+                max_compiles=max_compiles,
+                progress=progress,
+            )
+
+        def applied(p):
+            if p == policies.none() and not long:
+                return model
+            return unedited_lib.apply(model, p, scan=scanned[0], **kwargs)
+
+        applied.long = dict(long) or None
+        return choice, applied, found
+
+    choice, applied, found = run({})
+    if choice.chosen is None:
+        if progress is not None:
+            progress(f"[fit] nothing fits as written: again with {LONG_LEVERS}")
+        try:
+            longer = run(LONG_LEVERS)
+        except ValueError as err:  # no attention, no per-token part: the levers do not apply
+            found.append(f"the long-context levers {LONG_LEVERS} do not apply: {err}")
+        else:
+            least = lambda c: min((x.need_bytes for x in c.candidates if x.need_bytes is not None), default=None)
+            if longer[0].chosen is not None or (least(longer[0]) or 0) < (least(choice) or 0):
+                # Nothing fits either way: the refusal names the leaner search's leanest plan (the levers').
+                longer[2].extend(found)
+                if longer[0].chosen is None:
+                    longer[2].append(f"nothing fits even with the long-context levers {LONG_LEVERS}")
+                return longer
+    return choice, applied, found
+
+
 def fit(
     model: Any,
     loss_fn: Callable,
@@ -323,8 +401,9 @@ def fit(
     Sequence tiles: for the built-in Transformer (``seq_tiles=1``) tiles are a lever like the others: when no plan fits
     untiled, the blocks' per-token parts are tried in sequence tiles
     (:func:`remat_kit.planning.tensors.config_choice`) and ``.model`` carries the tile count chosen
-    (``.seq_tiles``). For any other model fit inserts no tiles: they change the model's code, which is the user's
-    (wrap a block's per-token part in :func:`remat_kit.tiled` and fit plans the model as given).
+    (``.seq_tiles``). On any other model the long-context levers of :func:`remat_kit.apply` (attention in blocks of
+    queries, per-token submodules in tiles: :data:`LONG_LEVERS`) are tried when no plan fits without them, no code
+    edited; ``.long`` says when the answer needs them.
 
     Args:
       budget: device bytes (an int) or a size string (``"16GB"``, ``"512MiB"``).
@@ -393,47 +472,16 @@ def fit(
             progress=progress,
         )
     else:
-        kwargs = {"where": where, "static_argnames": static_argnames}
-        params = nnx.state(model, nnx.Param) if is_nnx else inputs[0]
-        params = inspection.abstract((params,))[0]
-        batch_args = inputs if is_nnx else inputs[1:]
-        planner_of = lambda s: StepPlanner(
-            lambda p, b, q: (unedited_lib.apply_factory(model, loss_fn, scan=s, **kwargs)(p), params, batch_args),
-            optimizer,
-            target=target,
+        choice, applied, found = _fit_unedited(
+            model, loss_fn, inputs, B, optimizer, scan, where, static_argnames, hardware, max_compiles, target, progress
         )
-        scanned = [scan]
-
-        def stack() -> StepPlanner:
-            """The blocks rematerialized: scanned where they can be (on CPU XLA removes a Python loop's recompute)."""
-            for s in [True, False] if scan is None else [scan]:
-                planner = planner_of(s)
-                try:
-                    planner.prepare(policies.full())
-                except ValueError:
-                    if s is False or scan is not None:
-                        raise
-                    continue
-                scanned[0] = s
-                return planner
-            raise AssertionError("unreachable")
-
-        with findings.collect() as found:  # apply's guard on a candidate: a line of the result, not an error
-            choice = engine.plan(
-                stack,
-                B,
-                plain=planner_of(False),
-                hardware=hardware,
-                max_compiles=max_compiles,
-                progress=progress,
-            )
-        applied = lambda p: model if p == policies.none() else unedited_lib.apply(model, p, scan=scanned[0], **kwargs)
     if choice.chosen is None:
         least = min((c for c in choice.candidates if c.need_bytes is not None), key=lambda c: c.need_bytes)
         raise NothingFits(choice.reason, least.need_bytes, least.policy)
     choice = dataclasses.replace(choice, seconds=time.perf_counter() - start)
     return FitResult(
         model=applied(choice.chosen),
+        long=getattr(applied, "long", None),
         policy=str(choice.chosen),
         need_bytes=choice.need_bytes,
         est_step_time_s=choice.est_step_time_s,

@@ -392,6 +392,9 @@ def _remat_body(eqn):
     return body if hasattr(body, "consts") else _core.ClosedJaxpr(body, ())
 
 
+remat_body = _remat_body  # public: positions evaluates a checkpoint's body inline, either representation
+
+
 # Loops: XLA does not merge a loop body's recompute with the forward pass (they run in different loops).
 _LOOPS = frozenset({"scan", "while"})
 
@@ -530,7 +533,10 @@ def own_nothing_saveable(*_: Any, **__: Any) -> bool:
 def is_own_remat(eqn) -> bool:
     """Whether a rematerialized-call equation is one :func:`own_checkpoint` made (or a tile's, marked by its
     policy :func:`own_nothing_saveable`)."""
-    if eqn.params.get("policy") is own_nothing_saveable:
+    params = eqn.params
+    if eqn.primitive.name == _HI_PRIMITIVE and hasattr(params.get(_HI_PRIM_PARAM), "params"):
+        params = params[_HI_PRIM_PARAM].params  # remat3: the policy sits on the RematTraced object
+    if params.get("policy") is own_nothing_saveable:
         return True
     return str(eqn.source_info.name_stack).rsplit("/", 1)[-1] == OWN_SCOPE
 

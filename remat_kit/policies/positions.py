@@ -39,9 +39,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
-from remat_kit._jax_internals import eqn_source, own_nothing_saveable, rebind
+from remat_kit._jax_internals import checkpoint_name_of, eqn_source, own_nothing_saveable, rebind, remat_body
 from remat_kit.policies.tiling import check_tiles, tiled
 
 
@@ -70,8 +71,23 @@ _CALLS = _words("jit pjit closed_call core_call remat2 checkpoint custom_jvp_cal
 _PLAIN_CALLS = _words("jit pjit closed_call core_call remat2 checkpoint")
 
 
+def _remat3(eqn) -> bool:
+    """JAX's remat3 (``JAX_REMAT3=true``): a checkpoint is a ``call_hi_primitive`` equation with a body."""
+    return eqn.primitive.name == "call_hi_primitive" and remat_body(eqn) is not None
+
+
+def _kind(eqn) -> str:
+    """The primitive's name, remat3's checkpoint (``remat2``) and ``checkpoint_name`` (``name``) read as classic."""
+    if checkpoint_name_of(eqn) is not None:
+        return "name"
+    return "remat2" if _remat3(eqn) else eqn.primitive.name
+
+
 def body_of(eqn) -> tuple[Any, list[Any]]:
     """A call-like equation's body as ``(jaxpr, consts)`` (``jit``, ``remat2``, ``custom_jvp_call``, ...)."""
+    if _remat3(eqn):
+        body = remat_body(eqn)
+        return body.jaxpr, list(body.consts)
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         sub = eqn.params.get(key)
         if isinstance(sub, jcore.ClosedJaxpr):
@@ -82,6 +98,9 @@ def body_of(eqn) -> tuple[Any, list[Any]]:
 
 
 def _bind(eqn, invals: Sequence[Any], **params: Any) -> list[Any]:
+    tag = checkpoint_name_of(eqn)
+    if tag is not None and eqn.primitive.name != "name":  # remat3's name carries its shapes: name anew
+        return [checkpoint_name(v, tag) for v in invals]
     return rebind(eqn, list(invals), **params)
 
 
@@ -133,7 +152,7 @@ class _Cutter:
         eqn, b = self.made.get(var), self.block
         if eqn is None or len(eqn.outvars) != 1:
             return _slice(value, axis, b)
-        name, p = eqn.primitive.name, eqn.params
+        name, p = _kind(eqn), eqn.params
         if name == "iota":
             shape = _resized(p["shape"], axis, b.size)
             if p["dimension"] != axis:
@@ -190,7 +209,7 @@ def _eval(jaxpr, consts, args, axes, block: _Block) -> tuple[list[Any], list[int
 
 def _rule(eqn, vals: list[Any], axes: list[int | None], block: _Block, cut) -> tuple[list[Any], list[int | None]]:
     """One equation with at least one blocked operand: its blocked outputs and their axes."""
-    name, p = eqn.primitive.name, eqn.params
+    name, p = _kind(eqn), eqn.params
     carried = {a for a in axes if a is not None}
     if name in ELEMENTWISE:
         if len(carried) != 1:
@@ -401,7 +420,7 @@ def inline(closed) -> jcore.ClosedJaxpr:
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
         for eqn in jaxpr.eqns:
             vals = [read(v) for v in eqn.invars]
-            outs = ev(*body_of(eqn), vals) if eqn.primitive.name in _PLAIN_CALLS else _bind(eqn, vals)
+            outs = ev(*body_of(eqn), vals) if _kind(eqn) in _PLAIN_CALLS else _bind(eqn, vals)
             env.update(zip(eqn.outvars, outs, strict=True))
         return [read(v) for v in jaxpr.outvars]
 

@@ -377,23 +377,12 @@ def auto_chunks(logit_bytes: int, length: int) -> int:
 
 def _contains(jaxpr, names: set[str]) -> bool:
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "name" and eqn.params.get("name") in names:
+        if _jax_internals.checkpoint_name_of(eqn) in names:
             return True
-        for sub in _subjaxprs(eqn.params):
+        for sub in _jax_internals.subjaxprs(eqn):
             if _contains(sub, names):
                 return True
     return False
-
-
-def _subjaxprs(params) -> list:
-    out = []
-    for v in params.values():
-        for x in v if isinstance(v, (tuple, list)) else (v,):
-            if isinstance(x, jcore.ClosedJaxpr):
-                out.append(x.jaxpr)
-            elif isinstance(x, jcore.Jaxpr):
-                out.append(x)
-    return out
 
 
 def _lift(closed, names: set[str]):
@@ -423,8 +412,9 @@ def _tail(flat, marks: _Marks, lead, head, what, n_out: int):
     eqns = jaxpr.eqns
     at: dict[str, int] = {}
     for i, e in enumerate(eqns):
-        if e.primitive.name == "name" and str(e.params.get("name", "")).startswith("remat_kit.head_"):
-            at[e.params["name"]] = i
+        tag = _jax_internals.checkpoint_name_of(e)  # either representation (JAX_REMAT3)
+        if tag is not None and str(tag).startswith("remat_kit.head_"):
+            at[tag] = i
     users = positions.users_of(eqns)
     hits = []
     for k, call in enumerate(marks.calls):

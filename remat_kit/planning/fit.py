@@ -305,7 +305,9 @@ def _fit_unedited(
     model, loss_fn, inputs, B, optimizer, scan, where, static_argnames, hardware, max_compiles, target, progress
 ):
     """fit on a model remat_kit did not build: the engine over its blocks' names; when nothing fits, once more with
-    :data:`LONG_LEVERS` (their compiles on top: the one case, with the built-in model's tiles, past three)."""
+    :data:`LONG_LEVERS` (their compiles on top: the one case, with the built-in model's tiles, past three).
+    Returns ``(choice, applied, findings, levers)``: ``applied(policy)`` the model under it, ``levers`` the
+    long-context levers the answer needs or None."""
     is_nnx = isinstance(model, nnx.Module)
     params = nnx.state(model, nnx.Param) if is_nnx else inputs[0]
     params = inspection.abstract((params,))[0]
@@ -349,10 +351,9 @@ def _fit_unedited(
                 return model
             return unedited_lib.apply(model, p, scan=scanned[0], **kwargs)
 
-        applied.long = dict(long) or None
-        return choice, applied, found
+        return choice, applied, found, dict(long) or None
 
-    choice, applied, found = run({})
+    choice, applied, found, long = run({})
     if choice.chosen is None:
         if progress is not None:
             progress(f"[fit] nothing fits as written: again with {LONG_LEVERS}")
@@ -368,7 +369,7 @@ def _fit_unedited(
                 if longer[0].chosen is None:
                     longer[2].append(f"nothing fits even with the long-context levers {LONG_LEVERS}")
                 return longer
-    return choice, applied, found
+    return choice, applied, found, long
 
 
 def fit(
@@ -459,6 +460,7 @@ def fit(
     inputs = inspection.abstract(example_args)
     start = time.perf_counter()
     found: list[str] = []
+    long = None  # the long-context levers an unedited model's answer needs (the built-in model tiles its own)
     if is_built_in(model, "Transformer"):  # the built-in model: its own policy field, its own stack and tags
         choice, applied = tensors.fit_transformer(
             model,
@@ -472,7 +474,7 @@ def fit(
             progress=progress,
         )
     else:
-        choice, applied, found = _fit_unedited(
+        choice, applied, found, long = _fit_unedited(
             model, loss_fn, inputs, B, optimizer, scan, where, static_argnames, hardware, max_compiles, target, progress
         )
     if choice.chosen is None:
@@ -481,7 +483,7 @@ def fit(
     choice = dataclasses.replace(choice, seconds=time.perf_counter() - start)
     return FitResult(
         model=applied(choice.chosen),
-        long=getattr(applied, "long", None),
+        long=long,
         policy=str(choice.chosen),
         need_bytes=choice.need_bytes,
         est_step_time_s=choice.est_step_time_s,

@@ -510,7 +510,7 @@ def attention_regions(closed, length: int) -> list[Region]:
                     stack.append(i)
         inside = sorted(back | {s})
         try:
-            regions.append(_region(closed, inside, s, set(ends), users, length))
+            regions.append(_region(closed, inside, s, set(ends), users, producer, length))
         except NotPerPosition as err:
             failed.append((set(inside), err))
     # A projection whose width happens to equal the length (2,048 heads x head_dim at 2,048 positions) starts a
@@ -557,9 +557,8 @@ def inputs_of(eqns) -> list[Any]:
     return inputs
 
 
-def _region(closed, inside: list[int], start: int, ends: set[int], users, length: int) -> Region:
+def _region(closed, inside: list[int], start: int, ends: set[int], users, producer, length: int) -> Region:
     jaxpr, eqns = closed.jaxpr, closed.jaxpr.eqns
-    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     # A mask made outside the region at [.., S, .., S] would be a whole copy per head: its making (iota,
     # compare, broadcast) runs inside, per block, instead; the outer program keeps its own copy if it uses one.
     body, todo = set(inside), [v for v in inputs_of([eqns[i] for i in inside]) if _quadratic(v, length)]

@@ -213,7 +213,7 @@ class Search:
 
     def need(self, seq: int) -> int:
         """The compiled step's device need at ``seq`` (one compile the first time)."""
-        known = (str(self.policy), None, seq) in self.planner._memory
+        known = self.planner.is_compiled(self.policy, None, seq)
         t = time.perf_counter()
         got = self.planner.memory(self.policy, None, seq)[0]
         if self.progress and not known:
@@ -256,7 +256,7 @@ class Search:
         )
 
     def _needs(self) -> dict[tuple, int]:
-        return {k: m.total for k, m in self.planner._memory.items()}
+        return self.planner.needs_by_shape()
 
 
 def resolve_levers(

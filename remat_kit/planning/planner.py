@@ -228,6 +228,14 @@ class StepPlanner:
         loss_fn, params, batch_args = self.build(policy, batch, seq)
         return jax.make_jaxpr(loss_fn)(params, *batch_args)
 
+    def is_compiled(self, policy: policies.Policy, batch: int | None = None, seq: int | None = None) -> bool:
+        """Whether the step under ``policy`` at this shape has been compiled (its memory known)."""
+        return self._key(policy, batch, seq) in self._memory
+
+    def needs_by_shape(self) -> dict[tuple, int]:
+        """Every compiled step's total need at every shape: ``(policy spec, batch, seq) -> bytes``."""
+        return {k: m.total for k, m in self._memory.items()}
+
     def prepare(self, policy: policies.Policy, batch: int | None = None, seq: int | None = None) -> None:
         """Trace and lower the step under ``policy`` now (no compile), so a compile later starts at XLA."""
         if self._key(policy, batch, seq) not in self._memory:

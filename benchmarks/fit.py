@@ -2,13 +2,15 @@
 the predicted against the compiled need of each answer.
 
 For each model (a preset of the built-in Transformer, an unedited Linen model and an unedited NNX model of
-tests/unedited_models.py) the needs of the model as given (``none``) and of ``full`` (scanned) are compiled once,
+tests/unedited_models.py, and ``tunix``: tunix's Llama 3 from the registry, unedited, a small config of its own
+config class; run it where ``google-tunix`` is installed) the needs of the model as given (``none``) and of ``full`` (scanned) are compiled once,
 outside any fit. Then, for ``--budgets`` budgets spread evenly from full's need to just past the plain need (the
 margin added), a fresh ``remat_kit.fit`` chooses; beside it, one compile of the plain training step (gradient +
 clipped AdamW, ``jax.jit(...).lower().compile()`` with XLA's defaults, as the user's first step pays it) is timed
 in the same process just before, so the ratio compares like with like on a loaded machine. Usage::
 
     python benchmarks/fit.py --models tiny,linen,nnx,small --out benchmarks/results/fit.txt
+    python benchmarks/fit.py --models tunix   # in an environment with google-tunix (Python >= 3.12)
 """
 
 from __future__ import annotations
@@ -35,8 +37,41 @@ from remat_kit.units import fmt_bytes
 from tests.unedited_models import InlineModel, NnxModel
 
 
+def tunix_llama3():
+    """tunix's Llama 3 (registry package ``google-tunix``, unedited), a small config from its own config class."""
+    import dataclasses
+
+    import tunix.models.llama3.model as llama
+
+    config = dataclasses.replace(
+        llama.ModelConfig.llama3p2_1b(),
+        num_layers=6,
+        vocab_size=256,
+        embed_dim=64,
+        hidden_dim=256,
+        num_heads=4,
+        head_dim=16,
+        num_kv_heads=2,
+    )
+    model = llama.Llama3(config, rngs=nnx.Rngs(0))
+    batch, seq = 8, 128
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    positions = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    mask = jax.ShapeDtypeStruct((batch, seq, seq), jnp.bool_)
+
+    def loss(m, tokens, positions, mask):
+        logits, _ = m(tokens, positions, None, mask)
+        picked = jnp.take_along_axis(logits, tokens[..., None], -1)[..., 0]
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
+
+    what = f"tunix Llama3 (unedited, registry), {config.num_layers} layers, d={config.embed_dim}, {batch}x{seq}"
+    return model, loss, (tokens, positions, mask), what
+
+
 def setup(name: str):
     """``(model, loss_fn, example args, description)``."""
+    if name == "tunix":
+        return tunix_llama3()
     if name == "nnx":
         model = NnxModel(6, 64, alternate=False, rngs=nnx.Rngs(0))
         x = jax.ShapeDtypeStruct((8, 128, 64), jnp.float32)

@@ -14,13 +14,14 @@ import pytest
 from flax import nnx
 
 import remat_kit
-from remat_kit import cli, policies
+from remat_kit import _jax_internals, cli, policies
 from remat_kit.model.loss import lm_loss
 from remat_kit.model.transformer import Transformer, TransformerConfig
-from remat_kit.planning import analysis, solve, tensors
+from remat_kit.planning import analysis, engine, solve, tensors
 from remat_kit.planning import fit as fit_lib
 from remat_kit.planning.builtin import Planner
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner
+from remat_kit.unedited import guard
 from tests import unedited_models as um
 
 RTOL = 1e-5  # float32 gradients
@@ -137,6 +138,22 @@ def test_an_impossible_budget_is_a_one_line_refusal_with_the_least_need_and_the_
 def test_group_names_keeps_the_outermost_name_of_one_value():
     emitted = {"a/q/kernel": 8, "a/q": 8, "a/o/kernel": 8, "a/o": 8, "a": 8, "norm": 8, "mlp/w": 32}
     assert fit_lib.group_names(emitted) == ((("a/q",), 8), (("a",), 8), (("norm",), 8), (("mlp/w",), 32))
+
+
+def test_a_value_the_backward_pass_never_needs_costs_no_bytes_and_no_seconds():
+    """The block's last matmul, added to the residual stream, is no residual: keeping it would change nothing."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def block(x, w1, w2):
+        h = checkpoint_name(jnp.tanh(checkpoint_name(x @ w1, "up")), "act")
+        return x + checkpoint_name(h @ w2, "down")
+
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    body = _jax_internals.remat_body(jax.make_jaxpr(remat_kit.policies.full().checkpoint(block))(x, w, w).eqns[0])
+    assert engine.needed_names(body, ["up", "act", "down"]) == {"up", "act"}
+    priced = {v.name: v for v in engine.price_block(body, 1, remat_kit.planning.cost.default_hardware("cpu")).values}
+    assert priced["down"].nbytes == 0 and priced["down"].recompute_s == 0.0
+    assert priced["up"].nbytes == priced["act"].nbytes == 4 * 8 * 4 and priced["up"].recompute_s > 0
 
 
 def test_plan_budget_and_fit_agree_on_the_built_in_model(tmp_path, capsys):
@@ -407,3 +424,33 @@ def test_an_unedited_model_gets_query_blocks_and_tiles_when_nothing_fits_without
     # Nothing fits even so: the refusal names the levers' leanest plan (0.14 GB), not full as written (0.86 GB).
     with pytest.raises(fit_lib.NothingFits, match=r"the leanest plan, full, needs 0\.1\d GB"):
         remat_kit.fit(model, loss, variables, x, budget="150MB")
+
+
+@pytest.mark.parametrize("name", ["nnx-unedited", "linen-unedited"])
+def test_the_model_as_given_is_compiled_as_written_without_apply(name, monkeypatch):
+    """fit's first compile is the user's own step: apply (its discovery and guard traces) builds only the stack."""
+    model, loss, args, _, _ = MODELS[name]()
+    seen = {}
+    real_plan = fit_lib.engine.plan
+    monkeypatch.setattr(
+        fit_lib.engine, "plan", lambda *a, **k: seen.setdefault("plain", k["plain"]) and real_plan(*a, **k)
+    )
+    r = remat_kit.fit(model, loss, *args, budget="1GB")
+    assert r.policy == "none" and r.compiles == 1 and r.model is model
+    monkeypatch.setattr(fit_lib.unedited_lib, "apply", lambda *a, **k: pytest.fail("apply on the as-given path"))
+    fresh = StepPlanner(seen["plain"].build)  # the same build, traced and compiled anew with apply unavailable
+    assert fresh.memory(policies.none())[0] == r.need_bytes
+
+
+def test_fit_verifies_the_stack_once_and_later_candidates_take_the_verdict(monkeypatch):
+    """Within fit the guard runs on the stack's first policy only (guard.verified_once); its answer still compiles."""
+    model, loss, args, _, build = _linen()
+    ends = {s: StepPlanner(build(s == "full")).memory(policies.parse(s))[0] for s in ("none", "full")}
+    checked = []
+    real = guard._verify
+    monkeypatch.setattr(guard, "_verify", lambda *a, **k: checked.append(str(a[3])) or real(*a, **k))
+    r = remat_kit.fit(model, loss, *args, budget=int((ends["full"] + ends["none"]) / 2 * (1 + DEFAULT_MARGIN)))
+    assert r.compiles == 3 and r.policy not in ("none", "full")
+    assert checked == ["full"]
+    remat_kit.apply(model, r.policy, scan=True).apply(*args)  # outside fit, a new applied model is verified
+    assert checked == ["full", r.policy]

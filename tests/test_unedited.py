@@ -797,3 +797,25 @@ def test_a_stack_names_module_paths_only_where_the_policy_needs_them(framework):
     assert "attn/q_einsum" in tags.emitted_tags(loss, params)
     with pytest.raises(ValueError, match=r"never emits: attn/q_einsumm \(did you mean 'attn/q_einsum'\?\)"):
         _stack_loss(framework, "selective:attn/q_einsumm")[0](params)
+
+
+def test_within_a_planners_session_discovery_is_traced_once_across_policies(monkeypatch):
+    """Which modules a call runs does not depend on the policy: within guard.verified_once (fit) it is traced once
+    for every policy applied to one module; outside it, each applied model traces its own."""
+    from remat_kit.unedited import guard
+    from remat_kit.unedited import linen as unedited_linen
+
+    calls = []
+    real = unedited_linen.trace_jaxpr
+    monkeypatch.setattr(unedited_linen, "trace_jaxpr", lambda *a: calls.append(1) or real(*a))
+    model = um.InlineModel(num_layers=2, features=8, alternate=False)
+    x = jnp.ones((2, 4, 8))
+    variables = model.init(jax.random.key(0), x)
+    with guard.verified_once():
+        outs = [remat_kit.apply(model, p, scan=True).apply(variables, x) for p in ("full", "selective:attn", "full")]
+        assert len(calls) == 1
+        remat_kit.apply(model, "full", scan=True).apply(variables, jnp.ones((2, 8, 8)))  # another signature
+        assert len(calls) == 2
+    np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(model.apply(variables, x)), rtol=RTOL_F32)
+    remat_kit.apply(model, "full", scan=True).apply(variables, x)
+    assert len(calls) == 3

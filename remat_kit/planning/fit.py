@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
+import jax
 import optax
 from flax import nnx
 
@@ -30,6 +31,7 @@ from remat_kit.planning.engine import group_names as group_names  # re-exported
 from remat_kit.planning.planner import DEFAULT_MARGIN, Budget, StepPlanner, get_optimizer, is_built_in
 from remat_kit.policies import findings
 from remat_kit.unedited import entry as unedited_lib
+from remat_kit.unedited import guard
 from remat_kit.units import check_int, parse_bytes
 
 #: The compiles :func:`fit` spends at most (:data:`remat_kit.planning.engine.MAX_COMPILES`).
@@ -296,6 +298,17 @@ def check_convention(model: Any, loss_fn: Callable, example_args: tuple) -> None
         ) from None
 
 
+def as_given(model, loss_fn: Callable, params, batch_args: tuple) -> Callable:
+    """A :class:`StepPlanner` build of the model exactly as given: no apply, no guard, what the user runs."""
+    if isinstance(model, nnx.Module):
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        # Fresh Variables for the rest in every trace (Variables made outside it cannot be updated in it).
+        loss = lambda p, *b: loss_fn(nnx.merge(graphdef, p, jax.tree.map(lambda a: a, rest)), *b)
+    else:
+        loss = lambda v, *b: loss_fn(model, v, *b)
+    return lambda policy, batch, seq: (loss, params, batch_args)
+
+
 #: The long-context levers fit offers an unedited model when no plan fits without them (issue 48):
 #: attention in blocks of queries and the per-token submodules in sequence tiles, through :func:`remat_kit.apply`.
 LONG_LEVERS = {"query_blocks": "auto", "seq_tiles": "auto"}
@@ -336,11 +349,14 @@ def _fit_unedited(
                 return planner
             raise AssertionError("unreachable")
 
-        with findings.collect() as found:  # apply's guard on a candidate: a line of the result, not an error
+        given = StepPlanner(as_given(model, loss_fn, params, batch_args), optimizer, target=target)
+        # apply's guard on a candidate is a line of the result, not an error; it verifies the stack's first policy,
+        # and the engine's later ones (names the same blocks emit) take its verdict: their compiles show what they keep.
+        with findings.collect() as found, guard.verified_once():
             choice = engine.plan(
                 stack,
                 B,
-                plain=planner_of(False),
+                plain=planner_of(False) if long else given,
                 hardware=hardware,
                 max_compiles=max_compiles,
                 progress=progress,

@@ -54,6 +54,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
+from remat_kit.policies import Mix, Policy
 from remat_kit.unedited import linen as unedited_linen
 from remat_kit.unedited import nnx as unedited_nnx
 from remat_kit.unedited.engine import applied_twice, make_plan
@@ -192,17 +193,27 @@ def apply_factory(model: Any, loss: Callable, **apply_kwargs: Any) -> Callable:
     >>> float(make("full")(v, jnp.zeros((1, 3))))
     0.0
     """
+    built: dict[str, Any] = {}  # policy spec -> the applied model: its discovery and guard verdict traced once
+
+    def applied(policy):
+        key = policy if isinstance(policy, str) else str(policy) if isinstance(policy, (Policy, Mix)) else None
+        if key is None:
+            return apply(model, policy, **apply_kwargs)
+        if key not in built:
+            built[key] = apply(model, policy, **apply_kwargs)
+        return built[key]
+
     if isinstance(model, nnx.Module):
 
         def make_nnx(policy):
-            graphdef, _, rest = nnx.split(apply(model, policy, **apply_kwargs), nnx.Param, ...)
+            graphdef, _, rest = nnx.split(applied(policy), nnx.Param, ...)
             # Fresh Variables for the rest in every trace (Variables made outside it cannot be updated in it).
             return lambda params, *batch: loss(nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest)), *batch)
 
         return make_nnx
 
     def make_linen(policy):
-        applied = apply(model, policy, **apply_kwargs)
-        return lambda variables, *batch: loss(applied, variables, *batch)
+        model_under = applied(policy)
+        return lambda variables, *batch: loss(model_under, variables, *batch)
 
     return make_linen

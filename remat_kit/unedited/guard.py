@@ -20,6 +20,8 @@ residual stream) is absent from the residuals of the plain model too, and rightl
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
@@ -114,6 +116,34 @@ def _plain_kept(plain: Callable, leaves: Sequence[Any], key: Any) -> collections
     return _PLAIN_KEPT[key]
 
 
+#: Inside :func:`verified_once`: plain_key -> the verdict of the first policy that rematerializes.
+_ONCE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("remat_kit_guard_once", default=None)
+
+
+@contextlib.contextmanager
+def verified_once():
+    """Within this context the guard verifies, per model and call signature, the first policy that rematerializes;
+    later policies over the same blocks take its verdict instead of two more traces each, and other traces that do
+    not depend on the policy (which modules a Linen call runs: :func:`session`) are shared.
+
+    For a planner that builds many policies over one model and compiles each (``fit``): what a policy keeps then
+    shows in its compiled need (so the comparison of saved residuals with the plain model's is left to those
+    compiles), and the structural checks (blocks reached, the model's own remat) do not depend on the policy.
+    Outside it every applied model's first call is traced and verified on its own (a Flax cache that hides blocks
+    from a later call is then seen as such).
+    """
+    token = _ONCE.set({})
+    try:
+        yield
+    finally:
+        _ONCE.reset(token)
+
+
+def session() -> dict | None:
+    """The open :func:`verified_once` context's cache (None outside one): what its traces share."""
+    return _ONCE.get()
+
+
 def _found(verdict: Verdict, message: str) -> Verdict:
     """Report ``message`` (:func:`remat_kit.policies.findings.report`: raised, or collected by a report) and go on."""
     findings.report(message)
@@ -147,6 +177,18 @@ def verify(
     Raises:
       ValueError: one line saying what did not take effect, and what to change.
     """
+    once, key = _ONCE.get(), tags.hashable(plain_key)
+    remats = getattr(policy, "remat", True)
+    if once is not None and key is not None and remats and key in once:
+        return once[key]
+    # In a planner's session its compiles measure what each policy keeps: the residual comparison is theirs.
+    verdict = _verify(plain, applied, leaves, policy, model, blocks, switch, inside, plain_key, compare=once is None)
+    if once is not None and key is not None and remats and verdict.finding is None:
+        once[key] = verdict
+    return verdict
+
+
+def _verify(plain, applied, leaves, policy, model, blocks, switch, inside, plain_key, *, compare: bool) -> Verdict:
     nesting = _jax_internals.remat_nesting(jax.make_jaxpr(applied)(*leaves))
     if nesting.nested_in_loops:
         return _found(
@@ -178,6 +220,8 @@ def verify(
             f"remat_kit.apply wrapped {model}'s {blocks}, which do none of the forward pass's matmuls, so {policy} "
             "would keep what the plain model keeps; pass where= the modules that carry the compute",
         )
+    if not compare:
+        return verdict
     kept = residuals(run, leaves)
     if _kept(kept) == _plain_kept(plain, leaves, plain_key):
         why = (

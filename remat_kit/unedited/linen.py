@@ -201,17 +201,27 @@ class Applied:
         sig = tags.signature((args, kwargs))
         key = None if sig is None else (method, sig)
         if key is None or key not in self._traces:
-            run = _Run(self.plan, None, discovered=[])
-            with _running(run):
-                jaxpr = trace_jaxpr(getattr(self.module, method), args, self._see_through(kwargs))
-            self._lifted.update(run.lifted)
-            traced = Discovery(
-                run.discovered,
-                run.calls,
-                run.shares,
-                _jax_internals.scoped_flops(jaxpr, _MODULE_SCOPE),
-                _jax_internals.remat_nesting(jaxpr).total_flops,
-            )
+            # Within guard.verified_once (a planner applying many policies), shared by every policy on this module.
+            session = guard.session()
+            shared = (self.module, key, self.plan.scan, self.plan.static_argnames)
+            shared = None if session is None else tags.hashable(("discovery", *shared))
+            if shared is not None and shared in session:
+                traced, lifted = session[shared]
+            else:
+                run = _Run(self.plan, None, discovered=[])
+                with _running(run):
+                    jaxpr = trace_jaxpr(getattr(self.module, method), args, self._see_through(kwargs))
+                lifted = run.lifted
+                traced = Discovery(
+                    run.discovered,
+                    run.calls,
+                    run.shares,
+                    _jax_internals.scoped_flops(jaxpr, _MODULE_SCOPE),
+                    _jax_internals.remat_nesting(jaxpr).total_flops,
+                )
+                if shared is not None:
+                    session[shared] = traced, lifted
+            self._lifted.update(lifted)
             if key is None:
                 return traced
             self._traces[key] = traced

@@ -3,11 +3,12 @@ the predicted against the compiled need of each answer.
 
 For each model (a preset of the built-in Transformer, an unedited Linen model and an unedited NNX model of
 tests/unedited_models.py, and ``tunix``: tunix's Llama 3 from the registry, unedited, a small config of its own
-config class; run it where ``google-tunix`` is installed) the needs of the model as given (``none``) and of ``full`` (scanned) are compiled once,
-outside any fit. Then, for ``--budgets`` budgets spread evenly from full's need to just past the plain need (the
-margin added), a fresh ``remat_kit.fit`` chooses; beside it, one compile of the plain training step (gradient +
-clipped AdamW, ``jax.jit(...).lower().compile()`` with XLA's defaults, as the user's first step pays it) is timed
-in the same process just before, so the ratio compares like with like on a loaded machine. Usage::
+config class, where ``google-tunix`` is installed) the needs of the model as given (``none``) and of ``full``
+(scanned) are compiled once, outside any fit. Then, for ``--budgets`` budgets spread evenly from full's need to
+just past the plain need (the margin added), a fresh ``remat_kit.fit`` chooses; beside it, one compile of the plain
+training step (gradient + clipped AdamW, ``jax.jit(...).lower().compile()`` with XLA's defaults, as the user's
+first step pays it) is timed in the same process just before, so the ratio compares like with like on a loaded
+machine. Usage::
 
     python benchmarks/fit.py --models tiny,linen,nnx,small --out benchmarks/results/fit.txt
     python benchmarks/fit.py --models tunix   # in an environment with google-tunix (Python >= 3.12)

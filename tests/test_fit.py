@@ -145,15 +145,21 @@ def test_a_value_the_backward_pass_never_needs_costs_no_bytes_and_no_seconds():
     from jax.ad_checkpoint import checkpoint_name
 
     def block(x, w1, w2):
+        x = checkpoint_name(x, "layer_input")  # the block's own input: every remat keeps it already
         h = checkpoint_name(jnp.tanh(checkpoint_name(x @ w1, "up")), "act")
         return x + checkpoint_name(h @ w2, "down")
 
     x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
     body = _jax_internals.remat_body(jax.make_jaxpr(remat_kit.policies.full().checkpoint(block))(x, w, w).eqns[0])
-    assert engine.needed_names(body, ["up", "act", "down"]) == {"up", "act"}
-    priced = {v.name: v for v in engine.price_block(body, 1, remat_kit.planning.cost.default_hardware("cpu")).values}
-    assert priced["down"].nbytes == 0 and priced["down"].recompute_s == 0.0
+    assert engine.needed_names(body, ["layer_input", "up", "act", "down"]) == {"layer_input", "up", "act"}
+    assert engine.given_names(body) == {"layer_input"}
+    hardware = remat_kit.planning.cost.default_hardware("cpu")
+    priced = {v.name: v for v in engine.price_block(body, 1, hardware).values}
+    assert priced["down"].nbytes == priced["layer_input"].nbytes == 0 and priced["down"].recompute_s == 0.0
     assert priced["up"].nbytes == priced["act"].nbytes == 4 * 8 * 4 and priced["up"].recompute_s > 0
+    # Where the slope is calibrated over all names (the built-in model), every name keeps its bytes.
+    every = {v.name: v.nbytes for v in engine.price_block(body, 1, hardware, needed_only=False).values}
+    assert every == dict.fromkeys(["layer_input", "up", "act", "down"], 4 * 8 * 4)
 
 
 def test_plan_budget_and_fit_agree_on_the_built_in_model(tmp_path, capsys):

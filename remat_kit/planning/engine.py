@@ -195,7 +195,6 @@ def price_block(
     built-in presets' plans 0.3-0.8 % under their compiled need, and a plan at the budget's edge missed).
     """
     emitted = emitted_bytes(body)
-    needed = needed_names(body, list(emitted)) - given_names(body) if needed_only else set(emitted)
     outer = {}  # every name -> the name its value is kept by
     for (name,), _ in group_names(emitted):
         outer[name] = name
@@ -203,6 +202,9 @@ def price_block(
         if name not in outer:
             later = [n for n in emitted if n in outer and name.startswith(n + "/")]
             outer[name] = later[0] if later else name
+    # A value is needed when the backward reads it under any of its names; given (the block's input) under any.
+    needed = {outer[n] for n in needed_names(body, list(emitted))} if needed_only else set(outer.values())
+    needed -= {outer[n] for n in given_names(body)} if needed_only else set()
     seconds = dict.fromkeys(outer.values(), 0.0)
     pending = 0.0
     for eqn, times in _jax_internals.weighted_leaf_eqns(body):

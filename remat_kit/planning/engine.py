@@ -192,7 +192,7 @@ def price_block(
     block's own input (:func:`given_names`), which every remat keeps already. ``needed_only=False``
     prices every name at its bytes: where the memory slope is calibrated on ``none`` and ``full`` of the same stack
     (:func:`_slope`), the slope over all names is what was measured (over needed names alone it predicted the
-    built-in presets' plans 0.3-0.8 % under their compiled need, and a plan at the budget's edge missed).
+    built-in presets' plans under their compiled need, and a plan at the budget's edge missed).
     """
     emitted = emitted_bytes(body)
     outer = {}  # every name -> the name its value is kept by

@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
-import jax
 import optax
 from flax import nnx
 
@@ -300,12 +299,7 @@ def check_convention(model: Any, loss_fn: Callable, example_args: tuple) -> None
 
 def as_given(model, loss_fn: Callable, params, batch_args: tuple) -> Callable:
     """A :class:`StepPlanner` build of the model exactly as given: no apply, no guard, what the user runs."""
-    if isinstance(model, nnx.Module):
-        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-        # Fresh Variables for the rest in every trace (Variables made outside it cannot be updated in it).
-        loss = lambda p, *b: loss_fn(nnx.merge(graphdef, p, jax.tree.map(lambda a: a, rest)), *b)
-    else:
-        loss = lambda v, *b: loss_fn(model, v, *b)
+    loss = unedited_lib.params_loss(model, loss_fn)
     return lambda policy, batch, seq: (loss, params, batch_args)
 
 

@@ -203,17 +203,14 @@ def apply_factory(model: Any, loss: Callable, **apply_kwargs: Any) -> Callable:
             built[key] = apply(model, policy, **apply_kwargs)
         return built[key]
 
+    return lambda policy: params_loss(applied(policy), loss)
+
+
+def params_loss(model: Any, loss: Callable) -> Callable:
+    """``loss_fn(params, *batch)`` of ``model`` in :func:`apply_factory`'s convention: Linen's ``params`` are the
+    variables, NNX's ``nnx.state(model, nnx.Param)`` (the rest of the state, RNG streams included, closed over)."""
     if isinstance(model, nnx.Module):
-
-        def make_nnx(policy):
-            graphdef, _, rest = nnx.split(applied(policy), nnx.Param, ...)
-            # Fresh Variables for the rest in every trace (Variables made outside it cannot be updated in it).
-            return lambda params, *batch: loss(nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest)), *batch)
-
-        return make_nnx
-
-    def make_linen(policy):
-        model_under = applied(policy)
-        return lambda variables, *batch: loss(model_under, variables, *batch)
-
-    return make_linen
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        # Fresh Variables for the rest in every trace (Variables made outside it cannot be updated in it).
+        return lambda params, *batch: loss(nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest)), *batch)
+    return lambda variables, *batch: loss(model, variables, *batch)

@@ -10,6 +10,8 @@ from remat_kit import cli
 from remat_kit.bench import run as bench
 from remat_kit.model.transformer import TransformerConfig
 
+pytestmark = pytest.mark.onejax  # orchestration over compiles: the default JAX only (pyproject)
+
 #: The guide that explains the bfloat16 check `bench` points to.
 PLANNING_GUIDE = Path(__file__).resolve().parent.parent / "docs" / "planning.md"
 

@@ -15,6 +15,8 @@ from remat_kit.planning import planner as planner_lib
 from remat_kit.planning.planner import Budget
 from remat_kit.units import fmt_bytes
 
+pytestmark = pytest.mark.onejax  # orchestration over compiles: the default JAX only (pyproject)
+
 CFG = TransformerConfig.preset("tiny", num_layers=4)
 POOL = ("none", "selective:q_proj,k_proj,v_proj", "every_n:2", "full", "sqrt_n")
 BATCH, SEQ = 2, 32

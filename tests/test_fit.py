@@ -162,6 +162,7 @@ def test_a_value_the_backward_pass_never_needs_costs_no_bytes_and_no_seconds():
     assert every == dict.fromkeys(["layer_input", "up", "act", "down"], 4 * 8 * 4)
 
 
+@pytest.mark.onejax  # the plan command over many compiles (pyproject)
 def test_plan_budget_and_fit_agree_on_the_built_in_model(tmp_path, capsys):
     out = tmp_path / "plan.json"
     argv = ["plan", "--preset", "tiny", "--budget", "5.2MB", "--limits", "none", "--no-progress", "--json", str(out)]

@@ -15,6 +15,8 @@ from remat_kit import policies
 from remat_kit.planning import max_seq as max_seq_lib
 from remat_kit.planning.planner import StepPlanner
 
+pytestmark = pytest.mark.onejax  # orchestration over compiles: the default JAX only (pyproject)
+
 D = 16
 
 

@@ -14,6 +14,8 @@ from remat_kit.model.transformer import TransformerConfig
 from remat_kit.planning import budget as A
 from remat_kit.units import fmt_count
 
+pytestmark = pytest.mark.onejax  # orchestration over compiles: the default JAX only (pyproject)
+
 TINY = ["--preset", "tiny", "--attention", "xla", "--batch-size", "2", "--seq-len", "32"]
 
 

@@ -292,6 +292,7 @@ def test_cli_bad_values_one_line(argv, match, capsys):
     assert len(err.splitlines()) == 1 and match in err, err
 
 
+@pytest.mark.onejax  # the plan command over many compiles (pyproject)
 def test_plan_max_seq_finds_the_compiled_edge(tmp_path, capsys):
     out = tmp_path / "edge.json"
     argv = [

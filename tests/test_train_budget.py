@@ -10,6 +10,8 @@ import pytest
 from remat_kit import cli, policies
 from remat_kit.train import loop as train
 
+pytestmark = pytest.mark.onejax  # orchestration over compiles: the default JAX only (pyproject)
+
 TINY = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--no-progress"]
 
 

@@ -22,6 +22,7 @@ adapters nothing changes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -166,5 +167,19 @@ def update(loss_fn: Callable[[Any], jax.Array], optimizer: optax.GradientTransfo
     """
     trainable, frozen = partition(params)
     loss, grads = jax.value_and_grad(lambda t: loss_fn(combine(t, frozen)))(trainable)
+    try:  # jitted once per optimizer: a step traced again (a planner's next policy) reuses the update's trace
+        apply = _jitted_update(optimizer)
+    except TypeError:  # an optimizer that cannot be hashed: traced with each step
+        apply = functools.partial(_apply_update, optimizer)
+    trainable, opt_state = apply(grads, opt_state, trainable)
+    return loss, grads, combine(trainable, frozen), opt_state
+
+
+def _apply_update(optimizer: optax.GradientTransformation, grads, opt_state, trainable):
     updates, opt_state = optimizer.update(grads, opt_state, trainable)
-    return loss, grads, combine(optax.apply_updates(trainable, updates), frozen), opt_state
+    return optax.apply_updates(trainable, updates), opt_state
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_update(optimizer: optax.GradientTransformation) -> Callable:
+    return jax.jit(functools.partial(_apply_update, optimizer))

@@ -461,3 +461,61 @@ def test_fit_verifies_the_stack_once_and_later_candidates_take_the_verdict(monke
     assert checked == ["full"]
     remat_kit.apply(model, r.policy, scan=True).apply(*args)  # outside fit, a new applied model is verified
     assert checked == ["full", r.policy]
+
+
+# ---- an unedited stack calibrates on full's gradient: full's step is compiled only where it is the answer ------
+
+GRADIENT_TOLERANCE = 0.02  # the gradient-plus-state estimate against the step's compiled need (measured 0.9 % under)
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+def test_full_s_gradient_and_the_optimizer_state_estimate_the_step(kind):
+    """Within 2 % where activations outweigh the parameters (6 blocks, d=64, 8 x 128: benchmarks/fit.py's models);
+    the update's own temporaries, left out, are some 5 % of a model a few kB wide."""
+    x = jax.ShapeDtypeStruct((8, 128, 64), jnp.float32)
+    if kind == "nnx":
+        model = um.NnxModel(6, 64, alternate=False, rngs=nnx.Rngs(0))
+        loss = lambda m, x: jnp.mean(m(x, True) ** 2)
+        build = lambda p, b, s: (remat_kit.apply_factory(model, loss, scan=True)(p), nnx.state(model, nnx.Param), (x,))
+    else:
+        model = um.InlineModel(num_layers=6, features=64, alternate=False)
+        variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))
+        loss = lambda m, v, x: jnp.mean(m.apply(v, x) ** 2)
+        build = lambda p, b, s: (remat_kit.apply_factory(model, loss, scan=True)(p), variables, (x,))
+    planner = StepPlanner(build)
+    assert planner.gradient_calibrates
+    estimate, uncertainty = planner.gradient_need(planner.lower_gradient(policies.full()))
+    assert planner.compiles == 1
+    step = planner.memory(policies.full())[0]
+    assert abs(estimate - step) <= GRADIENT_TOLERANCE * step
+    assert estimate <= step <= estimate + uncertainty  # the update's temporaries, within the parameters' bytes
+    with_sgd = StepPlanner(build, optimizer="sgd")  # no moments: the state's bytes are the difference
+    assert with_sgd.gradient_need(with_sgd.lower_gradient(policies.full()))[0] < estimate
+
+
+def test_an_unedited_fit_compiles_full_only_where_it_is_the_answer():
+    model, loss, args, _, build = _linen()
+    ends = {s: StepPlanner(build(s == "full")).memory(policies.parse(s))[0] for s in ("none", "full")}
+    lines: list[str] = []
+    between = int((ends["full"] + ends["none"]) / 2 * (1 + DEFAULT_MARGIN))
+    r = remat_kit.fit(model, loss, *args, budget=between, progress=lines.append)
+    assert r.compiles == 3 and r.policy not in ("none", "full")
+    assert [c.policy for c in r.candidates] == ["none", r.policy]  # full's gradient calibrated: no full row
+    assert any(line.startswith("compiling full's gradient (2 of at most 3)") for line in lines)
+    # Within the estimate's uncertainty (the parameters' bytes) of the budget, full's step is compiled as the answer.
+    edge = remat_kit.fit(model, loss, *args, budget=int(ends["full"] * (1 + DEFAULT_MARGIN)) + 1)
+    assert edge.policy == "full" and edge.need_bytes == ends["full"] and edge.compiles == 3
+    assert [c.policy for c in edge.candidates] == ["none", "full"]
+
+
+def test_an_answer_that_misses_after_an_estimate_falls_back_to_full_compiled(monkeypatch):
+    """An estimate far under full's need sends the solver past the budget: full, compiled, is the verified answer."""
+    model, loss, args, _, build = _linen()
+    ends = {s: StepPlanner(build(s == "full")).memory(policies.parse(s))[0] for s in ("none", "full")}
+    real = StepPlanner.gradient_need
+    monkeypatch.setattr(StepPlanner, "gradient_need", lambda self, lowered: (real(self, lowered)[0] // 2, 0))
+    budget = int(ends["full"] * 1.05 * (1 + DEFAULT_MARGIN))
+    r = remat_kit.fit(model, loss, *args, budget=budget)
+    assert r.policy == "full" and r.need_bytes == ends["full"]
+    assert r.compiles == 4  # the one case past three: full compiled to verify the fallback
+    assert "compiled over the budget; full is the verified fallback" in r.choice.reason

@@ -10,12 +10,17 @@
    rematerialized block is that block type's body: every value it names, with its bytes and the seconds of the
    ops that compute it since the named value before it (:func:`price_block`). Those prices make the additive
    cost model the exact solver optimizes (:mod:`remat_kit.planning.solve`).
-3. **Two compiles calibrate and verify.** ``full`` is compiled: the need of a plan is then modelled as
+3. **Two compiles calibrate and verify.** ``full`` calibrates: the need of a plan is then modelled as
    ``need(full) + α · (bytes its layers keep beyond full)`` (α = 1: a scan stacks what each layer keeps; less where
-   ``none`` compiled on the same stack shows XLA keeps the named values narrower, :func:`_slope`). The
+   ``none`` compiled on the same stack shows XLA keeps the named values narrower, :func:`_slope`). Where the stack
+   is the model as given, ``full``'s step is compiled; where it is not (a user's loop, scanned), full's gradient
+   alone is compiled and the optimizer state added (:meth:`~remat_kit.planning.planner.StepPlanner.gradient_need`:
+   on XLA:CPU half the step's compile, within the parameters' bytes under its need), and full's step is compiled
+   only where full is the answer, which it is when the budget is within that uncertainty of the estimate. The
    solver's optimum under ``budget.target`` is compiled to verify it. When it misses, α is refitted through the
-   two compiled points and, while compiles remain (``max_compiles``), the new optimum is compiled; otherwise the
-   answer falls back to ``full`` (compiled, and it fits).
+   two points and, while compiles remain (``max_compiles``, one kept for full where full is still uncompiled), the
+   new optimum is compiled; otherwise the answer falls back to ``full``, compiled (a fourth compile where only its
+   gradient was), which fits.
 
 Every answer's need is a compiled figure; :attr:`Choice.predicted_bytes` is what the model predicted for it.
 Several block types: :class:`BlockPrice` is per type and :func:`remat_kit.planning.solve.solve` takes one front
@@ -47,7 +52,7 @@ from remat_kit.units import fmt_bytes, fmt_bytes_beside, fmt_seconds
 
 log = logging.getLogger("remat_kit.fit")
 
-#: The XLA compiles one :func:`plan` spends at most: the model as given, ``full`` and the answer.
+#: The XLA compiles one :func:`plan` spends at most: the model as given, ``full`` (or its gradient) and the answer.
 MAX_COMPILES = 3
 
 #: Distinct per-layer options a plan mixes at most: each is its own scan, and a third scan costs compile time and
@@ -473,8 +478,11 @@ def plan(
         block = price_blocks(
             forward, hardware, host_moves=_host_moves(stack), kind=kind, depth=depth, needed_only=not same_stack
         )
+        # What calibrates (see 2. below), traced and lowered while the model as given compiles.
+        if not same_stack and stack.gradient_calibrates and max_compiles >= MAX_COMPILES:
+            return stack, block, stack.lower_gradient(full, batch, seq)
         stack.prepare(full, batch, seq)
-        return stack, block
+        return stack, block, None
 
     try:
         priced = price()
@@ -489,34 +497,63 @@ def plan(
     if isinstance(priced, ValueError):
         raise priced
 
-    # 2. One trace priced every choice; full calibrates.
-    planner, block = priced
+    # 2. One trace priced every choice; full calibrates: its step compiled, or, where the stack is not the model
+    # as given (the slope is 1) and the gradient compiles alone here, its gradient plus the optimizer state (on
+    # XLA:CPU half a scanned step's compile: the update is most of its kernels). Full is then compiled only where
+    # it is the answer, so every answer's need stays a compiled figure.
+    planner, block, calibration = priced
     depth = block.count
     groups = tuple((v.name,) for v in block.values)
     front = block.front()
-    say(f"compiling full ({spent[0] + 1} of at most {max_compiles})")
-    job = Background(planner.memory, full, batch, seq)
-    need_full = job.result()[0]
-    spent[0] = sum(p.compiles - n for p, n in before.values())
-    say(f"full needs {fmt_bytes(need_full)}")
-    lean = row(full, need_full, depth * block.full_s, planner)
-    if not lean.fits:
+    full_s = depth * block.full_s
+    lean: list[Candidate] = []  # full's compiled row, once compiled
+
+    def compile_full() -> Candidate:
+        if not lean:
+            lean.append(row(full, compiled(planner, full, "full"), full_s, planner))
+        return lean[0]
+
+    def refuse(c: Candidate) -> Choice:
         reason = (
             f"nothing fits the {fmt_bytes(budget.bytes)} budget: the leanest plan, full, needs "
-            f"{fmt_bytes(need_full)} ({fmt_bytes_beside(budget.with_margin(need_full), budget.bytes)} with the "
+            f"{fmt_bytes(c.need_bytes)} ({fmt_bytes_beside(budget.with_margin(c.need_bytes), budget.bytes)} with the "
             f"{budget.margin:.0%} margin); remat cannot shrink the parameters and optimizer state, the logits or the "
             f"batch: {levers or LEVERS}"
         )
         return done(None, None, reason, groups=groups)
 
+    def answer_full() -> Choice:
+        c = compile_full()
+        if not c.fits:
+            return refuse(c)
+        return done(full, c, _fits_text("full", c, budget) + _missed(rows), groups=groups)
+
+    if calibration is not None:
+        say(f"compiling full's gradient ({spent[0] + 1} of at most {max_compiles})")
+        need_full, uncertainty = interruptible(planner.gradient_need, calibration)
+        spent[0] = sum(p.compiles - n for p, n in before.values())
+        say(f"full needs about {fmt_bytes(need_full)} (its gradient and the optimizer state)")
+        # Within the estimate's uncertainty of the budget only full is sure to verify: compiled as the answer (or
+        # the refusal's compiled need), where a plan keeping a little could miss and cost a fourth compile.
+        if not budget.fits(need_full + uncertainty):
+            return answer_full()
+    else:
+        need_full = compile_full().need_bytes
+        if not budget.fits(need_full):
+            return answer_full()
+
     # 3. Solve, verify; refit once where the prediction missed.
     alpha = _slope(need_none, need_full, depth * sum(v.nbytes for v in block.values), same_stack)
     say(f"need modelled as full's {fmt_bytes(need_full)} + {alpha:.2f} x the bytes a plan keeps beyond full")
+    missed = False
     while True:
         options = solve.solve([front] * depth, (budget.target - need_full) / alpha, uniform=not mixes, parts=MIX_PARTS)
         kept = solve.plan_bytes(options)
-        if kept == 0 or spent[0] >= max_compiles:
-            return done(full, lean, _fits_text("full", lean, budget) + _missed(rows), groups=groups)
+        # A refitted answer is compiled only with a compile left over for full, the verified fallback.
+        if kept == 0 or spent[0] + (missed and not lean) >= max_compiles:
+            if missed and not lean:  # the answer missed while full was only estimated: compiled now, a 4th
+                say("the solver's answer missed: full is compiled to verify the fallback")
+            return answer_full()
         answer = plan_of(options)
         cost_s = sum(o.cost_s for o in options)
         predicted = int(need_full + alpha * kept)
@@ -532,6 +569,7 @@ def plan(
         if got.fits:
             return done(answer, got, _fits_text(str(answer), got, budget), predicted=predicted, groups=groups)
         alpha = max((got.need_bytes - need_full) / kept, alpha * 1.01)
+        missed = True
 
 
 def _fits_text(label: str, c: Candidate, budget: Budget) -> str:
@@ -543,7 +581,7 @@ def _fits_text(label: str, c: Candidate, budget: Budget) -> str:
 
 
 def _missed(rows: Sequence[Candidate]) -> str:
-    missed = [c.policy for c in rows[2:] if not c.fits]
+    missed = [c.policy for c in rows if not c.fits and c.policy not in ("none", "full")]
     if not missed:
         return ""
     return f" The solver's answer {missed[0]} compiled over the budget; full is the verified fallback."

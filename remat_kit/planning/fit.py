@@ -333,8 +333,8 @@ def _fit_unedited(
             """The blocks rematerialized: scanned where they can be (on CPU XLA removes a Python loop's recompute)."""
             for s in [True, False] if scan is None else [scan]:
                 planner = planner_of(s)
-                try:
-                    planner.prepare(policies.full())
+                try:  # the loss alone traced (the engine prices this trace): apply raises where it cannot scan
+                    planner.forward_jaxpr(policies.full())
                 except ValueError:
                     if s is False or scan is not None:
                         raise
@@ -407,7 +407,9 @@ def fit(
     candidates come from the model itself: the names its blocks emit (its own tags, the module paths
     :func:`remat_kit.names_of` lists), kept, recomputed or offloaded per tensor and mixed over two layer ranges,
     priced from one trace and solved exactly (:func:`remat_kit.planning.engine.plan`); nothing is listed by hand.
-    At most three XLA compiles (``max_compiles``), sequence tiles of the built-in model aside.
+    At most three XLA compiles (``max_compiles``), sequence tiles of the built-in model aside, and one more where
+    the solver's answer compiles over the budget while only ``full``'s gradient was compiled (full's step then
+    verifies the fallback).
 
     Sequence tiles: for the built-in Transformer (``seq_tiles=1``) tiles are a lever like the others: when no plan fits
     untiled, the blocks' per-token parts are tried in sequence tiles
@@ -423,7 +425,7 @@ def fit(
         the only way a Python loop's recompute survives XLA on CPU).
       margin: a plan fits when its compiled need times ``1 + margin`` is at most the budget.
       max_compiles: at most this many XLA compiles (at least 2; a 4th, if allowed, verifies a refitted answer where
-        the first missed).
+        the first missed; from 3, a user's stack calibrates on ``full``'s gradient alone).
       progress: called with one line per phase (also logged to ``remat_kit.fit`` at INFO); Ctrl-C stops a fit at
         once.
       target: the device planned for (:func:`remat_kit.target.parse`; default ``"local"``): ``"h100"`` compiles

@@ -108,6 +108,7 @@ def test_bad_hardware(call, match):
 # ---- a comfortable budget gives none --------------------------------------------------------------------
 
 
+@pytest.mark.onejax  # a budget search over the presets (pyproject)
 @pytest.mark.parametrize(
     ("preset", "shape"), [("tiny", (8, 128)), ("small", PRESET_SHAPES["small"])], ids=["tiny", "small"]
 )

@@ -217,6 +217,7 @@ CHECKS = {
 CASES = [(page, i) for page in DOCS for i in range(len(python_blocks(page)))]
 
 
+@pytest.mark.onejax  # the API the blocks show is tested on both JAX versions by its own tests (pyproject)
 @pytest.mark.parametrize(("page", "index"), CASES, ids=[f"{page.stem}-{i}" for page, i in CASES])
 def test_docs_python_block_runs(page, index):
     if "from tunix" in python_blocks(page)[index]:  # a model the user installed: the registry package google-tunix

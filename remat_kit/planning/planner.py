@@ -317,7 +317,7 @@ class StepPlanner:
 
         Returns:
           ``(estimate, uncertainty)``: the uncertainty is the trainable parameters' bytes, what the update's
-          temporaries may add (0.9 % under on benchmarks/fit.py's unedited models, 4.7 % on a model a few kB wide).
+          temporaries may add (``benchmarks/results/fit.txt`` has how close it comes).
         """
         lowered, state_bytes, param_bytes = lowered
         compiled = lowered.compile(self.compiler_options) if self.compiler_options else lowered.compile()

@@ -21,7 +21,7 @@ import optax
 from remat_kit import _jax_internals, policies
 from remat_kit import target as target_lib
 from remat_kit.analysis import _xla_dump, explain, flops
-from remat_kit.analysis.memory import CompiledMemory
+from remat_kit.analysis.memory import CompiledMemory, tree_bytes
 from remat_kit.constants import DEFAULT_MARGIN
 from remat_kit.planning import cost
 from remat_kit.step import mesh as mesh_lib
@@ -303,9 +303,8 @@ class StepPlanner:
         loss_fn, params, batch_args = self.build(policy, batch, seq)
         params, opt_state = step_lib.abstract_state(params, self.opt)
         trainable, frozen = step_lib.partition(params)
-        grad = jax.value_and_grad(lambda t, *b: loss_fn(step_lib.combine(t, frozen), *b))
-        nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
-        return jax.jit(grad, donate_argnums=0).lower(trainable, *batch_args), nbytes(opt_state), nbytes(trainable)
+        grad = jax.jit(step_lib.trainable_value_and_grad(loss_fn, frozen), donate_argnums=0)
+        return grad.lower(trainable, *batch_args), tree_bytes(opt_state), tree_bytes(trainable)
 
     def gradient_need(self, lowered) -> tuple[int, int]:
         """The step's need estimated from its gradient alone (``lowered``: :meth:`lower_gradient`'s), one compile.

@@ -166,13 +166,19 @@ def update(loss_fn: Callable[[Any], jax.Array], optimizer: optax.GradientTransfo
       ``(loss, grads of the trainable part, new full params, new opt_state)``.
     """
     trainable, frozen = partition(params)
-    loss, grads = jax.value_and_grad(lambda t: loss_fn(combine(t, frozen)))(trainable)
+    loss, grads = trainable_value_and_grad(loss_fn, frozen)(trainable)
     try:  # jitted once per optimizer: a step traced again (a planner's next policy) reuses the update's trace
         apply = _jitted_update(optimizer)
     except TypeError:  # an optimizer that cannot be hashed: traced with each step
         apply = functools.partial(_apply_update, optimizer)
     trainable, opt_state = apply(grads, opt_state, trainable)
     return loss, grads, combine(trainable, frozen), opt_state
+
+
+def trainable_value_and_grad(loss_fn: Callable[..., jax.Array], frozen: Mapping) -> Callable:
+    """``(trainable, *batch) -> (loss, grads)``: ``loss_fn(params, *batch)``'s value and gradient over the trainable
+    part (:func:`partition`), ``frozen`` held fixed: what :func:`update` differentiates."""
+    return jax.value_and_grad(lambda t, *batch: loss_fn(combine(t, frozen), *batch))
 
 
 def _apply_update(optimizer: optax.GradientTransformation, grads, opt_state, trainable):
